@@ -1,0 +1,25 @@
+"""det_core: what makes our kernels deterministic.
+
+* ``det_core.rng``     counter-based Philox4x32-10 (Triton + torch reference) and the RNG contract
+* ``det_core.sr``      stochastic rounding fp32 -> bf16 (Triton + torch reference)
+* ``det_core.reduce``  the canonical reduction order (leaves + fixed pairwise tree)
+* ``det_core.runtime`` GPU / Triton-interpreter dispatch checks
+* ``det_core.testing`` the determinism-test harness and pytest plugin (dev only, not vendored)
+
+The runtime modules use only the standard library, torch, triton and relative imports, so
+``tools/vendor_det_core.py`` can copy them into each Hub kernel. Submodules are imported on
+first use: importing ``det_core`` (or its pytest plugin) must not import triton, which reads
+``TRITON_INTERPRET`` when kernels are decorated.
+"""
+
+import importlib
+
+__version__ = "1.0.0"
+
+__all__ = ["reduce", "rng", "runtime", "sr"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'det_core' has no attribute {name!r}")

@@ -1,0 +1,205 @@
+"""The determinism-test harness every package uses (dev only; not copied into Hub kernels).
+
+Four kinds of test (STYLE.md): run-to-run, slice/batch invariance, decomposition invariance,
+golden digests and resume-replay. Each helper raises ``AssertionError`` with a report that
+names the first mismatching element, both values and their bit patterns.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "assert_bitwise_equal",
+    "assert_decomposition_invariant",
+    "assert_row_invariant",
+    "assert_run_to_run",
+    "bits",
+    "contiguous_splits",
+    "digest",
+    "run_in_fresh_process",
+]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bit patterns of ``t`` as an integer tensor of the same shape (int64 for 8 bytes)."""
+    t = t.detach().contiguous().cpu()
+    size = t.element_size()
+    int_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+    if t.dtype == torch.bool:
+        return t.to(torch.uint8)
+    return t.view(int_dtype)
+
+
+def _hex(value: int, nbytes: int) -> str:
+    return f"0x{value & ((1 << (8 * nbytes)) - 1):0{2 * nbytes}x}"
+
+
+def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, name: str = "tensor") -> None:
+    """Assert two tensors have the same dtype, shape and bits (NaN payloads and -0 included).
+
+    On failure the message gives the count of differing elements and the first one: its index,
+    both values and both bit patterns in hex.
+    """
+    if actual.dtype != expected.dtype:
+        raise AssertionError(f"{name}: dtype {actual.dtype} != {expected.dtype}")
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
+    a, e = bits(actual), bits(expected)
+    diff = a != e
+    if bool(diff.any()):
+        count = int(diff.sum())
+        flat = int(diff.flatten().nonzero()[0])
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), actual.shape)) if actual.dim() else ()
+        av = actual.detach().cpu().flatten()[flat].item()
+        ev = expected.detach().cpu().flatten()[flat].item()
+        nb = actual.element_size()
+        raise AssertionError(
+            f"{name}: {count} of {actual.numel()} elements differ; first at index {index}: "
+            f"{av!r} ({_hex(int(a.flatten()[flat]), nb)}) != {ev!r} ({_hex(int(e.flatten()[flat]), nb)})"
+        )
+
+
+def _digest_items(obj, prefix: str = "") -> Iterable[tuple[str, torch.Tensor | str]]:
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, Mapping):
+        for key in sorted(obj, key=str):
+            yield from _digest_items(obj[key], f"{prefix}/{key}")
+    elif isinstance(obj, (list, tuple)):
+        for i, item in enumerate(obj):
+            yield from _digest_items(item, f"{prefix}/{i}")
+    else:
+        yield prefix, repr(obj)
+
+
+def digest(obj) -> str:
+    """sha256 hex digest of a tensor, or of a (nested) dict/list of tensors such as a state_dict.
+
+    Hashes each tensor's name, dtype, shape and raw bytes in key order, so equal digests mean
+    bitwise-equal contents. Non-tensor leaves are hashed by ``repr``.
+    """
+    h = hashlib.sha256()
+    for name, item in _digest_items(obj):
+        h.update(name.encode())
+        if isinstance(item, torch.Tensor):
+            t = item.detach().contiguous().cpu()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(bits(t).numpy().tobytes())
+        else:
+            h.update(item.encode())
+    return h.hexdigest()
+
+
+def assert_run_to_run(fn: Callable[[], object], repeats: int = 3, name: str = "output") -> object:
+    """Call ``fn`` ``repeats`` times and assert every result has the digest of the first.
+
+    Returns the first result. ``fn`` must build its own inputs or reuse fixed ones.
+    """
+    first = fn()
+    ref = digest(first)
+    for r in range(1, repeats):
+        got = fn()
+        if digest(got) != ref:
+            _compare_nested(got, first, f"{name} (repeat {r})")
+            raise AssertionError(f"{name}: digest changed on repeat {r}")
+    return first
+
+
+def _compare_nested(actual, expected, name: str) -> None:
+    for (ka, a), (_, e) in zip(_digest_items(actual), _digest_items(expected)):
+        if isinstance(a, torch.Tensor):
+            assert_bitwise_equal(a, e, f"{name}{ka}")
+
+
+def assert_row_invariant(
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    make_batch: Callable[[int], torch.Tensor],
+    batch_sizes: Sequence[int],
+    anchor: torch.Tensor,
+    name: str = "row",
+) -> None:
+    """Assert a row's result does not depend on the batch size or its position in the batch.
+
+    ``anchor`` is one row (shape ``(1, ...)``). For each batch size M, ``make_batch(M)`` gives
+    other rows of shape ``(M, ...)``; the anchor replaces row 0, M // 2 and M - 1 in turn and
+    ``fn(batch)[pos]`` must equal ``fn(anchor)[0]`` bit for bit.
+    """
+    ref = fn(anchor)[0]
+    for m in batch_sizes:
+        positions = sorted({0, m // 2, m - 1})
+        for pos in positions:
+            batch = make_batch(m).clone()
+            batch[pos : pos + 1] = anchor
+            assert_bitwise_equal(fn(batch)[pos], ref, f"{name}: M={m}, row {pos}")
+
+
+def contiguous_splits(length: int, parts: int, granule: int = 1) -> list[tuple[int, int]]:
+    """Split ``range(length)`` into ``parts`` contiguous, as-even-as-possible ranges of whole granules.
+
+    The first ranges take the extra granules (e.g. 8 in 3 parts -> 3, 3, 2). Raises
+    ``ValueError`` if ``length`` is not a multiple of ``granule`` or there are more parts than granules.
+    """
+    if length % granule:
+        raise ValueError(f"length {length} is not a multiple of the granule {granule}")
+    units = length // granule
+    if parts > units:
+        raise ValueError(f"cannot split {units} granules into {parts} non-empty parts")
+    base, extra = divmod(units, parts)
+    out, start = [], 0
+    for p in range(parts):
+        size = (base + (p < extra)) * granule
+        out.append((start, start + size))
+        start += size
+    return out
+
+
+def assert_decomposition_invariant(
+    whole: Callable[[], object],
+    split: Callable[[int], object],
+    parts: Sequence[int] = (1, 2, 3, 4, 7),
+    name: str = "result",
+) -> None:
+    """Assert ``split(p)`` (the same work in ``p`` parts) equals ``whole()`` bitwise for each p.
+
+    Include 3 or more parts: a degree-2 test proves little (a + b == b + a).
+    """
+    ref = whole()
+    for p in parts:
+        got = split(p)
+        if digest(got) != digest(ref):
+            _compare_nested(got, ref, f"{name} [{p} parts]")
+            raise AssertionError(f"{name}: digest differs with {p} parts")
+
+
+def run_in_fresh_process(code: str, *, cold_triton_cache: bool = True, env: dict | None = None, timeout: float = 600) -> str:
+    """Run Python ``code`` in a new interpreter and return its last stdout line (e.g. a digest).
+
+    With ``cold_triton_cache`` the child gets an empty ``TRITON_CACHE_DIR``, so kernels compile
+    from scratch. The child inherits ``sys.path`` and the environment (plus ``env``). Raises
+    ``AssertionError`` with the child's stderr if it fails.
+    """
+    child_env = dict(os.environ)
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    child_env.update(env or {})
+    with tempfile.TemporaryDirectory() as cache:
+        if cold_triton_cache:
+            child_env["TRITON_CACHE_DIR"] = cache
+        proc = subprocess.run(
+            [sys.executable, "-c", code], env=child_env, capture_output=True, text=True,
+            timeout=timeout, cwd=Path.cwd(),
+        )
+    if proc.returncode != 0:
+        raise AssertionError(f"fresh process failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    lines = proc.stdout.strip().splitlines()
+    if not lines:
+        raise AssertionError("fresh process printed nothing")
+    return lines[-1]
