@@ -1,0 +1,37 @@
+"""det_train: deterministic, batch-invariant training ops for PyTorch (Triton).
+
+Every op here gives bitwise-identical results run to run, for any batch size or position of a row
+in the batch, and (with ``CanonicalGradAccumulator``) for any split of the tokens into micro-batches
+and data-parallel ranks. See docs/det-train.md for exactly what is and is not guaranteed.
+"""
+
+import importlib
+
+__version__ = "1.0.0"
+
+# public name -> defining module (imported on first use, so one op's import error cannot hide the others)
+_EXPORTS = {
+    "matmul": "matmul",
+    "linear": "linear",
+    "Linear": "linear",
+    "deterministic_mode": "routing",
+    "rms_norm": "rms_norm",
+    "RMSNorm": "rms_norm",
+    "embedding": "embedding",
+    "Embedding": "embedding",
+    "cross_entropy": "cross_entropy",
+    "CanonicalGradAccumulator": "grad_accum",
+    "current_accumulator": "grad_accum",
+    "deterministic_allreduce_hook": "distributed",
+    "layers": "layers",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'det_train' has no attribute {name!r}")
+    value = importlib.import_module(f".{module}", __name__)
+    return value if name == module else getattr(value, name)
