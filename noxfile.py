@@ -41,8 +41,17 @@ def tests(session: nox.Session) -> None:
     """Every non-GPU test on CPU (Triton interpreter), in two processes."""
     _install(session, "test")
     session.run(
-        "python", "-m", "pytest", "-m", "not gpu", "-n", os.environ.get("DET_TEST_WORKERS", "2"),
-        "--timeout", "900", *session.posargs, env={"TRITON_INTERPRET": "1"},
+        "python",
+        "-m",
+        "pytest",
+        "-m",
+        "not gpu",
+        "-n",
+        os.environ.get("DET_TEST_WORKERS", "2"),
+        "--timeout",
+        "900",
+        *session.posargs,
+        env={"TRITON_INTERPRET": "1"},
     )
 
 

@@ -4,7 +4,6 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-
 from det_core import rng
 from det_core.testing import assert_bitwise_equal
 
@@ -84,7 +83,9 @@ def test_known_answers_triton():
 @pytest.mark.parametrize("seed", [0, 1, 12345, 2**64 - 1])
 @pytest.mark.parametrize("step,stream", [(0, 0), (1, 1), (2**32 - 1, 7)])
 def test_triton_matches_torch_reference(seed, step, stream):
-    index = torch.cat([torch.arange(0, 300), torch.tensor([2**31 - 1, 2**31, 2**32 + 5, 2**40 + 3, 2**62 + 1])])
+    index = torch.cat(
+        [torch.arange(0, 300), torch.tensor([2**31 - 1, 2**31, 2**32 + 5, 2**40 + 3, 2**62 + 1])]
+    )
     expected = rng.random_bits_torch(seed, step, stream, index)
     assert_bitwise_equal(_triton_bits(index, seed, step, stream, _kernel_device()), expected, "bits")
 

@@ -58,7 +58,11 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, name: str
     if bool(diff.any()):
         count = int(diff.sum())
         flat = int(diff.flatten().nonzero()[0])
-        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), actual.shape)) if actual.dim() else ()
+        index = (
+            tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), actual.shape))
+            if actual.dim()
+            else ()
+        )
         av = actual.detach().cpu().flatten()[flat].item()
         ev = expected.detach().cpu().flatten()[flat].item()
         nb = actual.element_size()
@@ -115,7 +119,7 @@ def assert_run_to_run(fn: Callable[[], object], repeats: int = 3, name: str = "o
 
 
 def _compare_nested(actual, expected, name: str) -> None:
-    for (ka, a), (_, e) in zip(_digest_items(actual), _digest_items(expected)):
+    for (ka, a), (_, e) in zip(_digest_items(actual), _digest_items(expected), strict=False):
         if isinstance(a, torch.Tensor):
             assert_bitwise_equal(a, e, f"{name}{ka}")
 
@@ -180,7 +184,9 @@ def assert_decomposition_invariant(
             raise AssertionError(f"{name}: digest differs with {p} parts")
 
 
-def run_in_fresh_process(code: str, *, cold_triton_cache: bool = True, env: dict | None = None, timeout: float = 600) -> str:
+def run_in_fresh_process(
+    code: str, *, cold_triton_cache: bool = True, env: dict | None = None, timeout: float = 600
+) -> str:
     """Run Python ``code`` in a new interpreter and return its last stdout line (e.g. a digest).
 
     With ``cold_triton_cache`` the child gets an empty ``TRITON_CACHE_DIR``, so kernels compile
@@ -194,8 +200,12 @@ def run_in_fresh_process(code: str, *, cold_triton_cache: bool = True, env: dict
         if cold_triton_cache:
             child_env["TRITON_CACHE_DIR"] = cache
         proc = subprocess.run(
-            [sys.executable, "-c", code], env=child_env, capture_output=True, text=True,
-            timeout=timeout, cwd=Path.cwd(),
+            [sys.executable, "-c", code],
+            env=child_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=Path.cwd(),
         )
     if proc.returncode != 0:
         raise AssertionError(f"fresh process failed ({proc.returncode}):\n{proc.stderr[-4000:]}")

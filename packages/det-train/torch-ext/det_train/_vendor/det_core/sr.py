@@ -37,7 +37,8 @@ def stochastic_round_bf16(x, rbits):
     rounded = (xb + (rbits & 0xFFFF)) & 0xFFFF0000
     qnan = (xb & 0x80000000) | 0x7FC00000
     out = tl.where(is_nan, qnan, rounded)
-    return out.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    # bitcast the top half: a float conversion could flush subnormals to zero
+    return (out >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit

@@ -1,0 +1,90 @@
+"""The harness itself: failures are reported precisely and digests mean bitwise equality."""
+
+import pytest
+import torch
+from det_core.testing import (
+    assert_bitwise_equal,
+    assert_decomposition_invariant,
+    assert_row_invariant,
+    assert_run_to_run,
+    contiguous_splits,
+    digest,
+    run_in_fresh_process,
+)
+
+
+def test_bitwise_report_names_first_mismatch_with_hex():
+    a = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.bfloat16)
+    b = a.clone()
+    b[1, 0] = 3.015625  # one bf16 ULP above 3.0
+    with pytest.raises(AssertionError) as err:
+        assert_bitwise_equal(a, b, "w")
+    msg = str(err.value)
+    assert "1 of 4 elements differ" in msg and "(1, 0)" in msg
+    assert "0x4040" in msg and "0x4041" in msg
+
+
+def test_bitwise_distinguishes_signed_zero_and_nan_payload_and_dtype():
+    with pytest.raises(AssertionError):
+        assert_bitwise_equal(torch.tensor([0.0]), torch.tensor([-0.0]))
+    nan1 = torch.tensor([0x7FC00000], dtype=torch.int32).view(torch.float32)
+    nan2 = torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32)
+    with pytest.raises(AssertionError):
+        assert_bitwise_equal(nan1, nan2)
+    assert_bitwise_equal(nan1, nan1.clone())
+    with pytest.raises(AssertionError, match="dtype"):
+        assert_bitwise_equal(torch.ones(2), torch.ones(2, dtype=torch.float64))
+    with pytest.raises(AssertionError, match="shape"):
+        assert_bitwise_equal(torch.ones(2), torch.ones(3))
+
+
+def test_digest_is_sensitive_to_bits_dtype_shape_and_names():
+    t = torch.arange(6, dtype=torch.float32)
+    d = digest({"a": t, "b": [t * 2]})
+    assert d == digest({"b": [t * 2], "a": t.clone()})  # key order does not matter
+    assert d != digest({"a": t, "b": [t * 2 + 1e-6]})
+    assert digest(t) != digest(t.reshape(2, 3))
+    assert digest(t) != digest(t.double())
+    assert digest({"a": t}) != digest({"c": t})
+    assert len(d) == 64
+
+
+def test_run_to_run_catches_a_nondeterministic_function():
+    counter = iter(range(100))
+    with pytest.raises(AssertionError):
+        assert_run_to_run(lambda: torch.tensor([float(next(counter))]))
+    assert_run_to_run(lambda: torch.ones(3))
+
+
+def test_row_invariance_catches_a_batch_dependent_function():
+    anchor = torch.randn(1, 8)
+    make = lambda m: torch.randn(m, 8)  # noqa: E731
+    assert_row_invariant(lambda x: x * 2, make, [1, 3, 17], anchor)
+    with pytest.raises(AssertionError):
+        assert_row_invariant(lambda x: x - x.mean(0), make, [3], anchor)
+
+
+def test_contiguous_splits_and_decomposition_helper():
+    assert contiguous_splits(8, 3) == [(0, 3), (3, 6), (6, 8)]
+    assert contiguous_splits(16, 3, granule=2) == [(0, 6), (6, 12), (12, 16)]
+    with pytest.raises(ValueError):
+        contiguous_splits(7, 2, granule=2)
+    with pytest.raises(ValueError):
+        contiguous_splits(2, 3)
+    x = torch.randn(64) * 1e4
+    with pytest.raises(AssertionError):  # a naive split sum is not decomposition invariant
+        assert_decomposition_invariant(
+            lambda: x.sum(), lambda p: sum(x[a:b].sum() for a, b in contiguous_splits(64, p)), parts=(3, 7)
+        )
+
+
+def test_fresh_process_returns_last_line_and_reports_failure():
+    code = "import torch; from det_core.testing import digest; print('noise'); print(digest(torch.arange(4)))"
+    assert run_in_fresh_process(code) == digest(torch.arange(4))
+    with pytest.raises(AssertionError, match="ZeroDivisionError"):
+        run_in_fresh_process("1/0")
+
+
+def test_plugin_registers_markers(pytestconfig):
+    markers = "\n".join(pytestconfig.getini("markers"))
+    assert "gpu:" in markers and "slow:" in markers
