@@ -1,0 +1,33 @@
+"""A tiny canonical-order-aware op for accumulator tests: y = x * w (w of shape (D,)).
+
+dW = sum over tokens of dy * x, with per-leaf sums by det_core's reference left fold. It follows
+the ops' contract from notes/CANONICAL_GRADS.md, so the accumulator is tested independently of kernels.
+"""
+
+import torch
+from det_core.reduce import canonical_sum, leaf_sums_reference
+from det_train.grad_accum import DEFAULT_LEAF_TOKENS, current_accumulator
+
+
+class ToyScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        contrib = (dy.float() * x.float()).reshape(-1, w.numel())
+        acc = current_accumulator()
+        if acc is None:
+            return dy * w, canonical_sum(contrib, DEFAULT_LEAF_TOKENS).to(w.dtype)
+        first_leaf, n_leaves = acc.leaf_span(contrib.shape[0])
+        sums = leaf_sums_reference(contrib, acc.leaf_tokens)
+        assert sums.shape[0] == n_leaves
+        acc.deposit(w, first_leaf, sums)
+        return dy * w, None
+
+
+def toy_scale(x, w):
+    return ToyScale.apply(x, w)

@@ -1,0 +1,223 @@
+"""CanonicalGradAccumulator: canonical-order gradients across micro-batches (single process).
+
+Data-parallel invariance (gloo, DP degree 1-4) is in test_distributed.py.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from det_core.reduce import TreePartial, canonical_sum
+from det_core.testing import assert_bitwise_equal, contiguous_splits
+from det_train.grad_accum import DEFAULT_LEAF_TOKENS, CanonicalGradAccumulator, current_accumulator
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _canonical_toy import toy_scale  # noqa: E402
+
+LEAF = 4
+D = 5
+
+
+def _data(tokens=37, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, D, generator=g).to(dtype)
+    dy = torch.randn(tokens, D, generator=g).to(dtype)
+    return x, dy
+
+
+def _accumulate(x, dy, w, splits, leaf=LEAF, order=None):
+    acc = CanonicalGradAccumulator([w], leaf_tokens=leaf)
+    order = order if order is not None else range(len(splits))
+    for i in order:
+        start, end = splits[i]
+        with acc.micro_batch(token_offset=start):
+            toy_scale(x[start:end], w).backward(dy[start:end])
+    acc.reduce(total_tokens=x.shape[0])
+    return w.grad.clone()
+
+
+def test_single_micro_batch_equals_canonical_sum():
+    x, dy = _data()
+    w = torch.randn(D, requires_grad=True)
+    grad = _accumulate(x, dy, w, [(0, x.shape[0])])
+    assert_bitwise_equal(grad, canonical_sum(x * dy, LEAF), "dW")
+    # and the fp32 tree is close to the fp64 sum
+    torch.testing.assert_close(grad.double(), (x.double() * dy.double()).sum(0), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 8])
+def test_micro_batch_invariance(parts):
+    x, dy = _data(tokens=40)  # 10 leaves of 4
+    w = torch.randn(D, requires_grad=True)
+    whole = _accumulate(x, dy, w, [(0, 40)])
+    w.grad = None
+    split = _accumulate(x, dy, w, contiguous_splits(40, parts, LEAF))
+    assert_bitwise_equal(split, whole, f"dW with {parts} micro-batches")
+
+
+def test_short_last_leaf_and_out_of_order_micro_batches():
+    x, dy = _data(tokens=37)  # last leaf has 1 token
+    w = torch.randn(D, requires_grad=True)
+    whole = _accumulate(x, dy, w, [(0, 37)])
+    w.grad = None
+    splits = [(0, 12), (12, 16), (16, 28), (28, 37)]
+    got = _accumulate(x, dy, w, splits, order=[2, 0, 3, 1])
+    assert_bitwise_equal(got, whole, "dW, shuffled micro-batches")
+
+
+def test_bf16_param_gets_bf16_grad_and_differs_from_naive_order():
+    x, dy = _data(tokens=64)
+    w = torch.randn(D, dtype=torch.bfloat16, requires_grad=True)
+    grad = _accumulate(x.bfloat16(), dy.bfloat16(), w, [(0, 32), (32, 64)])
+    assert grad.dtype == torch.bfloat16
+    ref = canonical_sum(x.bfloat16().float() * dy.bfloat16().float(), LEAF).bfloat16()
+    assert_bitwise_equal(grad, ref, "bf16 dW")
+
+
+def test_reusable_after_reduce_and_zero_grad_allowed():
+    x, dy = _data(tokens=16)
+    w = torch.randn(D, requires_grad=True)
+    acc = CanonicalGradAccumulator([w], leaf_tokens=LEAF)
+    results = []
+    for _ in range(2):
+        if w.grad is not None:
+            w.grad.zero_()  # zero_grad(set_to_none=False)
+        with acc.micro_batch(token_offset=0):
+            toy_scale(x, w).backward(dy)
+        acc.reduce(total_tokens=16)
+        results.append(w.grad.clone())
+    assert_bitwise_equal(results[1], results[0], "second step")
+
+
+def test_tied_parameter_two_uses():
+    x, dy = _data(tokens=24)
+    w = torch.randn(D, requires_grad=True)
+
+    def run(splits):
+        acc = CanonicalGradAccumulator([("w", w)], leaf_tokens=LEAF)
+        for start, end in splits:
+            with acc.micro_batch(token_offset=start):
+                y = toy_scale(toy_scale(x[start:end], w), w)
+                y.backward(dy[start:end])
+        acc.reduce(total_tokens=24)
+        out = w.grad.clone()
+        w.grad = None
+        return out
+
+    whole = run([(0, 24)])
+    for parts in (2, 3, 6):
+        assert_bitwise_equal(run(contiguous_splits(24, parts, LEAF)), whole, f"tied w, {parts} parts")
+    torch.testing.assert_close(
+        whole, (dy * w.detach() * x + dy * x * w.detach()).sum(0), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_current_accumulator_scope():
+    w = torch.randn(D, requires_grad=True)
+    acc = CanonicalGradAccumulator([w], leaf_tokens=LEAF)
+    assert current_accumulator() is None
+    with acc.micro_batch(token_offset=8):
+        assert current_accumulator() is acc
+        assert acc.token_offset == 8
+        assert acc.leaf_span(9) == (2, 3)
+    assert current_accumulator() is None
+    with pytest.raises(RuntimeError, match="no micro_batch"):
+        acc.token_offset  # noqa: B018
+
+
+def test_without_accumulator_op_returns_ordinary_gradient():
+    x, dy = _data(tokens=2 * DEFAULT_LEAF_TOKENS + 3)
+    w = torch.randn(D, requires_grad=True)
+    toy_scale(x, w).backward(dy)
+    assert_bitwise_equal(w.grad, canonical_sum(x * dy, DEFAULT_LEAF_TOKENS), "dW without accumulator")
+
+
+# ---------------------------------------------------------------- bad input
+def test_bad_construction_and_offsets():
+    w = torch.randn(D, requires_grad=True)
+    with pytest.raises(ValueError, match="leaf_tokens"):
+        CanonicalGradAccumulator([w], leaf_tokens=0)
+    with pytest.raises(TypeError, match="expected a torch.Tensor"):
+        CanonicalGradAccumulator([3.0])
+    acc = CanonicalGradAccumulator([w], leaf_tokens=LEAF)
+    with pytest.raises(ValueError, match="not a multiple of leaf_tokens"):
+        with acc.micro_batch(token_offset=6):
+            pass
+    with pytest.raises(ValueError, match="non-negative"):
+        with acc.micro_batch(token_offset=-4):
+            pass
+    with acc.micro_batch(token_offset=0):
+        with pytest.raises(RuntimeError, match="nested"):
+            with acc.micro_batch(token_offset=4):
+                pass
+        with pytest.raises(RuntimeError, match="inside a micro_batch"):
+            acc.reduce(total_tokens=4)
+
+
+def test_missing_leaves_duplicates_and_overrun():
+    x, dy = _data(tokens=16)
+    w = torch.randn(D, requires_grad=True)
+    acc = CanonicalGradAccumulator([("w", w)], leaf_tokens=LEAF)
+    with acc.micro_batch(token_offset=0):
+        toy_scale(x[:8], w).backward(dy[:8])
+    with pytest.raises(ValueError, match="w .*incomplete"):
+        acc.reduce(total_tokens=16)  # leaves 2, 3 never deposited
+    with acc.micro_batch(token_offset=0):
+        toy_scale(x[:8], w).backward(dy[:8])
+    with pytest.raises(ValueError, match=r"w \(use 0\): tree node \(0, 1\) supplied twice"):
+        with acc.micro_batch(token_offset=4):  # overlaps leaf 1 of the first micro-batch
+            toy_scale(x[4:12], w).backward(dy[4:12])
+    acc = CanonicalGradAccumulator([("w", w)], leaf_tokens=LEAF)
+    with acc.micro_batch(token_offset=8):
+        toy_scale(x[:8], w).backward(dy[:8])
+    with pytest.raises(ValueError, match="beyond total_tokens"):
+        acc.reduce(total_tokens=12)
+
+
+def test_mid_leaf_micro_batch_must_end_the_batch():
+    x, dy = _data(tokens=16)
+    w = torch.randn(D, requires_grad=True)
+    acc = CanonicalGradAccumulator([w], leaf_tokens=LEAF)
+    with acc.micro_batch(token_offset=0):
+        toy_scale(x[:6], w).backward(dy[:6])
+    with acc.micro_batch(token_offset=8):
+        toy_scale(x[8:16], w).backward(dy[8:16])
+    with pytest.raises(ValueError, match="not a multiple of leaf_tokens"):
+        acc.reduce(total_tokens=16)
+
+
+def test_param_without_deposit_and_stale_grad():
+    x, dy = _data(tokens=8)
+    w = torch.randn(D, requires_grad=True)
+    other = torch.nn.Parameter(torch.randn(3))
+    acc = CanonicalGradAccumulator([("w", w), ("other", other)], leaf_tokens=LEAF)
+    with acc.micro_batch(token_offset=0):
+        toy_scale(x, w).backward(dy)
+    with pytest.raises(RuntimeError, match=r"no canonical-order gradient was deposited for \['other'\]"):
+        acc.reduce(total_tokens=8)
+    acc = CanonicalGradAccumulator([("w", w)], leaf_tokens=LEAF)
+    w.grad = torch.ones(D)
+    with acc.micro_batch(token_offset=0):
+        toy_scale(x, w).backward(dy)
+    with pytest.raises(RuntimeError, match="w: p.grad already holds a non-zero gradient"):
+        acc.reduce(total_tokens=8)
+
+
+def test_bad_deposits():
+    w = torch.randn(D, requires_grad=True)
+    stranger = torch.randn(D, requires_grad=True)
+    acc = CanonicalGradAccumulator([w], leaf_tokens=LEAF)
+    with pytest.raises(RuntimeError, match="outside micro_batch"):
+        acc.deposit(w, 0, torch.zeros(1, D))
+    with acc.micro_batch(token_offset=0):
+        with pytest.raises(ValueError, match="does not track"):
+            acc.deposit(stranger, 0, torch.zeros(1, D))
+        with pytest.raises(ValueError, match="float32"):
+            acc.deposit(w, 0, torch.zeros(1, D, dtype=torch.float64))
+        with pytest.raises(ValueError, match="shape"):
+            acc.deposit(w, 0, torch.zeros(1, D + 1))
+        with pytest.raises(ValueError, match="float32 of shape"):
+            acc.deposit_partial(w, TreePartial().add_leaves(0, torch.zeros(1, D + 1)))
+    with pytest.raises(ValueError, match="total_tokens"):
+        acc.reduce(total_tokens=0)

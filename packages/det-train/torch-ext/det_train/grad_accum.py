@@ -1,0 +1,308 @@
+"""Canonical-order parameter gradients across micro-batches and data-parallel ranks.
+
+A parameter gradient summed over tokens (a Linear weight and bias, an RMSNorm weight, an Embedding
+table) is defined in one order that depends only on the global batch (det_core.reduce): the global
+token axis is cut into leaves of ``leaf_tokens`` tokens, each leaf is summed in fp32 in an order fixed
+by the op, and the leaves are combined by the fixed pairwise tree over global leaf indices
+(``TreePartial``). Ops deposit their per-leaf sums here while a ``micro_batch`` is active; ``reduce``
+merges the partial trees of every micro-batch and every data-parallel rank and writes ``p.grad``.
+
+Interface: notes/CANONICAL_GRADS.md (shared with the matmul/linear ops and the end-to-end job).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from ._vendor.det_core.reduce import TreePartial, num_leaves
+
+__all__ = ["DEFAULT_LEAF_TOKENS", "CanonicalGradAccumulator", "current_accumulator"]
+
+# Leaf size used by the ops when no accumulator is active (part of each op's reduction order).
+DEFAULT_LEAF_TOKENS = 1024
+
+# The active accumulator. A plain module global, not thread-local: autograd runs CUDA backward
+# functions on its own device threads, which must still see the accumulator of `micro_batch`.
+_ACTIVE: list[CanonicalGradAccumulator] = []
+
+
+def current_accumulator() -> CanonicalGradAccumulator | None:
+    """The accumulator whose ``micro_batch`` context is active, or None outside every context."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+class CanonicalGradAccumulator:
+    """Collects per-leaf fp32 gradient sums and finishes them in the canonical order.
+
+    Args:
+        params: the parameters to track, as ``Parameter``s or ``(name, Parameter)`` pairs (e.g.
+            ``model.named_parameters()``, which gives better error messages). Parameters with
+            ``requires_grad=False`` are ignored. Every data-parallel rank must pass the same
+            parameters in the same order (their position is the key exchanged between ranks).
+        leaf_tokens: tokens per leaf of the canonical order (positive). Every micro-batch's
+            ``token_offset`` must be a multiple of it, and so must every micro-batch's token count
+            except the one that ends the global batch.
+
+    Usage::
+
+        acc = CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=1024)
+        for start, batch in micro_batches:             # this rank's micro-batches
+            with acc.micro_batch(token_offset=start):  # global index of its first token
+                model(batch).backward()                # det_train ops deposit leaf sums
+        acc.reduce(total_tokens=T)                     # merge across ranks, write p.grad
+
+    Ops call ``leaf_span`` then ``deposit`` / ``deposit_partial`` and return None as the autograd
+    gradient of the parameter. A parameter used k times in one forward (tied weights, a layer
+    applied twice) gets k deposits per micro-batch: deposit number u (in the order autograd runs the
+    backward, fixed by the graph) goes to its own tree, and the k roots are added in order u = 0, 1, ...
+
+    **Determinism:** ``p.grad`` depends only on the global batch, ``leaf_tokens`` and the ops'
+    fixed leaf orders: any split of the global tokens into leaf-aligned micro-batches and
+    data-parallel ranks (contiguous or not, any count, any DP degree) gives identical bits on every
+    rank. Not covered: a parameter whose gradient also comes from an op that is not
+    canonical-order aware (``reduce`` raises when it finds such a gradient in ``p.grad``).
+
+    Raises:
+        ValueError: bad ``leaf_tokens``, unaligned offsets or token counts, missing or duplicated
+            leaves, a deposit for an unknown parameter or of the wrong shape.
+        RuntimeError: deposits outside ``micro_batch``; a tracked parameter without deposits at
+            ``reduce``; ``p.grad`` already holding a non-zero gradient at ``reduce``.
+
+    Method: pairwise summation with the tree fixed by global index (Higham, SISC 1993), as in
+    det_core.reduce and DESIGN.md's canonical reduction order.
+    """
+
+    def __init__(self, params: Iterable, leaf_tokens: int = DEFAULT_LEAF_TOKENS) -> None:
+        if isinstance(leaf_tokens, bool) or not isinstance(leaf_tokens, int) or leaf_tokens <= 0:
+            raise ValueError(f"leaf_tokens must be a positive int, got {leaf_tokens!r}")
+        self.leaf_tokens = leaf_tokens
+        self._params: list[torch.Tensor] = []
+        self._names: list[str] = []
+        self._index: dict[int, int] = {}
+        for i, item in enumerate(params):
+            name, p = item if isinstance(item, tuple) else (f"param[{i}]", item)
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor / Parameter, got {type(p).__name__}")
+            if not p.requires_grad or id(p) in self._index:
+                continue
+            self._index[id(p)] = len(self._params)
+            self._params.append(p)
+            self._names.append(name)
+        # (param index, use number) -> partial tree of this rank
+        self._partials: dict[tuple[int, int], TreePartial] = {}
+        self._uses: dict[int, int] = {}  # deposits per parameter in the current micro-batch
+        self._spans: list[tuple[int, int]] = []  # (token_offset, tokens) seen by the ops
+        self._token_offset: int | None = None
+
+    # ------------------------------------------------------------------ micro-batches
+    @contextlib.contextmanager
+    def micro_batch(self, token_offset: int) -> Iterator[CanonicalGradAccumulator]:
+        """Make this accumulator active for one micro-batch starting at global token ``token_offset``.
+
+        Raises ValueError if ``token_offset`` is negative or not a multiple of ``leaf_tokens``, and
+        RuntimeError if another micro-batch context is already active.
+        """
+        if isinstance(token_offset, bool) or not isinstance(token_offset, int) or token_offset < 0:
+            raise ValueError(f"token_offset must be a non-negative int, got {token_offset!r}")
+        if token_offset % self.leaf_tokens:
+            raise ValueError(
+                f"token_offset {token_offset} is not a multiple of leaf_tokens {self.leaf_tokens}: "
+                "micro-batches must start on a leaf boundary of the global token axis"
+            )
+        if _ACTIVE:
+            raise RuntimeError("a micro_batch context is already active; micro-batches cannot be nested")
+        self._token_offset = token_offset
+        self._uses = {}
+        _ACTIVE.append(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.pop()
+            self._token_offset = None
+
+    @property
+    def token_offset(self) -> int:
+        """Global index of the first token of the active micro-batch (RuntimeError outside one)."""
+        if self._token_offset is None:
+            raise RuntimeError("no micro_batch is active on this accumulator")
+        return self._token_offset
+
+    def leaf_span(self, num_tokens: int) -> tuple[int, int]:
+        """For an op that saw ``num_tokens`` tokens: ``(first_leaf, n_leaves)`` of its global leaves.
+
+        Local token t is global token ``token_offset + t`` and lies in global leaf
+        ``first_leaf + t // leaf_tokens``. Records the span so ``reduce`` can check that only the
+        micro-batch ending the global batch has a partial last leaf.
+        """
+        offset = self.token_offset
+        if num_tokens <= 0:
+            raise ValueError(f"an op deposited for {num_tokens} tokens; a micro-batch needs at least one")
+        span = (offset, int(num_tokens))
+        if span not in self._spans:
+            self._spans.append(span)
+        return offset // self.leaf_tokens, num_leaves(num_tokens, self.leaf_tokens)
+
+    # ------------------------------------------------------------------ deposits
+    def _slot(self, param: torch.Tensor) -> tuple[int, int]:
+        if self._token_offset is None:
+            raise RuntimeError(
+                "deposit outside micro_batch(): wrap forward and backward in acc.micro_batch(...)"
+            )
+        index = self._index.get(id(param))
+        if index is None:
+            raise ValueError(
+                f"deposit for a parameter of shape {tuple(param.shape)} that this accumulator does not "
+                "track; pass it in CanonicalGradAccumulator(params)"
+            )
+        use = self._uses.get(index, 0)
+        self._uses[index] = use + 1
+        return index, use
+
+    def deposit(self, param: torch.Tensor, first_leaf: int, leaf_sums: torch.Tensor) -> None:
+        """Add leaves ``first_leaf, first_leaf + 1, ...`` of ``param``'s gradient.
+
+        Args:
+            param: a tracked parameter.
+            first_leaf: global index of the first leaf (from ``leaf_span``).
+            leaf_sums: fp32 tensor ``(n_leaves, *param.shape)`` on ``param``'s device, leaf ``i``
+                being the sum over the tokens of global leaf ``first_leaf + i`` in the op's order.
+        """
+        if leaf_sums.dtype != torch.float32:
+            raise ValueError(f"leaf_sums must be float32 (fp32 leaf sums), got {leaf_sums.dtype}")
+        if tuple(leaf_sums.shape[1:]) != tuple(param.shape) or leaf_sums.dim() != param.dim() + 1:
+            raise ValueError(
+                f"leaf_sums must have shape (n_leaves, *{tuple(param.shape)}), got {tuple(leaf_sums.shape)}"
+            )
+        slot = self._slot(param)
+        partial = self._partials.setdefault(slot, TreePartial())
+        try:
+            partial.add_leaves(first_leaf, leaf_sums)
+        except ValueError as err:
+            raise ValueError(f"{self._names[slot[0]]} (use {slot[1]}): {err}") from None
+
+    def deposit_partial(self, param: torch.Tensor, partial: TreePartial) -> None:
+        """Add an already combined partial tree (fp32 nodes of ``param``'s shape) of ``param``'s gradient."""
+        for key, value in partial.nodes.items():
+            if value.dtype != torch.float32 or tuple(value.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"node {key} must be float32 of shape {tuple(param.shape)}, "
+                    f"got {value.dtype} {tuple(value.shape)}"
+                )
+        slot = self._slot(param)
+        mine = self._partials.setdefault(slot, TreePartial())
+        try:
+            mine.merge(partial)
+        except ValueError as err:
+            raise ValueError(f"{self._names[slot[0]]} (use {slot[1]}): {err}") from None
+
+    # ------------------------------------------------------------------ reduce
+    def reduce(self, total_tokens: int, group=None) -> None:
+        """Merge all partials (this rank's micro-batches and, if distributed, every rank's), finish
+        the canonical tree over ``ceil(total_tokens / leaf_tokens)`` leaves and set ``p.grad``.
+
+        Args:
+            total_tokens: tokens in the global batch (all micro-batches of all ranks).
+            group: the data-parallel process group. None means the default group when
+                torch.distributed is initialized, and this process alone otherwise.
+
+        ``p.grad`` is replaced by the result in ``p.dtype`` (an existing all-zero ``p.grad`` is
+        fine; a non-zero one raises). Afterwards the accumulator is empty and reusable.
+        Collectives: one ``all_gather_object`` (node keys) and one ``all_gather`` per
+        (parameter, use) of that parameter's nodes padded to the largest rank's node count;
+        peak extra memory per parameter is ``world_size * max_nodes * numel * 4`` bytes.
+        """
+        if _ACTIVE:
+            raise RuntimeError("reduce() inside a micro_batch context; call it after the last micro-batch")
+        if isinstance(total_tokens, bool) or not isinstance(total_tokens, int) or total_tokens <= 0:
+            raise ValueError(f"total_tokens must be a positive int, got {total_tokens!r}")
+        total_leaves = num_leaves(total_tokens, self.leaf_tokens)
+        for offset, n in self._spans:
+            if offset + n > total_tokens:
+                raise ValueError(
+                    f"a micro-batch covers tokens [{offset}, {offset + n}) beyond total_tokens={total_tokens}"
+                )
+            if n % self.leaf_tokens and offset + n != total_tokens:
+                raise ValueError(
+                    f"a micro-batch at token {offset} has {n} tokens, not a multiple of leaf_tokens "
+                    f"{self.leaf_tokens}; only the micro-batch ending the global batch may end mid-leaf"
+                )
+        for p in self._params:
+            if p.grad is not None and bool(p.grad.ne(0).any()):
+                raise RuntimeError(
+                    f"{self._names[self._index[id(p)]]}: p.grad already holds a non-zero gradient (from an op "
+                    "that is not canonical-order aware, or a previous step): call zero_grad() before the "
+                    "micro-batches and use det_train ops for every use of the parameter"
+                )
+        try:
+            partials = self._gather(group)
+            grads: dict[int, torch.Tensor] = {}
+            for (index, _use), partial in sorted(partials.items()):
+                name = self._names[index]
+                if any(level == 0 and i >= total_leaves for level, i in partial.nodes) or any(
+                    (i << level) >= total_leaves for level, i in partial.nodes
+                ):
+                    raise ValueError(
+                        f"{name}: deposits reach past leaf {total_leaves - 1} "
+                        f"(total_tokens={total_tokens}, leaf_tokens={self.leaf_tokens})"
+                    )
+                try:
+                    root = partial.result(total_leaves)
+                except ValueError as err:
+                    raise ValueError(f"{name} (use {_use}): {err}") from None
+                grads[index] = root if index not in grads else grads[index] + root
+            missing = [self._names[i] for i in range(len(self._params)) if i not in grads]
+            if missing:
+                raise RuntimeError(
+                    f"no canonical-order gradient was deposited for {missing}: their gradients come from "
+                    "ops that are not canonical-order aware (use det_train ops), or they were not used; "
+                    "leave unused parameters out of the accumulator"
+                )
+            for index, grad in grads.items():
+                p = self._params[index]
+                p.grad = grad.to(device=p.device, dtype=p.dtype).view(p.shape)
+        finally:
+            self._partials = {}
+            self._spans = []
+
+    def _gather(self, group) -> dict[tuple[int, int], TreePartial]:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            if group is not None:
+                raise RuntimeError("reduce(group=...) was given but torch.distributed is not initialized")
+            return self._partials
+        world = dist.get_world_size(group)
+        if world == 1:
+            return self._partials
+        local_keys = {slot: sorted(tp.nodes) for slot, tp in self._partials.items()}
+        meta = [None] * world
+        dist.all_gather_object(meta, (len(self._params), local_keys), group=group)
+        counts = {m[0] for m in meta}
+        if len(counts) != 1:
+            raise RuntimeError(f"ranks track different numbers of parameters: {[m[0] for m in meta]}")
+        slots = sorted(set().union(*(m[1] for m in meta)))
+        merged: dict[tuple[int, int], TreePartial] = {}
+        for slot in slots:
+            p = self._params[slot[0]]
+            per_rank = [m[1].get(slot, []) for m in meta]
+            width = max(len(k) for k in per_rank)
+            mine = self._partials.get(slot, TreePartial()).nodes
+            device = next(iter(mine.values())).device if mine else p.device
+            send = torch.zeros((width, p.numel()), dtype=torch.float32, device=device)
+            for row, key in enumerate(local_keys.get(slot, [])):
+                send[row] = mine[key].reshape(-1)
+            recv = [torch.empty_like(send) for _ in range(world)]
+            dist.all_gather(recv, send, group=group)
+            tree = TreePartial()
+            for rank, keys in enumerate(per_rank):
+                part = TreePartial()
+                part.nodes = {key: recv[rank][row].view(p.shape) for row, key in enumerate(keys)}
+                try:
+                    tree.merge(part)
+                except ValueError as err:
+                    raise ValueError(f"{self._names[slot[0]]}: rank {rank}: {err}") from None
+            merged[slot] = tree
+        return merged
