@@ -232,9 +232,10 @@ class CanonicalGradAccumulator:
         for p in self._params:
             if p.grad is not None and bool(p.grad.ne(0).any()):
                 raise RuntimeError(
-                    f"{self._names[self._index[id(p)]]}: p.grad already holds a non-zero gradient (from an op "
-                    "that is not canonical-order aware, or a previous step): call zero_grad() before the "
-                    "micro-batches and use det_train ops for every use of the parameter"
+                    f"{self._names[self._index[id(p)]]}: p.grad already holds a non-zero gradient "
+                    "(from an op that is not canonical-order aware, or a previous step): "
+                    "call zero_grad() before the micro-batches and use det_train ops "
+                    "for every use of the parameter"
                 )
         try:
             partials = self._gather(group)
