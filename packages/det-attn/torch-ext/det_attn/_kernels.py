@@ -1,0 +1,742 @@
+"""Triton kernels of deterministic flash attention: forward, backward preprocess, dK/dV, dQ.
+
+Method: FlashAttention-2 (Dao, 2023, arXiv:2307.08691) as laid out in the Triton tutorial
+"06 fused attention" (online softmax in base 2, fp32 accumulators, causal blocks split into a
+masked diagonal part and an unmasked part). What is different here, and why:
+
+* Every tensor is handled in packed ("varlen") form ``(total_tokens, H, D)`` with ``cu_seqlens``;
+  a program works on one (sequence, head, tile) and its tiles start at the sequence's own first
+  token, so a sequence's bits never depend on its batch or packing neighbours.
+* The backward pass uses no atomics: one kernel owns a KV block and loops over the query blocks
+  (and, for GQA, over the query heads of its KV head) in a fixed ascending order to form dK and
+  dV; a second kernel owns a query block and loops over the KV blocks in ascending order to
+  form dQ. Each gradient element is written once, by one program.
+* Dropout bits come from det-core's Philox, keyed by (seed, sequence, head, query, key)
+  with query/key positions counted inside the sequence.
+
+Softmax bookkeeping is in base 2: ``qk2 = (q . k) * scale * log2(e)``; the saved ``lse2`` is
+``log2(sum_j 2**qk2_j)`` per row, so the natural LSE is ``lse2 * ln(2)``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._vendor.det_core import rng
+
+DROPOUT_STREAM: tl.constexpr = tl.constexpr(2)  # == rng.STREAM_ATTN_DROPOUT (checked by the host module)
+
+
+@triton.jit
+def _dropout_keep(seed_lo, seed_hi, seq, head, offs_q, offs_k, threshold, QK_T: tl.constexpr):
+    # Philox counter: step word = sequence id, stream = attention dropout,
+    # index = head << 44 | query << 22 | key (positions inside the sequence).
+    base = head.to(tl.int64) << 44
+    if QK_T:  # tile laid out [key, query]
+        index = base + (offs_q[None, :].to(tl.int64) << 22) + offs_k[:, None].to(tl.int64)
+    else:  # tile laid out [query, key]
+        index = base + (offs_q[:, None].to(tl.int64) << 22) + offs_k[None, :].to(tl.int64)
+    stream = seq * 0 + DROPOUT_STREAM  # a runtime scalar, as random_bits expects
+    bits = rng.random_bits(seed_lo, seed_hi, seq, stream, index)
+    return bits.to(tl.int64) >= threshold
+
+
+@triton.jit
+def _fwd_inner(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_base,
+    v_base,
+    stride_kt,
+    offs_m,
+    offs_d,
+    start_n,
+    end_n,
+    k_len,
+    diag,
+    qk_scale,
+    seed_lo,
+    seed_hi,
+    seq,
+    head,
+    drop_threshold,
+    drop_scale,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for start in range(start_n, end_n, BLOCK_N):
+        offs_n = start + offs_n0
+        kT_ptrs = k_base + offs_n[None, :].to(tl.int64) * stride_kt + offs_d[:, None]
+        v_ptrs = v_base + offs_n[:, None].to(tl.int64) * stride_kt + offs_d[None, :]
+        if MASKED:
+            kT = tl.load(kT_ptrs, mask=offs_n[None, :] < k_len, other=0.0)
+            v = tl.load(v_ptrs, mask=offs_n[:, None] < k_len, other=0.0)
+        else:
+            kT = tl.load(kT_ptrs)
+            v = tl.load(v_ptrs)
+        if UPCAST:
+            kT = kT.to(tl.float32)
+        qk = tl.dot(q, kT) * qk_scale
+        if MASKED:
+            visible = offs_n[None, :] < k_len
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + diag)
+            qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if DROPOUT:
+            keep = _dropout_keep(seed_lo, seed_hi, seq, head, offs_m, offs_n, drop_threshold, False)
+            p = tl.where(keep, p * drop_scale, 0.0)
+        if UPCAST:
+            acc = tl.dot(p, v.to(tl.float32), acc)
+        else:
+            acc = tl.dot(p.to(DTYPE), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attn_fwd_kernel(
+    # pointers
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    lse2_ptr,
+    cu_q_ptr,
+    cu_k_ptr,
+    # sizes and scalars
+    n_tiles,
+    group,
+    qk_scale,
+    seed_lo,
+    seed_hi,
+    seq_offset,
+    head_offset,
+    drop_threshold,
+    drop_scale,
+    # strides (last dim contiguous; LSE is (H, total_q))
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_ot,
+    stride_oh,
+    stride_lh,
+    # meta
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    tile = n_tiles - 1 - tl.program_id(0)  # heaviest causal tiles first; no effect on bits
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + seq).to(tl.int64)
+    q_len = (tl.load(cu_q_ptr + seq + 1) - q_start).to(tl.int32)
+    start_m = tile * BLOCK_M
+    if start_m >= q_len:
+        return
+    k_start = tl.load(cu_k_ptr + seq).to(tl.int64)
+    k_len = (tl.load(cu_k_ptr + seq + 1) - k_start).to(tl.int32)
+    diag = k_len - q_len  # bottom-right causal alignment: query i sees keys j <= i + diag
+    kv_head = head // group
+    DTYPE = q_ptr.dtype.element_ty
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_base = q_ptr + q_start * stride_qt + head * stride_qh
+    k_base = k_ptr + k_start * stride_kt + kv_head * stride_kh
+    v_base = v_ptr + k_start * stride_kt + kv_head * stride_kh
+    row_ok = offs_m < q_len
+    q = tl.load(
+        q_base + offs_m[:, None].to(tl.int64) * stride_qt + offs_d[None, :], mask=row_ok[:, None], other=0.0
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    # keys every row of this tile sees entirely, then the rest (diagonal and ragged tail) masked
+    full_end = (k_len // BLOCK_N) * BLOCK_N
+    end = k_len
+    if CAUSAL:
+        full_end = tl.minimum(full_end, ((start_m + diag + 1) // BLOCK_N) * BLOCK_N)
+        end = tl.minimum(k_len, start_m + BLOCK_M + diag)
+    seq_id = seq + seq_offset
+    head_id = head + head_offset
+    acc, l_i, m_i = _fwd_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_base,
+        v_base,
+        stride_kt,
+        offs_m,
+        offs_d,
+        0,
+        full_end,
+        k_len,
+        diag,
+        qk_scale,
+        seed_lo,
+        seed_hi,
+        seq_id,
+        head_id,
+        drop_threshold,
+        drop_scale,
+        BLOCK_N,
+        False,
+        CAUSAL,
+        DROPOUT,
+        UPCAST,
+        DTYPE,
+    )
+    acc, l_i, m_i = _fwd_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_base,
+        v_base,
+        stride_kt,
+        offs_m,
+        offs_d,
+        full_end,
+        end,
+        k_len,
+        diag,
+        qk_scale,
+        seed_lo,
+        seed_hi,
+        seq_id,
+        head_id,
+        drop_threshold,
+        drop_scale,
+        BLOCK_N,
+        True,
+        CAUSAL,
+        DROPOUT,
+        UPCAST,
+        DTYPE,
+    )
+    acc = acc / l_i[:, None]
+    lse2 = m_i + tl.math.log2(l_i)
+    o_ptrs = o_ptr + (q_start + offs_m[:, None].to(tl.int64)) * stride_ot + head * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(lse2_ptr + head * stride_lh + q_start + offs_m, lse2, mask=row_ok)
+
+
+@triton.jit
+def attn_bwd_preprocess_kernel(
+    o_ptr,
+    do_ptr,
+    delta_ptr,
+    total_q,
+    stride_ot,
+    stride_oh,
+    stride_dot,
+    stride_doh,
+    stride_dh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    # delta = rowsum(dO * O) in fp32, one row per (token, head); a row's sum order is fixed.
+    head = tl.program_id(1)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = offs_m[:, None].to(tl.int64)
+    ok = offs_m[:, None] < total_q
+    o = tl.load(o_ptr + rows * stride_ot + head * stride_oh + offs_d[None, :], mask=ok, other=0.0)
+    do = tl.load(do_ptr + rows * stride_dot + head * stride_doh + offs_d[None, :], mask=ok, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(delta_ptr + head * stride_dh + offs_m, delta, mask=offs_m < total_q)
+
+
+@triton.jit
+def _dkdv_inner(
+    dk,
+    dv,
+    k,
+    v,
+    q_base,
+    do_base,
+    lse2_base,
+    delta_base,
+    stride_qt,
+    stride_dot,
+    offs_n,
+    offs_d,
+    start_m,
+    end_m,
+    q_len,
+    diag,
+    qk_scale,
+    seed_lo,
+    seed_hi,
+    seq,
+    head,
+    drop_threshold,
+    drop_scale,
+    BLOCK_M: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    offs_m0 = tl.arange(0, BLOCK_M)
+    for start in range(start_m, end_m, BLOCK_M):
+        offs_m = start + offs_m0
+        qT_ptrs = q_base + offs_m[None, :].to(tl.int64) * stride_qt + offs_d[:, None]
+        do_ptrs = do_base + offs_m[:, None].to(tl.int64) * stride_dot + offs_d[None, :]
+        if MASKED:
+            row_ok = offs_m < q_len
+            qT = tl.load(qT_ptrs, mask=row_ok[None, :], other=0.0)
+            do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
+            lse2 = tl.load(lse2_base + offs_m, mask=row_ok, other=0.0)
+            delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+        else:
+            qT = tl.load(qT_ptrs)
+            do = tl.load(do_ptrs)
+            lse2 = tl.load(lse2_base + offs_m)
+            delta = tl.load(delta_base + offs_m)
+        if UPCAST:
+            qT = qT.to(tl.float32)
+            do = do.to(tl.float32)
+        pT = tl.math.exp2(tl.dot(k, qT) * qk_scale - lse2[None, :])  # [BLOCK_N, BLOCK_M]
+        if MASKED:
+            visible = offs_m[None, :] < q_len
+            if CAUSAL:
+                visible = visible & (offs_n[:, None] <= offs_m[None, :] + diag)
+            pT = tl.where(visible, pT, 0.0)
+        dpT = tl.dot(v, tl.trans(do))
+        if DROPOUT:
+            keep = _dropout_keep(seed_lo, seed_hi, seq, head, offs_m, offs_n, drop_threshold, True)
+            pdT = tl.where(keep, pT * drop_scale, 0.0)
+            dpT = tl.where(keep, dpT * drop_scale, 0.0)
+        else:
+            pdT = pT
+        if UPCAST:
+            dv = tl.dot(pdT, do, dv)
+        else:
+            dv = tl.dot(pdT.to(DTYPE), do, dv)
+        dsT = pT * (dpT - delta[None, :])
+        if UPCAST:
+            dk = tl.dot(dsT, tl.trans(qT), dk)
+        else:
+            dk = tl.dot(dsT.to(DTYPE), tl.trans(qT), dk)
+    return dk, dv
+
+
+@triton.jit
+def attn_bwd_dkdv_kernel(
+    # pointers
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    lse2_ptr,
+    delta_ptr,
+    dk_ptr,
+    dv_ptr,
+    cu_q_ptr,
+    cu_k_ptr,
+    # sizes and scalars
+    n_tiles,
+    group,
+    sm_scale,
+    qk_scale,
+    seed_lo,
+    seed_hi,
+    seq_offset,
+    head_offset,
+    drop_threshold,
+    drop_scale,
+    # strides (LSE and delta share one layout)
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_dot,
+    stride_doh,
+    stride_dkt,
+    stride_dkh,
+    stride_lh,
+    # meta
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    # One program owns KV block `tile` of KV head `kv_head`: it sums over the query heads of the
+    # group (ascending) and, for each, over the query blocks (ascending). No atomics.
+    tile = n_tiles - 1 - tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    k_start = tl.load(cu_k_ptr + seq).to(tl.int64)
+    k_len = (tl.load(cu_k_ptr + seq + 1) - k_start).to(tl.int32)
+    start_n = tile * BLOCK_N
+    if start_n >= k_len:
+        return
+    q_start = tl.load(cu_q_ptr + seq).to(tl.int64)
+    q_len = (tl.load(cu_q_ptr + seq + 1) - q_start).to(tl.int32)
+    diag = k_len - q_len
+    DTYPE = q_ptr.dtype.element_ty
+
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    col_ok = offs_n < k_len
+    kv_off = (k_start + offs_n[:, None].to(tl.int64)) * stride_kt + kv_head * stride_kh + offs_d[None, :]
+    k = tl.load(k_ptr + kv_off, mask=col_ok[:, None], other=0.0)
+    v = tl.load(v_ptr + kv_off, mask=col_ok[:, None], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+
+    # query blocks (aligned to the sequence start) that see any key of this block, split into
+    # those needing a mask (causal diagonal, ragged tail) and those that do not; all ascending
+    begin = 0
+    full_begin = 0
+    if CAUSAL:
+        begin = (tl.maximum(start_n - diag, 0) // BLOCK_M) * BLOCK_M
+        full_begin = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M
+    diag_end = tl.minimum(full_begin, q_len)
+    full_end = (q_len // BLOCK_M) * BLOCK_M
+    tail_begin = tl.maximum(full_begin, full_end)
+
+    for g in range(0, group):
+        head = kv_head * group + g
+        q_base = q_ptr + q_start * stride_qt + head * stride_qh
+        do_base = do_ptr + q_start * stride_dot + head * stride_doh
+        lse2_base = lse2_ptr + head * stride_lh + q_start
+        delta_base = delta_ptr + head * stride_lh + q_start
+        seq_id = seq + seq_offset
+        head_id = head + head_offset
+        dk, dv = _dkdv_inner(
+            dk,
+            dv,
+            k,
+            v,
+            q_base,
+            do_base,
+            lse2_base,
+            delta_base,
+            stride_qt,
+            stride_dot,
+            offs_n,
+            offs_d,
+            begin,
+            diag_end,
+            q_len,
+            diag,
+            qk_scale,
+            seed_lo,
+            seed_hi,
+            seq_id,
+            head_id,
+            drop_threshold,
+            drop_scale,
+            BLOCK_M,
+            True,
+            CAUSAL,
+            DROPOUT,
+            UPCAST,
+            DTYPE,
+        )
+        dk, dv = _dkdv_inner(
+            dk,
+            dv,
+            k,
+            v,
+            q_base,
+            do_base,
+            lse2_base,
+            delta_base,
+            stride_qt,
+            stride_dot,
+            offs_n,
+            offs_d,
+            full_begin,
+            full_end,
+            q_len,
+            diag,
+            qk_scale,
+            seed_lo,
+            seed_hi,
+            seq_id,
+            head_id,
+            drop_threshold,
+            drop_scale,
+            BLOCK_M,
+            False,
+            CAUSAL,
+            DROPOUT,
+            UPCAST,
+            DTYPE,
+        )
+        dk, dv = _dkdv_inner(
+            dk,
+            dv,
+            k,
+            v,
+            q_base,
+            do_base,
+            lse2_base,
+            delta_base,
+            stride_qt,
+            stride_dot,
+            offs_n,
+            offs_d,
+            tail_begin,
+            q_len,
+            q_len,
+            diag,
+            qk_scale,
+            seed_lo,
+            seed_hi,
+            seq_id,
+            head_id,
+            drop_threshold,
+            drop_scale,
+            BLOCK_M,
+            True,
+            CAUSAL,
+            DROPOUT,
+            UPCAST,
+            DTYPE,
+        )
+    dk = dk * sm_scale
+    out_off = (k_start + offs_n[:, None].to(tl.int64)) * stride_dkt + kv_head * stride_dkh + offs_d[None, :]
+    tl.store(dk_ptr + out_off, dk.to(dk_ptr.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(dv_ptr + out_off, dv.to(dv_ptr.dtype.element_ty), mask=col_ok[:, None])
+
+
+@triton.jit
+def _dq_inner(
+    dq,
+    q,
+    do,
+    lse2,
+    delta,
+    k_base,
+    v_base,
+    stride_kt,
+    offs_m,
+    offs_d,
+    start_n,
+    end_n,
+    k_len,
+    diag,
+    qk_scale,
+    seed_lo,
+    seed_hi,
+    seq,
+    head,
+    drop_threshold,
+    drop_scale,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for start in range(start_n, end_n, BLOCK_N):
+        offs_n = start + offs_n0
+        kT_ptrs = k_base + offs_n[None, :].to(tl.int64) * stride_kt + offs_d[:, None]
+        vT_ptrs = v_base + offs_n[None, :].to(tl.int64) * stride_kt + offs_d[:, None]
+        if MASKED:
+            kT = tl.load(kT_ptrs, mask=offs_n[None, :] < k_len, other=0.0)
+            vT = tl.load(vT_ptrs, mask=offs_n[None, :] < k_len, other=0.0)
+        else:
+            kT = tl.load(kT_ptrs)
+            vT = tl.load(vT_ptrs)
+        if UPCAST:
+            kT = kT.to(tl.float32)
+            vT = vT.to(tl.float32)
+        p = tl.math.exp2(tl.dot(q, kT) * qk_scale - lse2[:, None])
+        if MASKED:
+            visible = offs_n[None, :] < k_len
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + diag)
+            p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, vT)
+        if DROPOUT:
+            keep = _dropout_keep(seed_lo, seed_hi, seq, head, offs_m, offs_n, drop_threshold, False)
+            dp = tl.where(keep, dp * drop_scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        if UPCAST:
+            dq = tl.dot(ds, tl.trans(kT), dq)
+        else:
+            dq = tl.dot(ds.to(DTYPE), tl.trans(kT), dq)
+    return dq
+
+
+@triton.jit
+def attn_bwd_dq_kernel(
+    # pointers
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    lse2_ptr,
+    delta_ptr,
+    dq_ptr,
+    cu_q_ptr,
+    cu_k_ptr,
+    # sizes and scalars
+    n_tiles,
+    group,
+    sm_scale,
+    qk_scale,
+    seed_lo,
+    seed_hi,
+    seq_offset,
+    head_offset,
+    drop_threshold,
+    drop_scale,
+    # strides
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_dot,
+    stride_doh,
+    stride_dqt,
+    stride_dqh,
+    stride_lh,
+    # meta
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    # One program owns query block `tile` of one head and loops over KV blocks in ascending order.
+    tile = n_tiles - 1 - tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + seq).to(tl.int64)
+    q_len = (tl.load(cu_q_ptr + seq + 1) - q_start).to(tl.int32)
+    start_m = tile * BLOCK_M
+    if start_m >= q_len:
+        return
+    k_start = tl.load(cu_k_ptr + seq).to(tl.int64)
+    k_len = (tl.load(cu_k_ptr + seq + 1) - k_start).to(tl.int32)
+    diag = k_len - q_len
+    kv_head = head // group
+    DTYPE = q_ptr.dtype.element_ty
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < q_len
+    rows = q_start + offs_m[:, None].to(tl.int64)
+    q = tl.load(
+        q_ptr + rows * stride_qt + head * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0
+    )
+    do = tl.load(
+        do_ptr + rows * stride_dot + head * stride_doh + offs_d[None, :], mask=row_ok[:, None], other=0.0
+    )
+    lse2 = tl.load(lse2_ptr + head * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(delta_ptr + head * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    k_base = k_ptr + k_start * stride_kt + kv_head * stride_kh
+    v_base = v_ptr + k_start * stride_kt + kv_head * stride_kh
+    full_end = (k_len // BLOCK_N) * BLOCK_N
+    end = k_len
+    if CAUSAL:
+        full_end = tl.minimum(full_end, ((start_m + diag + 1) // BLOCK_N) * BLOCK_N)
+        end = tl.minimum(k_len, start_m + BLOCK_M + diag)
+    seq_id = seq + seq_offset
+    head_id = head + head_offset
+    dq = _dq_inner(
+        dq,
+        q,
+        do,
+        lse2,
+        delta,
+        k_base,
+        v_base,
+        stride_kt,
+        offs_m,
+        offs_d,
+        0,
+        full_end,
+        k_len,
+        diag,
+        qk_scale,
+        seed_lo,
+        seed_hi,
+        seq_id,
+        head_id,
+        drop_threshold,
+        drop_scale,
+        BLOCK_N,
+        False,
+        CAUSAL,
+        DROPOUT,
+        UPCAST,
+        DTYPE,
+    )
+    dq = _dq_inner(
+        dq,
+        q,
+        do,
+        lse2,
+        delta,
+        k_base,
+        v_base,
+        stride_kt,
+        offs_m,
+        offs_d,
+        full_end,
+        end,
+        k_len,
+        diag,
+        qk_scale,
+        seed_lo,
+        seed_hi,
+        seq_id,
+        head_id,
+        drop_threshold,
+        drop_scale,
+        BLOCK_N,
+        True,
+        CAUSAL,
+        DROPOUT,
+        UPCAST,
+        DTYPE,
+    )
+    dq = dq * sm_scale
+    tl.store(
+        dq_ptr + rows * stride_dqt + head * stride_dqh + offs_d[None, :],
+        dq.to(dq_ptr.dtype.element_ty),
+        mask=row_ok[:, None],
+    )

@@ -1,0 +1,576 @@
+"""Deterministic flash attention: host launchers, autograd, and the public ``attention`` functions.
+
+Reading order: the fixed config table, input checks, forward/backward launchers, the
+``torch.autograd.Function``, then ``attention`` (padded batch) and ``attention_varlen`` (packed).
+The kernels are in ``_kernels.py``; a plain-torch reference is in ``reference.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from . import _kernels
+from ._vendor.det_core import rng, runtime
+
+__all__ = ["MAX_SEQLEN", "SUPPORTED_HEAD_DIMS", "attention", "attention_varlen"]
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+# Dropout packs query and key positions into 22 bits each of the Philox index (see _kernels).
+MAX_SEQLEN = 1 << 22
+_MAX_HEADS = 1 << 19  # head (plus head_offset) gets the remaining 19 bits
+_MAX_GRID_YZ = 65535  # CUDA grid limit for the sequence and head axes
+_SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+
+if _kernels.DROPOUT_STREAM.value != rng.STREAM_ATTN_DROPOUT:  # pragma: no cover - guards an edit
+    raise ImportError("det_attn kernels use a dropout stream other than rng.STREAM_ATTN_DROPOUT")
+
+
+@dataclass(frozen=True)
+class _Config:
+    """Launch parameters of the three main kernels.
+
+    Reduction-order-defining (changing one changes bits, so they depend only on head dim and the
+    interpreter switch, never on batch, sequence length or packing):
+    ``fwd_block_n`` (keys per online-softmax step), ``dkdv_block_m`` (queries per dK/dV step),
+    ``dq_block_n`` (keys per dQ step). The others only change which rows a program owns.
+    """
+
+    fwd_block_m: int
+    fwd_block_n: int
+    fwd_warps: int
+    fwd_stages: int
+    dkdv_block_m: int
+    dkdv_block_n: int
+    dkdv_warps: int
+    dkdv_stages: int
+    dq_block_m: int
+    dq_block_n: int
+    dq_warps: int
+    dq_stages: int
+
+
+# Fixed table (no autotune), bf16 and fp16 alike, causal or not. Starting points: Triton tutorial
+# 06 (fused attention) Hopper configs; 8 warps at D=128 in the backward keeps the fp32 dK/dV
+# accumulators (2 x 128 x 128) in registers.
+_GPU_CONFIGS = {
+    64: _Config(128, 64, 4, 3, 32, 128, 4, 5, 128, 32, 4, 5),
+    128: _Config(128, 64, 8, 3, 32, 128, 8, 3, 128, 32, 8, 3),
+}
+# Interpreter: small, unequal blocks so tiny CPU tests cross many tile and diagonal boundaries.
+_INTERPRETER_CONFIG = _Config(32, 16, 1, 1, 16, 32, 1, 1, 32, 16, 1, 1)
+
+
+def _config(head_dim: int) -> _Config:
+    return _INTERPRETER_CONFIG if runtime.interpreter_active() else _GPU_CONFIGS[head_dim]
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dims: int, op: str) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != dims:
+            layout = "(B, T, H, D)" if dims == 4 else "(total_tokens, H, D)"
+            raise ValueError(f"{op}: {name} must be {dims}-D {layout}, got shape {tuple(t.shape)}")
+    if q.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"{op}: q has dtype {q.dtype}; supported are torch.bfloat16 and torch.float16")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"{op}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    runtime.check_kernel_device(q, k, v, op=op)
+    head_dim = q.shape[-1]
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"{op}: head dim {head_dim} is not supported; supported head dims are {SUPPORTED_HEAD_DIMS} "
+            "(256 is not implemented: pad or split the heads)"
+        )
+    if k.shape[-1] != head_dim or v.shape[-1] != head_dim:
+        raise ValueError(
+            f"{op}: q, k, v must share the head dim, got {head_dim}, {k.shape[-1]}, {v.shape[-1]}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"{op}: k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    h_q, h_kv = q.shape[-2], k.shape[-2]
+    if h_q == 0 or h_kv == 0 or h_q % h_kv:
+        raise ValueError(
+            f"{op}: query heads ({h_q}) must be a positive multiple of key/value heads ({h_kv}) (GQA/MQA)"
+        )
+    if h_q > _MAX_GRID_YZ:
+        raise ValueError(f"{op}: at most {_MAX_GRID_YZ} query heads are supported, got {h_q}")
+
+
+def _check_dropout(
+    dropout_p: float, seed: int | None, sequence_offset: int, head_offset: int, heads: int, op: str
+) -> None:
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"{op}: dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p > 0.0:
+        if seed is None:
+            raise ValueError(
+                f"{op}: dropout_p > 0 needs an explicit integer seed (there is no global generator)"
+            )
+        rng.check_key(seed, 0, rng.STREAM_ATTN_DROPOUT)
+    if not 0 <= int(sequence_offset) < 2**32:
+        raise ValueError(f"{op}: sequence_offset must be in [0, 2**32), got {sequence_offset}")
+    if not 0 <= int(head_offset) or int(head_offset) + heads > _MAX_HEADS:
+        raise ValueError(
+            f"{op}: head_offset + heads must be in [0, {_MAX_HEADS}], got {head_offset} + {heads}"
+        )
+
+
+def _check_cu_seqlens(cu: torch.Tensor, total: int, device: torch.device, name: str, op: str) -> torch.Tensor:
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor of int32, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{op}: {name} must have dtype torch.int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{op}: {name} must be 1-D with batch + 1 >= 2 entries, got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{op}: {name} is on {cu.device} but q is on {device}")
+    host = cu.cpu()  # one small device-to-host copy: the checks below need the values
+    if int(host[0]) != 0 or int(host[-1]) != total:
+        raise ValueError(
+            f"{op}: {name} must start at 0 and end at the token count {total}, "
+            f"got {int(host[0])} ... {int(host[-1])}"
+        )
+    lengths = host[1:] - host[:-1]
+    if bool((lengths < 0).any()):
+        raise ValueError(f"{op}: {name} must be non-decreasing (monotone), got {host.tolist()}")
+    return lengths
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def _dropout_args(dropout_p: float, seed: int | None) -> tuple[int, int, int, float]:
+    if dropout_p == 0.0:
+        return 0, 0, 0, 1.0
+    seed_lo, seed_hi = rng.split_seed(int(seed))
+    # keep an element iff its 32 random bits are >= threshold: P(keep) = 1 - threshold / 2**32
+    threshold = min(int(round(dropout_p * 2**32)), 2**32 - 1)
+    return seed_lo, seed_hi, threshold, 1.0 / (1.0 - dropout_p)
+
+
+def _forward(q, k, v, cu_q, cu_k, max_q, scale, causal, dropout_p, seed, sequence_offset, head_offset):
+    total_q, heads, head_dim = q.shape
+    batch = cu_q.numel() - 1
+    cfg = _config(head_dim)
+    o = torch.empty_like(q)
+    lse2 = torch.empty((heads, total_q), device=q.device, dtype=torch.float32)
+    seed_lo, seed_hi, threshold, drop_scale = _dropout_args(dropout_p, seed)
+    n_tiles = triton.cdiv(max_q, cfg.fwd_block_m)
+    _kernels.attn_fwd_kernel[(n_tiles, batch, heads)](
+        q,
+        k,
+        v,
+        o,
+        lse2,
+        cu_q,
+        cu_k,
+        n_tiles,
+        heads // k.shape[1],
+        scale * math.log2(math.e),
+        seed_lo,
+        seed_hi,
+        sequence_offset,
+        head_offset,
+        threshold,
+        drop_scale,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        o.stride(0),
+        o.stride(1),
+        lse2.stride(0),
+        HEAD_DIM=head_dim,
+        BLOCK_M=cfg.fwd_block_m,
+        BLOCK_N=cfg.fwd_block_n,
+        CAUSAL=causal,
+        DROPOUT=dropout_p > 0.0,
+        UPCAST=runtime.interpreter_active(),
+        num_warps=cfg.fwd_warps,
+        num_stages=cfg.fwd_stages,
+    )
+    return o, lse2
+
+
+def _backward(
+    do,
+    q,
+    k,
+    v,
+    o,
+    lse2,
+    cu_q,
+    cu_k,
+    max_q,
+    max_k,
+    scale,
+    causal,
+    dropout_p,
+    seed,
+    sequence_offset,
+    head_offset,
+):
+    total_q, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    batch = cu_q.numel() - 1
+    cfg = _config(head_dim)
+    interp = runtime.interpreter_active()
+    do = do.contiguous()
+    delta = torch.empty_like(lse2)
+    pre_block = 32 if interp else 128
+    _kernels.attn_bwd_preprocess_kernel[(triton.cdiv(total_q, pre_block), heads)](
+        o,
+        do,
+        delta,
+        total_q,
+        o.stride(0),
+        o.stride(1),
+        do.stride(0),
+        do.stride(1),
+        delta.stride(0),
+        HEAD_DIM=head_dim,
+        BLOCK_M=pre_block,
+    )
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    seed_lo, seed_hi, threshold, drop_scale = _dropout_args(dropout_p, seed)
+    common = dict(HEAD_DIM=head_dim, CAUSAL=causal, DROPOUT=dropout_p > 0.0, UPCAST=interp)
+    n_kv_tiles = triton.cdiv(max_k, cfg.dkdv_block_n)
+    _kernels.attn_bwd_dkdv_kernel[(n_kv_tiles, batch, kv_heads)](
+        q,
+        k,
+        v,
+        do,
+        lse2,
+        delta,
+        dk,
+        dv,
+        cu_q,
+        cu_k,
+        n_kv_tiles,
+        heads // kv_heads,
+        scale,
+        scale * math.log2(math.e),
+        seed_lo,
+        seed_hi,
+        sequence_offset,
+        head_offset,
+        threshold,
+        drop_scale,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        do.stride(0),
+        do.stride(1),
+        dk.stride(0),
+        dk.stride(1),
+        lse2.stride(0),
+        BLOCK_M=cfg.dkdv_block_m,
+        BLOCK_N=cfg.dkdv_block_n,
+        num_warps=cfg.dkdv_warps,
+        num_stages=cfg.dkdv_stages,
+        **common,
+    )
+    n_q_tiles = triton.cdiv(max_q, cfg.dq_block_m)
+    _kernels.attn_bwd_dq_kernel[(n_q_tiles, batch, heads)](
+        q,
+        k,
+        v,
+        do,
+        lse2,
+        delta,
+        dq,
+        cu_q,
+        cu_k,
+        n_q_tiles,
+        heads // kv_heads,
+        scale,
+        scale * math.log2(math.e),
+        seed_lo,
+        seed_hi,
+        sequence_offset,
+        head_offset,
+        threshold,
+        drop_scale,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        do.stride(0),
+        do.stride(1),
+        dq.stride(0),
+        dq.stride(1),
+        lse2.stride(0),
+        BLOCK_M=cfg.dq_block_m,
+        BLOCK_N=cfg.dq_block_n,
+        num_warps=cfg.dq_warps,
+        num_stages=cfg.dq_stages,
+        **common,
+    )
+    return dq, dk, dv
+
+
+class _AttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, dropout_p, seed, sequence_offset, head_offset
+    ):
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        o, lse2 = _forward(
+            q, k, v, cu_q, cu_k, max_q, scale, causal, dropout_p, seed, sequence_offset, head_offset
+        )
+        ctx.save_for_backward(q, k, v, o, lse2, cu_q, cu_k)
+        ctx.args = (max_q, max_k, scale, causal, dropout_p, seed, sequence_offset, head_offset)
+        ctx.mark_non_differentiable(lse2)
+        return o, lse2
+
+    @staticmethod
+    def backward(ctx, do, _dlse2):
+        q, k, v, o, lse2, cu_q, cu_k = ctx.saved_tensors
+        max_q, max_k, scale, causal, dropout_p, seed, sequence_offset, head_offset = ctx.args
+        dq, dk, dv = _backward(
+            do,
+            q,
+            k,
+            v,
+            o,
+            lse2,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            scale,
+            causal,
+            dropout_p,
+            seed,
+            sequence_offset,
+            head_offset,
+        )
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+
+
+def _scale(softmax_scale: float | None, head_dim: int, op: str) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    scale = float(softmax_scale)
+    if not math.isfinite(scale) or scale <= 0.0:
+        raise ValueError(f"{op}: softmax_scale must be a finite positive number, got {softmax_scale}")
+    return scale
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    dropout_p: float = 0.0,
+    seed: int | None = None,
+    return_lse: bool = False,
+    sequence_offset: int = 0,
+    head_offset: int = 0,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    r"""Deterministic scaled dot-product attention over a padded batch, with autograd.
+
+    Computes ``softmax(q k^T * softmax_scale [+ causal mask]) v`` per sequence and head, with
+    optional dropout on the attention probabilities. The backward pass gives dq, dk, dv.
+
+    Args:
+        q: ``(B, T_q, H_q, D)`` bf16 or fp16, on CUDA (or CPU under ``TRITON_INTERPRET=1``).
+        k: ``(B, T_k, H_kv, D)``, same dtype and device; ``H_q`` a multiple of ``H_kv`` (GQA/MQA:
+            query head ``h`` uses key/value head ``h // (H_q // H_kv)``).
+        v: ``(B, T_k, H_kv, D)``.
+        causal: causal mask aligned to the bottom-right corner (flash-attn convention): query
+            ``i`` sees keys ``j <= i + T_k - T_q``; needs ``T_k >= T_q``.
+        softmax_scale: multiplier of ``q k^T``; default ``1 / sqrt(D)``.
+        dropout_p: probability of zeroing an attention probability (kept ones scale by
+            ``1 / (1 - dropout_p)``); in ``[0, 1)``.
+        seed: Philox seed (``0 <= seed < 2**64``), required when ``dropout_p > 0``. Use a new seed
+            per training step.
+        return_lse: also return the natural log-sum-exp of the scaled scores, ``(B, H_q, T_q)``
+            fp32 (no gradient flows through it).
+        sequence_offset: global index of this batch's first sequence in the dropout key (data
+            parallelism: give each rank its global offset to draw the undivided batch's mask).
+        head_offset: global index of the first query head in the dropout key (tensor parallelism).
+
+    Returns:
+        ``o`` of shape ``(B, T_q, H_q, D)`` in q's dtype; with ``return_lse``, ``(o, lse)``.
+
+    Raises:
+        TypeError: a non-tensor input, dtype other than bf16/fp16, or mixed dtypes.
+        ValueError: wrong ranks or shapes, head dim not 64 or 128, ``T = 0``, ``T > MAX_SEQLEN``
+            (``2**22``), ``H_q`` not a multiple of ``H_kv``, causal with ``T_k < T_q``, a bad
+            dropout probability or seed, tensors on different devices.
+        RuntimeError: CPU tensors without the Triton interpreter.
+
+    **Determinism:** bitwise identical run to run (O, LSE, dq, dk, dv; no atomics: each gradient
+    element is written once, summed in a fixed order). A sequence's outputs and gradients are the
+    same bits whatever its batch size, position in the batch or neighbours, and equal to the same
+    sequence given to ``attention_varlen`` beside any neighbours. Heads are independent, so
+    splitting heads across ranks (keeping GQA groups together, with ``head_offset`` for dropout)
+    reproduces the unsplit bits. Under causal context parallelism (a rank holds a chunk of queries
+    and the keys up to the chunk's end) O, LSE and dq keep their bits; dk and dv do not (the
+    ranks' partial sums are added outside the kernel, in another order). Dropout masks are a pure
+    function of (seed, sequence index, head, query position, key position). Not guaranteed across
+    GPU models, Triton versions, or between the GPU and the CPU interpreter (other block sizes).
+
+    Method: FlashAttention-2 (Dao, 2023, arXiv:2307.08691) after the Triton fused-attention
+    tutorial, with atomics-free backward (separate dK/dV and dQ kernels).
+    """
+    op = "det_attn.attention"
+    _check_qkv(q, k, v, 4, op)
+    batch, t_q, heads, head_dim = q.shape
+    if k.shape[0] != batch:
+        raise ValueError(f"{op}: q and k must share the batch size, got {batch} and {k.shape[0]}")
+    t_k = k.shape[1]
+    if batch == 0 or t_q == 0 or t_k == 0:
+        raise ValueError(f"{op}: empty input (B={batch}, T_q={t_q}, T_k={t_k}); every size must be >= 1")
+    if max(t_q, t_k) > MAX_SEQLEN:
+        raise ValueError(f"{op}: sequence length {max(t_q, t_k)} exceeds the supported {MAX_SEQLEN}")
+    if batch > _MAX_GRID_YZ:
+        raise ValueError(f"{op}: batch {batch} exceeds {_MAX_GRID_YZ}; split it into several calls")
+    if causal and t_k < t_q:
+        raise ValueError(
+            f"{op}: causal attention needs T_k >= T_q (bottom-right alignment), got {t_k} < {t_q}"
+        )
+    _check_dropout(dropout_p, seed, sequence_offset, head_offset, heads, op)
+    scale = _scale(softmax_scale, head_dim, op)
+    cu_q = torch.arange(0, batch + 1, device=q.device, dtype=torch.int32) * t_q
+    cu_k = torch.arange(0, batch + 1, device=q.device, dtype=torch.int32) * t_k
+    o, lse2 = _AttentionFunction.apply(
+        q.reshape(batch * t_q, heads, head_dim),
+        k.reshape(batch * t_k, k.shape[2], head_dim),
+        v.reshape(batch * t_k, k.shape[2], head_dim),
+        cu_q,
+        cu_k,
+        t_q,
+        t_k,
+        scale,
+        bool(causal),
+        float(dropout_p),
+        seed,
+        int(sequence_offset),
+        int(head_offset),
+    )
+    o = o.view(batch, t_q, heads, head_dim)
+    if not return_lse:
+        return o
+    return o, (lse2 * math.log(2.0)).view(heads, batch, t_q).permute(1, 0, 2)
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    dropout_p: float = 0.0,
+    seed: int | None = None,
+    return_lse: bool = False,
+    sequence_offset: int = 0,
+    head_offset: int = 0,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    r"""Deterministic attention over packed variable-length sequences, with autograd.
+
+    Sequence ``b`` holds query tokens ``cu_seqlens_q[b] : cu_seqlens_q[b+1]`` and key tokens
+    ``cu_seqlens_k[b] : cu_seqlens_k[b+1]``; tokens attend only inside their own sequence.
+
+    Args:
+        q: ``(total_q, H_q, D)`` bf16 or fp16.
+        k: ``(total_k, H_kv, D)``; ``H_q`` a multiple of ``H_kv``.
+        v: ``(total_k, H_kv, D)``.
+        cu_seqlens_q: ``(B + 1,)`` int32, non-decreasing, from 0 to ``total_q``.
+        cu_seqlens_k: ``(B + 1,)`` int32, non-decreasing, from 0 to ``total_k``.
+        max_seqlen_q: an int >= the longest query sequence (sets the launch grid).
+        max_seqlen_k: an int >= the longest key sequence.
+        causal, softmax_scale, dropout_p, seed, sequence_offset, head_offset: as in ``attention``;
+            the dropout key's sequence index is ``sequence_offset + b`` and query/key positions
+            count from the start of the sequence.
+        return_lse: also return the natural LSE as ``(H_q, total_q)`` fp32.
+
+    Returns:
+        ``o`` of shape ``(total_q, H_q, D)``; with ``return_lse``, ``(o, lse)``.
+
+    Raises:
+        TypeError: as in ``attention``; cu_seqlens not int32 tensors.
+        ValueError: as in ``attention``; cu_seqlens not 1-D, of different lengths, not monotone,
+            not from 0 to the token count, on another device; a max_seqlen below the longest
+            sequence or above ``MAX_SEQLEN``; a sequence with queries but no keys; causal with a
+            sequence whose key length is below its query length.
+
+    **Determinism:** as ``attention``: tiles start at each sequence's first token, so a
+    sequence's O, LSE, dq, dk, dv are the same bits whatever is packed beside it, and equal to
+    ``attention`` on that sequence alone (with the same sequence index for dropout). Validating
+    ``cu_seqlens`` reads them on the host (one small copy, a synchronisation).
+
+    Method: as ``attention`` (FlashAttention-2 varlen layout, Dao 2023).
+    """
+    op = "det_attn.attention_varlen"
+    _check_qkv(q, k, v, 3, op)
+    total_q, heads, head_dim = q.shape
+    total_k = k.shape[0]
+    if total_q == 0 or total_k == 0:
+        raise ValueError(f"{op}: empty input (total_q={total_q}, total_k={total_k}); need at least one token")
+    len_q = _check_cu_seqlens(cu_seqlens_q, total_q, q.device, "cu_seqlens_q", op)
+    len_k = _check_cu_seqlens(cu_seqlens_k, total_k, q.device, "cu_seqlens_k", op)
+    if len_q.numel() != len_k.numel():
+        raise ValueError(
+            f"{op}: cu_seqlens_q and cu_seqlens_k describe {len_q.numel()} and "
+            f"{len_k.numel()} sequences; they must match"
+        )
+    if len_q.numel() > _MAX_GRID_YZ:
+        raise ValueError(f"{op}: {len_q.numel()} sequences exceed {_MAX_GRID_YZ}; split into several calls")
+    for name, given, lengths in (
+        ("max_seqlen_q", max_seqlen_q, len_q),
+        ("max_seqlen_k", max_seqlen_k, len_k),
+    ):
+        if not isinstance(given, int) or isinstance(given, bool):
+            raise TypeError(f"{op}: {name} must be an int, got {type(given).__name__}")
+        longest = int(lengths.max())
+        if given < longest:
+            raise ValueError(f"{op}: {name}={given} is below the longest sequence ({longest})")
+        if given > MAX_SEQLEN:
+            raise ValueError(f"{op}: {name}={given} exceeds the supported {MAX_SEQLEN}")
+    if bool(((len_q > 0) & (len_k == 0)).any()):
+        raise ValueError(f"{op}: a sequence has queries but no keys (its attention is undefined)")
+    if causal and bool((len_k < len_q).any()):
+        raise ValueError(f"{op}: causal attention needs every key length >= its query length (bottom-right)")
+    _check_dropout(dropout_p, seed, sequence_offset, head_offset, heads, op)
+    scale = _scale(softmax_scale, head_dim, op)
+    o, lse2 = _AttentionFunction.apply(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max(int(max_seqlen_q), 1),
+        max(int(max_seqlen_k), 1),
+        scale,
+        bool(causal),
+        float(dropout_p),
+        seed,
+        int(sequence_offset),
+        int(head_offset),
+    )
+    if not return_lse:
+        return o
+    return o, lse2 * math.log(2.0)
