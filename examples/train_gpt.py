@@ -27,38 +27,26 @@ if not torch.cuda.is_available():
 
 # ----------------------------------------------------------------------------------------------------
 # Config. Two presets: "cpu" (Triton interpreter, a few minutes on 2 cores) and "gpu" (~100 M params).
+# fmt: off
 PRESETS = {
     "cpu": dict(
-        d_model=64,
-        n_layer=2,
-        n_head=4,
-        d_ff=192,
-        seq_len=64,
-        batch_seqs=8,
-        micro_batch_seqs=4,
-        steps=40,
-        lr=3e-3,
-        warmup_steps=5,
-        leaf_tokens=64,
-        eval_seqs=16,
-        sample_tokens=96,
+        d_model=128, n_layer=2, n_head=2, d_ff=384, seq_len=64,  # det_attn head dims: 64 or 128
+        batch_seqs=8, micro_batch_seqs=4, steps=40, lr=3e-3, warmup_steps=5,
+        leaf_tokens=64, eval_seqs=16, sample_tokens=96,
     ),
     "gpu": dict(
-        d_model=768,
-        n_layer=12,
-        n_head=12,
-        d_ff=2560,
-        seq_len=1024,
-        batch_seqs=32,
-        micro_batch_seqs=16,
-        steps=600,
-        lr=1e-3,
-        warmup_steps=50,
-        leaf_tokens=1024,
-        eval_seqs=64,
-        sample_tokens=400,
+        d_model=768, n_layer=12, n_head=12, d_ff=2560, seq_len=1024,
+        batch_seqs=32, micro_batch_seqs=16, steps=600, lr=1e-3, warmup_steps=50,
+        leaf_tokens=1024, eval_seqs=64, sample_tokens=400,
+    ),
+    # the end-to-end tests and the executable tutorials: seconds per step through the interpreter
+    "tiny": dict(
+        d_model=64, n_layer=1, n_head=1, d_ff=128, seq_len=32,
+        batch_seqs=8, micro_batch_seqs=8, steps=2, lr=3e-3, warmup_steps=1,
+        leaf_tokens=32, eval_seqs=8, sample_tokens=16,
     ),
 }
+# fmt: on
 COMMON = dict(
     min_lr_ratio=0.1,  # cosine decay to lr * min_lr_ratio
     betas=(0.9, 0.95),
@@ -427,33 +415,41 @@ def train(
 # Data parallelism: torchrun, or ranks spawned here (gloo on CPU, NCCL with one GPU per rank).
 
 
-def _dp_worker(rank: int, world: int, cfg: TrainConfig, init_file: str, out_file: str, kwargs: dict) -> None:
+def _dp_worker(rank: int, world: int, jobs: list, init_file: str, out_file: str) -> None:
     torch.set_num_threads(1)  # ranks share the cores
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(rank)
-    dist.init_process_group(
-        "nccl" if cuda else "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
-    )
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        result = train(cfg, rank=rank, world=world, device=f"cuda:{rank}" if cuda else "cpu", **kwargs)
-        if rank == 0:
+        results = []
+        for cfg, kwargs in jobs:
+            result = train(cfg, rank=rank, world=world, device=f"cuda:{rank}" if cuda else "cpu", **kwargs)
             result.pop("model")
-            torch.save(result, out_file)
+            results.append(result)
+        if rank == 0:
+            torch.save(results, out_file)
     finally:
         dist.destroy_process_group()
 
 
-def train_spawned(cfg: TrainConfig, world: int, **kwargs) -> dict:
-    """Run ``train`` on ``world`` spawned ranks and return rank 0's result (without the model)."""
+def train_spawned_many(jobs: list[tuple[TrainConfig, dict]], world: int) -> list[dict]:
+    """Run ``train(cfg, **kwargs)`` for each job, one after the other, on ``world`` spawned ranks
+    (one process group for all: the start-up is paid once). Returns rank 0's results (no model)."""
     import torch.multiprocessing as mp
 
     if torch.cuda.is_available() and torch.cuda.device_count() < world:
         raise RuntimeError(f"--dp {world} needs {world} GPUs, found {torch.cuda.device_count()}")
     with tempfile.TemporaryDirectory() as tmp:
         init_file, out_file = os.path.join(tmp, "pg"), os.path.join(tmp, "result.pt")
-        mp.spawn(_dp_worker, args=(world, cfg, init_file, out_file, kwargs), nprocs=world, join=True)
+        mp.spawn(_dp_worker, args=(world, jobs, init_file, out_file), nprocs=world, join=True)
         return torch.load(out_file, weights_only=False)
+
+
+def train_spawned(cfg: TrainConfig, world: int, **kwargs) -> dict:
+    """``train(cfg, **kwargs)`` on ``world`` spawned ranks; rank 0's result (without the model)."""
+    return train_spawned_many([(cfg, kwargs)], world)[0]
 
 
 # ----------------------------------------------------------------------------------------------------
