@@ -1,0 +1,271 @@
+"""The fused AdamW step in Triton: one launch over many tensors, fp32 math, one rounding at write-back.
+
+Layout of a launch (all tensors on one device, one param dtype and one grad dtype):
+
+* Every tensor role (param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq) is addressed from one base
+  pointer, the lowest-address tensor of that role, plus a per-tensor element offset from a small
+  ``tensor_table`` (int64, ``[T, 5]``). So hundreds of tensors need one launch, not hundreds.
+* A ``chunk_table`` (int64, ``[C, 5]``) lists BLOCK-element windows: ``(slot, window_local_start,
+  segment_local_start, segment_local_end, window_global_start)``. Windows are aligned to 4 in the
+  *global* index, so one Philox call serves 4 elements (``random_bits_x4``) whatever the tensor's
+  base index; elements of the window outside the segment are masked.
+* Per-tensor steps (``steps``, fp32 ``[T]``, torch's layout) and the hyperparameters (``hyper``,
+  fp64 ``[5]``: lr, beta1, beta2, eps, weight_decay) are read from device memory, so the launch
+  can be captured in a CUDA graph and replayed with a new lr and step.
+
+Bit-exactness with ``reference.py``: scalars are computed in fp64 from the same sequence of IEEE
+operations (``beta ** step`` by binary exponentiation: multiplications only), rounded once to fp32;
+elementwise math is fp32 with IEEE division and square root (``div_rn``/``sqrt_rn``) and every
+launch passes ``enable_fp_fusion=False`` so no ``a * b + c`` is contracted into an FMA.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._vendor.det_core import rng, runtime, sr
+
+# Fixed launch configs, keyed by where the kernel runs. The step is elementwise and its random
+# bits are keyed by global element index, so BLOCK and num_warps do NOT change any result bit.
+LAUNCH_CONFIGS = {
+    "cuda": {"BLOCK": 4096, "num_warps": 8},
+    "interpreter": {"BLOCK": 256, "num_warps": 4},
+}
+
+TENSOR_TABLE_COLUMNS = 5  # element offsets of param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq
+CHUNK_TABLE_COLUMNS = (
+    5  # slot, window local start, segment local start, segment local end, window global start
+)
+
+
+@triton.jit
+def _pow_by_squaring(base, exponent):
+    """``base ** exponent`` in fp64 with multiplications only (reference: ``reference.pow_by_squaring``)."""
+    result = base * 0.0 + 1.0
+    for i in tl.static_range(32):
+        bit = (exponent >> i) & 1
+        result = tl.where(bit != 0, result * base, result)
+        base = base * base
+    return result
+
+
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "stream"])
+def _adamw_sr_kernel(
+    # base pointers, one per tensor role
+    param_ptr,
+    grad_ptr,
+    exp_avg_ptr,
+    exp_avg_sq_ptr,
+    max_exp_avg_sq_ptr,
+    # tables and device scalars
+    tensor_table_ptr,
+    chunk_table_ptr,
+    steps_ptr,
+    hyper_ptr,
+    # Philox key words
+    seed_lo,
+    seed_hi,
+    stream,
+    # meta-parameters
+    AMSGRAD: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    PARAM_BF16: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    chunk = tl.program_id(0).to(tl.int64)
+    row = chunk_table_ptr + chunk * 5
+    slot = tl.load(row)
+    window_local = tl.load(row + 1)
+    segment_start = tl.load(row + 2)
+    segment_end = tl.load(row + 3)
+    window_global = tl.load(row + 4)
+
+    trow = tensor_table_ptr + slot * 5
+    param_off = tl.load(trow)
+    grad_off = tl.load(trow + 1)
+    exp_avg_off = tl.load(trow + 2)
+    exp_avg_sq_off = tl.load(trow + 3)
+
+    # scalars in fp64, rounded once to fp32 (same sequence as reference.step_scalars)
+    step = tl.load(steps_ptr + slot).to(tl.int64)
+    lr = tl.load(hyper_ptr)
+    beta1 = tl.load(hyper_ptr + 1)
+    beta2 = tl.load(hyper_ptr + 2)
+    eps = tl.load(hyper_ptr + 3)
+    weight_decay = tl.load(hyper_ptr + 4)
+    bias_correction1 = 1.0 - _pow_by_squaring(beta1, step)
+    bias_correction2 = 1.0 - _pow_by_squaring(beta2, step)
+    # fp64 `/` and `sqrt` lower to IEEE div.rn.f64 / sqrt.rn.f64 (fp32's would be approximate)
+    step_size = (lr / bias_correction1).to(tl.float32)
+    bias_correction2_sqrt = tl.sqrt(bias_correction2).to(tl.float32)
+    decay = (1.0 - lr * weight_decay).to(tl.float32)
+    beta1_f = beta1.to(tl.float32)
+    one_minus_beta1 = (1.0 - beta1).to(tl.float32)
+    beta2_f = beta2.to(tl.float32)
+    one_minus_beta2 = (1.0 - beta2).to(tl.float32)
+    eps_f = eps.to(tl.float32)
+
+    lanes = tl.arange(0, BLOCK).to(tl.int64)
+    local = window_local + lanes
+    mask = (local >= segment_start) & (local < segment_end)
+    local = tl.where(mask, local, 0)  # never form an address before a tensor's start
+    p_idx = param_off + local
+    g_idx = grad_off + local
+    m_idx = exp_avg_off + local
+    v_idx = exp_avg_sq_off + local
+    if ALIGNED:
+        p_idx = tl.max_contiguous(tl.multiple_of(p_idx, 8), BLOCK)
+        g_idx = tl.max_contiguous(tl.multiple_of(g_idx, 8), BLOCK)
+        m_idx = tl.max_contiguous(tl.multiple_of(m_idx, 8), BLOCK)
+        v_idx = tl.max_contiguous(tl.multiple_of(v_idx, 8), BLOCK)
+
+    p = tl.load(param_ptr + p_idx, mask=mask).to(tl.float32)
+    g = tl.load(grad_ptr + g_idx, mask=mask).to(tl.float32)
+    m = tl.load(exp_avg_ptr + m_idx, mask=mask)
+    v = tl.load(exp_avg_sq_ptr + v_idx, mask=mask)
+    if MAXIMIZE:
+        g = -g
+
+    p = p * decay  # decoupled weight decay (Loshchilov & Hutter)
+    m = beta1_f * m + one_minus_beta1 * g
+    v = beta2_f * v + one_minus_beta2 * (g * g)
+    if AMSGRAD:
+        max_off = tl.load(trow + 4)
+        vmax_idx = max_off + local
+        if ALIGNED:
+            vmax_idx = tl.max_contiguous(tl.multiple_of(vmax_idx, 8), BLOCK)
+        vmax = tl.load(max_exp_avg_sq_ptr + vmax_idx, mask=mask)
+        vmax = tl.maximum(vmax, v, propagate_nan=tl.PropagateNan.ALL)
+        tl.store(max_exp_avg_sq_ptr + vmax_idx, vmax, mask=mask)
+        v_hat = vmax
+    else:
+        v_hat = v
+    denom = tl.div_rn(tl.sqrt_rn(v_hat), bias_correction2_sqrt) + eps_f
+    p = p - step_size * tl.div_rn(m, denom)
+
+    tl.store(exp_avg_ptr + m_idx, m, mask=mask)
+    tl.store(exp_avg_sq_ptr + v_idx, v, mask=mask)
+    if PARAM_BF16:
+        if STOCHASTIC:
+            # the one rounding of the step: unbiased, bits keyed by (seed, step, global index)
+            rbits = rng.random_bits_x4(seed_lo, seed_hi, step, stream, window_global, BLOCK)
+            out = sr.stochastic_round_bf16(p, rbits)
+        else:
+            out = sr.round_nearest_bf16(p)
+        tl.store(param_ptr + p_idx, out, mask=mask)
+    else:
+        tl.store(param_ptr + p_idx, p, mask=mask)
+
+
+def launch_config(device: torch.device) -> dict:
+    """The fixed launch config for ``device`` (see ``LAUNCH_CONFIGS``; no autotuning)."""
+    return LAUNCH_CONFIGS["cuda" if device.type == "cuda" else "interpreter"]
+
+
+def build_chunk_table(segments: torch.Tensor, block: int) -> torch.Tensor:
+    """Windows of ``block`` elements, 4-aligned in the global index, covering every segment.
+
+    Args:
+        segments: int64 CPU tensor ``[S, 4]`` of ``(slot, local_start, length, global_start)``;
+            a segment is a run of elements contiguous both in the local tensor and in the global index.
+        block: window size, a multiple of 4.
+
+    Returns:
+        int64 CPU tensor ``[C, 5]``: ``(slot, window_local_start, segment_local_start,
+        segment_local_end, window_global_start)`` with ``window_global_start % 4 == 0``.
+    """
+    if segments.numel() == 0:
+        return torch.zeros((0, CHUNK_TABLE_COLUMNS), dtype=torch.int64)
+    slot, local_start, length, global_start = segments.unbind(1)
+    lead = global_start & 3  # elements between the 4-aligned window start and the segment start
+    n_windows = (length + lead + block - 1) // block
+    seg_of_window = torch.repeat_interleave(torch.arange(len(segments)), n_windows)
+    first_window = torch.cumsum(n_windows, 0) - n_windows
+    k = torch.arange(int(n_windows.sum())) - first_window[seg_of_window]
+    offset = k * block - lead[seg_of_window]
+    return torch.stack(
+        [
+            slot[seg_of_window],
+            local_start[seg_of_window] + offset,
+            local_start[seg_of_window],
+            (local_start + length)[seg_of_window],
+            global_start[seg_of_window] + offset,
+        ],
+        dim=1,
+    ).contiguous()
+
+
+def _role_table(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int], bool]:
+    """The lowest-address tensor of a role, each tensor's element offset from it, and 16-byte alignment."""
+    size = tensors[0].element_size()
+    addresses = [t.data_ptr() for t in tensors]
+    low = min(range(len(tensors)), key=addresses.__getitem__)
+    offsets = []
+    aligned = True
+    for a in addresses:
+        diff = a - addresses[low]
+        if diff % size:
+            raise RuntimeError("adamw_sr: tensors of one role are not element-aligned to each other")
+        offsets.append(diff // size)
+        aligned &= (diff // size) % 8 == 0
+    aligned &= addresses[low] % 16 == 0
+    return tensors[low], offsets, aligned
+
+
+class LaunchPlan:
+    """Device tables of one launch, cached while the tensors' addresses and layout stay the same."""
+
+    def __init__(self, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, segments, device):
+        config = launch_config(device)
+        self.block = config["BLOCK"]
+        self.num_warps = config["num_warps"]
+        roles = [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs or exp_avg_sqs]
+        bases, columns, aligned = [], [], True
+        for tensors in roles:
+            base, offsets, role_aligned = _role_table(tensors)
+            bases.append(base)
+            columns.append(offsets)
+            aligned &= role_aligned
+        self.bases = bases
+        self.tensor_table = torch.tensor(list(zip(*columns)), dtype=torch.int64).reshape(-1, 5).to(device)
+        chunks = build_chunk_table(segments, self.block)
+        # vectorization hints hold only if every window starts 8-aligned in every tensor
+        aligned &= bool(((chunks[:, 1] % 8) == 0).all()) if len(chunks) else True
+        self.aligned = aligned
+        self.num_chunks = len(chunks)
+        self.chunk_table = chunks.to(device)
+
+
+def launch_fused_step(
+    plan: LaunchPlan,
+    steps: torch.Tensor,
+    hyper: torch.Tensor,
+    *,
+    seed: int,
+    amsgrad: bool,
+    maximize: bool,
+    param_bf16: bool,
+    stochastic: bool,
+) -> None:
+    """Run the fused step over a prepared ``LaunchPlan`` (no checks: callers validate first)."""
+    if plan.num_chunks == 0:
+        return
+    seed_lo, seed_hi = rng.split_seed(seed)
+    p, g, m, v, vmax = plan.bases
+    _adamw_sr_kernel[(plan.num_chunks,)](
+        p, g, m, v, vmax,
+        plan.tensor_table, plan.chunk_table, steps, hyper,
+        seed_lo, seed_hi, rng.STREAM_PARAM_SR,
+        AMSGRAD=amsgrad,
+        MAXIMIZE=maximize,
+        PARAM_BF16=param_bf16,
+        STOCHASTIC=stochastic,
+        ALIGNED=plan.aligned and not runtime.interpreter_active(),
+        BLOCK=plan.block,
+        num_warps=plan.num_warps,
+        enable_fp_fusion=False,
+    )  # fmt: skip

@@ -1,0 +1,603 @@
+"""``AdamWSR``: a drop-in ``torch.optim.AdamW`` whose whole step is one fused Triton kernel per
+(param dtype, grad dtype) group, with stochastic rounding of bf16 weights keyed by global element index.
+
+Reading order: the global element index (plain tensors and DTensor shards), the functional step
+``adamw_sr_step`` (a ``torch.library`` custom op, opaque to ``torch.compile``), the optimizer class.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import torch
+
+from . import kernel
+from ._vendor.det_core import runtime
+
+__all__ = ["AdamWSR", "adamw_sr_step", "local_segments"]
+
+_SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16)
+_SUPPORTED_GRAD_DTYPES = (torch.float32, torch.bfloat16)
+_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+# --------------------------------------------------------------------------- global element index
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "_local_tensor")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if _is_dtensor(t) else t
+
+
+def local_segments(param: torch.Tensor, base_index: int) -> list[tuple[int, int, int]]:
+    """The runs of ``param``'s local elements that are consecutive in the global element index.
+
+    Args:
+        param: a plain tensor, or a DTensor (e.g. an FSDP2 parameter) whose local shard is a
+            box of the global tensor: placements ``Replicate``, ``Shard(d)`` (even, uneven or empty
+            shards), on a mesh of any dimension.
+        base_index: global index of the unsharded parameter's first element.
+
+    Returns:
+        ``[(local_start, length, global_start), ...]`` in local element order. One run for a plain
+        tensor or a ``Shard(0)`` shard, one per leading-index row for ``Shard(d)``, ``d > 0``;
+        empty for an empty shard.
+
+    Raises:
+        ValueError: the placement is not a box (e.g. ``_StridedShard``, ``Partial``).
+
+    **Determinism:** a pure function of the global shape, the placements and the rank's mesh
+    coordinate, so every rank maps its elements to the indices they have in the unsharded run.
+    """
+    if not _is_dtensor(param):
+        return [(0, param.numel(), base_index)] if param.numel() else []
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for placement in param.placements:
+        if type(placement) not in (Shard, Replicate):
+            raise ValueError(
+                f"adamw_sr: DTensor placement {placement} is not supported; the global element index "
+                "is derived for Replicate and Shard(d) placements only. Pass an explicit base_index "
+                "per local tensor instead (param group key 'base_index')."
+            )
+    global_shape = tuple(param.shape)
+    local_shape, offset = compute_local_shape_and_global_offset(
+        global_shape, param.device_mesh, param.placements
+    )
+    if math.prod(local_shape) == 0:
+        return []
+    ndim = len(global_shape)
+    differing = [d for d in range(ndim) if local_shape[d] != global_shape[d]]
+    if not differing:
+        return [(0, math.prod(local_shape), base_index)]
+    j = differing[-1]
+    inner = math.prod(local_shape[j:])  # contiguous run: dims j.. are whole beyond j
+    global_strides = [math.prod(global_shape[d + 1 :]) for d in range(ndim)]
+    segments = []
+    outer_shape = local_shape[:j]
+    for n in range(math.prod(outer_shape)):
+        coords, rest = [], n
+        for size in reversed(outer_shape):
+            coords.append(rest % size)
+            rest //= size
+        coords.reverse()
+        start = (
+            sum((offset[d] + coords[d]) * global_strides[d] for d in range(j)) + offset[j] * global_strides[j]
+        )
+        segments.append((n * inner, inner, base_index + start))
+    return segments
+
+
+# --------------------------------------------------------------------------- functional step
+
+_PLAN_CACHE: OrderedDict = OrderedDict()
+_PLAN_CACHE_SIZE = 64
+
+
+def _get_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, segments: torch.Tensor):
+    key = (
+        params[0].device,
+        tuple(t.data_ptr() for t in params),
+        tuple(t.data_ptr() for t in grads),
+        tuple(t.data_ptr() for t in exp_avgs),
+        tuple(t.data_ptr() for t in exp_avg_sqs),
+        tuple(t.data_ptr() for t in max_exp_avg_sqs),
+        segments.numpy().tobytes(),
+    )
+    plan = _PLAN_CACHE.get(key)
+    if plan is None:
+        if params[0].device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "adamw_sr: the launch tables of this step are not built yet, and building them copies "
+                "host memory, which CUDA graph capture forbids. Run one step (warm-up) before capturing."
+            )
+        plan = kernel.LaunchPlan(
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, segments, params[0].device
+        )
+        _PLAN_CACHE[key] = plan
+        if len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
+            _PLAN_CACHE.popitem(last=False)
+    else:
+        _PLAN_CACHE.move_to_end(key)
+    return plan
+
+
+@torch.library.custom_op(
+    "adamw_sr::fused_step", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs")
+)
+def _fused_step_op(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    max_exp_avg_sqs: list[torch.Tensor],
+    steps: torch.Tensor,
+    hyper: torch.Tensor,
+    segments: torch.Tensor,
+    seed: str,
+    amsgrad: bool,
+    maximize: bool,
+    stochastic: bool,
+) -> None:
+    # seed travels as a decimal string: the schema's int is 64-bit signed, a seed is unsigned
+    plan = _get_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, segments)
+    kernel.launch_fused_step(
+        plan, steps, hyper, seed=int(seed), amsgrad=amsgrad, maximize=maximize,
+        param_bf16=params[0].dtype == torch.bfloat16, stochastic=stochastic,
+    )  # fmt: skip
+
+
+@_fused_step_op.register_fake
+def _(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    max_exp_avg_sqs,
+    steps,
+    hyper,
+    segments,
+    seed,
+    amsgrad,
+    maximize,
+    stochastic,
+):
+    return None
+
+
+def adamw_sr_step(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    max_exp_avg_sqs: list[torch.Tensor] | None,
+    steps: torch.Tensor,
+    *,
+    lr: float | torch.Tensor,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    stochastic_rounding: bool | None = None,
+    seed: int = 0,
+    base_indices: list[int] | None = None,
+    segments: torch.Tensor | None = None,
+) -> None:
+    """One fused AdamW(-SR) step over many tensors of one dtype, in place, in one kernel launch.
+
+    Args:
+        params: contiguous tensors, all fp32 or all bf16, on one device (CUDA, or CPU with
+            ``TRITON_INTERPRET=1``); updated in place.
+        grads: contiguous tensors of the params' shapes, all fp32 or all bf16.
+        exp_avgs, exp_avg_sqs: contiguous fp32 tensors of the params' shapes; updated in place.
+        max_exp_avg_sqs: as above when ``amsgrad``, else ``None`` or ``[]``.
+        steps: fp32 tensor ``[len(params)]`` on the params' device: each tensor's step number
+            *after* incrementing (1 on the first step); integers below ``2**24``.
+        lr: learning rate, a float or a 1-element tensor (on the device for CUDA-graph capture).
+        beta1, beta2, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW``.
+        stochastic_rounding: bf16 params: ``None``/``True`` stochastic, ``False`` nearest.
+        seed: Philox seed, ``0 <= seed < 2**64``.
+        base_indices: global index of each param's first element (default: running offset).
+        segments: advanced: int64 CPU ``[S, 4]`` rows ``(slot, local_start, length, global_start)``
+            mapping local elements to global indices (overrides ``base_indices``; see ``local_segments``).
+
+    Raises:
+        TypeError: unsupported dtypes. ValueError: mismatched lengths, shapes, devices or layouts.
+
+    **Determinism:** each element's result is a pure function of its inputs, the hyperparameters,
+    ``(seed, step)`` and its global index: identical run to run, for any grouping of tensors into
+    launches, any split of a tensor into shards with matching indices, and bitwise equal to
+    ``reference.adamw_sr_step_reference``. Not guaranteed across Triton versions or GPU models.
+    """
+    max_exp_avg_sqs = list(max_exp_avg_sqs or [])
+    n = len(params)
+    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
+    if amsgrad:
+        lists["max_exp_avg_sqs"] = max_exp_avg_sqs
+    for name, values in lists.items():
+        if len(values) != n:
+            raise ValueError(f"adamw_sr_step: {len(values)} {name} for {n} params")
+    if n == 0:
+        return
+    device = runtime.check_kernel_device(
+        *params, *grads, *exp_avgs, *exp_avg_sqs, *max_exp_avg_sqs, op="adamw_sr_step"
+    )
+    if {p.dtype for p in params} - {params[0].dtype} or params[0].dtype not in _SUPPORTED_PARAM_DTYPES:
+        raise TypeError(
+            f"adamw_sr_step: params must be all float32 or all bfloat16, got {sorted({str(p.dtype) for p in params})}"
+        )
+    if {g.dtype for g in grads} - {grads[0].dtype} or grads[0].dtype not in _SUPPORTED_GRAD_DTYPES:
+        raise TypeError(
+            f"adamw_sr_step: grads must be all float32 or all bfloat16, got {sorted({str(g.dtype) for g in grads})}"
+        )
+    for i, p in enumerate(params):
+        for name, values in lists.items():
+            t = values[i]
+            if t.shape != p.shape:
+                raise ValueError(
+                    f"adamw_sr_step: {name}[{i}] has shape {tuple(t.shape)}, param {tuple(p.shape)}"
+                )
+            if name != "grads" and t.dtype != torch.float32:
+                raise TypeError(f"adamw_sr_step: {name}[{i}] must be float32, got {t.dtype}")
+            if not t.is_contiguous():
+                raise ValueError(
+                    f"adamw_sr_step: {name}[{i}] is not contiguous; call .contiguous() on it first"
+                )
+        if not p.is_contiguous():
+            raise ValueError(f"adamw_sr_step: params[{i}] is not contiguous")
+    if steps.shape != (n,) or steps.dtype != torch.float32 or steps.device != device:
+        raise ValueError(f"adamw_sr_step: steps must be float32 of shape ({n},) on {device}")
+    if segments is None:
+        if base_indices is None:
+            base_indices = [0] + [int(x) for x in torch.tensor([p.numel() for p in params]).cumsum(0)[:-1]]
+        rows = [(i, 0, p.numel(), int(b)) for i, (p, b) in enumerate(zip(params, base_indices)) if p.numel()]
+        segments = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
+    hyper = _hyper_tensor(lr, beta1, beta2, eps, weight_decay, device)
+    _fused_step_op(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else [], steps, hyper, segments,
+        str(int(seed)), amsgrad, maximize, stochastic_rounding is not False,
+    )  # fmt: skip
+
+
+def _hyper_tensor(lr, beta1, beta2, eps, weight_decay, device) -> torch.Tensor:
+    """fp64 ``[lr, beta1, beta2, eps, weight_decay]`` on ``device`` (lr may be a device tensor)."""
+    rest = [float(beta1), float(beta2), float(eps), float(weight_decay)]
+    if isinstance(lr, torch.Tensor):
+        return torch.cat(
+            [
+                lr.detach().reshape(1).to(device=device, dtype=torch.float64),
+                torch.tensor(rest, dtype=torch.float64).to(device),
+            ]
+        )
+    return torch.tensor([float(lr), *rest], dtype=torch.float64).to(device)
+
+
+# --------------------------------------------------------------------------- the optimizer
+
+
+class AdamWSR(torch.optim.Optimizer):
+    """AdamW with the whole step fused in Triton and stochastic rounding of bf16 weights.
+
+    A drop-in for ``torch.optim.AdamW``: same arguments, param groups, LR-scheduler support and
+    ``state_dict`` layout (``step`` as an fp32 tensor, ``exp_avg``, ``exp_avg_sq``,
+    ``max_exp_avg_sq``). Parameters may be fp32 (written back unrounded) or bf16 (written back with
+    stochastic rounding by default, no fp32 master copy needed); gradients fp32 or bf16; states are
+    always fp32.
+
+    Args:
+        params: iterable of tensors or param-group dicts. Tensors must be contiguous, non-empty
+            (a DTensor's local shard may be empty), real, fp32 or bf16, all on one device (CUDA, or
+            CPU with ``TRITON_INTERPRET=1``). A group may give ``base_index``: a list with one int
+            (or ``None``) per param, the global index of its first element.
+        lr: learning rate, float or 1-element tensor (a CUDA tensor for graph capture).
+        betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW`` (decoupled decay
+            ``p *= 1 - lr * weight_decay``).
+        foreach, fused: accepted for compatibility; ``None`` or ``True`` (the step is always fused),
+            ``False`` raises.
+        capturable: keep ``step`` on the device so ``step()`` can be captured in a CUDA graph.
+        differentiable: must be ``False``.
+        seed: Philox seed of the rounding, ``0 <= seed < 2**64``; saved in the param groups.
+        stochastic_rounding: ``None`` (default: on for bf16 params), ``True`` or ``False``
+            (round to nearest). Has no effect on fp32 params.
+
+    Raises:
+        ValueError: an out-of-range hyperparameter, an unsupported flag, an empty or non-contiguous
+            param, params on several devices. TypeError: fp16, complex or integer params.
+        RuntimeError (from ``step``): sparse gradients, or step called during CUDA graph capture
+            with ``capturable=False``.
+
+    Gradients with NaN or Inf are not rejected: as in ``torch.optim.AdamW`` they propagate into
+    the moments and the weights (``amsgrad``'s maximum propagates NaN like ``torch.maximum``).
+    Params whose ``grad`` is ``None`` are skipped and their ``step`` does not advance, as in torch.
+    fp16 params are rejected: without a loss-scaled master copy their 5-bit exponent range makes
+    updates underflow, and det-core's rounding contract covers fp32 -> bf16 only.
+
+    **Determinism:** the update of every element is a pure function of its inputs, the
+    hyperparameters, ``(seed, step)`` and its global index (the running element offset over the
+    optimizer's params in order, an explicit ``base_index``, or, for DTensor params, the
+    shard's position derived from its placement). So steps are bitwise identical run to run, in a
+    fresh process, after a state_dict round trip, under any sharding (FSDP2 over any number of
+    ranks, even, uneven or empty shards) and equal to the plain-torch reference on a CPU. Not
+    guaranteed across Triton versions or GPU models (only expected, see the docs).
+
+    Method: Loshchilov & Hutter, "Decoupled Weight Decay Regularization" (ICLR 2019); Kingma & Ba,
+    "Adam" (ICLR 2015); AMSGrad (Reddi et al., ICLR 2018); stochastic rounding (Gupta et al.,
+    ICML 2015); Philox4x32-10 (Salmon et al., SC'11).
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        seed: int = 0,
+        stochastic_rounding: bool | None = None,
+    ):
+        if isinstance(lr, torch.Tensor):
+            if lr.numel() != 1:
+                raise ValueError(f"lr as a tensor must have 1 element, got shape {tuple(lr.shape)}")
+            if float(lr) < 0:
+                raise ValueError(f"Invalid learning rate: {float(lr)}")
+        elif not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"Invalid betas {betas}: each must be in [0, 1)")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if not isinstance(seed, int) or not 0 <= seed < 2**64:
+            raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+        if stochastic_rounding not in (None, True, False):
+            raise ValueError(f"stochastic_rounding must be None, True or False, got {stochastic_rounding!r}")
+        for name, value in (("foreach", foreach), ("fused", fused)):
+            if value is False:
+                raise ValueError(
+                    f"AdamWSR always runs its fused Triton step; {name}=False is not supported "
+                    "(use torch.optim.AdamW for an unfused step)."
+                )
+        if differentiable:
+            raise ValueError("AdamWSR does not support differentiable=True (its step is a Triton kernel)")
+        defaults = dict(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+            maximize=maximize, foreach=None, capturable=capturable, differentiable=False, fused=None,
+            seed=seed, stochastic_rounding=stochastic_rounding, base_index=None,
+        )  # fmt: skip
+        self._base_index_cache = None
+        self._hyper_cache: dict = {}
+        super().__init__(params, defaults)
+
+    # ----------------------------------------------------------------- groups and indices
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group (as ``torch.optim.Optimizer.add_param_group``), validating its params.
+
+        Raises:
+            TypeError: a param is fp16, complex or not floating point.
+            ValueError: a param is empty or non-contiguous, on another device than the others, or
+                ``base_index`` does not give one entry per param.
+        """
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        devices = {_local(p).device for g in self.param_groups for p in g["params"]}
+        if len(devices) > 1:
+            self.param_groups.pop()
+            raise ValueError(
+                f"AdamWSR: all params must be on one device (one fused launch), got {sorted(map(str, devices))}; "
+                "use one optimizer per device"
+            )
+        for p in group["params"]:
+            problem = self._param_problem(p)
+            if problem:
+                self.param_groups.pop()
+                raise (TypeError if "dtype" in problem else ValueError)(f"AdamWSR: {problem}")
+        base = group.get("base_index")
+        if base is not None:
+            if isinstance(base, int):
+                base = group["base_index"] = [base]
+            if len(base) != len(group["params"]) or not all(
+                b is None or (isinstance(b, int) and b >= 0) for b in base
+            ):
+                self.param_groups.pop()
+                raise ValueError(
+                    f"AdamWSR: base_index must list one non-negative int (or None) per param, "
+                    f"got {base!r} for {len(group['params'])} params"
+                )
+        self._base_index_cache = None
+
+    @staticmethod
+    def _param_problem(p: torch.Tensor) -> str | None:
+        if p.is_complex():
+            return (
+                f"complex params (dtype {p.dtype}) are not supported; view them as real (torch.view_as_real)"
+            )
+        if p.dtype == torch.float16:
+            return (
+                "float16 params are not supported (dtype float16): train in bfloat16 (stochastic rounding) "
+                "or float32"
+            )
+        if p.dtype not in _SUPPORTED_PARAM_DTYPES:
+            return f"params must be float32 or bfloat16, got dtype {p.dtype}"
+        if not _is_dtensor(p) and p.numel() == 0:
+            return f"zero-size param of shape {tuple(p.shape)}: remove it from the optimizer"
+        if not _local(p).is_contiguous():
+            return f"param of shape {tuple(p.shape)} is not contiguous: make it contiguous before building the optimizer"
+        return None
+
+    def _base_indices(self) -> dict[int, int]:
+        """id(param) -> global index of its first element (running offset, or the group's override)."""
+        if self._base_index_cache is None:
+            offset, out = 0, {}
+            for group in self.param_groups:
+                explicit = group.get("base_index") or [None] * len(group["params"])
+                for p, b in zip(group["params"], explicit):
+                    out[id(p)] = offset if b is None else b
+                    offset += p.numel()  # global numel for a DTensor
+            self._base_index_cache = out
+        return self._base_index_cache
+
+    def _hyper(self, group: dict, device: torch.device) -> torch.Tensor:
+        rest = (*group["betas"], group["eps"], group["weight_decay"])
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor):
+            key = (id(group), device, rest, "tensor")
+            const = self._hyper_cache.get(key)
+            if const is None:
+                const = self._hyper_cache[key] = torch.tensor(rest, dtype=torch.float64).to(device)
+            return torch.cat([lr.detach().reshape(1).to(device=device, dtype=torch.float64), const])
+        key = (id(group), device, rest, float(lr))
+        hyper = self._hyper_cache.get(key)
+        if hyper is None:
+            if len(self._hyper_cache) > 256:
+                self._hyper_cache.clear()
+            hyper = self._hyper_cache[key] = torch.tensor([float(lr), *rest], dtype=torch.float64).to(device)
+        return hyper
+
+    # ----------------------------------------------------------------- state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load as ``torch.optim.Optimizer`` does, but keep the moments in fp32 (torch casts
+        floating state to the param dtype, which would round them to bf16)."""
+        saved = state_dict["state"]
+        super().load_state_dict(state_dict)
+        order = [p for g in self.param_groups for p in g["params"]]
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for pid, p in zip(saved_ids, order):
+            if pid in saved:
+                for key in _STATE_KEYS:
+                    value = saved[pid].get(key)
+                    if value is None:
+                        continue
+                    # a copy, so in-place steps never write into the caller's state_dict
+                    if _is_dtensor(value):
+                        self.state[p][key] = value.to(dtype=torch.float32, copy=True)
+                    else:
+                        self.state[p][key] = value.to(device=_local(p).device, dtype=torch.float32, copy=True)
+        self._base_index_cache = None
+
+    def _check_state(self, p: torch.Tensor, state: dict, amsgrad: bool) -> None:
+        for key in _STATE_KEYS[: 3 if amsgrad else 2]:
+            if key in state or len(state):
+                value = state.get(key)
+                if value is None:
+                    raise RuntimeError(f"AdamWSR: state of a param of shape {tuple(p.shape)} lacks '{key}'")
+                if value.dtype != torch.float32 or value.shape != p.shape:
+                    raise RuntimeError(
+                        f"AdamWSR: state '{key}' must be float32 of shape {tuple(p.shape)}, "
+                        f"got {value.dtype} {tuple(value.shape)}"
+                    )
+
+    # ----------------------------------------------------------------- step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One optimizer step over every param with a gradient (one fused launch per group and dtype pair).
+
+        Every check runs before anything is written, so a rejected step leaves params and state untouched.
+
+        Raises:
+            RuntimeError: a sparse gradient; capture with ``capturable=False``; a malformed loaded state.
+            ValueError: a gradient of another shape, device or layout than its param.
+            TypeError: a gradient dtype other than fp32/bf16.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        work = []
+        for group in self.param_groups:
+            if capturing and not group["capturable"]:
+                raise RuntimeError("AdamWSR: step() is being captured in a CUDA graph; pass capturable=True")
+            with_grad = [p for p in group["params"] if p.grad is not None]
+            for p in with_grad:
+                self._check_grad(p)
+                if self.state.get(p):
+                    self._check_state(p, self.state[p], group["amsgrad"])
+            work.append((group, with_grad))
+        base = self._base_indices()
+        for group, with_grad in work:
+            if with_grad:
+                self._group_step(group, with_grad, base)
+        return loss
+
+    @staticmethod
+    def _check_grad(p: torch.Tensor) -> None:
+        g = p.grad
+        if g.is_sparse or g.layout != torch.strided:
+            raise RuntimeError("AdamWSR does not support sparse gradients; use torch.optim.SparseAdam")
+        if g.dtype not in _SUPPORTED_GRAD_DTYPES:
+            raise TypeError(f"AdamWSR: gradients must be float32 or bfloat16, got {g.dtype}")
+        if g.shape != p.shape:
+            raise ValueError(f"AdamWSR: gradient shape {tuple(g.shape)} != param shape {tuple(p.shape)}")
+        lg, lp = _local(g), _local(p)
+        if lg.device != lp.device:
+            raise ValueError(f"AdamWSR: gradient on {lg.device}, param on {lp.device}")
+        if lg.shape != lp.shape or not lg.is_contiguous():
+            raise ValueError(
+                f"AdamWSR: gradient of a param of shape {tuple(p.shape)} is not a contiguous tensor of the "
+                "param's local shape; make it contiguous (e.g. in a post-accumulate-grad hook)"
+            )
+
+    def _group_step(self, group: dict, with_grad: list[torch.Tensor], base: dict[int, int]) -> None:
+        amsgrad, capturable = group["amsgrad"], group["capturable"]
+        device = _local(with_grad[0]).device
+        for p in with_grad:
+            state = self.state[p]
+            if len(state) == 0:
+                step_device = device if capturable else torch.device("cpu")
+                state["step"] = torch.tensor(0.0, dtype=torch.float32, device=step_device)
+                state["exp_avg"] = torch.zeros_like(
+                    p, dtype=torch.float32, memory_format=torch.preserve_format
+                )
+                state["exp_avg_sq"] = torch.zeros_like(
+                    p, dtype=torch.float32, memory_format=torch.preserve_format
+                )
+            if amsgrad and "max_exp_avg_sq" not in state:
+                state["max_exp_avg_sq"] = torch.zeros_like(
+                    p, dtype=torch.float32, memory_format=torch.preserve_format
+                )
+        step_tensors = [self.state[p]["step"] for p in with_grad]
+        torch._foreach_add_(step_tensors, 1.0)
+        hyper = self._hyper(group, device)
+        # one launch per (param dtype, grad dtype): the kernel is specialized on both
+        by_dtype: dict = {}
+        for p in with_grad:
+            by_dtype.setdefault((p.dtype, p.grad.dtype), []).append(p)
+        for (param_dtype, _), ps in by_dtype.items():
+            states = [self.state[p] for p in ps]
+            rows = []
+            for slot, p in enumerate(ps):
+                rows.extend((slot, *seg) for seg in local_segments(p, base[id(p)]))
+            segments = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
+            steps = torch.stack([s["step"] for s in states]).to(device=device, dtype=torch.float32)
+            _fused_step_op(
+                [_local(p) for p in ps],
+                [_local(p.grad) for p in ps],
+                [_local(s["exp_avg"]) for s in states],
+                [_local(s["exp_avg_sq"]) for s in states],
+                [_local(s["max_exp_avg_sq"]) for s in states] if amsgrad else [],
+                steps,
+                hyper,
+                segments,
+                str(group["seed"]),
+                amsgrad,
+                group["maximize"],
+                param_dtype == torch.bfloat16 and group["stochastic_rounding"] is not False,
+            )

@@ -1,0 +1,150 @@
+"""Plain-torch reference of the fused AdamW-SR step, bit-identical to the Triton kernel.
+
+Every operation is one IEEE-rounded fp32 operation (separate multiplies and adds, no ``lerp`` or
+``addcmul`` that a backend may contract into an FMA), scalars are computed in Python floats (IEEE
+fp64) by the same sequence as the kernel and rounded once to fp32, and the stochastic-rounding bits
+come from det-core's Philox reference. So a step run on the GPU can be checked on a CPU, bit for bit.
+
+Method: AdamW (Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019) as
+``torch.optim.AdamW`` computes it; stochastic rounding (Gupta et al., ICML 2015).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._vendor.det_core import rng, sr
+
+
+def pow_by_squaring(base: float, exponent: int) -> float:
+    """``base ** exponent`` in fp64 by binary exponentiation over 32 bits (multiplications only).
+
+    The kernel computes the same 64 multiplications in the same order, so the two agree bit for bit
+    (``math.pow`` and CUDA's ``pow`` may differ in the last bit).
+    """
+    result = 1.0
+    for i in range(32):
+        if (exponent >> i) & 1:
+            result = result * base
+        base = base * base
+    return result
+
+
+def sqrt_rn_torch(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded (IEEE round-to-nearest) fp32 square root, in plain torch.
+
+    ``torch.sqrt`` on CPU is not correctly rounded for fp32 in every build (an AVX512 build of torch
+    2.13 differs from IEEE ``sqrt`` in ~20% of random inputs by one ULP), while the kernel's
+    ``sqrt_rn`` is. So: an fp64 estimate rounded to fp32, then corrected to the nearest fp32 by
+    exact fp64 tests against the midpoints to its neighbours (a midpoint has 25 significant bits,
+    its square 50, so the test is exact; a square root is never exactly a midpoint).
+    """
+    s = torch.sqrt(x.double()).float()
+    xd = x.double()
+    sd = s.double()
+    up = torch.nextafter(s, torch.full_like(s, math.inf)).double()
+    down = torch.nextafter(s, torch.zeros_like(s)).double()
+    mid_up = (sd + up) * 0.5
+    mid_down = (sd + down) * 0.5
+    s = torch.where(mid_up * mid_up < xd, up.float(), s)
+    s = torch.where((mid_down > 0) & (mid_down * mid_down > xd), down.float(), s)
+    return s
+
+
+def step_scalars(step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> dict:
+    """The per-step fp32 scalars of the update, computed in fp64 and rounded once (as the kernel does)."""
+    bias_correction1 = 1.0 - pow_by_squaring(beta1, step)
+    bias_correction2 = 1.0 - pow_by_squaring(beta2, step)
+    values = {
+        "step_size": lr / bias_correction1,
+        "bias_correction2_sqrt": math.sqrt(bias_correction2),
+        "decay": 1.0 - lr * weight_decay,
+        "beta1": beta1,
+        "one_minus_beta1": 1.0 - beta1,
+        "beta2": beta2,
+        "one_minus_beta2": 1.0 - beta2,
+        "eps": eps,
+    }
+    return {k: torch.tensor(v, dtype=torch.float64).to(torch.float32) for k, v in values.items()}
+
+
+@torch.no_grad()
+def adamw_sr_step_reference(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    max_exp_avg_sq: torch.Tensor | None = None,
+    *,
+    step: int,
+    lr: float,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    stochastic_rounding: bool | None = None,
+    seed: int = 0,
+    base_index: int = 0,
+    global_index: torch.Tensor | None = None,
+) -> None:
+    """One AdamW-SR step on one tensor, in place, in plain torch (any device; CPU for checking).
+
+    Args:
+        param: fp32 or bf16 tensor, any shape; updated in place.
+        grad: fp32 or bf16 tensor of ``param``'s shape.
+        exp_avg, exp_avg_sq: fp32 tensors of ``param``'s shape; updated in place.
+        max_exp_avg_sq: fp32 tensor of ``param``'s shape when ``amsgrad``; updated in place.
+        step: the step number after incrementing (1 on the first step), ``1 <= step < 2**24``.
+        lr, beta1, beta2, eps, weight_decay: as ``torch.optim.AdamW`` (floats).
+        amsgrad, maximize: as ``torch.optim.AdamW``.
+        stochastic_rounding: for bf16 ``param``: ``None``/``True`` rounds stochastically, ``False``
+            to nearest. fp32 params are written back unrounded.
+        seed: Philox seed, ``0 <= seed < 2**64``.
+        base_index: global index of ``param``'s first element (its elements are consecutive).
+        global_index: int64 tensor of ``param``'s shape giving each element's global index; overrides
+            ``base_index`` (e.g. for a column shard).
+
+    Raises:
+        TypeError: a tensor has an unsupported dtype.
+
+    **Determinism:** a pure function of its inputs; bit-identical to the Triton kernel (GPU or
+    interpreter) for the same inputs, because both run the same IEEE operations in the same order.
+    """
+    if param.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"param must be float32 or bfloat16, got {param.dtype}")
+    for name, state in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("max_exp_avg_sq", max_exp_avg_sq)):
+        if state is not None and state.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32, got {state.dtype}")
+    s = step_scalars(step, lr, beta1, beta2, eps, weight_decay)
+    g = grad.to(torch.float32)
+    if maximize:
+        g = -g
+    p = param.to(torch.float32)
+    p = p * s["decay"]
+    m = s["beta1"] * exp_avg + s["one_minus_beta1"] * g
+    v = s["beta2"] * exp_avg_sq + s["one_minus_beta2"] * (g * g)
+    if amsgrad:
+        v_hat = torch.maximum(max_exp_avg_sq, v)
+        max_exp_avg_sq.copy_(v_hat)
+    else:
+        v_hat = v
+    denom = sqrt_rn_torch(v_hat) / s["bias_correction2_sqrt"] + s["eps"]
+    p = p - s["step_size"] * (m / denom)
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+    if param.dtype == torch.bfloat16:
+        if stochastic_rounding is False:
+            param.copy_(p.to(torch.bfloat16))
+        else:
+            if global_index is None:
+                global_index = base_index + torch.arange(param.numel(), dtype=torch.int64).reshape(
+                    param.shape
+                )
+            rbits = rng.random_bits_torch(seed, step, rng.STREAM_PARAM_SR, global_index.to(param.device))
+            param.copy_(sr.stochastic_round_bf16_torch(p, rbits))
+    else:
+        param.copy_(p)
