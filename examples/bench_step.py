@@ -112,7 +112,8 @@ def main(argv=None) -> int:
     ratio = det_ms / torch_ms
 
     title = (
-        f"GPT train step, {n_params / 1e6:.0f} M params ({det_cfg.n_layer} layers, d_model {det_cfg.d_model}), "
+        f"GPT train step, {n_params / 1e6:.0f} M params "
+        f"({det_cfg.n_layer} layers, d_model {det_cfg.d_model}), "
         f"bf16 weights, batch {args.batch} x {det_cfg.seq_len} tokens in {args.micro_batches} micro-batches, "
         f"{torch.cuda.get_device_name()}"
     )
@@ -124,7 +125,8 @@ def main(argv=None) -> int:
     ]
     for r in rows:
         lines.append(
-            f"| {r['impl']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {r['ms_per_step'] / torch_ms:.2f}x |"
+            f"| {r['impl']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} "
+            f"| {r['ms_per_step'] / torch_ms:.2f}x |"
         )
     lines += [
         "",
