@@ -130,7 +130,10 @@ def _read_toml(path: Path) -> dict:
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib
+        try:
+            import tomli as tomllib
+        except ModuleNotFoundError as e:
+            raise BuildError("reading build.toml needs Python >= 3.11 or `pip install tomli`") from e
     with path.open("rb") as f:
         return tomllib.load(f)
 
