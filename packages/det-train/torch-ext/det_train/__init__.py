@@ -6,6 +6,8 @@ and data-parallel ranks. See docs/det-train.md for exactly what is and is not gu
 """
 
 import importlib
+import sys
+import types
 
 __version__ = "1.0.0"
 
@@ -29,9 +31,26 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
+class _Package(types.ModuleType):
+    """Keeps ``det_train.rms_norm`` (and matmul, linear, ...) the function, not its module.
+
+    The import system binds a loaded submodule as an attribute of its package; where a public
+    function shares its module's name, bind the function instead (``from det_train.rms_norm import
+    RMSNorm`` still works: it reads sys.modules).
+    """
+
+    def __setattr__(self, name, value):
+        if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == name and hasattr(value, name):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
 def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'det_train' has no attribute {name!r}")
     value = importlib.import_module(f".{module}", __name__)
-    return value if name == module else getattr(value, name)
+    return value if name == module and not hasattr(value, name) else getattr(value, name)

@@ -1,0 +1,197 @@
+"""det_train.rms_norm: run-to-run, row invariance of y and dX, micro-batch invariance of dweight,
+accuracy against an fp64 reference, bad input. CPU through the Triton interpreter; `gpu` at real sizes."""
+
+import det_train
+import pytest
+import torch
+from det_core.testing import (
+    assert_bitwise_equal,
+    assert_row_invariant,
+    assert_run_to_run,
+    contiguous_splits,
+    digest,
+    run_in_fresh_process,
+)
+from det_train.grad_accum import CanonicalGradAccumulator
+from det_train.reference_norms import rms_norm_reference
+
+# max |err| / max |ref| against fp64, per output dtype (the rounding of the output dominates)
+TOL = {torch.float32: 2e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def _device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _fwd_bwd(x, w, dy):
+    x = x.detach().requires_grad_()
+    w = w.detach().requires_grad_()
+    y = det_train.rms_norm(x, w)
+    y.backward(dy)
+    return y.detach(), x.grad, w.grad
+
+
+def _rows(m, d, dtype, seed, device="cpu"):
+    """(M, 2, D): x in [:, 0] and dy in [:, 1], so a row carries its own upstream gradient."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, 2, d, generator=g).to(device=device, dtype=dtype)
+
+
+def _check_row_invariance(dtype, d, sizes, device):
+    w = torch.randn(d, generator=torch.Generator().manual_seed(9)).to(device=device, dtype=dtype)
+
+    def fn(batch):
+        y, dx, _ = _fwd_bwd(batch[:, 0], w, batch[:, 1])
+        return torch.stack([y, dx], dim=1)
+
+    anchor = _rows(1, d, dtype, seed=123, device=device)
+    assert_row_invariant(
+        fn, lambda m: _rows(m, d, dtype, seed=m, device=device), sizes, anchor, "rms_norm y/dX"
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_invariance(dtype):
+    _check_row_invariance(dtype, 48, [1, 2, 3, 17, 64, 65], "cpu")
+
+
+def test_run_to_run():
+    b = _rows(33, 40, torch.bfloat16, 0)
+    w = torch.randn(40, dtype=torch.bfloat16)
+    assert_run_to_run(lambda: _fwd_bwd(b[:, 0], w, b[:, 1]), repeats=3, name="rms_norm")
+
+
+def test_fresh_process_cold_cache():
+    code = (
+        "import torch, det_train\n"
+        "from det_core.testing import digest\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "x = torch.randn(33, 40, generator=g).bfloat16().requires_grad_()\n"
+        "w = torch.randn(40, generator=g).bfloat16().requires_grad_()\n"
+        "dy = torch.randn(33, 40, generator=g).bfloat16()\n"
+        "y = det_train.rms_norm(x, w); y.backward(dy)\n"
+        "print(digest([y, x.grad, w.grad]))\n"
+    )
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(33, 40, generator=g).bfloat16()
+    w = torch.randn(40, generator=g).bfloat16()
+    dy = torch.randn(33, 40, generator=g).bfloat16()
+    assert run_in_fresh_process(code, env={"TRITON_INTERPRET": "1"}) == digest(list(_fwd_bwd(x, w, dy)))
+
+
+@pytest.mark.parametrize(("leaf", "n_leaves", "all_parts"), [(4, 8, (2, 3, 4, 8)), (32, 4, (3, 4))])
+def test_micro_batch_invariance_of_dweight(leaf, n_leaves, all_parts):
+    # leaf 4: one chunk per leaf; leaf 32: two chunks of 16 rows per leaf
+    tokens, d = n_leaves * leaf + 3, 24  # short last leaf
+    b = _rows(tokens, d, torch.bfloat16, 5)
+    x, dy = b[:, 0], b[:, 1]
+    w0 = torch.randn(d).bfloat16()
+
+    def run(parts):
+        w = w0.clone().requires_grad_()
+        acc = CanonicalGradAccumulator([w], leaf_tokens=leaf)
+        splits = contiguous_splits(tokens - 3, parts, leaf)
+        splits[-1] = (splits[-1][0], tokens)
+        for start, end in splits:
+            with acc.micro_batch(token_offset=start):
+                det_train.rms_norm(x[start:end], w).backward(dy[start:end])
+        acc.reduce(total_tokens=tokens)
+        return w.grad
+
+    whole = run(1)
+    assert whole.dtype == torch.bfloat16
+    for parts in all_parts:
+        assert_bitwise_equal(run(parts), whole, f"dweight, {parts} micro-batches, leaf {leaf}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_accuracy_vs_fp64(dtype):
+    b = _rows(70, 96, dtype, 3)
+    x, dy = b[:, 0], b[:, 1]
+    w = (1 + 0.1 * torch.randn(96)).to(dtype)
+    y, dx, dw = _fwd_bwd(x, w, dy)
+    xd = x.double().requires_grad_()
+    wd = w.double().requires_grad_()
+    ref = rms_norm_reference(xd, wd, eps=torch.finfo(dtype).eps)
+    ref.backward(dy.double())
+    for name, got, exp in (("y", y, ref.detach()), ("dx", dx, xd.grad), ("dw", dw, wd.grad)):
+        assert got.dtype == dtype
+        err = (got.double() - exp).abs().max() / exp.abs().max()
+        assert err <= TOL[dtype], f"{name}: relative error {err:.3g} > {TOL[dtype]}"
+
+
+def test_module_drop_in_and_no_weight():
+    ref = torch.nn.RMSNorm(16, eps=1e-5)
+    mod = det_train.RMSNorm(16, eps=1e-5)
+    mod.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 5, 16)
+    torch.testing.assert_close(mod(x), ref(x), rtol=1e-6, atol=1e-6)
+    plain = det_train.RMSNorm([4, 4], elementwise_affine=False)
+    y = plain(x.view(2, 5, 4, 4))
+    assert y.shape == (2, 5, 4, 4)
+    torch.testing.assert_close(
+        y, rms_norm_reference(x, eps=torch.finfo(torch.float32).eps).float().view_as(y)
+    )
+
+
+def test_strided_rows_and_empty():
+    base = torch.randn(10, 64)
+    x = base[:, :32]  # row stride 64
+    w = torch.randn(32)
+    torch.testing.assert_close(
+        det_train.rms_norm(x, w), det_train.rms_norm(x.contiguous(), w), rtol=0, atol=0
+    )
+    empty = torch.randn(0, 32, requires_grad=True)
+    wr = w.clone().requires_grad_()
+    y = det_train.rms_norm(empty, wr)
+    y.sum().backward()
+    assert y.shape == (0, 32) and torch.equal(wr.grad, torch.zeros(32))
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="does not end with"):
+        det_train.rms_norm(torch.randn(4, 8), torch.randn(7))
+    with pytest.raises(TypeError, match="floating-point"):
+        det_train.rms_norm(torch.ones(4, 8, dtype=torch.int64))
+    with pytest.raises(TypeError, match="not supported"):
+        det_train.rms_norm(torch.randn(4, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="contiguous"):
+        det_train.rms_norm(torch.randn(4, 8), torch.randn(8, 2)[:, 0])
+    with pytest.raises(ValueError, match="exceeds"):
+        det_train.rms_norm(torch.randn(1, 65537))
+
+
+# ---------------------------------------------------------------- GPU, real sizes
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_row_invariance_real_sizes(dtype):
+    _check_row_invariance(dtype, 4096, [1, 2, 3, 17, 64, 65, 127, 128, 129, 1000, 4096], "cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_micro_batch_invariance_and_accuracy():
+    tokens, d, leaf = 8192, 4096, 1024
+    b = _rows(tokens, d, torch.bfloat16, 1, "cuda")
+    x, dy = b[:, 0], b[:, 1]
+    w0 = (1 + 0.1 * torch.randn(d, device="cuda")).bfloat16()
+
+    def run(parts):
+        w = w0.clone().requires_grad_()
+        acc = CanonicalGradAccumulator([w], leaf_tokens=leaf)
+        for start, end in contiguous_splits(tokens, parts, leaf):
+            with acc.micro_batch(token_offset=start):
+                det_train.rms_norm(x[start:end], w).backward(dy[start:end])
+        acc.reduce(total_tokens=tokens)
+        return w.grad
+
+    whole = assert_run_to_run(lambda: run(1), repeats=2, name="dweight")
+    for parts in (2, 3, 4, 8):
+        assert_bitwise_equal(run(parts), whole, f"dweight, {parts} micro-batches")
+    y, dx, dw = _fwd_bwd(x, w0, dy)
+    assert_bitwise_equal(dw, whole, "dweight without accumulator (same default leaf)")
+    xd, wd = x.double().requires_grad_(), w0.double().requires_grad_()
+    ref = rms_norm_reference(xd, wd, eps=torch.finfo(torch.bfloat16).eps)
+    ref.backward(dy.double())
+    for name, got, exp in (("y", y, ref.detach()), ("dx", dx, xd.grad), ("dw", dw, wd.grad)):
+        err = (got.double() - exp).abs().max() / exp.abs().max()
+        assert err <= TOL[torch.bfloat16], f"{name}: relative error {err:.3g}"

@@ -1,0 +1,239 @@
+"""Row-invariant cross-entropy over a vocabulary, with the mean over tokens in the canonical order.
+
+Per token ``i`` with logits row ``x`` (V entries) and target ``t``:
+``loss_i = logsumexp(x) - x[t]`` (0 for ``t == ignore_index``), computed by one program per row
+with an online max / sum-of-exp in fp32 over fixed chunks of ``BLOCK_V`` logits in order
+(Milakov & Gimelshein, "Online normalizer calculation for softmax", 2018). The mean is the canonical
+sum of the token losses (leaves of ``leaf_tokens`` tokens folded in token order, the pairwise tree
+over leaves) divided by the number of counted tokens, or by ``num_global_tokens``. Backward is
+elementwise: ``dlogits = (softmax(x) - onehot(t)) * scale_i``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._leaf_sums import fold_chunks, leaf_layout
+from ._vendor.det_core.reduce import TreePartial
+from ._vendor.det_core.runtime import check_kernel_device
+
+__all__ = ["cross_entropy"]
+
+# Fixed config table. BLOCK_V changes bits (the chunk order of the online logsumexp and the
+# tl.max / tl.sum tree inside a chunk); so does NUM_WARPS. Both are fixed, never keyed by N.
+BLOCK_V = 4096
+NUM_WARPS = 8
+BWD_BLOCK_V = 4096  # elementwise: does not change bits
+
+
+@triton.jit
+def _ce_fwd_kernel(
+    x_ptr,
+    t_ptr,
+    loss_ptr,
+    lse_ptr,
+    V,
+    stride_x,
+    ignore_index,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + row * stride_x
+    offs = tl.arange(0, BLOCK_V)
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.full((), 0.0, tl.float32)
+    for start in range(0, V, BLOCK_V):
+        cols = start + offs
+        x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+    lse = m + tl.log(s)
+    t = tl.load(t_ptr + row)
+    valid = t != ignore_index
+    x_t = tl.load(base + tl.where(valid, t, 0)).to(tl.float32)
+    loss = tl.where(valid, lse - x_t, 0.0)
+    tl.store(loss_ptr + row, loss)
+    tl.store(lse_ptr + row, lse)
+
+
+@triton.jit
+def _ce_bwd_kernel(
+    x_ptr,
+    t_ptr,
+    lse_ptr,
+    scale_ptr,
+    dx_ptr,
+    V,
+    stride_x,
+    stride_dx,
+    scale_stride,
+    ignore_index,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = cols < V
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    lse = tl.load(lse_ptr + row)
+    t = tl.load(t_ptr + row)
+    scale = tl.load(scale_ptr + row * scale_stride)
+    scale = tl.where(t != ignore_index, scale, 0.0)
+    p = tl.exp(x - lse)
+    g = (p - tl.where(cols == t, 1.0, 0.0)) * scale
+    tl.store(dx_ptr + row * stride_dx + cols, g.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+class _CrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits2, targets1, ignore_index, reduction, denominator):
+        n, v = logits2.shape
+        loss = torch.empty((n,), dtype=torch.float32, device=logits2.device)
+        lse = torch.empty((n,), dtype=torch.float32, device=logits2.device)
+        if n:
+            _ce_fwd_kernel[(n,)](
+                logits2,
+                targets1,
+                loss,
+                lse,
+                v,
+                logits2.stride(0),
+                ignore_index,
+                BLOCK_V=BLOCK_V,
+                num_warps=NUM_WARPS,
+            )
+        ctx.save_for_backward(logits2, targets1, lse)
+        ctx.ignore_index, ctx.reduction, ctx.denominator = ignore_index, reduction, denominator
+        if reduction == "none":
+            return loss
+        total = _canonical_token_sum(loss)
+        return total if reduction == "sum" else total / denominator
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits2, targets1, lse = ctx.saved_tensors
+        n, v = logits2.shape
+        dx = torch.empty_like(logits2, memory_format=torch.contiguous_format)
+        if ctx.reduction == "none":
+            scale, scale_stride = grad_out.to(torch.float32).contiguous(), 1
+        elif ctx.reduction == "sum":
+            scale, scale_stride = grad_out.to(torch.float32).reshape(1), 0
+        else:
+            # the same fp32 scalar for every token of every micro-batch: elementwise, so split-invariant
+            scale, scale_stride = (grad_out.to(torch.float32) / ctx.denominator).reshape(1), 0
+        if n:
+            grid = (n, triton.cdiv(v, BWD_BLOCK_V))
+            _ce_bwd_kernel[grid](
+                logits2,
+                targets1,
+                lse,
+                scale,
+                dx,
+                v,
+                logits2.stride(0),
+                dx.stride(0),
+                scale_stride,
+                ctx.ignore_index,
+                BLOCK_V=BWD_BLOCK_V,
+            )
+        return dx, None, None, None, None
+
+
+def _canonical_token_sum(loss: torch.Tensor) -> torch.Tensor:
+    """Canonical sum of per-token fp32 losses: leaves folded in token order, pairwise tree over leaves.
+
+    With an active accumulator the leaves are its (global, aligned) leaves, so each micro-batch's
+    sum is a whole set of subtrees; the returned value is this call's partial sum.
+    """
+    n = loss.shape[0]
+    if n == 0:
+        return loss.new_zeros(())
+    from .grad_accum import current_accumulator
+
+    acc = current_accumulator()
+    leaf = acc.leaf_tokens if acc is not None else leaf_layout(n, 1, "cross_entropy")[1]
+    sums = fold_chunks(loss.view(n, 1), leaf).view(-1)
+    return TreePartial().add_leaves(0, sums).result(sums.shape[0])
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    num_global_tokens: int | None = None,
+) -> torch.Tensor:
+    """Token-level cross-entropy loss over the last dimension of ``logits``.
+
+    Args:
+        logits: ``(..., V)`` float32 / bfloat16 / float16 (classes on the LAST dim, as in language
+            models; unlike ``torch.nn.functional.cross_entropy``'s ``(N, C, d...)``). Rows may be
+            strided; a non-unit last stride is copied.
+        targets: ``(...)`` int64 / int32 class indices in ``[0, V)`` or ``ignore_index``.
+        ignore_index: target value whose token has loss 0, gradient 0 and is not counted.
+        reduction: ``"mean"`` (canonical sum / count), ``"sum"`` (canonical sum) or ``"none"``.
+        num_global_tokens: for ``"mean"`` only: divide by this count instead of the call's own
+            non-ignored tokens. Use the global batch's token count when micro-batching or data
+            parallel, so every micro-batch's gradient is scaled by the same 1/N.
+
+    Returns:
+        fp32 scalar (``"mean"``, ``"sum"``) or fp32 ``(...)`` per-token losses (``"none"``). A mean
+        over zero counted tokens is NaN (as in torch).
+
+    **Determinism:** bitwise run to run. Row invariance: a token's loss and its dlogits row depend
+    only on its logits row, target and the gradient scale (one program per row, ``BLOCK_V`` fixed),
+    not on N or the other rows. The sum / mean uses the canonical order over token leaves
+    (``DEFAULT_LEAF_TOKENS``, or the active accumulator's ``leaf_tokens``), so it is the same for
+    any batch holding the same leaves; across micro-batches the partial losses of each call are
+    returned (their sum is for logging, not canonical). dlogits with ``num_global_tokens`` is
+    invariant to micro-batching. Not across GPU models / Triton versions (exp/log lowering).
+
+    Raises:
+        TypeError: bad dtypes. ValueError: shape mismatch, unknown reduction, ``num_global_tokens``
+        not positive or given with a reduction other than ``"mean"``, a target out of range
+        (checked on the host: one device sync). RuntimeError: device problems.
+
+    Reference: the softmax cross-entropy gradient ``softmax - onehot``; kernel layout after
+    Liger-Kernel ``ops/cross_entropy.py`` (which computes the gradient in the forward instead).
+    """
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(
+            f"cross_entropy: logits dtype {logits.dtype} is not supported (float32, bfloat16, float16)"
+        )
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"cross_entropy: targets must be int64 or int32, got {targets.dtype}")
+    if logits.dim() < 1 or tuple(targets.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"cross_entropy: targets shape {tuple(targets.shape)} must equal logits shape without the "
+            f"class dim, {tuple(logits.shape[:-1])} (classes are on the last dim)"
+        )
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"cross_entropy: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if num_global_tokens is not None:
+        if reduction != "mean":
+            raise ValueError("cross_entropy: num_global_tokens applies to reduction='mean' only")
+        if isinstance(num_global_tokens, bool) or int(num_global_tokens) <= 0:
+            raise ValueError(
+                f"cross_entropy: num_global_tokens must be a positive int, got {num_global_tokens!r}"
+            )
+    check_kernel_device(logits, targets, op="cross_entropy")
+    v = logits.shape[-1]
+    if v == 0:
+        raise ValueError("cross_entropy: the class dimension is empty")
+    logits2 = logits.reshape(-1, v)
+    if logits2.stride(-1) != 1:
+        logits2 = logits2.contiguous()
+    targets1 = targets.reshape(-1).to(torch.int64).contiguous()
+    valid = targets1 != ignore_index
+    if targets1.numel():
+        bad = valid & ((targets1 < 0) | (targets1 >= v))
+        if bool(bad.any()):
+            first = int(targets1[bad][0])
+            raise ValueError(f"cross_entropy: target {first} is outside [0, {v}) and is not ignore_index")
+    denominator = None
+    if reduction == "mean":
+        denominator = int(num_global_tokens) if num_global_tokens is not None else int(valid.sum())
+    out = _CrossEntropyFunction.apply(logits2, targets1, int(ignore_index), reduction, denominator)
+    return out.view(targets.shape) if reduction == "none" else out

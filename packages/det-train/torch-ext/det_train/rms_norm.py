@@ -1,0 +1,259 @@
+"""Deterministic, row-invariant RMSNorm forward and backward (Triton).
+
+``y = x / sqrt(mean(x**2) + eps) * weight`` over the last dimension (Zhang & Sennrich, "Root Mean
+Square Layer Normalization", NeurIPS 2019; kernel layout after Liger-Kernel ``ops/rms_norm.py``).
+
+Reduction orders (fixed; the table below names what changes bits):
+- forward and dX: one program per row, fp32 math over the whole row in one block of
+  ``next_pow2(D)`` elements (``tl.sum``), so a row's bits depend on the row and D alone;
+- dweight = sum over tokens of ``dy * x_hat`` in the canonical order: each program folds
+  ``rows_per_chunk`` consecutive tokens sequentially in fp32, the chunks of a leaf are folded in
+  chunk order (``_leaf_sums.fold_chunks``) and leaves are combined by ``TreePartial`` (or deposited
+  into the active ``CanonicalGradAccumulator``).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+import triton
+import triton.language as tl
+
+from ._leaf_sums import finish_param_grad, fold_chunks, leaf_layout
+from ._vendor.det_core.runtime import check_kernel_device
+
+__all__ = ["RMSNorm", "rms_norm"]
+
+# Fixed config table (never timed). Every entry changes bits: BLOCK_D and num_warps fix tl.sum's
+# reduction tree over a row; MAX_ROWS_PER_CHUNK fixes the fold step inside a leaf (the step used is
+# the largest power of two <= it that divides leaf_tokens).
+MAX_D = 65536
+MAX_ROWS_PER_CHUNK = 16
+
+
+def _num_warps(block_d: int) -> int:
+    """Warps per row program, a function of BLOCK_D only (changes bits of tl.sum)."""
+    return 1 if block_d <= 256 else 4 if block_d <= 2048 else 8 if block_d <= 8192 else 16
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    rstd_ptr,
+    D,
+    stride_x,
+    stride_y,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    mean_sq = tl.sum(x * x, axis=0) / D
+    rstd = 1.0 / tl.sqrt(mean_sq + eps)
+    y = x * rstd
+    if HAS_WEIGHT:
+        y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    dy_ptr,
+    x_ptr,
+    w_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dw_partial_ptr,
+    M,
+    D,
+    stride_dy,
+    stride_x,
+    stride_dx,
+    HAS_WEIGHT: tl.constexpr,
+    ROWS_PER_CHUNK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for r in range(0, ROWS_PER_CHUNK):
+        # rows past M (short last chunk): dy = 0 adds exact zeros to dw_acc and dx is not stored
+        row = tl.minimum(chunk.to(tl.int64) * ROWS_PER_CHUNK + r, M - 1)
+        lmask = mask & ((chunk.to(tl.int64) * ROWS_PER_CHUNK + r + cols * 0) < M)
+        dy = tl.load(dy_ptr + row * stride_dy + cols, mask=lmask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row)
+        x_hat = x * rstd
+        if HAS_WEIGHT:
+            wdy = dy * w
+            dw_acc += dy * x_hat
+        else:
+            wdy = dy
+        c1 = tl.sum(x_hat * wdy, axis=0) / D
+        dx = (wdy - x_hat * c1) * rstd
+        tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=lmask)
+    if HAS_WEIGHT:
+        tl.store(dw_partial_ptr + chunk.to(tl.int64) * D + cols, dw_acc, mask=mask)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor | None, d: int) -> None:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"rms_norm: x must be a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"rms_norm: x dtype {x.dtype} is not supported (float32, bfloat16, float16)")
+    if weight is not None:
+        if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"rms_norm: weight dtype {weight.dtype} is not supported")
+        if weight.numel() != d:
+            raise ValueError(f"rms_norm: weight has {weight.numel()} elements but the normalized size is {d}")
+        check_kernel_device(x, weight, op="rms_norm")
+    else:
+        check_kernel_device(x, op="rms_norm")
+    if d > MAX_D:
+        raise ValueError(f"rms_norm: normalized size {d} exceeds {MAX_D} (one row per program)")
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, d):
+        x2 = x.reshape(-1, d)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        m = x2.shape[0]
+        out_dtype = x.dtype if weight is None else torch.promote_types(x.dtype, weight.dtype)
+        y = torch.empty((m, d), dtype=out_dtype, device=x.device)
+        rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
+        block_d = triton.next_power_of_2(d)
+        if m > 0:
+            _rms_norm_fwd_kernel[(m,)](
+                x2,
+                weight if weight is not None else x2,
+                y,
+                rstd,
+                d,
+                x2.stride(0),
+                y.stride(0),
+                eps,
+                HAS_WEIGHT=weight is not None,
+                BLOCK_D=block_d,
+                num_warps=_num_warps(block_d),
+            )
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.d = d
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, rstd = ctx.saved_tensors
+        d = ctx.d
+        dy2 = dy.reshape(-1, d)
+        if dy2.stride(-1) != 1:
+            dy2 = dy2.contiguous()
+        m = x2.shape[0]
+        dx = torch.empty((m, d), dtype=x2.dtype, device=x2.device)
+        has_w = weight is not None
+        dw = None
+        if m == 0:
+            dw = torch.zeros_like(weight) if has_w and ctx.needs_input_grad[1] else None
+            return dx.view(dy.shape), dw, None, None
+        if has_w:
+            acc, leaf, first_leaf, rows = leaf_layout(m, MAX_ROWS_PER_CHUNK, "rms_norm")
+        else:
+            acc, leaf, first_leaf, rows = None, 1, 0, MAX_ROWS_PER_CHUNK
+        n_chunks = triton.cdiv(m, rows)
+        partial = torch.empty((n_chunks, d) if has_w else (1,), dtype=torch.float32, device=x2.device)
+        block_d = triton.next_power_of_2(d)
+        _rms_norm_bwd_kernel[(n_chunks,)](
+            dy2,
+            x2,
+            weight if has_w else x2,
+            rstd,
+            dx,
+            partial,
+            m,
+            d,
+            dy2.stride(0),
+            x2.stride(0),
+            dx.stride(0),
+            HAS_WEIGHT=has_w,
+            ROWS_PER_CHUNK=rows,
+            BLOCK_D=block_d,
+            num_warps=_num_warps(block_d),
+        )
+        if has_w and ctx.needs_input_grad[1]:
+            dw = finish_param_grad(acc, weight, first_leaf, fold_chunks(partial, leaf // rows))
+        return dx.view(dy.shape), dw, None, None
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float | None = None,
+    normalized_shape: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """Root-mean-square normalisation over the trailing ``normalized_shape`` dims, times ``weight``.
+
+    Args:
+        x: ``(..., *normalized_shape)`` float32 / bfloat16 / float16, on CUDA (or CPU under
+            ``TRITON_INTERPRET=1``). Rows may be strided; a non-unit last stride is copied.
+        weight: ``normalized_shape`` (any of the three dtypes) or None (no affine scale).
+        eps: added to the mean square; None means ``torch.finfo(x.dtype).eps`` (as torch.nn.RMSNorm).
+        normalized_shape: trailing dims normalised together; default ``weight.shape`` or ``x.shape[-1:]``.
+
+    Returns:
+        ``y`` of ``x``'s shape, dtype ``promote_types(x.dtype, weight.dtype)`` (``x.dtype`` without
+        weight). All math is fp32.
+
+    Gradients: dX row-local; dweight = sum over tokens of ``dy * x_hat`` in the canonical order
+    (deposited into the active ``CanonicalGradAccumulator`` if any, autograd gradient None then).
+
+    **Determinism:** bitwise run to run; a row's y and dX do not depend on the number of rows, its
+    position or the other rows (one program per row, config keyed by D only). dweight is
+    invariant to micro-batching and data-parallel splits at leaf boundaries when a
+    ``CanonicalGradAccumulator`` is active; without one it is the canonical sum over the call's own
+    tokens (leaf size ``DEFAULT_LEAF_TOKENS``). Bits may differ between GPU models, Triton versions
+    and the CPU interpreter (``tl.sum``'s tree and ``sqrt`` lowering).
+
+    Raises:
+        TypeError: non-float or unsupported dtypes. ValueError: weight size mismatch, trailing shape
+        mismatch, normalized size over 65536. RuntimeError / ValueError: device problems.
+    """
+    if normalized_shape is None:
+        normalized_shape = tuple(weight.shape) if weight is not None else tuple(x.shape[-1:])
+    if isinstance(normalized_shape, numbers.Integral):
+        normalized_shape = (int(normalized_shape),)
+    normalized_shape = tuple(normalized_shape)
+    if (
+        x.dim() < len(normalized_shape)
+        or tuple(x.shape[x.dim() - len(normalized_shape) :]) != normalized_shape
+    ):
+        raise ValueError(f"rms_norm: x of shape {tuple(x.shape)} does not end with {normalized_shape}")
+    d = 1
+    for s in normalized_shape:
+        d *= s
+    _check(x, weight, d)
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps
+    if weight is not None and not weight.is_contiguous():
+        raise ValueError("rms_norm: weight must be contiguous (it is read as a flat vector of D elements)")
+    return _RMSNormFunction.apply(x, weight, float(eps), d)
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """Drop-in for ``torch.nn.RMSNorm`` running ``det_train.rms_norm`` (same arguments and state_dict).
+
+    **Determinism:** as ``rms_norm``: row-invariant forward and dX; canonical-order weight gradient.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, tuple(self.normalized_shape))
