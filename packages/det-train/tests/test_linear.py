@@ -1,0 +1,308 @@
+"""det_train.linear / Linear: forward + backward accuracy, row invariance of Y and dX, canonical
+dW / db under micro-batching (with the CanonicalGradAccumulator), run-to-run and bad input."""
+
+import dataclasses
+
+import pytest
+import torch
+from det_core.testing import (
+    assert_bitwise_equal,
+    assert_decomposition_invariant,
+    assert_row_invariant,
+    assert_run_to_run,
+    contiguous_splits,
+    digest,
+    run_in_fresh_process,
+)
+from det_train import CanonicalGradAccumulator, Linear, linear
+from det_train.configs import weight_grad_config
+from det_train.linear import _aligned_runs, bias_grad_partial, weight_grad_partial
+from det_train.reference import linear_fp64, weight_grad_canonical, weight_grad_fp64
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CPU_ROWS = [1, 2, 3, 17, 64, 65, 129]
+GPU_ROWS = [1, 2, 3, 17, 64, 65, 127, 128, 129, 1000, 4096]
+
+
+def _randn(*shape, dtype=torch.bfloat16, seed=0, device=DEVICE, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype=dtype, device=device).requires_grad_(requires_grad)
+
+
+def _rel_err(x, ref):
+    return float((x.detach().double() - ref).norm() / ref.norm())
+
+
+def _grads(x, w, b, dy):
+    x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    b = None if b is None else b.detach().requires_grad_()
+    y = linear(x, w, b)
+    y.backward(dy)
+    return y, x.grad, w.grad, None if b is None else b.grad
+
+
+# ----------------------------------------------------------------------------- accuracy
+def test_forward_backward_accuracy_vs_fp64_no_worse_than_2x_torch():
+    x, w, b = _randn(2, 150, 96, seed=1), _randn(80, 96, seed=2), _randn(80, seed=3)
+    dy = _randn(2, 150, 80, seed=4)
+    y, dx, dw, db = _grads(x, w, b, dy)
+    # torch's own bf16 results (CPU: fp32 math rounded once, as cuBLAS does)
+    xt, wt, bt = (t.detach().float().requires_grad_() for t in (x, w, b))
+    yt = torch.nn.functional.linear(xt, wt, bt)
+    yt.backward(dy.float())
+    dy64 = dy.double().reshape(-1, 80)
+    refs = {
+        "y": (y, yt.to(y.dtype), linear_fp64(x, w, b)),
+        "dx": (dx, xt.grad.to(dx.dtype), (dy64 @ w.double()).reshape(x.shape)),
+        "dw": (dw, wt.grad.to(dw.dtype), weight_grad_fp64(dy, x)),
+        "db": (db, bt.grad.to(db.dtype), dy64.sum(0)),
+    }
+    for name, (ours, theirs, ref) in refs.items():
+        assert _rel_err(ours, ref) <= 2 * _rel_err(theirs, ref), name
+    assert y.shape == (2, 150, 80) and dx.shape == x.shape and dw.shape == w.shape and db.shape == b.shape
+
+
+def test_weight_grad_kernel_matches_canonical_reference_order():
+    dy, x = _randn(300, 40, seed=5), _randn(300, 72, seed=6)
+    got = weight_grad_partial(dy, x, leaf_tokens=64, finish_dtype=torch.float32)
+    ref = weight_grad_canonical(dy, x, 64)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- run to run
+def test_run_to_run_forward_and_grads():
+    x, w, b, dy = (
+        _randn(130, 96, seed=7),
+        _randn(80, 96, seed=8),
+        _randn(80, seed=9),
+        _randn(130, 80, seed=10),
+    )
+    assert_run_to_run(lambda: _grads(x, w, b, dy), repeats=3)
+
+
+def test_run_to_run_fresh_process_cold_cache():
+    code = (
+        "import torch\n"
+        "from det_core.testing import digest\n"
+        "from det_train import linear\n"
+        "g = torch.Generator().manual_seed(11)\n"
+        f"x = torch.randn(70, 96, generator=g).to(torch.bfloat16).to('{DEVICE}').requires_grad_()\n"
+        f"w = torch.randn(48, 96, generator=g).to(torch.bfloat16).to('{DEVICE}').requires_grad_()\n"
+        "y = linear(x, w)\n"
+        "y.backward(torch.ones_like(y))\n"
+        "print(digest([y, x.grad, w.grad]))\n"
+    )
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(70, 96, generator=g).to(torch.bfloat16).to(DEVICE).requires_grad_()
+    w = torch.randn(48, 96, generator=g).to(torch.bfloat16).to(DEVICE).requires_grad_()
+    y = linear(x, w)
+    y.backward(torch.ones_like(y))
+    assert run_in_fresh_process(code) == digest([y, x.grad, w.grad])
+
+
+# ----------------------------------------------------------------------------- row invariance
+def _dx_of(w):
+    def fn(dy):
+        x = torch.zeros(dy.shape[0], w.shape[1], dtype=dy.dtype, device=dy.device, requires_grad=True)
+        linear(x, w.detach()).backward(dy)
+        return x.grad
+
+    return fn
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_row_invariance_of_y_and_dx(bias):
+    w, b = _randn(72, 100, seed=12), _randn(72, seed=13) if bias else None
+    assert_row_invariant(
+        lambda x: linear(x, w, b), lambda m: _randn(m, 100, seed=m), CPU_ROWS, _randn(1, 100, seed=14), "y"
+    )
+    assert_row_invariant(
+        _dx_of(w), lambda m: _randn(m, 72, seed=m + 1), CPU_ROWS, _randn(1, 72, seed=15), "dx"
+    )
+
+
+# ----------------------------------------------------------------------------- canonical dW / db
+@pytest.mark.parametrize("leaves_per_program", [1, 2, 4])
+def test_leaves_per_program_does_not_change_bits(leaves_per_program):
+    dy, x = _randn(7 * 32 + 5, 40, seed=16), _randn(7 * 32 + 5, 72, seed=17)  # 8 leaves, the last short
+    base = weight_grad_config(dy.dtype, 40, 72)
+    ref = weight_grad_partial(dy, x, leaf_tokens=32, config=dataclasses.replace(base, leaves_per_program=1))
+    cfg = dataclasses.replace(base, leaves_per_program=leaves_per_program)
+    for first_leaf, lo, hi in [(0, 0, 229), (3, 96, 229), (1, 32, 160)]:  # odd starts: mixed levels
+        part = weight_grad_partial(dy[lo:hi], x[lo:hi], leaf_tokens=32, first_leaf=first_leaf, config=cfg)
+        ref_part = weight_grad_partial(
+            dy[lo:hi],
+            x[lo:hi],
+            leaf_tokens=32,
+            first_leaf=first_leaf,
+            config=dataclasses.replace(base, leaves_per_program=1),
+        )
+        # merged partials hold the maximal aligned subtrees whatever the kernel computed in registers
+        assert sorted(part.nodes) == sorted(ref_part.nodes)
+        for key in part.nodes:
+            assert_bitwise_equal(part.nodes[key], ref_part.nodes[key], f"lpp={leaves_per_program} node {key}")
+        total = first_leaf + -(-(hi - lo) // 32)
+        if first_leaf == 0:
+            assert_bitwise_equal(part.result(total), ref.result(8), f"lpp={leaves_per_program}")
+    fused = weight_grad_partial(dy[:128], x[:128], leaf_tokens=32, config=cfg, finish_dtype=torch.bfloat16)
+    plain = weight_grad_partial(
+        dy[:128], x[:128], leaf_tokens=32, config=dataclasses.replace(base, leaves_per_program=1)
+    )
+    assert_bitwise_equal(fused, plain.result(4).to(torch.bfloat16), "in-kernel finish")
+
+
+def test_aligned_runs_are_maximal_aligned_subtrees():
+    assert _aligned_runs(0, 8, 4) == [(2, 0, 2)]
+    assert _aligned_runs(1, 7, 4) == [(0, 1, 1), (1, 1, 1), (2, 1, 1)]
+    assert _aligned_runs(3, 3, 2) == [(0, 3, 1), (1, 2, 1)]
+    assert _aligned_runs(0, 3, 4) == [(1, 0, 1), (0, 2, 1)]
+
+
+def _accumulated_grads(x, w, b, dy, leaf_tokens, parts, granule=None):
+    """Gradients through the accumulator with the tokens split into `parts` leaf-aligned micro-batches."""
+    w = w.detach().clone().requires_grad_()
+    b = b.detach().clone().requires_grad_()
+    acc = CanonicalGradAccumulator([("w", w), ("b", b)], leaf_tokens=leaf_tokens)
+    t = x.shape[0]
+    cuts = contiguous_splits((t // leaf_tokens) * leaf_tokens, parts, granule=leaf_tokens)
+    cuts[-1] = (cuts[-1][0], t)  # the last micro-batch also takes the short last leaf
+    for s, e in cuts:
+        with acc.micro_batch(token_offset=s):
+            linear(x[s:e], w, b).backward(dy[s:e])
+    acc.reduce(total_tokens=t)
+    return w.grad, b.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_micro_batch_invariance_of_dw_and_db(dtype):
+    leaf = 32
+    t = 8 * leaf + 13  # 9 leaves, the last short
+    x, w, b = (
+        _randn(t, 72, dtype=dtype, seed=18),
+        _randn(40, 72, dtype=dtype, seed=19),
+        _randn(40, dtype=dtype, seed=20),
+    )
+    dy = _randn(t, 40, dtype=dtype, seed=21)
+    assert_decomposition_invariant(
+        lambda: _accumulated_grads(x, w, b, dy, leaf, 1),
+        lambda p: _accumulated_grads(x, w, b, dy, leaf, p),
+        parts=(2, 3, 4, 8),
+        name="dW, db",
+    )
+
+
+def test_plain_backward_equals_accumulator_with_default_leaf():
+    """Without an accumulator the op uses leaf_tokens = 1024: same bits as the accumulator's tree."""
+    t = 2 * 1024 + 320  # 3 leaves
+    x, w, b = _randn(t, 16, seed=22), _randn(24, 16, seed=23), _randn(24, seed=24)
+    dy = _randn(t, 24, seed=25)
+    _, _, dw, db = _grads(x, w, b, dy)
+    for parts in (1, 2):
+        dw_acc, db_acc = _accumulated_grads(x, w, b, dy, 1024, parts)
+        assert_bitwise_equal(dw_acc, dw, f"dW, {parts} micro-batches")
+        assert_bitwise_equal(db_acc, db, f"db, {parts} micro-batches")
+
+
+def test_bias_grad_partial_is_canonical():
+    dy = _randn(200, 24, seed=26)
+    part = bias_grad_partial(dy, leaf_tokens=64)
+    leaves = [dy[s : s + 64].float() for s in range(0, 200, 64)]
+    ref = torch.stack([leaf.sum(0) for leaf in leaves])
+    torch.testing.assert_close(part.result(4), ref.sum(0), rtol=1e-6, atol=1e-5)
+    assert sorted(part.nodes) == [(2, 0)]
+
+
+# ----------------------------------------------------------------------------- module
+def test_linear_module_is_a_drop_in_for_nn_linear():
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(96, 40, dtype=torch.bfloat16, device=DEVICE)
+    ours = Linear(96, 40, dtype=torch.bfloat16, device=DEVICE)
+    assert ours.state_dict().keys() == ref.state_dict().keys()
+    ours.load_state_dict(ref.state_dict())
+    x = _randn(5, 96, seed=27)
+    assert_bitwise_equal(ours(x), linear(x, ref.weight, ref.bias), "module forward")
+    shared = Linear.from_torch(ref)
+    assert shared.weight is ref.weight and shared.bias is ref.bias
+    assert_bitwise_equal(shared(x), ours(x), "from_torch")
+    assert Linear(8, 4, bias=False).bias is None
+
+
+# ----------------------------------------------------------------------------- edge cases / bad input
+def test_empty_tokens_and_non_contiguous_input():
+    w = _randn(24, 16, seed=28, requires_grad=True)
+    x = _randn(0, 16, requires_grad=True)
+    y = linear(x, w)
+    y.backward(torch.ones_like(y))
+    assert y.shape == (0, 24) and bool((w.grad == 0).all())
+    big = _randn(40, 64, seed=29)
+    view = big[::2, 8:24]  # rows stride 128, not contiguous
+    assert_bitwise_equal(linear(view, w.detach()), linear(view.contiguous(), w.detach()), "strided x")
+
+
+def test_bad_input_raises_clearly():
+    w = _randn(24, 16)
+    with pytest.raises(ValueError, match="in_features"):
+        linear(_randn(3, 15), w)
+    with pytest.raises(TypeError, match="one dtype"):
+        linear(_randn(3, 16, dtype=torch.float16), w)
+    with pytest.raises(TypeError, match="supported"):
+        linear(_randn(3, 16).double(), w.double())
+    with pytest.raises(ValueError, match="bias"):
+        linear(_randn(3, 16), w, _randn(23))
+    with pytest.raises(ValueError, match="2-D"):
+        linear(_randn(3, 16), w[None])
+    with pytest.raises(ValueError, match="one device"):
+        linear(torch.empty(3, 16, dtype=torch.bfloat16, device="meta"), w)
+
+
+# ----------------------------------------------------------------------------- GPU, real sizes
+@pytest.mark.gpu
+def test_gpu_row_invariance_of_y_and_dx_real_sizes():
+    w, b = _randn(4096, 4096, seed=40), _randn(4096, seed=41)
+    assert_row_invariant(
+        lambda x: linear(x, w, b), lambda m: _randn(m, 4096, seed=m), GPU_ROWS, _randn(1, 4096, seed=42), "y"
+    )
+    assert_row_invariant(
+        _dx_of(w), lambda m: _randn(m, 4096, seed=m + 1), GPU_ROWS, _randn(1, 4096, seed=43), "dx"
+    )
+
+
+@pytest.mark.gpu
+def test_gpu_micro_batch_invariance_real_sizes():
+    t = 8192
+    x, w, b = _randn(t, 4096, seed=44), _randn(4096, 4096, seed=45), _randn(4096, seed=46)
+    dy = _randn(t, 4096, seed=47)
+    assert_decomposition_invariant(
+        lambda: _accumulated_grads(x, w, b, dy, 1024, 1),
+        lambda p: _accumulated_grads(x, w, b, dy, 1024, p),
+        parts=(2, 3, 4, 8),
+        name="dW, db",
+    )
+    _, _, dw, db = _grads(x, w, b, dy)
+    assert_bitwise_equal(_accumulated_grads(x, w, b, dy, 1024, 1)[0], dw, "plain dW == accumulator dW")
+
+
+@pytest.mark.gpu
+def test_gpu_accuracy_vs_cublas_forward_and_backward():
+    x, w, dy = _randn(4096, 4096, seed=48), _randn(4096, 4096, seed=49), _randn(4096, 4096, seed=50)
+    y, dx, dw, _ = _grads(x, w, None, dy)
+    xt, wt = x.clone().requires_grad_(), w.clone().requires_grad_()
+    yt = torch.nn.functional.linear(xt, wt)
+    yt.backward(dy)
+    assert _rel_err(y, linear_fp64(x, w)) <= 2 * _rel_err(yt, linear_fp64(x, w))
+    ref_dx = dy.double() @ w.double()
+    assert _rel_err(dx, ref_dx) <= 2 * _rel_err(xt.grad, ref_dx)
+    ref_dw = weight_grad_fp64(dy, x)
+    assert _rel_err(dw, ref_dw) <= 2 * _rel_err(wt.grad, ref_dw)
+
+
+@pytest.mark.gpu
+def test_gpu_leaves_per_program_and_configs_same_bits():
+    dy, x = _randn(8192, 4096, seed=51), _randn(8192, 4096, seed=52)
+    base = weight_grad_config(dy.dtype, 4096, 4096)
+    ref = weight_grad_partial(dy, x, leaf_tokens=1024, finish_dtype=torch.float32)
+    for lpp in (1, 2, 4):
+        for bn, bk, warps in [(128, 128, 8), (128, 256, 8), (64, 128, 4)]:
+            cfg = dataclasses.replace(base, leaves_per_program=lpp, block_n=bn, block_k=bk, num_warps=warps)
+            got = weight_grad_partial(dy, x, leaf_tokens=1024, config=cfg, finish_dtype=torch.float32)
+            assert_bitwise_equal(got, ref, f"lpp={lpp} tile {bn}x{bk}")

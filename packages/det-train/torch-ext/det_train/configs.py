@@ -1,0 +1,131 @@
+"""The fixed kernel-config table of det_train's matmul and linear kernels (no timing-based autotune).
+
+A config is looked up by **dtype, operand layout and the shape class of N and K** — never by M
+(rows / tokens), so a row's result cannot depend on the batch size. Layouts name which operand
+is stored K-contiguous: for ``C = A @ B`` with ``A (M, K)`` and ``B (K, N)``,
+
+- ``"nn"``: A row-major (K contiguous), B row-major (N contiguous) — ``dY @ W`` (dX);
+- ``"nt"``: B read through a transposed view (K contiguous) — ``X @ W.T`` (the nn.Linear forward);
+- ``"tn"`` / ``"tt"``: A read through a transposed view (M contiguous).
+
+**Which fields change bits.** The reduction order of ``matmul`` is a sequential fp32 fold over K in
+steps of ``block_k`` (each step one ``tl.dot``, i.e. a fixed tensor-core instruction sequence), so
+``block_k`` (and the dot instruction, fixed per dtype by Triton) changes bits. ``block_m``,
+``block_n``, ``group_m``, ``num_warps`` and ``num_stages`` only tile the output and schedule the
+work: every entry of one dtype uses the same ``block_k``, so every entry gives the same bits
+(checked by a ``gpu`` test). For the weight gradient the token step ``block_t`` changes bits (it
+is the fold step inside a leaf); ``leaves_per_program`` does not (it only chooses how much of the
+fixed leaf tree one program computes in registers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "BIAS_GRAD_BLOCK_T",
+    "MatmulConfig",
+    "WeightGradConfig",
+    "layout_of",
+    "matmul_config",
+    "shape_class",
+    "weight_grad_config",
+]
+
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    """Tiles and schedule of the forward / dX kernel (``block_k`` changes bits, the rest do not)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class WeightGradConfig:
+    """Tiles of the dW kernel: output tile ``block_n x block_k``, token step ``block_t`` (changes bits)."""
+
+    block_n: int
+    block_k: int
+    block_t: int
+    group_n: int
+    num_warps: int
+    num_stages: int
+    leaves_per_program: int  # 1, 2 or 4 leaves of the canonical tree combined in registers
+
+
+# The K step of each dtype: part of the reduction order (changing it changes bits).
+BLOCK_K = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
+
+# Token step inside a leaf for dW and db: part of the reduction order.
+BLOCK_T = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
+BIAS_GRAD_BLOCK_T = 64
+
+_HALF = (torch.bfloat16, torch.float16)
+
+# (dtype group, layout, shape class) -> config. Shape class "large": N >= 256 and K >= 256.
+# Large tiles: BLOCK 128x256x64, 8 warps, 4 stages, grouped ordering (0.85-0.89x cuBLAS on H200 for
+# row-major B, DESIGN.md). For B read transposed ("nt"), a 128x256 tile with 3 stages.
+_MATMUL_TABLE: dict[tuple[str, str, str], MatmulConfig] = {
+    ("half", "nn", "large"): MatmulConfig(128, 256, 64, 8, 8, 4),
+    ("half", "nt", "large"): MatmulConfig(128, 256, 64, 8, 8, 3),
+    ("half", "tn", "large"): MatmulConfig(128, 256, 64, 8, 8, 3),
+    ("half", "tt", "large"): MatmulConfig(128, 256, 64, 8, 8, 3),
+    ("half", "nn", "small"): MatmulConfig(64, 64, 64, 8, 4, 4),
+    ("half", "nt", "small"): MatmulConfig(64, 64, 64, 8, 4, 4),
+    ("half", "tn", "small"): MatmulConfig(64, 64, 64, 8, 4, 4),
+    ("half", "tt", "small"): MatmulConfig(64, 64, 64, 8, 4, 4),
+    # fp32: IEEE fp32 dot (no TF32), CUDA cores; correct, not fast.
+    ("fp32", "any", "any"): MatmulConfig(64, 64, 32, 8, 4, 3),
+}
+
+# dW = dY^T X: A = dY read transposed (tokens contiguous per column), B = X row-major.
+# 128x128 output tile with 2 leaves per program keeps two fp32 tiles live (128 registers / thread).
+_WEIGHT_GRAD_TABLE: dict[tuple[str, str], WeightGradConfig] = {
+    ("half", "large"): WeightGradConfig(128, 128, 64, 8, 8, 3, 2),
+    ("half", "small"): WeightGradConfig(64, 64, 64, 8, 4, 3, 1),
+    ("fp32", "any"): WeightGradConfig(64, 64, 32, 8, 4, 3, 1),
+}
+
+
+def _dtype_group(dtype: torch.dtype) -> str:
+    if dtype in _HALF:
+        return "half"
+    if dtype == torch.float32:
+        return "fp32"
+    raise TypeError(f"no det_train kernel config for dtype {dtype}; use bfloat16, float16 or float32")
+
+
+def shape_class(n: int, k: int) -> str:
+    """``"large"`` when both ``n >= 256`` and ``k >= 256``, else ``"small"`` (never depends on M)."""
+    return "large" if n >= 256 and k >= 256 else "small"
+
+
+def layout_of(a: torch.Tensor, b: torch.Tensor) -> str:
+    """Layout key of ``a @ b`` from the strides of the last two dims (``"n"``: K contiguous in A /
+    N contiguous in B; ``"t"``: the other dim contiguous)."""
+    a_t = "t" if a.stride(-1) != 1 and a.stride(-2) == 1 else "n"
+    b_t = "t" if b.stride(-1) != 1 and b.stride(-2) == 1 else "n"
+    return a_t + b_t
+
+
+def matmul_config(dtype: torch.dtype, layout: str, n: int, k: int) -> MatmulConfig:
+    """The config of ``C (M, N) = A (M, K) @ B (K, N)`` for ``dtype`` and ``layout`` (M plays no part)."""
+    group = _dtype_group(dtype)
+    if group == "fp32":
+        return _MATMUL_TABLE[("fp32", "any", "any")]
+    return _MATMUL_TABLE[(group, layout, shape_class(n, k))]
+
+
+def weight_grad_config(dtype: torch.dtype, n: int, k: int) -> WeightGradConfig:
+    """The config of ``dW (N, K) = dY^T X`` (the token count plays no part)."""
+    group = _dtype_group(dtype)
+    if group == "fp32":
+        return _WEIGHT_GRAD_TABLE[("fp32", "any")]
+    return _WEIGHT_GRAD_TABLE[(group, shape_class(n, k))]

@@ -1,0 +1,419 @@
+"""Deterministic linear layer: ``Y = X W^T + b`` with a batch-invariant forward and dX, and dW / db
+summed over tokens in the canonical order (fp32 leaf sums combined by det_core's fixed tree).
+
+- Forward and dX are ``matmul`` (fixed K order, no split-K): row invariant.
+- dW = dY^T X and db = sum of dY over tokens: the token axis is cut into leaves of ``leaf_tokens``
+  tokens aligned to the global token index; a leaf is a sequential fp32 fold in steps of
+  ``block_t`` tokens; leaves are combined by ``TreePartial``. The dW kernel computes up to
+  ``leaves_per_program`` whole aligned leaves of the tree in registers, so the fp32 workspace
+  holds one tile per aligned subtree instead of one per leaf.
+- With an active ``CanonicalGradAccumulator`` the leaf sums are deposited there (notes/CANONICAL_GRADS.md)
+  and the autograd gradient of the weight / bias is None.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._vendor.det_core import runtime
+from ._vendor.det_core.reduce import TreePartial, num_leaves
+from .configs import BIAS_GRAD_BLOCK_T, WeightGradConfig, weight_grad_config
+from .matmul import _check_bias, _dot_precision, bf16_by_bits, launch_matmul, store_rounded
+
+__all__ = ["Linear", "bias_grad_partial", "linear", "weight_grad_partial"]
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _default_leaf_tokens() -> int:
+    from .grad_accum import DEFAULT_LEAF_TOKENS
+
+    return DEFAULT_LEAF_TOKENS
+
+
+# ----------------------------------------------------------------------------- kernels
+@triton.jit
+def _leaf_sum(
+    dy_ptr, x_ptr, tok_start, tok_end, offs_n, offs_k,
+    stride_dyt, stride_dyn, stride_xt, stride_xk, dy_t_step, x_t_step,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+    EVEN_T: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """fp32 (BLOCK_N, BLOCK_K) tile of sum_t dY[t, n] X[t, k] over one leaf, folded in BLOCK_T steps."""
+    offs_t = tl.arange(0, BLOCK_T)
+    tok = (tok_start + offs_t).to(tl.int64)
+    a_ptrs = dy_ptr + tok[None, :] * stride_dyt + offs_n[:, None] * stride_dyn  # dY^T tile (BLOCK_N, BLOCK_T)
+    b_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xk  # X tile (BLOCK_T, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for t in range(tok_start, tok_end, BLOCK_T):
+        if EVEN_T:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            left = tok_end - t
+            a = tl.load(a_ptrs, mask=offs_t[None, :] < left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_t[:, None] < left, other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += dy_t_step
+        b_ptrs += x_t_step
+    return acc
+
+
+@triton.jit(do_not_specialize=["T", "run_start"])
+def _weight_grad_kernel(
+    # pointers: dY (T, N), X (T, K), out (blocks, N, K)
+    dy_ptr, x_ptr, out_ptr,
+    # sizes: tokens, out rows, out cols, first token of the run, tokens per leaf
+    T, N, K, run_start, LEAF_TOKENS,
+    stride_dyt, stride_dyn, stride_xt, stride_xk, stride_ob, stride_on, stride_ok,
+    dy_t_step, x_t_step,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr,
+    LEAVES: tl.constexpr, EVEN_T: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BF16_BY_BITS: tl.constexpr,
+):  # fmt: skip
+    """One aligned subtree of LEAVES leaves (1, 2 or 4) of one dW tile: the node of the canonical tree."""
+    pid = tl.program_id(0)
+    block = tl.program_id(1)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_k = tl.cdiv(K, BLOCK_K)
+    num_pid_in_group = GROUP_N * num_pid_k
+    group_id = pid // num_pid_in_group
+    first_pid_n = group_id * GROUP_N
+    group_size_n = tl.minimum(num_pid_n - first_pid_n, GROUP_N)
+    pid_n = first_pid_n + ((pid % num_pid_in_group) % group_size_n)
+    pid_k = (pid % num_pid_in_group) // group_size_n
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = (rows % N).to(tl.int64)
+    offs_k = (cols % K).to(tl.int64)
+
+    s0 = run_start + block * (LEAVES * LEAF_TOKENS)
+    e0 = tl.minimum(s0 + LEAF_TOKENS, T)
+    node = _leaf_sum(
+        dy_ptr, x_ptr, s0, e0, offs_n, offs_k, stride_dyt, stride_dyn, stride_xt, stride_xk,
+        dy_t_step, x_t_step, BLOCK_N, BLOCK_K, BLOCK_T, EVEN_T, UPCAST, DOT_PRECISION,
+    )  # fmt: skip
+    if LEAVES >= 2:  # node(1) = leaf 0 + leaf 1
+        s1 = s0 + LEAF_TOKENS
+        e1 = tl.minimum(s1 + LEAF_TOKENS, T)
+        node = node + _leaf_sum(
+            dy_ptr, x_ptr, s1, e1, offs_n, offs_k, stride_dyt, stride_dyn, stride_xt, stride_xk,
+            dy_t_step, x_t_step, BLOCK_N, BLOCK_K, BLOCK_T, EVEN_T, UPCAST, DOT_PRECISION,
+        )  # fmt: skip
+    if LEAVES == 4:  # node(2) = node(1, left) + (leaf 2 + leaf 3)
+        s2 = s0 + 2 * LEAF_TOKENS
+        e2 = tl.minimum(s2 + LEAF_TOKENS, T)
+        s3 = s0 + 3 * LEAF_TOKENS
+        e3 = tl.minimum(s3 + LEAF_TOKENS, T)
+        right = _leaf_sum(
+            dy_ptr, x_ptr, s2, e2, offs_n, offs_k, stride_dyt, stride_dyn, stride_xt, stride_xk,
+            dy_t_step, x_t_step, BLOCK_N, BLOCK_K, BLOCK_T, EVEN_T, UPCAST, DOT_PRECISION,
+        )  # fmt: skip
+        right = right + _leaf_sum(
+            dy_ptr, x_ptr, s3, e3, offs_n, offs_k, stride_dyt, stride_dyn, stride_xt, stride_xk,
+            dy_t_step, x_t_step, BLOCK_N, BLOCK_K, BLOCK_T, EVEN_T, UPCAST, DOT_PRECISION,
+        )  # fmt: skip
+        node = node + right
+    out_ptrs = (
+        out_ptr + block.to(tl.int64) * stride_ob + rows.to(tl.int64)[:, None] * stride_on
+        + cols.to(tl.int64)[None, :] * stride_ok
+    )  # fmt: skip
+    mask = (rows[:, None] < N) & (cols[None, :] < K)
+    store_rounded(out_ptrs, node, mask, BF16_BY_BITS)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _bias_grad_kernel(
+    dy_ptr, out_ptr, T, N, LEAF_TOKENS, stride_dyt, stride_dyn,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Leaf sums of dY over tokens: out[leaf, n], each a fold of BLOCK_T-token column sums."""
+    pid_n = tl.program_id(0)
+    leaf = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_t = tl.arange(0, BLOCK_T)
+    start = leaf * LEAF_TOKENS
+    end = tl.minimum(start + LEAF_TOKENS, T)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for t in range(start, end, BLOCK_T):
+        tok = (t + offs_t).to(tl.int64)
+        mask = (tok[:, None] < end) & (cols[None, :] < N)
+        tile = tl.load(dy_ptr + tok[:, None] * stride_dyt + cols[None, :] * stride_dyn, mask=mask, other=0.0)
+        acc += tl.sum(tile.to(tl.float32), axis=0)
+    tl.store(out_ptr + leaf.to(tl.int64) * N + cols, acc, mask=cols < N)
+
+
+# ----------------------------------------------------------------------------- host launchers
+def _aligned_runs(first_leaf: int, n_leaves: int, max_leaves: int) -> list[tuple[int, int, int]]:
+    """Cut global leaves ``[first_leaf, first_leaf + n_leaves)`` into runs of aligned subtrees.
+
+    Returns ``(level, first_node_index, node_count)`` runs: greedily the largest subtree of at most
+    ``max_leaves`` leaves that starts at the current leaf, is aligned (start divisible by its size)
+    and lies inside the range; equal consecutive levels form one run (one kernel launch).
+    """
+    runs: list[tuple[int, int, int]] = []
+    pos, end = first_leaf, first_leaf + n_leaves
+    while pos < end:
+        size = max_leaves
+        while size > 1 and (pos % size or pos + size > end):
+            size //= 2
+        level = size.bit_length() - 1
+        if runs and runs[-1][0] == level and (runs[-1][1] + runs[-1][2]) * size == pos:
+            runs[-1] = (level, runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((level, pos // size, 1))
+        pos += size
+    return runs
+
+
+def weight_grad_partial(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    *,
+    leaf_tokens: int,
+    first_leaf: int = 0,
+    config: WeightGradConfig | None = None,
+    finish_dtype: torch.dtype | None = None,
+) -> TreePartial | torch.Tensor:
+    """The canonical-order dW = dY^T X of one contiguous run of tokens, as a ``TreePartial``.
+
+    Args:
+        dy: ``(T, N)`` output gradient, any strides; bf16 / fp16 / fp32.
+        x: ``(T, K)`` layer input, same dtype and device.
+        leaf_tokens: tokens per leaf; local token ``t`` belongs to global leaf
+            ``first_leaf + t // leaf_tokens`` (the run starts on a leaf boundary).
+        first_leaf: global index of the run's first leaf.
+        config: override of the config table (benchmarks / tests of configs).
+        finish_dtype: when given (and ``first_leaf == 0``, the run being the whole token axis),
+            return the finished gradient ``(N, K)`` in this dtype instead of the partial.
+
+    Returns:
+        ``TreePartial`` with fp32 ``(N, K)`` nodes (the maximal aligned subtrees of at most
+        ``leaves_per_program`` leaves, merged), or the finished tensor.
+
+    Workspace: one fp32 ``(N, K)`` tile per aligned subtree of the run (for T = 8192 tokens,
+    ``leaf_tokens`` = 1024 and 2 leaves per program: 4 x N x K x 4 bytes); none when the run is
+    one subtree finished in-kernel.
+
+    **Determinism:** leaf sums are fixed by ``block_t`` (config table) and the leaf's tokens; the
+    tree by global leaf indices: any leaf-aligned split of the tokens merges to the same bits, and
+    ``leaves_per_program`` does not change them.
+    """
+    T, N = dy.shape
+    K = x.shape[1]
+    if config is None:
+        config = weight_grad_config(dy.dtype, N, K)
+    leaves = num_leaves(T, leaf_tokens)
+    runs = _aligned_runs(first_leaf, leaves, config.leaves_per_program)
+    fused = finish_dtype is not None and first_leaf == 0 and len(runs) == 1 and runs[0][2] == 1
+    partial = TreePartial()
+    token = 0
+    for level, first_node, count in runs:
+        size = 1 << level
+        out_dtype = finish_dtype if fused else torch.float32
+        out = torch.empty((count, N, K), dtype=out_dtype, device=dy.device)
+        run_tokens = min(count * size * leaf_tokens, T - token)
+        grid = (triton.cdiv(N, config.block_n) * triton.cdiv(K, config.block_k), count)
+        even_t = leaf_tokens % config.block_t == 0 and run_tokens == count * size * leaf_tokens
+        _weight_grad_kernel[grid](
+            dy, x, out, T, N, K, token, leaf_tokens,
+            dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), out.stride(0), out.stride(1), out.stride(2),
+            config.block_t * dy.stride(0), config.block_t * x.stride(0),
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_T=config.block_t, GROUP_N=config.group_n,
+            LEAVES=size, EVEN_T=even_t,
+            UPCAST=runtime.interpreter_active() and dy.dtype != torch.float32,
+            DOT_PRECISION=_dot_precision(dy.dtype), BF16_BY_BITS=bf16_by_bits(out_dtype),
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
+        if fused:
+            return out[0]
+        for i in range(count):
+            partial.merge(_single_node(level, first_node + i, out[i]))
+        token += run_tokens
+    if finish_dtype is not None:
+        return partial.result(first_leaf + leaves).to(finish_dtype)
+    return partial
+
+
+def _single_node(level: int, index: int, value: torch.Tensor) -> TreePartial:
+    node = TreePartial()
+    node.nodes[(level, index)] = value
+    return node
+
+
+def bias_grad_leaves(dy: torch.Tensor, leaf_tokens: int) -> torch.Tensor:
+    """fp32 leaf sums ``(n_leaves, N)`` of ``dy (T, N)`` over tokens (folds of 64-token column sums)."""
+    T, N = dy.shape
+    leaves = num_leaves(T, leaf_tokens)
+    out = torch.empty((leaves, N), dtype=torch.float32, device=dy.device)
+    block_n = 128
+    _bias_grad_kernel[(triton.cdiv(N, block_n), leaves)](
+        dy, out, T, N, leaf_tokens, dy.stride(0), dy.stride(1), BLOCK_T=BIAS_GRAD_BLOCK_T, BLOCK_N=block_n
+    )
+    return out
+
+
+def bias_grad_partial(dy: torch.Tensor, *, leaf_tokens: int, first_leaf: int = 0) -> TreePartial:
+    """The canonical-order db = sum of dY over tokens of one run, as a ``TreePartial`` of (N,) nodes."""
+    return TreePartial().add_leaves(first_leaf, bias_grad_leaves(dy, leaf_tokens))
+
+
+# ----------------------------------------------------------------------------- autograd
+class _LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        x2d = x.reshape(-1, x.shape[-1])
+        n = weight.shape[0]
+        y = torch.empty((x2d.shape[0], n), dtype=x.dtype, device=x.device)
+        if y.numel() and x2d.shape[1]:
+            launch_matmul(x2d, weight.t(), y, bias=bias)
+        elif y.numel():
+            y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
+        ctx.save_for_backward(x2d, weight)
+        ctx.weight = weight  # the Parameter itself: the accumulator keys deposits by identity
+        ctx.bias = bias
+        ctx.x_shape = x.shape
+        return y.reshape(*x.shape[:-1], n)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2d, weight = ctx.saved_tensors
+        bias = ctx.bias
+        n, k = weight.shape
+        dy2d = dy.reshape(-1, n)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.empty((dy2d.shape[0], k), dtype=dy.dtype, device=dy.device)
+            if grad_x.numel() and n:
+                launch_matmul(dy2d, weight, grad_x)
+            else:
+                grad_x.zero_()
+            grad_x = grad_x.reshape(ctx.x_shape)
+        want_w, want_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
+        if not (want_w or want_b):
+            return grad_x, None, None
+        from .grad_accum import current_accumulator
+
+        acc = current_accumulator()
+        tokens = dy2d.shape[0]
+        if acc is not None and tokens:
+            first_leaf, _ = acc.leaf_span(tokens)
+            if want_w:
+                if ctx.weight.is_leaf:
+                    acc.deposit_partial(
+                        ctx.weight,
+                        weight_grad_partial(dy2d, x2d, leaf_tokens=acc.leaf_tokens, first_leaf=first_leaf),
+                    )
+                else:
+                    grad_w = weight_grad_partial(
+                        dy2d, x2d, leaf_tokens=acc.leaf_tokens, finish_dtype=weight.dtype
+                    )
+            if want_b:
+                if bias.is_leaf:
+                    acc.deposit(bias, first_leaf, bias_grad_leaves(dy2d, acc.leaf_tokens))
+                else:
+                    grad_b = (
+                        bias_grad_partial(dy2d, leaf_tokens=acc.leaf_tokens)
+                        .result(num_leaves(tokens, acc.leaf_tokens))
+                        .to(bias.dtype)
+                    )
+            return grad_x, grad_w, grad_b
+        leaf = _default_leaf_tokens()
+        if want_w:
+            if tokens == 0:
+                grad_w = torch.zeros_like(weight)
+            else:
+                grad_w = weight_grad_partial(dy2d, x2d, leaf_tokens=leaf, finish_dtype=weight.dtype)
+        if want_b:
+            if tokens == 0:
+                grad_b = torch.zeros_like(bias)
+            else:
+                grad_b = (
+                    bias_grad_partial(dy2d, leaf_tokens=leaf).result(num_leaves(tokens, leaf)).to(bias.dtype)
+                )
+        return grad_x, grad_w, grad_b
+
+
+def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    op = "det_train.linear"
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{op}: {name} has dtype {t.dtype}; supported: bfloat16, float16, float32")
+    if weight.dim() != 2:
+        raise ValueError(f"{op}: weight must be 2-D (out_features, in_features), got {tuple(weight.shape)}")
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"{op}: x's last dim must equal in_features={weight.shape[1]}, got x of shape {tuple(x.shape)}"
+        )
+    if x.dtype != weight.dtype:
+        raise TypeError(f"{op}: x ({x.dtype}) and weight ({weight.dtype}) must have one dtype; cast x first")
+    runtime.check_kernel_device(x, weight, op=op)
+    if bias is not None:
+        _check_bias(bias, weight.shape[0], weight, op)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Deterministic, batch-invariant ``y = x @ weight.T + bias`` with autograd.
+
+    Args:
+        x: ``(*, in_features)``; bfloat16, float16 or float32; any strides (rows are flattened
+            with ``reshape``, a view whenever the strides allow).
+        weight: ``(out_features, in_features)``, same dtype and device (read transposed in place).
+        bias: optional ``(out_features,)``, same dtype; added in fp32 before the single rounding.
+
+    Returns:
+        ``(*, out_features)`` in ``x``'s dtype.
+
+    Gradients: dX = dY W (a ``matmul``); dW = dY^T X and db = sum of dY over the flattened tokens
+    in the canonical order: leaves of ``leaf_tokens`` tokens (the active accumulator's, else
+    ``grad_accum.DEFAULT_LEAF_TOKENS`` = 1024) summed in fp32 by a fixed fold, combined by the fixed
+    tree over leaf indices. Inside ``CanonicalGradAccumulator.micro_batch`` the leaf sums of a leaf
+    Parameter are deposited there and its ``.grad`` is written by ``reduce``.
+
+    Raises:
+        TypeError: non-tensors, unsupported or mismatched dtypes.
+        ValueError: shape mismatches (x's last dim vs in_features, bias length), devices differ.
+        RuntimeError: CPU tensors without the Triton interpreter.
+
+    **Determinism:** run to run bitwise. y and dX: row invariant (a token's row does not depend
+    on the number of tokens or its position). dW and db: equal bits for any leaf-aligned split of
+    the tokens into micro-batches / data-parallel ranks when combined by the accumulator, and the
+    plain backward of a whole batch equals the accumulator's result with ``leaf_tokens`` = 1024.
+    Row-parallel tensor parallelism: see ``matmul_partial``. Not guaranteed: equality with
+    torch.nn.functional.linear, across GPU models or Triton versions.
+
+    Method: tiled GEMM with fixed K order (Triton tutorial 03; He et al., "Defeating
+    Nondeterminism in LLM Inference", 2025); canonical pairwise tree (Higham, SISC 1993).
+    """
+    _check_linear(x, weight, bias)
+    return _LinearFunction.apply(x, weight, bias)
+
+
+class Linear(torch.nn.Linear):
+    """Drop-in ``torch.nn.Linear`` computing with ``det_train.linear`` (same parameters, init and
+    state_dict; ``Linear.from_torch(m)`` shares an existing module's parameters).
+
+    Shapes / dtypes / errors / determinism: as ``linear``.
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return linear(input, self.weight, self.bias)
+
+    @classmethod
+    def from_torch(cls, module: torch.nn.Linear) -> Linear:
+        """A ``Linear`` sharing ``module``'s weight and bias Parameters (no copy)."""
+        if not isinstance(module, torch.nn.Linear):
+            raise TypeError(f"expected a torch.nn.Linear, got {type(module).__name__}")
+        new = cls.__new__(cls)
+        torch.nn.Module.__init__(new)
+        new.in_features, new.out_features = module.in_features, module.out_features
+        new.weight = module.weight
+        new.bias = module.bias
+        return new

@@ -1,0 +1,332 @@
+"""Batch-invariant matmul: ``C = A @ B`` with one fixed reduction order over K.
+
+Each output tile is a sequential fp32 fold over K in steps of ``block_k`` (one ``tl.dot`` per step,
+K ascending from 0). The config comes from a fixed table keyed by dtype, operand layout and the
+shape class of N and K (``configs.py``), never by M, and there is no split-K: a row's bits depend
+only on that row of A, on B and on K, never on M or the row's position. Operands are read
+through their strides (transposed and sliced views are not copied).
+
+Row-parallel chaining: ``matmul_partial(a, b, carry=c)`` continues the fp32 fold from ``c``, so
+cutting K at multiples of ``block_k`` into consecutive parts and chaining the parts' fp32
+accumulators reproduces the unsplit result bit for bit (see docs/det-train.md, tensor parallelism).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._vendor.det_core import runtime
+from .configs import MatmulConfig, layout_of, matmul_config
+
+__all__ = ["matmul", "matmul_partial"]
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def store_rounded(ptrs, acc, mask, BF16_BY_BITS: tl.constexpr):
+    """Store fp32 ``acc`` rounded to nearest-even in the pointee dtype.
+
+    With ``BF16_BY_BITS`` (Triton interpreter, bf16 output) the rounding is done on the bit pattern:
+    the interpreter's own fp32 -> bf16 cast truncates, unlike the GPU's ``cvt.rn.bf16.f32``.
+    """
+    if BF16_BY_BITS:
+        bits = acc.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(acc != acc, 0x7FC0, rounded)  # NaN stays a (quiet) NaN
+        tl.store(ptrs, rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(ptrs, acc.to(ptrs.dtype.element_ty), mask=mask)
+
+
+def bf16_by_bits(dtype: torch.dtype) -> bool:
+    """Whether kernels must round fp32 -> bf16 by bit operations (under the Triton interpreter)."""
+    return dtype == torch.bfloat16 and runtime.interpreter_active()
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_kernel(
+    # pointers
+    a_ptr, b_ptr, c_ptr, carry_ptr, bias_ptr,
+    # sizes
+    M, N, K,
+    # strides (batch, row, col) and the pointer step of one K block
+    stride_az, stride_am, stride_ak,
+    stride_bz, stride_bk, stride_bn,
+    stride_cz, stride_cm, stride_cn,
+    stride_carry_z, stride_carry_m, stride_carry_n,
+    a_k_step, b_k_step,
+    # meta-parameters
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, HAS_CARRY: tl.constexpr, HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BF16_BY_BITS: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    batch = tl.program_id(1).to(tl.int64)
+    # grouped ordering (Triton tutorial 03): only the schedule, never the values
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    # rows / columns past the end wrap around: they are computed and never stored, so every load
+    # is in bounds without an M or N mask and no other row is touched
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = (rows % M).to(tl.int64)
+    offs_n = (cols % N).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + batch * stride_az + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + batch * stride_bz + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+
+    if HAS_CARRY:  # continue the fold of the previous K part (row-parallel chaining)
+        carry_ptrs = (
+            carry_ptr
+            + batch * stride_carry_z
+            + offs_m[:, None] * stride_carry_m
+            + offs_n[None, :] * stride_carry_n
+        )
+        acc = tl.load(carry_ptrs)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if UPCAST:  # Triton interpreter: no bf16 dot; the fp32 dot of bf16 values is exact per product
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += a_k_step
+        b_ptrs += b_k_step
+
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
+    c_ptrs = (
+        c_ptr
+        + batch * stride_cz
+        + rows.to(tl.int64)[:, None] * stride_cm
+        + cols.to(tl.int64)[None, :] * stride_cn
+    )
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    store_rounded(c_ptrs, acc, mask, BF16_BY_BITS)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: IEEE fp32 products (Triton's default for fp32 is TF32); halves: ignored by Triton
+    return "ieee" if dtype == torch.float32 or runtime.interpreter_active() else "tf32"
+
+
+def _as_batched(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A 3-D view (batch, rows, cols) and its batch stride (0 for a 2-D tensor shared by all batches)."""
+    if t.dim() == 2:
+        return t.unsqueeze(0), 0
+    return t, t.stride(0)
+
+
+def launch_matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    carry: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    config: MatmulConfig | None = None,
+) -> torch.Tensor:
+    """Launch the kernel: ``out = (carry + a @ b) (+ bias)`` cast to ``out.dtype`` (no checks here).
+
+    ``a`` is (M, K) or (Z, M, K), ``b`` (K, N) or (Z, K, N), ``out`` and ``carry`` (Z, M, N) or
+    (M, N). ``config`` overrides the table (benchmark sweeps); tests assert that every table entry
+    of one dtype gives the same bits.
+    """
+    M, K = a.shape[-2:]
+    N = b.shape[-1]
+    if config is None:
+        config = matmul_config(a.dtype, layout_of(a, b), N, K)
+    a3, saz = _as_batched(a)
+    b3, sbz = _as_batched(b)
+    c3, scz = _as_batched(out)
+    z = max(a3.shape[0], b3.shape[0])
+    if carry is not None:
+        carry3, scarz = _as_batched(carry)
+        carry_strides = (scarz, carry3.stride(1), carry3.stride(2))
+    else:
+        carry3, carry_strides = out, (0, 0, 0)
+    grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n), z)
+    _matmul_kernel[grid](
+        a3, b3, c3, carry3, bias.contiguous() if bias is not None else out,
+        M, N, K,
+        saz, a3.stride(1), a3.stride(2),
+        sbz, b3.stride(1), b3.stride(2),
+        scz, c3.stride(1), c3.stride(2),
+        *carry_strides,
+        config.block_k * a3.stride(2), config.block_k * b3.stride(1),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        EVEN_K=K % config.block_k == 0, HAS_CARRY=carry is not None, HAS_BIAS=bias is not None,
+        UPCAST=runtime.interpreter_active() and a.dtype != torch.float32,
+        DOT_PRECISION=_dot_precision(a.dtype), BF16_BY_BITS=bf16_by_bits(out.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def _check_operands(a: torch.Tensor, b: torch.Tensor, op: str) -> None:
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{op}: {name} has dtype {t.dtype}; supported: bfloat16, float16, float32")
+        if t.dim() < 2:
+            raise ValueError(
+                f"{op}: {name} must have at least 2 dims (rows, cols), got shape {tuple(t.shape)}; "
+                "use x.unsqueeze(0) / x.unsqueeze(-1) for vectors"
+            )
+    if a.dtype != b.dtype:
+        raise TypeError(f"{op}: a and b must have one dtype, got {a.dtype} and {b.dtype}")
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(
+            f"{op}: inner dims differ: a is {tuple(a.shape)}, b is {tuple(b.shape)} "
+            f"(a.shape[-1]={a.shape[-1]} != b.shape[-2]={b.shape[-2]})"
+        )
+    runtime.check_kernel_device(a, b, op=op)
+
+
+def _broadcast(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """Bring a and b to (M, K)/(K, N) or (Z, M, K)/(Z, K, N) views; returns the batch shape."""
+    if a.dim() == 2 and b.dim() == 2:
+        return a, b, ()
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    if b.dim() == 2:  # (..., M, K) @ (K, N): one 3-D launch with B shared (batch stride 0)
+        a3 = a.reshape(-1, *a.shape[-2:])
+        return a3, b, batch
+    a_e = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
+    b_e = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
+    return a_e, b_e, batch
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batch-invariant ``a @ b`` with fp32 accumulation.
+
+    Args:
+        a: ``(M, K)`` or batched ``(*batch, M, K)``; bfloat16, float16 or float32; any strides.
+        b: ``(K, N)`` or ``(*batch, K, N)`` (batch dims broadcast as in ``torch.matmul``); same
+            dtype and device as ``a``. ``W.T`` of an nn.Linear weight is read in place.
+
+    Returns:
+        ``(*batch, M, N)`` in the inputs' dtype: the fp32 sum rounded once to nearest.
+
+    Raises:
+        TypeError: non-tensor, unsupported or mismatched dtypes.
+        ValueError: fewer than 2 dims, inner dims that differ, batch dims that do not broadcast,
+            tensors on different devices.
+        RuntimeError: CPU tensors without the Triton interpreter (``TRITON_INTERPRET=1``).
+
+    Empty dims: ``M == 0`` or ``N == 0`` gives an empty result, ``K == 0`` gives zeros. Tensors over
+    2^31 elements are indexed in 64 bits.
+
+    **Determinism:** bitwise identical run to run (no atomics, no split-K, configs from a fixed
+    table). Row invariant: row ``i`` of the result depends only on row ``i`` of ``a``, on ``b`` and
+    on K — not on M, on the row's position, on the other rows, or on the batch index. Column
+    invariant in the same way (not on N). Not guaranteed: equal bits across GPU models, Triton
+    versions, or against cuBLAS / ``torch.matmul`` (a different summation order).
+
+    Method: tiled GEMM with grouped ordering (Triton tutorial 03, "Matrix Multiplication") with the
+    K loop of every tile in one fixed order, as the batch-invariant kernels of He et al.,
+    "Defeating Nondeterminism in LLM Inference" (Thinking Machines Lab, 2025).
+    """
+    _check_operands(a, b, "det_train.matmul")
+    a_v, b_v, batch = _broadcast(a, b)
+    M, K = a_v.shape[-2:]
+    N = b_v.shape[-1]
+    z = a_v.shape[0] if a_v.dim() == 3 else 1
+    out = torch.empty((z, M, N) if batch else (M, N), dtype=a.dtype, device=a.device)
+    if out.numel() == 0:
+        return out.reshape(*batch, M, N)
+    if K == 0:
+        return out.zero_().reshape(*batch, M, N)
+    launch_matmul(a_v, b_v, out)
+    return out.reshape(*batch, M, N)
+
+
+def matmul_partial(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    carry: torch.Tensor | None = None,
+    *,
+    bias: torch.Tensor | None = None,
+    finish: bool = False,
+) -> torch.Tensor:
+    """One K part of a chained matmul: ``carry + a @ b``, as the fp32 accumulator or finished.
+
+    Row-parallel tensor parallelism cuts K into consecutive parts ``K_0, K_1, ...`` (each a
+    multiple of the config's ``block_k`` — 64 for bf16/fp16, 32 for fp32 — except the last). Part
+    ``r`` continues the fp32 fold of part ``r - 1`` (``carry``); the last part, called with
+    ``finish=True`` (and the bias, if any), gives exactly ``matmul(a_full, b_full)`` (or
+    ``linear``'s forward) bit for bit.
+
+    Args:
+        a: ``(M, K_r)`` (2-D only); bfloat16, float16 or float32.
+        b: ``(K_r, N)``, any strides (``W_r.T`` in place).
+        carry: fp32 ``(M, N)`` from the previous part, or None for the first part.
+        bias: ``(N,)`` in ``a``'s dtype, added in fp32 before rounding; only with ``finish=True``.
+        finish: round to ``a.dtype`` (the last part) instead of returning the fp32 accumulator.
+
+    Returns:
+        ``(M, N)``: fp32 accumulator, or ``a.dtype`` when ``finish``.
+
+    Raises:
+        TypeError / ValueError: as ``matmul``; ``carry`` not fp32 ``(M, N)`` on ``a``'s device;
+        ``bias`` without ``finish`` or of the wrong shape/dtype.
+
+    **Determinism:** bitwise equal to the unsplit result when every part but the last has a K
+    that is a multiple of ``block_k``; row invariant as ``matmul``. Parts cut elsewhere give a
+    valid, still deterministic, but different order. Cost: the parts run one after another (a chain,
+    not a tree); each hop sends an fp32 ``(M, N)`` accumulator.
+    """
+    _check_operands(a, b, "det_train.matmul_partial")
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError("det_train.matmul_partial takes 2-D a and b")
+    M, K = a.shape
+    N = b.shape[1]
+    if carry is not None and (
+        carry.dtype != torch.float32 or tuple(carry.shape) != (M, N) or carry.device != a.device
+    ):
+        raise ValueError(
+            f"carry must be float32 of shape {(M, N)} on {a.device}, got "
+            f"{carry.dtype} {tuple(carry.shape)} on {carry.device}"
+        )
+    if bias is not None:
+        if not finish:
+            raise ValueError("bias is added by the last part only: pass finish=True with it")
+        _check_bias(bias, N, a, "det_train.matmul_partial")
+    out = torch.empty((M, N), dtype=a.dtype if finish else torch.float32, device=a.device)
+    if out.numel() == 0:
+        return out
+    if K == 0:
+        acc = (
+            carry.clone() if carry is not None else torch.zeros((M, N), dtype=torch.float32, device=a.device)
+        )
+        if bias is not None:
+            acc = acc + bias.float()
+        return out.copy_(acc)
+    return launch_matmul(a, b, out, carry=carry, bias=bias)
+
+
+def _check_bias(bias: torch.Tensor, n: int, like: torch.Tensor, op: str) -> None:
+    if not isinstance(bias, torch.Tensor) or bias.dim() != 1 or bias.shape[0] != n:
+        shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise ValueError(f"{op}: bias must be a 1-D tensor of {n} elements, got {shape}")
+    if bias.dtype != like.dtype:
+        raise TypeError(f"{op}: bias dtype {bias.dtype} differs from the input dtype {like.dtype}")
+    if bias.device != like.device:
+        raise ValueError(f"{op}: bias is on {bias.device}, the inputs on {like.device}")
