@@ -307,7 +307,10 @@ def _toy_package(
     return package
 
 
-def test_toy_package_builds_and_loads_through_get_local_kernel(tmp_path):
+def test_toy_package_builds_and_loads_through_get_local_kernel(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import: patch it
     package = _toy_package(tmp_path, GOOD_TOML, "from .ops import f\n__all__ = ['f']\n")
     (package / "torch-ext" / "toy_kernel" / "ops.py").write_text(
         "import math\n\ndef f():\n    return math.pi\n"
