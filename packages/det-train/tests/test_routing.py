@@ -1,0 +1,85 @@
+"""deterministic_mode() routing of aten's matmul family, and the `kernels` layer mapping class."""
+
+import types
+
+import pytest
+import torch
+from det_core.testing import assert_bitwise_equal, assert_row_invariant
+from det_train import deterministic_mode, layers, linear, matmul
+from det_train.matmul import matmul_partial
+from det_train.routing import routed_ops
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _randn(*shape, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype=dtype, device=DEVICE)
+
+
+def test_routed_ops_give_det_train_bits():
+    a, b, bias = _randn(17, 96, seed=1), _randn(96, 40, seed=2), _randn(40, seed=3)
+    with deterministic_mode():
+        assert_bitwise_equal(torch.mm(a, b), matmul(a, b), "mm")
+        assert_bitwise_equal(a @ b, matmul(a, b), "@")
+        assert_bitwise_equal(torch.matmul(a[None].repeat(3, 1, 1), b)[2], matmul(a, b), "matmul 3-D @ 2-D")
+        assert_bitwise_equal(torch.bmm(a[None], b[None])[0], matmul(a, b), "bmm")
+        assert_bitwise_equal(torch.addmm(bias, a, b), linear(a, b.t(), bias), "addmm = linear forward")
+        assert_bitwise_equal(torch.mv(a, b[:, 0]), matmul(a, b[:, :1])[:, 0], "mv")
+        assert_bitwise_equal(torch.dot(a[0], b[:, 0]), matmul(a[:1], b[:, :1]).reshape(()), "dot")
+        assert_bitwise_equal(torch.nn.functional.linear(a, b.t(), bias), linear(a, b.t(), bias), "F.linear")
+        scaled = torch.addmm(bias[None].expand(17, 40), a, b, beta=0.5, alpha=2.0)
+        expected = (matmul_partial(a, b) * 2.0 + 0.5 * bias.float()).to(a.dtype)  # one rounding
+        assert_bitwise_equal(scaled, expected, "addmm beta/alpha")
+        sb = torch.baddbmm(torch.zeros(1, 17, 40, dtype=a.dtype, device=DEVICE), a[None], b[None], alpha=1.0)
+        assert_bitwise_equal(sb[0], matmul(a, b), "baddbmm")
+    assert "linear" in routed_ops() and "mm" in routed_ops()
+
+
+def test_routed_matmul_is_row_invariant():
+    b = _randn(96, 40, seed=4)
+    with deterministic_mode():
+        assert_row_invariant(
+            lambda x: x @ b, lambda m: _randn(m, 96, seed=m), [1, 3, 65], _randn(1, 96, seed=5)
+        )
+
+
+def test_nn_linear_forward_and_grads_equal_det_train_linear():
+    torch.manual_seed(0)
+    m = torch.nn.Linear(96, 40, dtype=torch.bfloat16, device=DEVICE)
+    x = _randn(2, 9, 96, seed=6).requires_grad_()
+    with deterministic_mode():
+        y = m(x)
+        y.backward(torch.ones_like(y))
+    w = m.weight.detach().clone().requires_grad_()
+    bb = m.bias.detach().clone().requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    y2 = linear(x2, w, bb)
+    y2.backward(torch.ones_like(y2))
+    assert_bitwise_equal(y, y2, "y")
+    assert_bitwise_equal(x.grad, x2.grad, "dx")
+    assert_bitwise_equal(m.weight.grad, w.grad, "dw")
+    assert_bitwise_equal(m.bias.grad, bb.grad, "db")
+
+
+def test_unsupported_dtype_raises_inside_and_torch_is_restored_on_exit():
+    a = _randn(4, 8, dtype=torch.float64)
+    with deterministic_mode():
+        with pytest.raises(TypeError, match="supported"):
+            torch.mm(a, a.t())
+        with deterministic_mode():  # re-entrant
+            pass
+        with pytest.raises(TypeError, match="supported"):
+            torch.mm(a, a.t())  # still routed after the inner context closed
+    assert torch.mm(a, a.t()).dtype == torch.float64  # torch's kernel is back
+
+
+def test_kernels_layer_mapping_class():
+    from kernels.layer.layer import _validate_layer
+
+    _validate_layer(check_cls=torch.nn.Linear, cls=layers.Linear, repo="phanerozoic/det-train")
+    torch.manual_seed(0)
+    m = torch.nn.Linear(96, 40, dtype=torch.bfloat16, device=DEVICE)
+    x = _randn(5, 96, seed=7)
+    m.forward = types.MethodType(layers.Linear.forward, m)  # what kernels.kernelize does
+    assert_bitwise_equal(m(x), linear(x, m.weight, m.bias), "kernelized forward")
