@@ -1,0 +1,93 @@
+"""Tensor-parallel invariance of linear: column-parallel (N split) and row-parallel (K split) in
+2, 3 and 4 parts reproduce the unsplit Y, dX, dW and db bit for bit.
+
+Each "rank" is simulated in one process with the calls a rank makes:
+
+- column-parallel: rank r holds W[N_r] (and b[N_r]); Y[:, N_r] = linear(X, W_r, b_r). dX sums over
+  N, so ranks chain their fp32 accumulators (``matmul_partial(dY_r, W_r, carry)``).
+- row-parallel: rank r holds X[:, K_r] and W[:, K_r]; Y = the chain of ``matmul_partial`` over the
+  K parts (the last adds the bias and rounds); dX[:, K_r] = dY W_r and dW[:, K_r] = dY^T X_r.
+
+Cuts are at multiples of the K step (``block_k`` = 64 for bf16), the unit of the fixed K order.
+"""
+
+import pytest
+import torch
+from det_core.testing import assert_bitwise_equal, contiguous_splits
+from det_train import linear
+from det_train.matmul import matmul_partial
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _randn(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype=torch.bfloat16, device=DEVICE)
+
+
+def _unsplit(x, w, b, dy):
+    x, w, b = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    y = linear(x, w, b)
+    y.backward(dy)
+    return y, x.grad, w.grad, b.grad
+
+
+def _column_parallel(x, w, b, dy, parts):
+    ys, dws, dbs, carry = [], [], [], None
+    cuts = contiguous_splits(w.shape[0], parts, granule=64)
+    for i, (s, e) in enumerate(cuts):
+        w_r, b_r = w[s:e].clone().requires_grad_(), b[s:e].clone().requires_grad_()
+        y_r = linear(x, w_r, b_r)
+        y_r.backward(dy[:, s:e])
+        ys.append(y_r)
+        dws.append(w_r.grad)
+        dbs.append(b_r.grad)
+        carry = matmul_partial(dy[:, s:e], w[s:e], carry, finish=i == len(cuts) - 1)  # dX chain over N
+    return torch.cat(ys, 1), carry, torch.cat(dws, 0), torch.cat(dbs, 0)
+
+
+def _row_parallel(x, w, b, dy, parts):
+    carry, dxs, dws = None, [], []
+    cuts = contiguous_splits(w.shape[1], parts, granule=64)
+    for i, (s, e) in enumerate(cuts):
+        last = i == len(cuts) - 1
+        carry = matmul_partial(x[:, s:e], w[:, s:e].t(), carry, bias=b if last else None, finish=last)
+        x_r, w_r = x[:, s:e].clone().requires_grad_(), w[:, s:e].clone().requires_grad_()
+        linear(x_r, w_r).backward(dy)
+        dxs.append(x_r.grad)
+        dws.append(w_r.grad)
+    db = b.detach().clone().requires_grad_()
+    linear(x, w, db).backward(dy)  # db needs no split: every rank (or the last) has all of dY
+    return carry, torch.cat(dxs, 1), torch.cat(dws, 1), db.grad
+
+
+def _check(kind, fn, sizes, parts_list, seed):
+    m, k, n = sizes
+    x, w, b, dy = (
+        _randn(m, k, seed=seed),
+        _randn(n, k, seed=seed + 1),
+        _randn(n, seed=seed + 2),
+        _randn(m, n, seed=seed + 3),
+    )
+    ref = _unsplit(x, w, b, dy)
+    for parts in parts_list:
+        got = fn(x, w, b, dy, parts)
+        for name, g, r in zip(("y", "dx", "dw", "db"), got, ref, strict=True):
+            assert_bitwise_equal(g, r, f"{kind} {parts} parts: {name}")
+
+
+@pytest.mark.parametrize("parts", [2, 3, 4])
+def test_column_parallel_reproduces_unsplit(parts):
+    _check("column-parallel", _column_parallel, (33, 256, 256), [parts], seed=1)
+
+
+@pytest.mark.parametrize("parts", [2, 3, 4])
+def test_row_parallel_reproduces_unsplit(parts):
+    _check("row-parallel", _row_parallel, (33, 320, 128), [parts], seed=5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_gpu_tensor_parallel_real_sizes(kind):
+    fn = _column_parallel if kind == "column" else _row_parallel
+    _check(kind, fn, (4096, 4096, 4096), [2, 3, 4], seed=9)
