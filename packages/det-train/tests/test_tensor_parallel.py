@@ -86,6 +86,23 @@ def test_row_parallel_reproduces_unsplit(parts):
     _check("row-parallel", _row_parallel, (33, 320, 128), [parts], seed=5)
 
 
+@pytest.mark.parametrize("parts", [2, 3, 4])
+def test_row_parallel_chain_matches_unsplit_fp32_accumulator(parts):
+    """Before rounding to bf16 (where most differences vanish): the chain is the unsplit fold exactly,
+    while summing independent per-rank partials (what an all-reduce does) is not."""
+    x, w = _randn(65, 640, seed=20), _randn(96, 640, seed=21)
+    whole = matmul_partial(x, w.t())
+    carry, partials = None, []
+    for s, e in contiguous_splits(640, parts, granule=64):
+        carry = matmul_partial(x[:, s:e], w[:, s:e].t(), carry)
+        partials.append(matmul_partial(x[:, s:e], w[:, s:e].t()))
+    assert_bitwise_equal(carry, whole, f"fp32 chain of {parts}")
+    summed = partials[0]
+    for p in partials[1:]:
+        summed = summed + p
+    assert not torch.equal(summed, whole), "independent partial sums should not reproduce the fold"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["column", "row"])
 def test_gpu_tensor_parallel_real_sizes(kind):
