@@ -41,9 +41,9 @@ PRESETS = {
     ),
     # the end-to-end tests and the executable tutorials: seconds per step through the interpreter
     "tiny": dict(
-        d_model=64, n_layer=1, n_head=1, d_ff=128, seq_len=32,
+        d_model=64, n_layer=1, n_head=1, d_ff=64, seq_len=16,
         batch_seqs=8, micro_batch_seqs=8, steps=2, lr=3e-3, warmup_steps=1,
-        leaf_tokens=32, eval_seqs=8, sample_tokens=16,
+        leaf_tokens=16, eval_seqs=8, sample_tokens=16,
     ),
 }
 # fmt: on
@@ -66,6 +66,7 @@ import math  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
@@ -227,6 +228,8 @@ class FSDPGradients:
 
         self.world, self.rank = world, rank
         fully_shard(model, mesh=init_device_mesh(torch.device(device).type, (world,)))
+        # our outputs are never modified in place, which is what this FSDP2 warning is about
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         state = model._get_fsdp_state()
         groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
         model.unshard()  # the first all-gather creates FSDP's persistent unsharded parameters
@@ -355,6 +358,12 @@ def train(
     if fsdp:
         if cfg.kernels != "det" or world < 2 or resume_from or save_at:
             raise ValueError("fsdp needs the det kernels, world >= 2, and no checkpointing (not implemented)")
+        counts = {-(-(hi - lo) // cfg.micro_batch_seqs) for lo, hi in split_range(cfg.batch_seqs, world)}
+        if len(counts) != 1:
+            raise ValueError(
+                f"fsdp: ranks would run {sorted(counts)} micro-batches; FSDP's collectives need the same "
+                "count on every rank: choose micro_batch_seqs so that every rank's slice has as many"
+            )
         sharding = FSDPGradients(model, world, rank, device)
         named_params = sharding.named_unsharded
     opt = build_optimizer(cfg, model)

@@ -1,6 +1,6 @@
-"""End to end: the main job's weights after N steps do not depend on how the global batch is split
-into data-parallel ranks, micro-batches and accumulation steps (DP through torch.distributed:
-spawned gloo processes on CPU, NCCL on GPUs)."""
+"""End to end: the main job's weights and optimizer state after N steps do not depend on how the
+global batch is split into data-parallel ranks, micro-batches and accumulation steps (DP through
+torch.distributed: spawned gloo processes on CPU, NCCL on GPUs)."""
 
 from __future__ import annotations
 
@@ -8,52 +8,31 @@ import dataclasses
 
 import pytest
 import torch
-from det_core.testing import assert_bitwise_equal
 
 from examples import train_gpt as tg
+from tests._e2e_runs import GLOBAL_BATCH, assert_same_training, baseline, tiny
 
-STEPS = 2
-GLOBAL_BATCH = 8  # sequences
-
-# (DP degree, micro-batch size, accumulation steps); the global batch is always 8 sequences
+# (DP degree, micro-batch size, accumulation steps); (1, 8, 1) is the baseline
 SINGLE_PROCESS = [(1, 4, 2), (1, 2, 4)]
 TWO_RANKS = [(2, 4, 1), (2, 2, 2)]
 FOUR_RANKS = [(4, 2, 1)]
-# 3 ranks: uneven slices of 3, 3, 2 sequences; with micro-batch 2 the ranks run 2+1, 2+1, 2
-THREE_RANKS = [(3, 2, None), (3, 1, None)]
-
-
-def _cfg(micro_batch: int) -> tg.TrainConfig:
-    return tg.make_config("tiny", steps=STEPS, batch_seqs=GLOBAL_BATCH, micro_batch_seqs=micro_batch)
-
-
-@pytest.fixture(scope="module")
-def baseline() -> dict:
-    """(1, 8, 1): one process, the whole batch in one micro-batch."""
-    return tg.train(_cfg(8))
-
-
-def _assert_same(got: dict, want: dict, what: str) -> None:
-    for name in sorted(want["state_dict"]):
-        assert_bitwise_equal(got["state_dict"][name], want["state_dict"][name], f"{what}: {name}")
-    for name in sorted(want["optim_state"]):
-        for key, value in want["optim_state"][name].items():
-            if torch.is_tensor(value):
-                assert_bitwise_equal(got["optim_state"][name][key], value, f"{what}: optimizer {name}.{key}")
-    assert got["digest"] == want["digest"]
+# 3 ranks hold 3, 3, 2 sequences (uneven); micro-batch 2 -> micro-batches 2+1, 2+1, 2
+THREE_RANKS = [(3, 2, None)]
 
 
 @pytest.mark.parametrize("dp, micro, accum", SINGLE_PROCESS)
-def test_micro_batches_in_one_process(baseline, dp, micro, accum):
+def test_micro_batches_in_one_process(dp, micro, accum):
     assert dp * micro * accum == GLOBAL_BATCH
-    _assert_same(tg.train(_cfg(micro)), baseline, f"(dp {dp}, micro-batch {micro}, accum {accum})")
+    got = tg.train(tiny(micro_batch_seqs=micro))
+    assert_same_training(got, baseline(), f"(dp {dp}, micro-batch {micro}, accum {accum})")
 
 
 @pytest.mark.parametrize("world, splits", [(2, TWO_RANKS), (4, FOUR_RANKS), (3, THREE_RANKS)])
-def test_data_parallel_ranks(baseline, world, splits):
-    results = tg.train_spawned_many([(_cfg(micro), {}) for _, micro, _ in splits], world)
+def test_data_parallel_ranks(world, splits):
+    results = tg.train_spawned_many([(tiny(micro_batch_seqs=micro), {}) for _, micro, _ in splits], world)
     for (dp, micro, accum), got in zip(splits, results, strict=True):
-        _assert_same(got, baseline, f"(dp {dp}, micro-batch {micro}, accum {accum})")
+        assert accum is None or dp * micro * accum == GLOBAL_BATCH
+        assert_same_training(got, baseline(), f"(dp {dp}, micro-batch {micro}, accum {accum})")
 
 
 def test_split_helpers():
@@ -69,8 +48,9 @@ def test_gpu_micro_batches_and_nccl_ranks():
     cfg = tg.make_config("gpu", steps=2, batch_seqs=12, micro_batch_seqs=12, n_layer=4)
     want = tg.train(cfg)
     for micro in (6, 4, 3, 5):  # 5: micro-batches of 5, 5, 2
-        _assert_same(tg.train(dataclasses.replace(cfg, micro_batch_seqs=micro)), want, f"micro-batch {micro}")
+        got = tg.train(dataclasses.replace(cfg, micro_batch_seqs=micro))
+        assert_same_training(got, want, f"micro-batch {micro}")
     for world in (2, 3, 4):
         if torch.cuda.device_count() >= world:
             got = tg.train_spawned(dataclasses.replace(cfg, micro_batch_seqs=2), world)
-            _assert_same(got, want, f"{world} NCCL ranks")
+            assert_same_training(got, want, f"{world} NCCL ranks")

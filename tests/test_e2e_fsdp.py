@@ -3,42 +3,27 @@ bits of the unsharded single-process run (gloo on CPU; 2 and 3 ranks, the 3-rank
 
 Gradients come from det_train.CanonicalGradAccumulator (canonical order over all ranks'
 micro-batches), not from FSDP's reduce-scatter; AdamWSR keys its stochastic rounding by global
-element index read from the DTensor placement (see examples/train_gpt.py: FSDPGradients)."""
+element index read from the DTensor placement (examples/train_gpt.py: ``FSDPGradients``)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
-from det_core.testing import assert_bitwise_equal
 
 from examples import train_gpt as tg
-
-STEPS = 2
-
-
-def _cfg(micro_batch: int) -> tg.TrainConfig:
-    return tg.make_config("tiny", steps=STEPS, batch_seqs=8, micro_batch_seqs=micro_batch)
+from tests._e2e_runs import assert_same_training, baseline, tiny
 
 
-def _assert_same(got: dict, want: dict, what: str) -> None:
-    for name in sorted(want["state_dict"]):
-        assert_bitwise_equal(got["state_dict"][name], want["state_dict"][name], f"{what}: {name}")
-    for name in sorted(want["optim_state"]):
-        for key, value in want["optim_state"][name].items():
-            if torch.is_tensor(value):
-                assert_bitwise_equal(got["optim_state"][name][key], value, f"{what}: optimizer {name}.{key}")
-
-
-@pytest.mark.parametrize("world, micro", [(2, 2), (3, 2)])
-def test_fsdp2_sharded_matches_unsharded(world, micro):
-    want = tg.train(_cfg(8))
-    got = tg.train_spawned(_cfg(micro), world, fsdp=True)
-    # 3 ranks: every (out_features, ...) weight is cut 3 ways by torch.chunk, e.g. 192 rows -> 64 x 3,
-    # the 256-row embeddings -> 86, 86, 84 (uneven)
-    _assert_same(got, want, f"FSDP2 over {world} ranks, micro-batch {micro}")
-    assert got["digest"] == want["digest"]
+def test_fsdp2_sharded_matches_unsharded():
+    # 2 ranks with micro-batch 2 (2 accumulation steps each); 3 ranks hold 3, 3, 2 sequences in one
+    # micro-batch each (FSDP needs the same micro-batch count on every rank) and torch.chunk shards
+    # every weight 3 ways, unevenly: the 256-row embedding tables as 86, 86, 84 rows
+    for world, micro in ((2, 2), (3, 3)):
+        got = tg.train_spawned(tiny(micro_batch_seqs=micro), world, fsdp=True)
+        assert_same_training(got, baseline(), f"FSDP2 over {world} ranks, micro-batch {micro}")
 
 
 def test_fsdp_refuses_unsupported_combinations():
     with pytest.raises(ValueError, match="fsdp needs"):
-        tg.train(_cfg(8), fsdp=True)  # world 1
+        tg.train(tiny(), fsdp=True)  # one rank
+    with pytest.raises(ValueError, match="same count on every rank"):
+        tg.train(tiny(micro_batch_seqs=1), rank=0, world=3, fsdp=True)  # 3, 3, 2 micro-batches
