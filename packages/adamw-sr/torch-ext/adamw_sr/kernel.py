@@ -31,7 +31,7 @@ from ._vendor.det_core import rng, runtime, sr
 # bits are keyed by global element index, so BLOCK and num_warps do NOT change any result bit.
 LAUNCH_CONFIGS = {
     "cuda": {"BLOCK": 4096, "num_warps": 8},
-    "interpreter": {"BLOCK": 256, "num_warps": 4},
+    "interpreter": {"BLOCK": 1024, "num_warps": 4},
 }
 
 TENSOR_TABLE_COLUMNS = 5  # element offsets of param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq
@@ -49,6 +49,20 @@ def _pow_by_squaring(base, exponent):
         result = tl.where(bit != 0, result * base, result)
         base = base * base
     return result
+
+
+@triton.jit
+def _round_nearest_even_bf16(x):
+    """fp32 -> bf16 round-to-nearest-even by bit arithmetic (reference: ``reference.round_nearest_bf16_torch``).
+
+    Equals the hardware conversion for every non-NaN input; written out because the Triton
+    interpreter's fp32 -> bf16 cast truncates. NaN -> quiet NaN with the input's sign, as in det-core's SR.
+    """
+    xb = x.to(tl.uint32, bitcast=True)
+    is_nan = ((xb & 0x7F800000) == 0x7F800000) & ((xb & 0x007FFFFF) != 0)
+    rounded = (xb + 0x7FFF + ((xb >> 16) & 1)) & 0xFFFF0000
+    out = tl.where(is_nan, (xb & 0x80000000) | 0x7FC00000, rounded)
+    return out.to(tl.float32, bitcast=True).to(tl.bfloat16)
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "stream"])
@@ -155,7 +169,7 @@ def _adamw_sr_kernel(
             rbits = rng.random_bits_x4(seed_lo, seed_hi, step, stream, window_global, BLOCK)
             out = sr.stochastic_round_bf16(p, rbits)
         else:
-            out = sr.round_nearest_bf16(p)
+            out = _round_nearest_even_bf16(p)
         tl.store(param_ptr + p_idx, out, mask=mask)
     else:
         tl.store(param_ptr + p_idx, p, mask=mask)

@@ -53,6 +53,20 @@ def sqrt_rn_torch(x: torch.Tensor) -> torch.Tensor:
     return s
 
 
+def round_nearest_bf16_torch(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 round-to-nearest-even by bit arithmetic, bit-identical to the kernel.
+
+    Equals ``x.to(torch.bfloat16)`` for every non-NaN input; NaN -> quiet NaN with the input's sign.
+    """
+    xb = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    is_nan = ((xb & 0x7F800000) == 0x7F800000) & ((xb & 0x007FFFFF) != 0)
+    rounded = (xb + 0x7FFF + ((xb >> 16) & 1)) & 0xFFFF0000
+    out = torch.where(is_nan, (xb & 0x80000000) | 0x7FC00000, rounded)
+    top = (out >> 16).to(torch.int32)
+    top = torch.where(top >= 0x8000, top - 0x10000, top)
+    return top.to(torch.int16).view(torch.bfloat16)
+
+
 def step_scalars(step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> dict:
     """The per-step fp32 scalars of the update, computed in fp64 and rounded once (as the kernel does)."""
     bias_correction1 = 1.0 - pow_by_squaring(beta1, step)
@@ -138,7 +152,7 @@ def adamw_sr_step_reference(
     exp_avg_sq.copy_(v)
     if param.dtype == torch.bfloat16:
         if stochastic_rounding is False:
-            param.copy_(p.to(torch.bfloat16))
+            param.copy_(round_nearest_bf16_torch(p))
         else:
             if global_index is None:
                 global_index = base_index + torch.arange(param.numel(), dtype=torch.int64).reshape(
