@@ -122,12 +122,14 @@ def test_row_invariance_of_y_and_dx(bias):
 
 
 # ----------------------------------------------------------------------------- canonical dW / db
-@pytest.mark.parametrize("leaves_per_program", [1, 2, 4])
-def test_leaves_per_program_does_not_change_bits(leaves_per_program):
+@pytest.mark.parametrize(
+    "leaves_per_program, scratch", [(1, False), (2, False), (4, False), (2, True), (8, True)]
+)
+def test_leaves_per_program_does_not_change_bits(leaves_per_program, scratch):
     dy, x = _randn(7 * 32 + 5, 40, seed=16), _randn(7 * 32 + 5, 72, seed=17)  # 8 leaves, the last short
     base = weight_grad_config(dy.dtype, 40, 72)
     ref = weight_grad_partial(dy, x, leaf_tokens=32, config=dataclasses.replace(base, leaves_per_program=1))
-    cfg = dataclasses.replace(base, leaves_per_program=leaves_per_program)
+    cfg = dataclasses.replace(base, leaves_per_program=leaves_per_program, scratch_tree=scratch)
     for first_leaf, lo, hi in [(0, 0, 229), (3, 96, 229), (1, 32, 160)]:  # odd starts: mixed levels
         part = weight_grad_partial(dy[lo:hi], x[lo:hi], leaf_tokens=32, first_leaf=first_leaf, config=cfg)
         ref_part = weight_grad_partial(
@@ -301,8 +303,10 @@ def test_gpu_leaves_per_program_and_configs_same_bits():
     dy, x = _randn(8192, 4096, seed=51), _randn(8192, 4096, seed=52)
     base = weight_grad_config(dy.dtype, 4096, 4096)
     ref = weight_grad_partial(dy, x, leaf_tokens=1024, finish_dtype=torch.float32)
-    for lpp in (1, 2, 4):
+    for lpp, scratch in [(1, False), (2, False), (4, False), (4, True), (8, True)]:
         for bn, bk, warps in [(128, 128, 8), (128, 256, 8), (64, 128, 4)]:
-            cfg = dataclasses.replace(base, leaves_per_program=lpp, block_n=bn, block_k=bk, num_warps=warps)
+            cfg = dataclasses.replace(
+                base, leaves_per_program=lpp, scratch_tree=scratch, block_n=bn, block_k=bk, num_warps=warps
+            )
             got = weight_grad_partial(dy, x, leaf_tokens=1024, config=cfg, finish_dtype=torch.float32)
             assert_bitwise_equal(got, ref, f"lpp={lpp} tile {bn}x{bk}")

@@ -14,8 +14,8 @@ steps of ``block_k`` (each step one ``tl.dot``, i.e. a fixed tensor-core instruc
 ``block_n``, ``group_m``, ``num_warps`` and ``num_stages`` only tile the output and schedule the
 work: every entry of one dtype uses the same ``block_k``, so every entry gives the same bits
 (checked by a ``gpu`` test). For the weight gradient the token step ``block_t`` changes bits (it
-is the fold step inside a leaf); ``leaves_per_program`` does not (it only chooses how much of the
-fixed leaf tree one program computes in registers).
+is the fold step inside a leaf); ``leaves_per_program`` and ``scratch_tree`` do not (they only
+choose how much of the fixed leaf tree one program computes, and where it keeps waiting nodes).
 """
 
 from __future__ import annotations
@@ -57,7 +57,9 @@ class WeightGradConfig:
     group_n: int
     num_warps: int
     num_stages: int
-    leaves_per_program: int  # 1, 2 or 4 leaves of the canonical tree combined in registers
+    leaves_per_program: int  # leaves of the canonical tree one program combines (a power of 2)
+    scratch_tree: bool = False  # combine them through a per-program fp32 scratch stack (any power
+    # of 2) instead of registers (1, 2 or 4 leaves); neither choice changes bits
 
 
 # The K step of each dtype: part of the reduction order (changing it changes bits).
@@ -86,9 +88,11 @@ _MATMUL_TABLE: dict[tuple[str, str, str], MatmulConfig] = {
 }
 
 # dW = dY^T X: A = dY read transposed (tokens contiguous per column), B = X row-major.
-# 128x128 output tile with 2 leaves per program keeps two fp32 tiles live (128 registers / thread).
+# Large: 128x128 output tile (64 fp32 registers / thread per tile at 8 warps); up to 8 leaves per
+# program through the scratch stack, so a micro-batch of <= 8 leaves (8192 tokens at 1024 per leaf)
+# is finished in-kernel with no fp32 node written to HBM.
 _WEIGHT_GRAD_TABLE: dict[tuple[str, str], WeightGradConfig] = {
-    ("half", "large"): WeightGradConfig(128, 128, 64, 8, 8, 3, 2),
+    ("half", "large"): WeightGradConfig(128, 128, 64, 8, 8, 3, 8, scratch_tree=True),
     ("half", "small"): WeightGradConfig(64, 64, 64, 8, 4, 3, 1),
     ("fp32", "any"): WeightGradConfig(64, 64, 32, 8, 4, 3, 1),
 }

@@ -127,6 +127,69 @@ def _weight_grad_kernel(
     store_rounded(out_ptrs, node, mask, BF16_BY_BITS)
 
 
+@triton.jit(do_not_specialize=["T", "run_start", "leaves"])
+def _weight_grad_stack_kernel(
+    # pointers: dY (T, N), X (T, K), out (blocks, N, K), scratch (programs, MAX_LEVELS, BLOCK_N * BLOCK_K)
+    dy_ptr, x_ptr, out_ptr, scratch_ptr,
+    T, N, K, run_start, LEAF_TOKENS, leaves,
+    stride_dyt, stride_dyn, stride_xt, stride_xk, stride_ob, stride_on, stride_ok,
+    dy_t_step, x_t_step,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr,
+    MAX_LEVELS: tl.constexpr, EVEN_T: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BF16_BY_BITS: tl.constexpr,
+):  # fmt: skip
+    """One aligned subtree of ``leaves`` (a power of 2, <= 2**MAX_LEVELS) leaves of one dW tile.
+
+    Leaves are summed in order; finished left siblings wait in a per-program fp32 scratch stack
+    (one tile per level; written and read back by this program, so it stays in L2) and are
+    combined as ``left + right`` the moment the right sibling is done: exactly the canonical tree.
+    """
+    pid = tl.program_id(0)
+    block = tl.program_id(1)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_k = tl.cdiv(K, BLOCK_K)
+    num_pid_in_group = GROUP_N * num_pid_k
+    group_id = pid // num_pid_in_group
+    first_pid_n = group_id * GROUP_N
+    group_size_n = tl.minimum(num_pid_n - first_pid_n, GROUP_N)
+    pid_n = first_pid_n + ((pid % num_pid_in_group) % group_size_n)
+    pid_k = (pid % num_pid_in_group) // group_size_n
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = (rows % N).to(tl.int64)
+    offs_k = (cols % K).to(tl.int64)
+    program = block.to(tl.int64) * (num_pid_n * num_pid_k) + pid
+    tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+    stack = scratch_ptr + program * (MAX_LEVELS * BLOCK_N * BLOCK_K) + tile
+
+    s0 = run_start + block * (leaves * LEAF_TOKENS)
+    node = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for j in range(0, leaves):
+        start = s0 + j * LEAF_TOKENS
+        node = _leaf_sum(
+            dy_ptr, x_ptr, start, tl.minimum(start + LEAF_TOKENS, T), offs_n, offs_k,
+            stride_dyt, stride_dyn, stride_xt, stride_xk, dy_t_step, x_t_step,
+            BLOCK_N, BLOCK_K, BLOCK_T, EVEN_T, UPCAST, DOT_PRECISION,
+        )  # fmt: skip
+        # leaf j closes the subtrees of level lv + 1 for which (j + 1) is a multiple of 2**(lv + 1)
+        depth = j * 0
+        for lv in tl.static_range(MAX_LEVELS):
+            closes = (j + 1) % (2 << lv) == 0
+            if closes:
+                tl.debug_barrier()  # the left sibling was stored by other threads of this program
+                node = tl.load(stack + lv * (BLOCK_N * BLOCK_K)) + node
+            depth += tl.where(closes, 1, 0)
+        if j + 1 < leaves:  # push (the root, after the last leaf, goes to the output instead)
+            tl.store(stack + depth * (BLOCK_N * BLOCK_K), node)
+            tl.debug_barrier()
+    out_ptrs = (
+        out_ptr + block.to(tl.int64) * stride_ob + rows.to(tl.int64)[:, None] * stride_on
+        + cols.to(tl.int64)[None, :] * stride_ok
+    )  # fmt: skip
+    mask = (rows[:, None] < N) & (cols[None, :] < K)
+    store_rounded(out_ptrs, node, mask, BF16_BY_BITS)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _bias_grad_kernel(
     dy_ptr, out_ptr, T, N, LEAF_TOKENS, stride_dyt, stride_dyn,
@@ -208,6 +271,11 @@ def weight_grad_partial(
     K = x.shape[1]
     if config is None:
         config = weight_grad_config(dy.dtype, N, K)
+    lpp = config.leaves_per_program
+    if lpp < 1 or lpp & (lpp - 1) or (lpp > 4 and not config.scratch_tree):
+        raise ValueError(
+            f"leaves_per_program must be 1, 2 or 4 (any power of 2 with scratch_tree), got {lpp}"
+        )
     leaves = num_leaves(T, leaf_tokens)
     runs = _aligned_runs(first_leaf, leaves, config.leaves_per_program)
     fused = finish_dtype is not None and first_leaf == 0 and len(runs) == 1 and runs[0][2] == 1
@@ -220,16 +288,29 @@ def weight_grad_partial(
         run_tokens = min(count * size * leaf_tokens, T - token)
         grid = (triton.cdiv(N, config.block_n) * triton.cdiv(K, config.block_k), count)
         even_t = leaf_tokens % config.block_t == 0 and run_tokens == count * size * leaf_tokens
-        _weight_grad_kernel[grid](
-            dy, x, out, T, N, K, token, leaf_tokens,
-            dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), out.stride(0), out.stride(1), out.stride(2),
-            config.block_t * dy.stride(0), config.block_t * x.stride(0),
+        common = dict(
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_T=config.block_t, GROUP_N=config.group_n,
-            LEAVES=size, EVEN_T=even_t,
-            UPCAST=runtime.interpreter_active() and dy.dtype != torch.float32,
+            EVEN_T=even_t, UPCAST=runtime.interpreter_active() and dy.dtype != torch.float32,
             DOT_PRECISION=_dot_precision(dy.dtype), BF16_BY_BITS=bf16_by_bits(out_dtype),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip
+        args = (
+            T, N, K, token, leaf_tokens,
+        )  # fmt: skip
+        strides = (
+            dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), out.stride(0), out.stride(1), out.stride(2),
+            config.block_t * dy.stride(0), config.block_t * x.stride(0),
+        )  # fmt: skip
+        if config.scratch_tree and size > 1:
+            levels = level  # a subtree of 2**level leaves keeps at most `level` left siblings waiting
+            programs = grid[0] * grid[1]
+            scratch = torch.empty((programs, levels, config.block_n * config.block_k), dtype=torch.float32,
+                                  device=dy.device)  # fmt: skip
+            _weight_grad_stack_kernel[grid](
+                dy, x, out, scratch, *args, size, *strides, MAX_LEVELS=levels, **common
+            )
+        else:
+            _weight_grad_kernel[grid](dy, x, out, *args, *strides, LEAVES=size, **common)
         if fused:
             return out[0]
         for i in range(count):
