@@ -52,8 +52,9 @@ def fold_chunks(partials: torch.Tensor, chunks_per_leaf: int) -> torch.Tensor:
     n_chunks, n = partials.shape
     n_leaves = num_leaves(n_chunks, chunks_per_leaf)
     out = torch.empty((n_leaves, n), dtype=torch.float32, device=partials.device)
-    grid = (n_leaves, triton.cdiv(n, _FOLD_BLOCK))
-    _fold_chunks_kernel[grid](partials, out, n_chunks, n, CHUNKS_PER_LEAF=chunks_per_leaf, BLOCK=_FOLD_BLOCK)
+    block = min(_FOLD_BLOCK, max(16, triton.next_power_of_2(n)))
+    grid = (n_leaves, triton.cdiv(n, block))
+    _fold_chunks_kernel[grid](partials, out, n_chunks, n, CHUNKS_PER_LEAF=chunks_per_leaf, BLOCK=block)
     return out
 
 

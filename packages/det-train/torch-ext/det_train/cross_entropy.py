@@ -2,7 +2,7 @@
 
 Per token ``i`` with logits row ``x`` (V entries) and target ``t``:
 ``loss_i = logsumexp(x) - x[t]`` (0 for ``t == ignore_index``), computed by one program per row
-with an online max / sum-of-exp in fp32 over fixed chunks of ``BLOCK_V`` logits in order
+with an online max / sum-of-exp in fp32 over chunks of ``min(4096, next_pow2(V))`` logits in order
 (Milakov & Gimelshein, "Online normalizer calculation for softmax", 2018). The mean is the canonical
 sum of the token losses (leaves of ``leaf_tokens`` tokens folded in token order, the pairwise tree
 over leaves) divided by the number of counted tokens, or by ``num_global_tokens``. Backward is
@@ -15,17 +15,23 @@ import torch
 import triton
 import triton.language as tl
 
-from ._leaf_sums import fold_chunks, leaf_layout
+from ._leaf_sums import leaf_layout
 from ._vendor.det_core.reduce import TreePartial
 from ._vendor.det_core.runtime import check_kernel_device
 
 __all__ = ["cross_entropy"]
 
-# Fixed config table. BLOCK_V changes bits (the chunk order of the online logsumexp and the
-# tl.max / tl.sum tree inside a chunk); so does NUM_WARPS. Both are fixed, never keyed by N.
-BLOCK_V = 4096
-NUM_WARPS = 8
-BWD_BLOCK_V = 4096  # elementwise: does not change bits
+# Fixed config table, keyed by V only (never by N, so rows are batch-invariant). The forward's
+# block changes bits (the chunk order of the online logsumexp and the tl.max / tl.sum tree inside
+# a chunk); so do its warps. The backward is elementwise: its block does not change bits.
+MAX_BLOCK_V = 4096
+MAX_BWD_BLOCK_V = 4096
+
+
+def _fwd_config(v: int) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) of the forward for vocabulary size ``v`` (both change bits)."""
+    block = min(MAX_BLOCK_V, triton.next_power_of_2(v))
+    return block, 8 if block >= 4096 else 4 if block >= 1024 else 1
 
 
 @triton.jit
@@ -86,6 +92,22 @@ def _ce_bwd_kernel(
     tl.store(dx_ptr + row * stride_dx + cols, g.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _token_leaf_sum_kernel(loss_ptr, out_ptr, N, LEAF: tl.constexpr, LANES: tl.constexpr):
+    # lane j folds tokens j, j + LANES, ... of the leaf in order; then a fixed tl.sum over lanes
+    leaf = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, LANES)
+    acc = tl.zeros((LANES,), dtype=tl.float32)
+    for start in range(0, LEAF, LANES):
+        local = start + offs
+        idx = leaf * LEAF + local
+        acc += tl.load(loss_ptr + idx, mask=(local < LEAF) & (idx < N), other=0.0)
+    tl.store(out_ptr + leaf, tl.sum(acc, axis=0))
+
+
+_LANES = 128  # changes bits of the loss sum (fixed)
+
+
 class _CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits2, targets1, ignore_index, reduction, denominator):
@@ -101,8 +123,8 @@ class _CrossEntropyFunction(torch.autograd.Function):
                 v,
                 logits2.stride(0),
                 ignore_index,
-                BLOCK_V=BLOCK_V,
-                num_warps=NUM_WARPS,
+                BLOCK_V=_fwd_config(v)[0],
+                num_warps=_fwd_config(v)[1],
             )
         ctx.save_for_backward(logits2, targets1, lse)
         ctx.ignore_index, ctx.reduction, ctx.denominator = ignore_index, reduction, denominator
@@ -124,7 +146,8 @@ class _CrossEntropyFunction(torch.autograd.Function):
             # the same fp32 scalar for every token of every micro-batch: elementwise, so split-invariant
             scale, scale_stride = (grad_out.to(torch.float32) / ctx.denominator).reshape(1), 0
         if n:
-            grid = (n, triton.cdiv(v, BWD_BLOCK_V))
+            block = min(MAX_BWD_BLOCK_V, triton.next_power_of_2(v))
+            grid = (n, triton.cdiv(v, block))
             _ce_bwd_kernel[grid](
                 logits2,
                 targets1,
@@ -136,13 +159,14 @@ class _CrossEntropyFunction(torch.autograd.Function):
                 dx.stride(0),
                 scale_stride,
                 ctx.ignore_index,
-                BLOCK_V=BWD_BLOCK_V,
+                BLOCK_V=block,
             )
         return dx, None, None, None, None
 
 
 def _canonical_token_sum(loss: torch.Tensor) -> torch.Tensor:
-    """Canonical sum of per-token fp32 losses: leaves folded in token order, pairwise tree over leaves.
+    """Canonical sum of per-token fp32 losses: per-leaf sums in a fixed order (128 lanes, each a fold
+    in token order, then a fixed tl.sum), pairwise tree over leaves.
 
     With an active accumulator the leaves are its (global, aligned) leaves, so each micro-batch's
     sum is a whole set of subtrees; the returned value is this call's partial sum.
@@ -154,7 +178,9 @@ def _canonical_token_sum(loss: torch.Tensor) -> torch.Tensor:
 
     acc = current_accumulator()
     leaf = acc.leaf_tokens if acc is not None else leaf_layout(n, 1, "cross_entropy")[1]
-    sums = fold_chunks(loss.view(n, 1), leaf).view(-1)
+    n_leaves = -(-n // leaf)
+    sums = torch.empty((n_leaves,), dtype=torch.float32, device=loss.device)
+    _token_leaf_sum_kernel[(n_leaves,)](loss, sums, n, LEAF=leaf, LANES=_LANES, num_warps=4)
     return TreePartial().add_leaves(0, sums).result(sums.shape[0])
 
 
@@ -183,7 +209,7 @@ def cross_entropy(
         over zero counted tokens is NaN (as in torch).
 
     **Determinism:** bitwise run to run. Row invariance: a token's loss and its dlogits row depend
-    only on its logits row, target and the gradient scale (one program per row, ``BLOCK_V`` fixed),
+    only on its logits row, target and the gradient scale (one program per row, its config keyed by V only),
     not on N or the other rows. The sum / mean uses the canonical order over token leaves
     (``DEFAULT_LEAF_TOKENS``, or the active accumulator's ``leaf_tokens``), so it is the same for
     any batch holding the same leaves; across micro-batches the partial losses of each call are

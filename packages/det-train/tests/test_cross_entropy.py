@@ -1,0 +1,152 @@
+"""det_train.cross_entropy: row invariance of loss and dlogits, canonical-order mean, micro-batch
+invariance of dlogits with num_global_tokens, accuracy against fp64, ignore_index, bad input."""
+
+import det_train
+import pytest
+import torch
+from det_core.reduce import TreePartial, leaf_sums_reference
+from det_core.testing import assert_bitwise_equal, assert_row_invariant, assert_run_to_run, contiguous_splits
+from det_train.grad_accum import CanonicalGradAccumulator
+from det_train.reference_norms import cross_entropy_reference
+
+
+def _inputs(n, v, seed=0, dtype=torch.bfloat16, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(n, v, generator=g)).to(dtype)
+    targets = torch.randint(0, v, (n,), generator=g)
+    return logits.to(device), targets.to(device)
+
+
+def _loss_and_grad(logits, targets, **kw):
+    x = logits.detach().clone().requires_grad_()
+    loss = det_train.cross_entropy(x, targets, **kw)
+    loss.backward(torch.ones_like(loss))
+    return loss.detach(), x.grad
+
+
+def _check_row_invariance(v, sizes, device, dtype=torch.bfloat16):
+    # a row = its logits plus its target stored in one extra column
+    def make(m, seed):
+        logits, targets = _inputs(m, v, seed=seed, dtype=torch.float32, device=device)
+        return torch.cat([logits, targets.unsqueeze(1).float()], dim=1)
+
+    def fn(batch):
+        logits, targets = batch[:, :v].to(dtype), batch[:, v].long()
+        losses, grad = _loss_and_grad(logits, targets, reduction="none")  # upstream gradient 1 per row
+        return torch.cat([losses.unsqueeze(1), grad.float()], dim=1)
+
+    assert_row_invariant(fn, lambda m: make(m, m), sizes, make(1, 999), "cross_entropy loss/dlogits")
+
+
+def test_row_invariance_multi_chunk_vocab():
+    _check_row_invariance(4096 + 300, [1, 2, 3, 17], "cpu")  # two BLOCK_V chunks
+
+
+def test_mean_is_canonical_sum_over_count_and_accurate():
+    leaf = 4  # the active accumulator's leaf size is the loss's leaf size
+    logits, targets = _inputs(8 * leaf + 3, 33, dtype=torch.float32)
+    targets[::5] = -100
+    acc = CanonicalGradAccumulator([], leaf_tokens=leaf)
+    with acc.micro_batch(token_offset=0):
+        loss, grad = _loss_and_grad(logits, targets)
+    per_token, _ = _loss_and_grad(logits, targets, reduction="none")
+    leaves = leaf_sums_reference(per_token, leaf)
+    count = int((targets != -100).sum())
+    expected = TreePartial().add_leaves(0, leaves).result(leaves.shape[0]) / count
+    # leaf sums of 4 tokens: lane order == token order, so the bits match the reference fold
+    assert_bitwise_equal(loss, expected, "canonical mean")
+    ref = cross_entropy_reference(logits, targets)
+    assert abs(loss.double() - ref) / ref < 1e-6
+    xd = logits.double().requires_grad_()
+    cross_entropy_reference(xd, targets).backward()
+    torch.testing.assert_close(grad.double(), xd.grad, rtol=1e-5, atol=1e-9)
+    assert bool((grad[::5] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_accuracy_half(dtype):
+    logits, targets = _inputs(50, 300, dtype=dtype)
+    loss, grad = _loss_and_grad(logits, targets)
+    ref = cross_entropy_reference(logits, targets)
+    assert abs(loss.double() - ref) / ref < 1e-6  # fp32 math on the exact half inputs
+    xd = logits.double().requires_grad_()
+    cross_entropy_reference(xd, targets).backward()
+    err = (grad.double() - xd.grad).abs().max() / xd.grad.abs().max()
+    assert err < 1e-2 if dtype == torch.bfloat16 else err < 2e-3
+
+
+def test_run_to_run():
+    logits, targets = _inputs(40, 500)
+    assert_run_to_run(lambda: _loss_and_grad(logits, targets), repeats=3, name="cross_entropy")
+
+
+def test_micro_batch_invariance_with_num_global_tokens():
+    n, v = 24, 40
+    logits, targets = _inputs(n, v, seed=3)
+    targets[[2, 11, 17]] = -100
+    _, whole = _loss_and_grad(logits, targets, num_global_tokens=n)
+    for parts in (2, 3, 4, 8):
+        grads = [
+            _loss_and_grad(logits[a:b], targets[a:b], num_global_tokens=n)[1]
+            for a, b in contiguous_splits(n, parts)
+        ]
+        assert_bitwise_equal(torch.cat(grads), whole, f"dlogits, {parts} micro-batches")
+
+
+def test_3d_input_none_and_sum():
+    logits, targets = _inputs(12, 20, dtype=torch.float32)
+    none = det_train.cross_entropy(logits.view(3, 4, 20), targets.view(3, 4), reduction="none")
+    assert none.shape == (3, 4) and none.dtype == torch.float32
+    torch.testing.assert_close(
+        none.double(), cross_entropy_reference(logits, targets, reduction="none").view(3, 4)
+    )
+    total = det_train.cross_entropy(logits, targets, reduction="sum")
+    torch.testing.assert_close(total.double(), cross_entropy_reference(logits, targets, reduction="sum"))
+
+
+def test_all_ignored_mean_is_nan_like_torch():
+    logits, _ = _inputs(3, 5)
+    loss = det_train.cross_entropy(logits, torch.full((3,), -100))
+    assert torch.isnan(loss) and torch.isnan(
+        torch.nn.functional.cross_entropy(logits.float(), torch.full((3,), -100))
+    )
+
+
+def test_bad_input():
+    logits, targets = _inputs(4, 6)
+    with pytest.raises(ValueError, match="target 6 is outside"):
+        det_train.cross_entropy(logits, torch.tensor([0, 1, 6, 2]))
+    with pytest.raises(ValueError, match="targets shape"):
+        det_train.cross_entropy(logits, targets[:3])
+    with pytest.raises(TypeError, match="int64 or int32"):
+        det_train.cross_entropy(logits, targets.float())
+    with pytest.raises(TypeError, match="not supported"):
+        det_train.cross_entropy(logits.double(), targets)
+    with pytest.raises(ValueError, match="reduction"):
+        det_train.cross_entropy(logits, targets, reduction="avg")
+    with pytest.raises(ValueError, match="reduction='mean' only"):
+        det_train.cross_entropy(logits, targets, reduction="sum", num_global_tokens=4)
+    with pytest.raises(ValueError, match="positive"):
+        det_train.cross_entropy(logits, targets, num_global_tokens=0)
+
+
+# ---------------------------------------------------------------- GPU, real sizes
+@pytest.mark.gpu
+def test_gpu_row_invariance_real_vocab():
+    _check_row_invariance(32000, [1, 2, 3, 17, 64, 65, 127, 128, 129, 1000], "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v", [32000, 50257])
+def test_gpu_accuracy_and_micro_batches(v):
+    n = 8192
+    logits, targets = _inputs(n, v, seed=5, device="cuda")
+    loss, grad = assert_run_to_run(lambda: _loss_and_grad(logits, targets, num_global_tokens=n), repeats=2)
+    ref = cross_entropy_reference(logits, targets)
+    assert abs(loss.double() - ref) / ref < 1e-5
+    for parts in (2, 3, 4, 8):
+        grads = [
+            _loss_and_grad(logits[a:b], targets[a:b], num_global_tokens=n)[1]
+            for a, b in contiguous_splits(n, parts)
+        ]
+        assert_bitwise_equal(torch.cat(grads), grad, f"dlogits, {parts} micro-batches")

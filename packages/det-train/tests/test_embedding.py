@@ -1,0 +1,146 @@
+"""det_train.embedding: the weight gradient equals its canonical-order definition bit for bit, is
+invariant to micro-batching, handles repeated ids without atomics; forward is an exact gather."""
+
+import det_train
+import pytest
+import torch
+from det_core.testing import assert_bitwise_equal, assert_run_to_run, contiguous_splits
+from det_train.grad_accum import DEFAULT_LEAF_TOKENS, CanonicalGradAccumulator
+from det_train.reference_norms import embedding_weight_grad_reference
+
+
+def _inputs(tokens, v, d, seed=0, dtype=torch.bfloat16, device="cpu", hot=None):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, v, (tokens,), generator=g)
+    if hot is not None:  # many repeats of a few ids, like frequent tokens
+        ids[torch.rand(tokens, generator=g) < 0.5] = hot
+    w = torch.randn(v, d, generator=g).to(dtype)
+    dy = torch.randn(tokens, d, generator=g).to(dtype)
+    return ids.to(device), w.to(device), dy.to(device)
+
+
+def _grad(ids, w, dy):
+    w = w.detach().clone().requires_grad_()
+    det_train.embedding(ids, w).backward(dy)
+    return w.grad
+
+
+def test_forward_is_exact_gather():
+    ids, w, _ = _inputs(40, 30, 8)
+    ids2 = ids.view(4, 10)
+    assert_bitwise_equal(det_train.embedding(ids2, w), w[ids2], "embedding forward")
+
+
+@pytest.mark.parametrize("hot", [None, 7])
+def test_grad_equals_canonical_definition(hot):
+    ids, w, dy = _inputs(2 * DEFAULT_LEAF_TOKENS + 5, 50, 12, hot=hot)  # 3 leaves, last short
+    grad = _grad(ids, w, dy)
+    ref = embedding_weight_grad_reference(ids, dy, 50, DEFAULT_LEAF_TOKENS).to(w.dtype)
+    assert_bitwise_equal(grad, ref, "dW vs definition")
+    untouched = torch.ones(50, dtype=torch.bool)
+    untouched[ids] = False
+    assert bool((grad[untouched] == 0).all())
+    exact = torch.zeros(50, 12, dtype=torch.float64).index_add_(0, ids, dy.double())
+    torch.testing.assert_close(grad.double(), exact, rtol=1e-2, atol=1e-2)
+
+
+def test_run_to_run():
+    ids, w, dy = _inputs(300, 20, 16, hot=3)
+    assert_run_to_run(lambda: _grad(ids, w, dy), repeats=3, name="embedding dW")
+
+
+@pytest.mark.parametrize("int32", [False, True])
+def test_micro_batch_invariance(int32):
+    leaf, tokens, v, d = 4, 8 * 4 + 2, 9, 6  # tiny vocab: every id repeats within and across leaves
+    ids, w0, dy = _inputs(tokens, v, d, seed=4)
+    ids = ids.to(torch.int32) if int32 else ids
+
+    def run(parts):
+        w = w0.clone().requires_grad_()
+        acc = CanonicalGradAccumulator([w], leaf_tokens=leaf)
+        splits = contiguous_splits(tokens - 2, parts, leaf)
+        splits[-1] = (splits[-1][0], tokens)
+        for start, end in splits:
+            with acc.micro_batch(token_offset=start):
+                det_train.embedding(ids[start:end].view(1, -1), w).backward(dy[start:end].view(1, -1, d))
+        acc.reduce(total_tokens=tokens)
+        return w.grad
+
+    whole = run(1)
+    assert_bitwise_equal(
+        whole, embedding_weight_grad_reference(ids, dy, v, leaf).bfloat16(), "dW vs definition"
+    )
+    for parts in (2, 3, 4, 8):
+        assert_bitwise_equal(run(parts), whole, f"embedding dW, {parts} micro-batches")
+
+
+def test_tied_embedding_and_head():
+    """One table used by the embedding and a (toy) head: two deposits per micro-batch."""
+    leaf, tokens, v, d = 4, 16, 7, 5
+    ids, w0, dy = _inputs(tokens, v, d, seed=2, dtype=torch.float32)
+    ids_b = (ids * 3 + 1) % v  # the second use's ids (e.g. the head's targets)
+
+    def run(parts):
+        w = w0.clone().requires_grad_()
+        acc = CanonicalGradAccumulator([w], leaf_tokens=leaf)
+        for start, end in contiguous_splits(tokens, parts, leaf):
+            with acc.micro_batch(token_offset=start):
+                h = det_train.embedding(ids[start:end], w)
+                det_train.embedding(ids_b[start:end], w).mul(h).backward(dy[start:end])
+        acc.reduce(total_tokens=tokens)
+        return w.grad
+
+    whole = run(1)
+    for parts in (2, 3, 4):
+        assert_bitwise_equal(run(parts), whole, f"tied dW, {parts} micro-batches")
+
+
+def test_module_drop_in():
+    ref = torch.nn.Embedding(11, 4)
+    mod = det_train.Embedding(11, 4)
+    mod.load_state_dict(ref.state_dict())
+    ids = torch.tensor([[1, 2, 2], [10, 0, 1]])
+    assert_bitwise_equal(mod(ids), ref(ids), "Embedding module")
+    with pytest.raises(ValueError, match="padding_idx"):
+        det_train.Embedding(11, 4, padding_idx=0)
+
+
+def test_bad_input_and_empty():
+    w = torch.randn(5, 3, requires_grad=True)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        det_train.embedding(torch.tensor([1.0]), w)
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, 5\), got min 0, max 5"):
+        det_train.embedding(torch.tensor([0, 5]), w)
+    with pytest.raises(ValueError, match="got min -1"):
+        det_train.embedding(torch.tensor([-1, 2]), w)
+    with pytest.raises(ValueError, match=r"\(V, D\)"):
+        det_train.embedding(torch.tensor([0]), torch.randn(5))
+    with pytest.raises(TypeError, match="floating point"):
+        det_train.embedding(torch.tensor([0]), torch.ones(5, 3, dtype=torch.int64))
+    out = det_train.embedding(torch.zeros(0, dtype=torch.int64), w)
+    out.sum().backward()
+    assert out.shape == (0, 3) and torch.equal(w.grad, torch.zeros(5, 3))
+
+
+# ---------------------------------------------------------------- GPU, real sizes
+@pytest.mark.gpu
+@pytest.mark.parametrize("v", [32000, 50257])
+def test_gpu_real_vocab_micro_batch_invariance(v):
+    tokens, d, leaf = 8192, 2048, 1024
+    ids, w0, dy = _inputs(tokens, v, d, seed=1, device="cuda", hot=13)
+
+    def run(parts):
+        w = w0.clone().requires_grad_()
+        acc = CanonicalGradAccumulator([w], leaf_tokens=leaf)
+        for start, end in contiguous_splits(tokens, parts, leaf):
+            with acc.micro_batch(token_offset=start):
+                det_train.embedding(ids[start:end], w).backward(dy[start:end])
+        acc.reduce(total_tokens=tokens)
+        return w.grad
+
+    whole = assert_run_to_run(lambda: run(1), repeats=2, name="embedding dW")
+    for parts in (2, 3, 4, 8):
+        assert_bitwise_equal(run(parts), whole, f"embedding dW, {parts} micro-batches")
+    assert_bitwise_equal(_grad(ids, w0, dy), whole, "no accumulator, default leaf 1024")
+    exact = torch.zeros(v, d, dtype=torch.float64, device="cuda").index_add_(0, ids, dy.double())
+    torch.testing.assert_close(whole.double(), exact, rtol=1e-2, atol=2e-2)
