@@ -29,6 +29,19 @@ DROPOUT_STREAM: tl.constexpr = tl.constexpr(2)  # == rng.STREAM_ATTN_DROPOUT (ch
 
 
 @triton.jit
+def _to_out(x, OUT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
+    # fp32 -> output dtype, round to nearest even. The Triton interpreter truncates fp32 -> bf16
+    # (fp_downcast_rounding is ignored there, seen in 3.9), so under it round with integer ops
+    # (finite values only, which is all attention produces).
+    if UPCAST and OUT_DTYPE == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        b = b + 0x7FFF + ((b >> 16) & 1)
+        return (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(OUT_DTYPE)
+
+
+@triton.jit
 def _dropout_keep(seed_lo, seed_hi, seq, head, offs_q, offs_k, threshold, QK_T: tl.constexpr):
     # Philox counter: step word = sequence id, stream = attention dropout,
     # index = head << 44 | query << 22 | key (positions inside the sequence).
@@ -239,7 +252,7 @@ def attn_fwd_kernel(
     acc = acc / l_i[:, None]
     lse2 = m_i + tl.math.log2(l_i)
     o_ptrs = o_ptr + (q_start + offs_m[:, None].to(tl.int64)) * stride_ot + head * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(o_ptrs, _to_out(acc, o_ptr.dtype.element_ty, UPCAST), mask=row_ok[:, None])
     tl.store(lse2_ptr + head * stride_lh + q_start + offs_m, lse2, mask=row_ok)
 
 
@@ -528,8 +541,8 @@ def attn_bwd_dkdv_kernel(
         )
     dk = dk * sm_scale
     out_off = (k_start + offs_n[:, None].to(tl.int64)) * stride_dkt + kv_head * stride_dkh + offs_d[None, :]
-    tl.store(dk_ptr + out_off, dk.to(dk_ptr.dtype.element_ty), mask=col_ok[:, None])
-    tl.store(dv_ptr + out_off, dv.to(dv_ptr.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(dk_ptr + out_off, _to_out(dk, dk_ptr.dtype.element_ty, UPCAST), mask=col_ok[:, None])
+    tl.store(dv_ptr + out_off, _to_out(dv, dv_ptr.dtype.element_ty, UPCAST), mask=col_ok[:, None])
 
 
 @triton.jit
@@ -737,6 +750,6 @@ def attn_bwd_dq_kernel(
     dq = dq * sm_scale
     tl.store(
         dq_ptr + rows * stride_dqt + head * stride_dqh + offs_d[None, :],
-        dq.to(dq_ptr.dtype.element_ty),
+        _to_out(dq, dq_ptr.dtype.element_ty, UPCAST),
         mask=row_ok[:, None],
     )
