@@ -4,9 +4,10 @@ summed over tokens in the canonical order (fp32 leaf sums combined by det_core's
 - Forward and dX are ``matmul`` (fixed K order, no split-K): row invariant.
 - dW = dY^T X and db = sum of dY over tokens: the token axis is cut into leaves of ``leaf_tokens``
   tokens aligned to the global token index; a leaf is a sequential fp32 fold in steps of
-  ``block_t`` tokens; leaves are combined by ``TreePartial``. The dW kernel computes up to
-  ``leaves_per_program`` whole aligned leaves of the tree in registers, so the fp32 workspace
-  holds one tile per aligned subtree instead of one per leaf.
+  ``block_t`` tokens; leaves are combined by ``TreePartial``. The dW kernel computes whole aligned
+  subtrees of up to ``leaves_per_program`` leaves (in registers, or through a per-program scratch
+  stack that stays in L2), so a micro-batch of up to 8 leaves is finished in-kernel and only the
+  rest of the tree runs in torch.
 - With an active ``CanonicalGradAccumulator`` the leaf sums are deposited there (notes/CANONICAL_GRADS.md)
   and the autograd gradient of the weight / bias is None.
 """
@@ -127,67 +128,70 @@ def _weight_grad_kernel(
     store_rounded(out_ptrs, node, mask, BF16_BY_BITS)
 
 
-@triton.jit(do_not_specialize=["T", "run_start", "leaves"])
+@triton.jit(do_not_specialize=["T", "run_start", "leaves", "num_programs"])
 def _weight_grad_stack_kernel(
     # pointers: dY (T, N), X (T, K), out (blocks, N, K), scratch (programs, MAX_LEVELS, BLOCK_N * BLOCK_K)
     dy_ptr, x_ptr, out_ptr, scratch_ptr,
-    T, N, K, run_start, LEAF_TOKENS, leaves,
+    T, N, K, run_start, LEAF_TOKENS, leaves, blocks, num_programs,
     stride_dyt, stride_dyn, stride_xt, stride_xk, stride_ob, stride_on, stride_ok,
     dy_t_step, x_t_step,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr,
     MAX_LEVELS: tl.constexpr, EVEN_T: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BF16_BY_BITS: tl.constexpr,
 ):  # fmt: skip
-    """One aligned subtree of ``leaves`` (a power of 2, <= 2**MAX_LEVELS) leaves of one dW tile.
+    """Aligned subtrees of ``leaves`` (a power of 2, <= 2**MAX_LEVELS) leaves of dW tiles (persistent).
 
-    Leaves are summed in order; finished left siblings wait in a per-program fp32 scratch stack
-    (one tile per level; written and read back by this program, so it stays in L2) and are
-    combined as ``left + right`` the moment the right sibling is done: exactly the canonical tree.
+    Each program walks tiles ``program, program + num_programs, ...`` (tile = one output tile of one
+    subtree). Leaves are summed in order; finished left siblings wait in the program's fp32 scratch
+    stack (one tile per level, written and read back by the same program, so it stays in L2) and
+    are combined as ``left + right`` the moment the right sibling is done: exactly the canonical tree.
     """
-    pid = tl.program_id(0)
-    block = tl.program_id(1)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_k = tl.cdiv(K, BLOCK_K)
+    tiles_per_block = num_pid_n * num_pid_k
     num_pid_in_group = GROUP_N * num_pid_k
-    group_id = pid // num_pid_in_group
-    first_pid_n = group_id * GROUP_N
-    group_size_n = tl.minimum(num_pid_n - first_pid_n, GROUP_N)
-    pid_n = first_pid_n + ((pid % num_pid_in_group) % group_size_n)
-    pid_k = (pid % num_pid_in_group) // group_size_n
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    offs_n = (rows % N).to(tl.int64)
-    offs_k = (cols % K).to(tl.int64)
-    program = block.to(tl.int64) * (num_pid_n * num_pid_k) + pid
+    program = tl.program_id(0)
     tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
-    stack = scratch_ptr + program * (MAX_LEVELS * BLOCK_N * BLOCK_K) + tile
-
-    s0 = run_start + block * (leaves * LEAF_TOKENS)
-    node = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for j in range(0, leaves):
-        start = s0 + j * LEAF_TOKENS
-        node = _leaf_sum(
-            dy_ptr, x_ptr, start, tl.minimum(start + LEAF_TOKENS, T), offs_n, offs_k,
-            stride_dyt, stride_dyn, stride_xt, stride_xk, dy_t_step, x_t_step,
-            BLOCK_N, BLOCK_K, BLOCK_T, EVEN_T, UPCAST, DOT_PRECISION,
+    stack = scratch_ptr + program.to(tl.int64) * (MAX_LEVELS * BLOCK_N * BLOCK_K) + tile
+    for tile_id in range(program, blocks * tiles_per_block, num_programs):
+        block = tile_id // tiles_per_block
+        pid = tile_id % tiles_per_block
+        group_id = pid // num_pid_in_group
+        first_pid_n = group_id * GROUP_N
+        group_size_n = tl.minimum(num_pid_n - first_pid_n, GROUP_N)
+        pid_n = first_pid_n + ((pid % num_pid_in_group) % group_size_n)
+        pid_k = (pid % num_pid_in_group) // group_size_n
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        offs_n = (rows % N).to(tl.int64)
+        offs_k = (cols % K).to(tl.int64)
+        s0 = run_start + block * (leaves * LEAF_TOKENS)
+        node = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for j in range(0, leaves):
+            start = s0 + j * LEAF_TOKENS
+            node = _leaf_sum(
+                dy_ptr, x_ptr, start, tl.minimum(start + LEAF_TOKENS, T), offs_n, offs_k,
+                stride_dyt, stride_dyn, stride_xt, stride_xk, dy_t_step, x_t_step,
+                BLOCK_N, BLOCK_K, BLOCK_T, EVEN_T, UPCAST, DOT_PRECISION,
+            )  # fmt: skip
+            # leaf j closes the subtrees of level lv + 1 for which (j + 1) is a multiple of 2**(lv + 1)
+            depth = j * 0
+            for lv in tl.static_range(MAX_LEVELS):
+                closes = (j + 1) % (2 << lv) == 0
+                if closes:
+                    tl.debug_barrier()  # the left sibling was stored by other threads of this program
+                    node = tl.load(stack + lv * (BLOCK_N * BLOCK_K)) + node
+                depth += tl.where(closes, 1, 0)
+            if j + 1 < leaves:  # push; the root (after the last leaf) goes to the output instead
+                tl.debug_barrier()  # every thread is done reading the slot being overwritten
+                tl.store(stack + depth * (BLOCK_N * BLOCK_K), node)
+                tl.debug_barrier()
+        out_ptrs = (
+            out_ptr + block.to(tl.int64) * stride_ob + rows.to(tl.int64)[:, None] * stride_on
+            + cols.to(tl.int64)[None, :] * stride_ok
         )  # fmt: skip
-        # leaf j closes the subtrees of level lv + 1 for which (j + 1) is a multiple of 2**(lv + 1)
-        depth = j * 0
-        for lv in tl.static_range(MAX_LEVELS):
-            closes = (j + 1) % (2 << lv) == 0
-            if closes:
-                tl.debug_barrier()  # the left sibling was stored by other threads of this program
-                node = tl.load(stack + lv * (BLOCK_N * BLOCK_K)) + node
-            depth += tl.where(closes, 1, 0)
-        if j + 1 < leaves:  # push (the root, after the last leaf, goes to the output instead)
-            tl.store(stack + depth * (BLOCK_N * BLOCK_K), node)
-            tl.debug_barrier()
-    out_ptrs = (
-        out_ptr + block.to(tl.int64) * stride_ob + rows.to(tl.int64)[:, None] * stride_on
-        + cols.to(tl.int64)[None, :] * stride_ok
-    )  # fmt: skip
-    mask = (rows[:, None] < N) & (cols[None, :] < K)
-    store_rounded(out_ptrs, node, mask, BF16_BY_BITS)
+        mask = (rows[:, None] < N) & (cols[None, :] < K)
+        store_rounded(out_ptrs, node, mask, BF16_BY_BITS)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -259,9 +263,10 @@ def weight_grad_partial(
         ``TreePartial`` with fp32 ``(N, K)`` nodes (the maximal aligned subtrees of at most
         ``leaves_per_program`` leaves, merged), or the finished tensor.
 
-    Workspace: one fp32 ``(N, K)`` tile per aligned subtree of the run (for T = 8192 tokens,
-    ``leaf_tokens`` = 1024 and 2 leaves per program: 4 x N x K x 4 bytes); none when the run is
-    one subtree finished in-kernel.
+    Workspace: one fp32 ``(N, K)`` tile per aligned subtree left unfinished by the kernel (none
+    when the run is one subtree, finished and rounded in-kernel), plus, with ``scratch_tree``, a
+    stack of ``log2(leaves_per_program)`` fp32 tiles per resident program (2 per SM): with the
+    default table, 264 x 3 x 64 KiB = 49.5 MiB on a 132-SM H200, whatever the layer's size.
 
     **Determinism:** leaf sums are fixed by ``block_t`` (config table) and the leaf's tokens; the
     tree by global leaf indices: any leaf-aligned split of the tokens merges to the same bits, and
@@ -303,11 +308,12 @@ def weight_grad_partial(
         )  # fmt: skip
         if config.scratch_tree and size > 1:
             levels = level  # a subtree of 2**level leaves keeps at most `level` left siblings waiting
-            programs = grid[0] * grid[1]
-            scratch = torch.empty((programs, levels, config.block_n * config.block_k), dtype=torch.float32,
-                                  device=dy.device)  # fmt: skip
-            _weight_grad_stack_kernel[grid](
-                dy, x, out, scratch, *args, size, *strides, MAX_LEVELS=levels, **common
+            programs = min(grid[0] * grid[1], _resident_programs(dy.device))
+            scratch = torch.empty(
+                (programs, levels, config.block_n * config.block_k), dtype=torch.float32, device=dy.device
+            )
+            _weight_grad_stack_kernel[(programs,)](
+                dy, x, out, scratch, *args, size, count, programs, *strides, MAX_LEVELS=levels, **common
             )
         else:
             _weight_grad_kernel[grid](dy, x, out, *args, *strides, LEAVES=size, **common)
@@ -319,6 +325,13 @@ def weight_grad_partial(
     if finish_dtype is not None:
         return partial.result(first_leaf + leaves).to(finish_dtype)
     return partial
+
+
+def _resident_programs(device: torch.device) -> int:
+    """Programs of the persistent dW tree kernel: two per SM (its scratch is sized by this)."""
+    if device.type != "cuda":
+        return 4
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _single_node(level: int, index: int, value: torch.Tensor) -> TreePartial:

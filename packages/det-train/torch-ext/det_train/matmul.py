@@ -122,9 +122,10 @@ def _matmul_kernel(
     store_rounded(c_ptrs, acc, mask, BF16_BY_BITS)
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs: IEEE fp32 products (Triton's default for fp32 is TF32); halves: ignored by Triton
-    return "ieee" if dtype == torch.float32 or runtime.interpreter_active() else "tf32"
+def _dot_precision(dtype: torch.dtype) -> str | None:
+    """``tl.dot`` input precision: IEEE for fp32 (Triton's default there is TF32); Triton's
+    default (None) for bf16 / fp16, whose products are exact in the fp32 accumulator."""
+    return "ieee" if dtype == torch.float32 or runtime.interpreter_active() else None
 
 
 def _as_batched(t: torch.Tensor) -> tuple[torch.Tensor, int]:
