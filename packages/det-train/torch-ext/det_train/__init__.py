@@ -14,6 +14,7 @@ __version__ = "1.0.0"
 # public name -> defining module (imported on first use, so one op's import error cannot hide the others)
 _EXPORTS = {
     "matmul": "matmul",
+    "matmul_partial": "matmul",
     "linear": "linear",
     "Linear": "linear",
     "deterministic_mode": "routing",
