@@ -83,3 +83,32 @@ def test_kernels_layer_mapping_class():
     x = _randn(5, 96, seed=7)
     m.forward = types.MethodType(layers.Linear.forward, m)  # what kernels.kernelize does
     assert_bitwise_equal(m(x), linear(x, m.weight, m.bias), "kernelized forward")
+
+
+def test_kernelize_maps_a_linear_to_the_hub_build(tmp_path):
+    """The Hub build tree of det-train, loaded by `kernels` (LocalLayerRepository), drives kernelize."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_forward_from_hub, use_kernel_mapping
+
+    root = Path(__file__).resolve().parents[3]
+    spec = importlib.util.spec_from_file_location("_build_hub_for_test", root / "tools" / "build_hub.py")
+    build_hub = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = build_hub  # its dataclasses look their module up
+    spec.loader.exec_module(build_hub)
+    assert build_hub.main(["--package", "det-train", "--out", str(tmp_path)]) == 0
+
+    @use_kernel_forward_from_hub("Linear")
+    class HubLinear(torch.nn.Linear):
+        pass
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(HubLinear(96, 40, dtype=torch.bfloat16, device=DEVICE))
+    device = "cuda" if DEVICE == "cuda" else "cpu"
+    repo = LocalLayerRepository(repo_path=tmp_path / "det-train", layer_name="Linear")
+    with use_kernel_mapping({"Linear": {device: repo}}):
+        model = kernelize(model, mode=Mode.TRAINING, device=device, use_fallback=False)
+    x = _randn(5, 96, seed=8)
+    assert_bitwise_equal(model(x), linear(x, model[0].weight, model[0].bias), "kernelized (Hub build)")
