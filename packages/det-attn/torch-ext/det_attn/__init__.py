@@ -32,3 +32,16 @@ def __getattr__(name: str):
         raise AttributeError(f"module 'det_attn' has no attribute {name!r}")
     value = importlib.import_module(f".{module}", __name__)
     return value if name in _MODULES else getattr(value, name)
+
+
+def _register_with_transformers_if_loaded() -> None:
+    # Only when transformers is already imported: importing it here would slow `import det_attn`.
+    import sys
+
+    if "transformers" in sys.modules:
+        from .transformers_integration import register_transformers_attention
+
+        register_transformers_attention()
+
+
+_register_with_transformers_if_loaded()

@@ -1,0 +1,99 @@
+"""Register det_attn as a transformers attention implementation: ``attn_implementation="det_attn"``.
+
+transformers is optional: nothing here imports it until ``register_transformers_attention`` is
+called (``import det_attn`` calls it only when transformers is already imported).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .flash_attention import attention, attention_varlen
+
+__all__ = ["det_attn_transformers_forward", "register_transformers_attention"]
+
+
+def det_attn_transformers_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function (the ``AttentionInterface`` signature) on det_attn kernels.
+
+    Args:
+        module: the calling attention module (its ``is_causal`` is read, default True).
+        query: ``(B, H_q, T_q, D)``; key, value: ``(B, H_kv, T_k, D)`` (GQA handled natively).
+        attention_mask: must be ``None`` (no padding); pack sequences instead (transformers'
+            ``cu_seq_lens_q/k`` and ``max_length_q/k`` keyword arguments, with ``B == 1``).
+        scaling: softmax scale; dropout: dropout probability, needs ``det_attn_seed=`` in kwargs.
+
+    Returns:
+        ``(attn_output (B, T_q, H_q, D), None)``: no attention weights.
+
+    Raises:
+        ValueError: a padding mask, sliding window or softcap (not supported), dropout without a
+            seed, or anything ``det_attn.attention`` rejects.
+
+    **Determinism:** as ``det_attn.attention`` / ``attention_varlen``; causal masks are
+    bottom-right aligned, which is what KV-cache decoding needs.
+    Method: FlashAttention-2 (Dao, 2023).
+    """
+    op = "det_attn (transformers)"
+    if attention_mask is not None:
+        if attention_mask.dim() == 2 and bool(attention_mask.all()):
+            attention_mask = None  # an all-ones padding mask is no mask
+        else:
+            raise ValueError(
+                f"{op}: attention masks (padding) are not supported; pack the sequences instead "
+                "(position_ids / DataCollatorWithFlattening) or use attn_implementation='sdpa'"
+            )
+    for name in ("sliding_window", "softcap"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{op}: {name} is not supported")
+    seed = kwargs.get("det_attn_seed")
+    if dropout > 0.0 and seed is None:
+        raise ValueError(
+            f"{op}: attention dropout needs a seed: pass det_attn_seed=<int> through the model call"
+        )
+    causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, T, H, D)
+    common = dict(causal=causal, softmax_scale=scaling, dropout_p=dropout, seed=seed)
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None and cu_k is not None:
+        if q.shape[0] != 1:
+            raise ValueError(f"{op}: packed sequences (cu_seq_lens_q/k) need batch size 1, got {q.shape[0]}")
+        max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+        max_q = int(max_q) if max_q is not None else int((cu_q[1:] - cu_q[:-1]).max())
+        max_k = int(max_k) if max_k is not None else int((cu_k[1:] - cu_k[:-1]).max())
+        out = attention_varlen(q[0], k[0], v[0], cu_q.int(), cu_k.int(), max_q, max_k, **common)[None]
+    else:
+        out = attention(q, k, v, **common)
+    return out, None
+
+
+def register_transformers_attention(name: str = "det_attn") -> bool:
+    """Register ``det_attn_transformers_forward`` under ``name`` in transformers' interfaces.
+
+    Registers the attention function (``AttentionInterface``) and, when transformers has one, the
+    flash-attention mask builder (``AttentionMaskInterface``), which gives ``None`` when there is
+    no padding. Returns False, and registers nothing, when transformers is not installed.
+
+    **Determinism:** registration only; see ``det_attn_transformers_forward``.
+    """
+    try:
+        from transformers import AttentionInterface
+    except ImportError:
+        return False
+    AttentionInterface.register(name, det_attn_transformers_forward)
+    try:
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+    except ImportError:  # older transformers: no mask interface, masks come from the model
+        return True
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, flash_attention_mask)
+    return True
