@@ -286,8 +286,9 @@ def matmul_partial(
         ``(M, N)``: fp32 accumulator, or ``a.dtype`` when ``finish``.
 
     Raises:
-        TypeError / ValueError: as ``matmul``; ``carry`` not fp32 ``(M, N)`` on ``a``'s device;
-        ``bias`` without ``finish`` or of the wrong shape/dtype.
+        TypeError: as ``matmul``; a bias of another dtype.
+        ValueError: as ``matmul``; ``carry`` not fp32 ``(M, N)`` on ``a``'s device; ``bias``
+            without ``finish`` or not of shape ``(N,)``.
 
     **Determinism:** bitwise equal to the unsplit result when every part but the last has a K
     that is a multiple of ``block_k``; row invariant as ``matmul``. Parts cut elsewhere give a
