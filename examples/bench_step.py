@@ -94,7 +94,9 @@ def main(argv=None) -> int:
     if args.layers:
         overrides["n_layer"] = args.layers
     det_cfg = tg.make_config("gpu", **overrides)
-    torch_cfg = tg.make_config("gpu", kernels="torch", rounding="nearest", **overrides)
+    torch_cfg = tg.make_config(
+        "gpu", kernels="torch", optimizer="torch_adamw", rounding="nearest", **overrides
+    )
     device = torch.device("cuda")
     n_params = sum(p.numel() for p in tg.GPT(det_cfg.model_config(), kernels="torch").parameters())
 

@@ -54,7 +54,8 @@ COMMON = dict(
     weight_decay=0.1,
     rounding="stochastic",  # or "nearest": how AdamWSR rounds the fp32 update into the bf16 weights
     seed=1234,  # weight init, data order and the optimizer's stochastic rounding
-    kernels="det",  # "torch" = the non-deterministic reference (--reference)
+    kernels="det",  # "torch" = the non-deterministic reference model (--reference)
+    optimizer="adamw_sr",  # "torch_adamw" = torch's fused AdamW (--reference)
 )
 # ----------------------------------------------------------------------------------------------------
 
@@ -113,6 +114,7 @@ class TrainConfig:
     rounding: str
     seed: int
     kernels: str
+    optimizer: str
 
     def model_config(self) -> GPTConfig:
         return GPTConfig(
@@ -197,11 +199,13 @@ def build_model(cfg: TrainConfig, device) -> GPT:
 def build_optimizer(cfg: TrainConfig, model: GPT) -> torch.optim.Optimizer:
     """AdamWSR over the bf16 weights (or, for the reference, torch's fused AdamW)."""
     hyper = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    if cfg.kernels == "det":
+    if cfg.optimizer == "adamw_sr":
         import adamw_sr
 
         sr = cfg.rounding == "stochastic"
         return adamw_sr.AdamWSR(model.parameters(), **hyper, seed=cfg.seed, stochastic_rounding=sr)
+    if cfg.optimizer != "torch_adamw":
+        raise ValueError(f"optimizer must be 'adamw_sr' or 'torch_adamw', got {cfg.optimizer!r}")
     # reference: torch's AdamW, round-to-nearest into bf16; not deterministic across splits
     if cfg.rounding != "nearest":
         raise ValueError("the torch reference optimizer rounds to nearest: pass --rounding nearest")
@@ -517,7 +521,9 @@ def main(argv=None) -> int:
     overrides = {k: getattr(args, k) for k in ("steps", "micro_batch_seqs", "batch_seqs", "rounding", "seed")}
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if args.reference:
-        overrides.update(kernels="torch", rounding=overrides.get("rounding", "nearest"))
+        overrides.update(
+            kernels="torch", optimizer="torch_adamw", rounding=overrides.get("rounding", "nearest")
+        )
     cfg = make_config(args.preset, **overrides)
     out = Path(args.out)
     where = "GPU" if torch.cuda.is_available() else "CPU (Triton interpreter)"
