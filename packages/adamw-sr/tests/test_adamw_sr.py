@@ -526,6 +526,7 @@ def test_param_without_grad_is_skipped_like_torch():
     assert b.tolist() == [1.0, 1.0, 1.0] and len(opt.state[b]) == 0 and opt.state[a]["step"].item() == 1
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 def test_nan_and_inf_gradients_propagate_like_torch():
     init = torch.randn(6)
     grad = torch.tensor([math.nan, math.inf, -math.inf, 1.0, 0.0, -2.0])
@@ -586,3 +587,25 @@ def test_reference_round_nearest_equals_torch_cast():
     x = torch.randn(100_000) * torch.logspace(-40, 38, 100_000)
     x = torch.cat([x, torch.tensor([0.0, -0.0, math.inf, -math.inf, 3.3895e38, 1.00390625, 1.01171875])])
     assert_bitwise_equal(round_nearest_bf16_torch(x), x.to(torch.bfloat16))
+
+
+def test_compiled_optimizer_step_has_no_graph_break_and_equals_eager():
+    import torch._dynamo
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.GELU(), torch.nn.Linear(8, 4))
+        return model.to(torch.bfloat16), torch.randn(4, 16, dtype=torch.bfloat16)
+
+    (m1, x), (m2, _) = make(), make()
+    o1, o2 = AdamWSR(m1.parameters(), lr=1e-3, seed=1), AdamWSR(m2.parameters(), lr=1e-3, seed=1)
+    compiled = torch.compile(o2.step, backend="aot_eager")
+    for _ in range(2):
+        for model, step in ((m1, o1.step), (m2, compiled)):
+            model.zero_grad()
+            model(x).float().square().mean().backward()
+            step()
+    for a, b in zip(m1.parameters(), m2.parameters(), strict=True):
+        assert_bitwise_equal(a, b)
+    explained = torch._dynamo.explain(o2.step)()
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
