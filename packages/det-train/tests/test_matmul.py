@@ -193,6 +193,10 @@ def test_gpu_every_config_of_a_dtype_gives_the_same_bits():
         out = torch.empty_like(ref)
         launch_matmul(a, b, out, config=cfg)
         assert_bitwise_equal(out, ref, f"config {key}")
+    # operand layouts (each its own table entry) read in place: same bits
+    assert_bitwise_equal(matmul(a, b.t().contiguous().t()), ref, "B column-major (nt)")
+    assert_bitwise_equal(matmul(a.t().contiguous().t(), b), ref, "A column-major (tn)")
+    assert_bitwise_equal(matmul(a[:, None, :].expand(-1, 2, -1)[:, 1], b), ref, "strided A rows")
     base = configs.matmul_config(torch.bfloat16, "nn", 768, 1024)
     for bm, bn, warps, stages in [(64, 128, 4, 4), (128, 128, 8, 3), (256, 128, 8, 3)]:
         out = torch.empty_like(ref)
