@@ -1,0 +1,137 @@
+"""Compile det_train's matmul / dW kernels for sm_90a on a machine without a GPU; report spills.
+
+Uses Triton's ahead-of-time path (``triton.compile`` of an ``ASTSource`` for ``GPUTarget("cuda",
+90, 32)``) and, when present, the ``ptxas`` bundled with Triton (``-v``) for registers and spills.
+A CPU-side check of the fixed config table: every table entry must compile, use wgmma, pipeline its
+loads, and not spill. Depends on Triton internals (checked with Triton 3.9); not a test.
+
+    python packages/det-train/benchmarks/aot_compile_check.py
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+ROOT = Path(__file__).resolve().parents[3]
+sys.path[:0] = [str(ROOT / "packages/det-train/torch-ext"), str(ROOT / "shared/det-core")]
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+importlib.import_module("det_train.matmul")
+importlib.import_module("det_train.linear")
+mm = sys.modules["det_train.matmul"]
+lin = sys.modules["det_train.linear"]
+cfgs = (
+    sys.modules["det_train.configs"]
+    if "det_train.configs" in sys.modules
+    else importlib.import_module("det_train.configs")
+)
+
+TARGET = GPUTarget("cuda", 90, 32)
+NOT_DIVISIBLE = {"M", "T", "run_start", "leaves", "blocks", "num_programs", "stride_az", "stride_carry_z"}
+
+
+def _ptxas() -> Path | None:
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    for name in ("ptxas-blackwell", "ptxas"):
+        if (bin_dir / name).exists():
+            return bin_dir / name
+    return None
+
+
+def compile_one(name, fn, types, constexprs, num_warps, num_stages) -> bool:
+    sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(fn.arg_names)
+        if sig[n] != "constexpr" and n not in NOT_DIVISIBLE
+    }
+    src = ASTSource(
+        fn=fn,
+        signature=sig,
+        constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
+        attrs=attrs,
+    )
+    try:
+        kernel = triton.compile(
+            src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages}
+        )
+    except Exception as exc:  # report every entry
+        print(f"{name}: COMPILE FAILED: {type(exc).__name__}: {str(exc)[:500]}")
+        return False
+    ptx = kernel.asm.get("ptx", "")
+    info = f"shared={kernel.metadata.shared} wgmma={'wgmma' in ptx}"
+    ptxas = _ptxas()
+    ok = True
+    if ptxas is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "k.ptx").write_text(ptx)
+            cmd = [
+                str(ptxas),
+                "-arch=sm_90a",
+                "-v",
+                str(Path(tmp) / "k.ptx"),
+                "-o",
+                str(Path(tmp) / "k.cubin"),
+            ]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [ln.strip() for ln in out.stderr.splitlines() if "registers" in ln or "spill" in ln]
+        info += " | " + " | ".join(lines)
+        ok = not any(
+            "spill stores" in ln and not ln.startswith("0 bytes stack frame, 0 bytes spill") for ln in lines
+        )
+    print(f"{name}: {info}")
+    return ok
+
+
+def main() -> int:
+    bad = 0
+    for dtype, tname in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16")):
+        types = {"a_ptr": tname, "b_ptr": tname, "c_ptr": tname, "carry_ptr": "*fp32", "bias_ptr": tname}
+        for layout, unit in (("nn", dict(stride_ak=1, stride_bn=1)), ("nt", dict(stride_ak=1, stride_bk=1))):
+            for cls, (n, k) in (("large", (4096, 4096)), ("small", (64, 64))):
+                c = cfgs.matmul_config(dtype, layout, n, k)
+                for bias in (False, True):
+                    const = dict(
+                        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+                        EVEN_K=True, HAS_CARRY=False, HAS_BIAS=bias, UPCAST=False, DOT_PRECISION=None,
+                        BF16_BY_BITS=False, stride_cn=1, **unit,
+                    )  # fmt: skip
+                    bad += not compile_one(
+                        f"matmul {dtype} {layout} {cls} bias={bias}", mm._matmul_kernel, types, const,
+                        c.num_warps, c.num_stages,
+                    )  # fmt: skip
+        w = cfgs.weight_grad_config(dtype, 4096, 4096)
+        wtypes = {"dy_ptr": tname, "x_ptr": tname, "out_ptr": tname, "scratch_ptr": "*fp32"}
+        common = dict(
+            BLOCK_N=w.block_n, BLOCK_K=w.block_k, BLOCK_T=w.block_t, GROUP_N=w.group_n, EVEN_T=True,
+            UPCAST=False, DOT_PRECISION=None, BF16_BY_BITS=False, stride_dyn=1, stride_xk=1, stride_ok=1,
+        )  # fmt: skip
+        levels = w.leaves_per_program.bit_length() - 1
+        bad += not compile_one(
+            f"dW {dtype} stack levels={levels}", lin._weight_grad_stack_kernel, wtypes,
+            dict(common, MAX_LEVELS=levels), w.num_warps, w.num_stages,
+        )  # fmt: skip
+        bad += not compile_one(
+            f"dW {dtype} one leaf",
+            lin._weight_grad_kernel,
+            wtypes,
+            dict(common, LEAVES=1),
+            w.num_warps,
+            w.num_stages,
+        )
+    print("all entries compile without spills" if not bad else f"{bad} entries failed or spill")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
