@@ -100,14 +100,14 @@ def main() -> int:
         for layout, unit in (("nn", dict(stride_ak=1, stride_bn=1)), ("nt", dict(stride_ak=1, stride_bk=1))):
             for cls, (n, k) in (("large", (4096, 4096)), ("small", (64, 64))):
                 c = cfgs.matmul_config(dtype, layout, n, k)
-                for bias in (False, True):
+                for bias, nk in ((False, False), (True, False), (False, layout == "nt")):
                     const = dict(
                         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
                         EVEN_K=True, HAS_CARRY=False, HAS_BIAS=bias, UPCAST=False, DOT_PRECISION=None,
-                        BF16_BY_BITS=False, stride_cn=1, **unit,
+                        BF16_BY_BITS=False, B_NK_TILES=nk, stride_cn=1, **unit,
                     )  # fmt: skip
                     bad += not compile_one(
-                        f"matmul {dtype} {layout} {cls} bias={bias}", mm._matmul_kernel, types, const,
+                        f"matmul {dtype} {layout} {cls} bias={bias} nk={nk}", mm._matmul_kernel, types, const,
                         c.num_warps, c.num_stages,
                     )  # fmt: skip
         w = cfgs.weight_grad_config(dtype, 4096, 4096)

@@ -132,9 +132,17 @@ def _sweep(m, k, n, tensors) -> list[dict]:
     for op, a, b, out in (("fwd", x, w.t(), y), ("dX", dy, w, dx)):
         base = configs.matmul_config(torch.bfloat16, configs.layout_of(a, b), b.shape[1], a.shape[1])
         for bm, bn, warps, stages in tiles:
-            for group in (8, 16):
+            for group, nk in ((8, False), (16, False), (8, True)):
+                if nk and op != "fwd":
+                    continue
                 cfg = dataclasses.replace(
-                    base, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages, group_m=group
+                    base,
+                    block_m=bm,
+                    block_n=bn,
+                    num_warps=warps,
+                    num_stages=stages,
+                    group_m=group,
+                    b_nk_tiles=nk,
                 )
                 ms = _bench(lambda cfg=cfg, a=a, b=b, out=out: launch_matmul(a, b, out, config=cfg))
                 rows.append(

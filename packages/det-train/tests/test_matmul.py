@@ -203,6 +203,11 @@ def test_gpu_every_config_of_a_dtype_gives_the_same_bits():
         cfg = dataclasses.replace(base, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
         launch_matmul(a, b, out, config=cfg)
         assert_bitwise_equal(out, ref, f"tile {bm}x{bn}")
+    b_t = b.t().contiguous().t()  # B = W.T: also the variant that loads W tiles and transposes them
+    for nk in (False, True):
+        out = torch.empty_like(ref)
+        launch_matmul(a, b_t, out, config=dataclasses.replace(base, b_nk_tiles=nk))
+        assert_bitwise_equal(out, ref, f"B read transposed, b_nk_tiles={nk}")
 
 
 @pytest.mark.gpu

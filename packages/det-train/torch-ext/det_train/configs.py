@@ -11,8 +11,8 @@ is stored K-contiguous: for ``C = A @ B`` with ``A (M, K)`` and ``B (K, N)``,
 **Which fields change bits.** The reduction order of ``matmul`` is a sequential fp32 fold over K in
 steps of ``block_k`` (each step one ``tl.dot``, i.e. a fixed tensor-core instruction sequence), so
 ``block_k`` (and the dot instruction, fixed per dtype by Triton) changes bits. ``block_m``,
-``block_n``, ``group_m``, ``num_warps`` and ``num_stages`` only tile the output and schedule the
-work: every entry of one dtype uses the same ``block_k``, so every entry gives the same bits
+``block_n``, ``group_m``, ``num_warps``, ``num_stages`` and ``b_nk_tiles`` only tile the output and
+schedule the work: every entry of one dtype uses the same ``block_k``, so every entry gives the same bits
 (checked by a ``gpu`` test). For the weight gradient the token step ``block_t`` changes bits (it
 is the fold step inside a leaf); ``leaves_per_program`` and ``scratch_tree`` do not (they only
 choose how much of the fixed leaf tree one program computes, and where it keeps waiting nodes).
@@ -45,6 +45,7 @@ class MatmulConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    b_nk_tiles: bool = False  # load B = W.T as (block_n, block_k) tiles of W and transpose (a view)
 
 
 @dataclass(frozen=True)

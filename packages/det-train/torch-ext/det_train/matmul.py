@@ -61,7 +61,7 @@ def _matmul_kernel(
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_CARRY: tl.constexpr, HAS_BIAS: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BF16_BY_BITS: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BF16_BY_BITS: tl.constexpr, B_NK_TILES: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     batch = tl.program_id(1).to(tl.int64)
@@ -83,7 +83,10 @@ def _matmul_kernel(
     offs_n = (cols % N).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + batch * stride_az + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + batch * stride_bz + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    if B_NK_TILES:  # B = W.T read as (BLOCK_N, BLOCK_K) tiles of W, transposed in registers (a view)
+        b_ptrs = b_ptr + batch * stride_bz + offs_n[:, None] * stride_bn + offs_k[None, :] * stride_bk
+    else:
+        b_ptrs = b_ptr + batch * stride_bz + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
 
     if HAS_CARRY:  # continue the fold of the previous K part (row-parallel chaining)
         carry_ptrs = (
@@ -99,10 +102,15 @@ def _matmul_kernel(
         if EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
+            if B_NK_TILES:
+                b = tl.trans(b)
         else:
             k_left = K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            if B_NK_TILES:
+                b = tl.trans(tl.load(b_ptrs, mask=offs_k[None, :] < k_left, other=0.0))
+            else:
+                b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         if UPCAST:  # Triton interpreter: no bf16 dot; the fp32 dot of bf16 values is exact per product
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -176,6 +184,7 @@ def launch_matmul(
         EVEN_K=K % config.block_k == 0, HAS_CARRY=carry is not None, HAS_BIAS=bias is not None,
         UPCAST=runtime.interpreter_active() and a.dtype != torch.float32,
         DOT_PRECISION=_dot_precision(a.dtype), BF16_BY_BITS=bf16_by_bits(out.dtype),
+        B_NK_TILES=config.b_nk_tiles,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
