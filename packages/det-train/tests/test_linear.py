@@ -303,10 +303,12 @@ def test_gpu_leaves_per_program_and_configs_same_bits():
     dy, x = _randn(8192, 4096, seed=51), _randn(8192, 4096, seed=52)
     base = weight_grad_config(dy.dtype, 4096, 4096)
     ref = weight_grad_partial(dy, x, leaf_tokens=1024, finish_dtype=torch.float32)
-    for lpp, scratch in [(1, False), (2, False), (4, False), (4, True), (8, True)]:
-        for bn, bk, warps in [(128, 128, 8), (128, 256, 8), (64, 128, 4)]:
-            cfg = dataclasses.replace(
-                base, leaves_per_program=lpp, scratch_tree=scratch, block_n=bn, block_k=bk, num_warps=warps
-            )
-            got = weight_grad_partial(dy, x, leaf_tokens=1024, config=cfg, finish_dtype=torch.float32)
-            assert_bitwise_equal(got, ref, f"lpp={lpp} tile {bn}x{bk}")
+    variants = [
+        dict(leaves_per_program=lpp, scratch_tree=sc) for lpp, sc in [(1, False), (2, False), (4, True)]
+    ]
+    variants += [dict(block_n=bn, block_k=bk, num_warps=w) for bn, bk, w in [(128, 256, 8), (64, 128, 4)]]
+    for change in variants:
+        got = weight_grad_partial(
+            dy, x, leaf_tokens=1024, config=dataclasses.replace(base, **change), finish_dtype=torch.float32
+        )
+        assert_bitwise_equal(got, ref, f"dW config {change}")
