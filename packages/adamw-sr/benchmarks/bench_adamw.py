@@ -54,7 +54,6 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
     dst = torch.empty_like(src)
     ms = bench(lambda: dst.copy_(src))
-    del src, dst
     return 2 * nbytes / (ms * 1e-3)
 
 
@@ -91,9 +90,7 @@ def time_ours(shapes) -> dict:
         )
 
     kernel_ms = bench(kernel_only)
-    del params, opt, plan
     _PLAN_CACHE.clear()
-    _release()
     return {"step": step_ms, "kernel": kernel_ms}
 
 
@@ -101,10 +98,7 @@ def time_torch(shapes, dtype) -> float:
     params = _params(shapes, dtype, dtype)
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
     opt.step()
-    ms = bench(opt.step)
-    del params, opt
-    _release()
-    return ms
+    return bench(opt.step)
 
 
 def time_optimi(shapes) -> float | str:
@@ -119,8 +113,6 @@ def time_optimi(shapes) -> float | str:
         ms = bench(opt.step)
     except Exception as e:  # a peer's failure is reported, not fatal
         ms = f"failed: {type(e).__name__}: {e}"[:120]
-    del params
-    _release()
     return ms
 
 
@@ -128,6 +120,13 @@ def run_case(name: str, shapes, bandwidth: float, with_optimi: bool = True) -> d
     n = sum(torch.Size(s).numel() for s in shapes)
     floor_ms = BYTES_PER_PARAM_OURS * n / bandwidth * 1e3
     ours = time_ours(shapes)
+    _release()
+    torch_fp32 = time_torch(shapes, torch.float32)
+    _release()
+    torch_bf16 = time_torch(shapes, torch.bfloat16)
+    _release()
+    optimi_ms = time_optimi(shapes) if with_optimi else "not run"
+    _release()
     row = {
         "case": name,
         "tensors": len(shapes),
@@ -135,9 +134,9 @@ def run_case(name: str, shapes, bandwidth: float, with_optimi: bool = True) -> d
         "floor_ms": floor_ms,
         "ours_step_ms": ours["step"],
         "ours_kernel_ms": ours["kernel"],
-        "torch_fp32_fused_ms": time_torch(shapes, torch.float32),
-        "torch_bf16_fused_ms": time_torch(shapes, torch.bfloat16),
-        "optimi_bf16_kahan_ms": time_optimi(shapes) if with_optimi else "not run",
+        "torch_fp32_fused_ms": torch_fp32,
+        "torch_bf16_fused_ms": torch_bf16,
+        "optimi_bf16_kahan_ms": optimi_ms,
     }
     return row
 
@@ -151,23 +150,35 @@ def _ratio(a, b) -> str:
 
 
 def table(rows: list[dict], bandwidth: float) -> str:
+    header = [
+        "case", "params", "floor", "ours step()", "ours kernel", "torch AdamW fp32 fused",
+        "torch AdamW bf16 fused", "optimi bf16 Kahan", "ours step / floor", "ours kernel / floor",
+        "torch fp32 / ours", "optimi / ours",
+    ]  # fmt: skip
     lines = [
-        f"Device copy bandwidth (this run): {bandwidth / 1e12:.2f} TB/s. Floor = 22 B/param / bandwidth. "
-        "Times: median ms of triton.testing.do_bench.",
+        f"Device copy bandwidth (this run): {bandwidth / 1e12:.2f} TB/s. "
+        "Floor = 22 B/param / bandwidth. Times: median ms of triton.testing.do_bench.",
         "",
-        "| case | params | floor | ours step() | ours kernel | torch AdamW fp32 fused | torch AdamW bf16 fused "
-        "| optimi bf16 Kahan | ours step / floor | ours kernel / floor | torch fp32 / ours | optimi / ours |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
     ]
     for r in rows:
         ours = r["ours_step_ms"]
-        lines.append(
-            f"| {r['case']} ({r['tensors']} tensors) | {r['params'] / 1e6:.1f} M | {_fmt(r['floor_ms'])} | {_fmt(ours)} "
-            f"| {_fmt(r['ours_kernel_ms'])} | {_fmt(r['torch_fp32_fused_ms'])} | {_fmt(r['torch_bf16_fused_ms'])} "
-            f"| {_fmt(r['optimi_bf16_kahan_ms'])} | {_ratio(ours, r['floor_ms'])} "
-            f"| {_ratio(r['ours_kernel_ms'], r['floor_ms'])} | {_ratio(r['torch_fp32_fused_ms'], ours)} "
-            f"| {_ratio(r['optimi_bf16_kahan_ms'], ours)} |"
-        )
+        cells = [
+            f"{r['case']} ({r['tensors']} tensors)",
+            f"{r['params'] / 1e6:.1f} M",
+            _fmt(r["floor_ms"]),
+            _fmt(ours),
+            _fmt(r["ours_kernel_ms"]),
+            _fmt(r["torch_fp32_fused_ms"]),
+            _fmt(r["torch_bf16_fused_ms"]),
+            _fmt(r["optimi_bf16_kahan_ms"]),
+            _ratio(ours, r["floor_ms"]),
+            _ratio(r["ours_kernel_ms"], r["floor_ms"]),
+            _ratio(r["torch_fp32_fused_ms"], ours),
+            _ratio(r["optimi_bf16_kahan_ms"], ours),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
         "Memory per parameter (weights + optimizer states): AdamWSR bf16 weights + fp32 moments = 10 B; "
@@ -214,6 +225,7 @@ def main(argv=None) -> None:
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
     bandwidth = copy_bandwidth()
+    _release()
     rows = []
     if not args.quick:
         rows.append(run_case("Llama-like 602M", llama_shapes(), bandwidth))

@@ -366,7 +366,8 @@ saved = torch.load({path!r})
 for p, x in zip(params, saved["params"]):
     p.copy_(x)
 opt.load_state_dict(saved["opt"])
-assert all(opt.state[p][k].dtype == torch.float32 for p in params for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
+keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+assert all(opt.state[p][k].dtype == torch.float32 for p in params for k in keys)
 for step in range(8, 16):
     g = torch.Generator().manual_seed(step)
     for p in params:

@@ -53,7 +53,7 @@ def _pow_by_squaring(base, exponent):
 
 @triton.jit
 def _round_nearest_even_bf16(x):
-    """fp32 -> bf16 round-to-nearest-even by bit arithmetic (reference: ``reference.round_nearest_bf16_torch``).
+    """fp32 -> bf16 round-to-nearest-even by bit arithmetic (reference: ``round_nearest_bf16_torch``).
 
     Equals the hardware conversion for every non-NaN input; written out because the Triton
     interpreter's fp32 -> bf16 cast truncates. NaN -> quiet NaN with the input's sign, as in det-core's SR.
@@ -230,6 +230,33 @@ def _role_table(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int], b
     return tensors[low], offsets, aligned
 
 
+def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a small CPU tensor to ``device`` without blocking the host (pinned staging on CUDA).
+
+    A copy from pageable memory would wait for the stream to drain, serializing host and GPU.
+    """
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+_CHUNK_TABLES: dict = {}
+
+
+def _chunk_table(segments: torch.Tensor, block: int, device: torch.device) -> tuple[torch.Tensor, bool]:
+    """The device chunk table of ``segments`` (cached: it depends on shapes and indices, not addresses)."""
+    key = (device, block, segments.numpy().tobytes())
+    hit = _CHUNK_TABLES.get(key)
+    if hit is None:
+        chunks = build_chunk_table(segments, block)
+        # windows start 8-aligned in every tensor only if each local window start is a multiple of 8
+        starts_aligned = bool(((chunks[:, 1] % 8) == 0).all()) if len(chunks) else True
+        if len(_CHUNK_TABLES) >= 16:
+            _CHUNK_TABLES.clear()
+        hit = _CHUNK_TABLES[key] = (to_device_async(chunks, device), starts_aligned)
+    return hit
+
+
 class LaunchPlan:
     """Device tables of one launch, cached while the tensors' addresses and layout stay the same."""
 
@@ -245,13 +272,11 @@ class LaunchPlan:
             columns.append(offsets)
             aligned &= role_aligned
         self.bases = bases
-        self.tensor_table = torch.tensor(list(zip(*columns)), dtype=torch.int64).reshape(-1, 5).to(device)
-        chunks = build_chunk_table(segments, self.block)
-        # vectorization hints hold only if every window starts 8-aligned in every tensor
-        aligned &= bool(((chunks[:, 1] % 8) == 0).all()) if len(chunks) else True
-        self.aligned = aligned
-        self.num_chunks = len(chunks)
-        self.chunk_table = chunks.to(device)
+        table = torch.tensor(list(zip(*columns, strict=True)), dtype=torch.int64).reshape(-1, 5)
+        self.tensor_table = to_device_async(table, device)
+        self.chunk_table, starts_aligned = _chunk_table(segments, self.block, device)
+        self.aligned = aligned and starts_aligned
+        self.num_chunks = len(self.chunk_table)
 
 
 def launch_fused_step(

@@ -230,13 +230,11 @@ def adamw_sr_step(
         *params, *grads, *exp_avgs, *exp_avg_sqs, *max_exp_avg_sqs, op="adamw_sr_step"
     )
     if {p.dtype for p in params} - {params[0].dtype} or params[0].dtype not in _SUPPORTED_PARAM_DTYPES:
-        raise TypeError(
-            f"adamw_sr_step: params must be all float32 or all bfloat16, got {sorted({str(p.dtype) for p in params})}"
-        )
+        found = sorted({str(p.dtype) for p in params})
+        raise TypeError(f"adamw_sr_step: params must be all float32 or all bfloat16, got {found}")
     if {g.dtype for g in grads} - {grads[0].dtype} or grads[0].dtype not in _SUPPORTED_GRAD_DTYPES:
-        raise TypeError(
-            f"adamw_sr_step: grads must be all float32 or all bfloat16, got {sorted({str(g.dtype) for g in grads})}"
-        )
+        found = sorted({str(g.dtype) for g in grads})
+        raise TypeError(f"adamw_sr_step: grads must be all float32 or all bfloat16, got {found}")
     for i, p in enumerate(params):
         for name, values in lists.items():
             t = values[i]
@@ -257,7 +255,11 @@ def adamw_sr_step(
     if segments is None:
         if base_indices is None:
             base_indices = [0] + [int(x) for x in torch.tensor([p.numel() for p in params]).cumsum(0)[:-1]]
-        rows = [(i, 0, p.numel(), int(b)) for i, (p, b) in enumerate(zip(params, base_indices)) if p.numel()]
+        rows = [
+            (i, 0, p.numel(), int(b))
+            for i, (p, b) in enumerate(zip(params, base_indices, strict=True))
+            if p.numel()
+        ]
         segments = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
     hyper = _hyper_tensor(lr, beta1, beta2, eps, weight_decay, device)
     _fused_step_op(
@@ -399,8 +401,8 @@ class AdamWSR(torch.optim.Optimizer):
         if len(devices) > 1:
             self.param_groups.pop()
             raise ValueError(
-                f"AdamWSR: all params must be on one device (one fused launch), got {sorted(map(str, devices))}; "
-                "use one optimizer per device"
+                f"AdamWSR: all params must be on one device (one fused launch), got "
+                f"{sorted(map(str, devices))}; use one optimizer per device"
             )
         for p in group["params"]:
             problem = self._param_problem(p)
@@ -437,7 +439,10 @@ class AdamWSR(torch.optim.Optimizer):
         if not _is_dtensor(p) and p.numel() == 0:
             return f"zero-size param of shape {tuple(p.shape)}: remove it from the optimizer"
         if not _local(p).is_contiguous():
-            return f"param of shape {tuple(p.shape)} is not contiguous: make it contiguous before building the optimizer"
+            return (
+                f"param of shape {tuple(p.shape)} is not contiguous: make it contiguous before building "
+                "the optimizer"
+            )
         return None
 
     def _base_indices(self) -> dict[int, int]:
@@ -446,7 +451,7 @@ class AdamWSR(torch.optim.Optimizer):
             offset, out = 0, {}
             for group in self.param_groups:
                 explicit = group.get("base_index") or [None] * len(group["params"])
-                for p, b in zip(group["params"], explicit):
+                for p, b in zip(group["params"], explicit, strict=True):
                     out[id(p)] = offset if b is None else b
                     offset += p.numel()  # global numel for a DTensor
             self._base_index_cache = out
@@ -466,7 +471,8 @@ class AdamWSR(torch.optim.Optimizer):
         if hyper is None:
             if len(self._hyper_cache) > 256:
                 self._hyper_cache.clear()
-            hyper = self._hyper_cache[key] = torch.tensor([float(lr), *rest], dtype=torch.float64).to(device)
+            hyper = torch.tensor([float(lr), *rest], dtype=torch.float64)
+            hyper = self._hyper_cache[key] = kernel.to_device_async(hyper, device)
         return hyper
 
     # ----------------------------------------------------------------- state
@@ -478,7 +484,7 @@ class AdamWSR(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         order = [p for g in self.param_groups for p in g["params"]]
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        for pid, p in zip(saved_ids, order):
+        for pid, p in zip(saved_ids, order, strict=True):
             if pid in saved:
                 for key in _STATE_KEYS:
                     value = saved[pid].get(key)
@@ -586,7 +592,9 @@ class AdamWSR(torch.optim.Optimizer):
             for slot, p in enumerate(ps):
                 rows.extend((slot, *seg) for seg in local_segments(p, base[id(p)]))
             segments = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
-            steps = torch.stack([s["step"] for s in states]).to(device=device, dtype=torch.float32)
+            steps = torch.stack([s["step"] for s in states]).to(torch.float32)
+            if steps.device != device:
+                steps = kernel.to_device_async(steps, device)
             _fused_step_op(
                 [_local(p) for p in ps],
                 [_local(p.grad) for p in ps],
