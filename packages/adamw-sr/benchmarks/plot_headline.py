@@ -64,7 +64,7 @@ def main(argv=None) -> None:
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(f"mean weight ({args.n} weights)")
     ax.set_title(f"AdamW, lr {args.lr:g} (~40x below one bf16 ULP), no fp32 master copy")
-    ax.legend(loc="lower right")
+    ax.legend(loc="center right")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     fig.savefig(args.out, dpi=130)

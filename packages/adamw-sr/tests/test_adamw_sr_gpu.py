@@ -172,3 +172,26 @@ def test_cuda_compiled_training_step_equals_eager():
         compiled_step()
     for a, b in zip(m1.parameters(), m2.parameters(), strict=True):
         assert_bitwise_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_subnormal_moments_equal_cpu_reference(dtype):
+    # gradients ~1e-20: g*g and the second moment are fp32 subnormals, the denominator is eps-dominated
+    # and sqrt/div see subnormal inputs; the GPU must keep them (no flush-to-zero) to match the CPU
+    n = 1 << 16
+    g = torch.Generator().manual_seed(3)
+    init = torch.randn(n, generator=g).to(dtype)
+    grads = [
+        (torch.randn(n, generator=g) * 10.0 ** -torch.randint(18, 23, (n,), generator=g)).to(dtype)
+        for _ in range(3)
+    ]
+    p = init.cuda()
+    opt = AdamWSR([p], lr=1e-3, eps=1e-30, weight_decay=0.0)
+    r, m, v = init.clone(), torch.zeros(n), torch.zeros(n)
+    for step, grad in enumerate(grads, start=1):
+        p.grad = grad.cuda()
+        opt.step()
+        adamw_sr_step_reference(r, grad, m, v, step=step, lr=1e-3, eps=1e-30, weight_decay=0.0)
+    assert bool((v > 0).any() & (v < torch.finfo(torch.float32).tiny).any())  # subnormals present
+    assert_bitwise_equal(opt.state[p]["exp_avg_sq"].cpu(), v, "exp_avg_sq")
+    assert_bitwise_equal(p.cpu(), r, "param")

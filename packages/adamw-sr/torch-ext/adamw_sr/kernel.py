@@ -15,8 +15,9 @@ Layout of a launch (all tensors on one device, one param dtype and one grad dtyp
 
 Bit-exactness with ``reference.py``: scalars are computed in fp64 from the same sequence of IEEE
 operations (``beta ** step`` by binary exponentiation: multiplications only), rounded once to fp32;
-elementwise math is fp32 with IEEE division and square root (``div_rn``/``sqrt_rn``) and every
-launch passes ``enable_fp_fusion=False`` so no ``a * b + c`` is contracted into an FMA.
+elementwise math is fp32 with IEEE division and square root (``div_rn``/``sqrt_rn``), and every
+launch passes ``enable_fp_fusion=False`` (no ``a * b + c`` contracted into an FMA) and
+``enable_reflect_ftz=False`` (subnormals kept, as on the CPU).
 """
 
 from __future__ import annotations
@@ -175,6 +176,27 @@ def _adamw_sr_kernel(
         tl.store(param_ptr + p_idx, p, mask=mask)
 
 
+def exactness_options() -> dict:
+    """Launch options that make the GPU's fp32 arithmetic IEEE like the CPU reference's.
+
+    ``enable_fp_fusion=False``: no ``a * b + c`` contracted into an FMA. ``enable_reflect_ftz=False``:
+    libdevice's ``div_rn``/``sqrt_rn`` keep subnormals instead of flushing them to zero (Triton's
+    default flushes); passed only where the installed Triton knows the option.
+    """
+    options = {"enable_fp_fusion": False}
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+
+        if "enable_reflect_ftz" in CUDAOptions.__dataclass_fields__:
+            options["enable_reflect_ftz"] = False
+    except ImportError:  # no NVIDIA backend: nothing to flush
+        pass
+    return options
+
+
+_EXACTNESS_OPTIONS: dict = {}
+
+
 def launch_config(device: torch.device) -> dict:
     """The fixed launch config for ``device`` (see ``LAUNCH_CONFIGS``; no autotuning)."""
     return LAUNCH_CONFIGS["cuda" if device.type == "cuda" else "interpreter"]
@@ -293,6 +315,8 @@ def launch_fused_step(
     """Run the fused step over a prepared ``LaunchPlan`` (no checks: callers validate first)."""
     if plan.num_chunks == 0:
         return
+    if not _EXACTNESS_OPTIONS:
+        _EXACTNESS_OPTIONS.update(exactness_options())
     seed_lo, seed_hi = rng.split_seed(seed)
     p, g, m, v, vmax = plan.bases
     _adamw_sr_kernel[(plan.num_chunks,)](
@@ -306,5 +330,5 @@ def launch_fused_step(
         ALIGNED=plan.aligned and not runtime.interpreter_active(),
         BLOCK=plan.block,
         num_warps=plan.num_warps,
-        enable_fp_fusion=False,
+        **_EXACTNESS_OPTIONS,
     )  # fmt: skip
