@@ -186,61 +186,59 @@ SWEEP_FWD = [
     (128, 128, 8, 3),
     (128, 64, 4, 3),
     (64, 64, 4, 3),
+    (128, 64, 8, 2),
     (128, 32, 4, 3),
-    (128, 128, 8, 2),
 ]
-SWEEP_BWD = [
-    (32, 128, 4, 5),
+SWEEP_DKDV = [
+    (64, 64, 8, 3),
     (32, 128, 8, 3),
-    (64, 64, 4, 3),
-    (64, 128, 8, 3),
-    (32, 64, 4, 3),
     (16, 128, 8, 3),
+    (32, 64, 4, 3),
+    (64, 128, 8, 2),
+    (32, 128, 4, 5),
 ]
+SWEEP_DQ = [(64, 64, 8, 3), (128, 32, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 4, 5), (64, 64, 4, 3)]
 
 
 def sweep() -> list[dict]:
-    """Time candidate (BLOCK_M, BLOCK_N, warps, stages) configs at B4 H32 T4096 causal, D 64 and 128."""
+    """Time candidate (BLOCK_M, BLOCK_N, warps, stages) configs at B4 H32 T4096 causal, D 64 and 128.
+
+    One kernel's config varies at a time, the others stay at the table's; the backward rows give
+    the TFLOP/s of the whole backward (preprocess + dK/dV + dQ).
+    """
     from det_attn import flash_attention as fa
 
     results = []
     saved = dict(fa._GPU_CONFIGS)
+    fields = {
+        "fwd": ("fwd_block_m", "fwd_block_n", "fwd_warps", "fwd_stages"),
+        "dkdv": ("dkdv_block_m", "dkdv_block_n", "dkdv_warps", "dkdv_stages"),
+        "dq": ("dq_block_m", "dq_block_n", "dq_warps", "dq_stages"),
+    }
     try:
         for d in (64, 128):
             base = saved[d]
             b, h, t = 4, 32, 4096
             flops = 4.0 * b * h * t * t * d * 0.5
             q, k, v, do = _inputs(b, h, t, d, "bthd")
-            for bm, bn, w, s in SWEEP_FWD:
-                fa._GPU_CONFIGS[d] = dataclasses.replace(
-                    base, fwd_block_m=bm, fwd_block_n=bn, fwd_warps=w, fwd_stages=s
-                )
-                with torch.no_grad():
-                    ms = _bench(lambda q=q, k=k, v=v: fa.attention(q, k, v, causal=True))
-                results.append(
-                    {"d": d, "kernel": "fwd", "config": (bm, bn, w, s), "tflops": _tflops(flops, ms)}
-                )
-            fa._GPU_CONFIGS[d] = base
             qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
             o = fa.attention(qg, kg, vg, causal=True)
-            for bm, bn, w, s in SWEEP_BWD:
-                # dK/dV: bm queries per step, bn keys owned; dQ: bn queries owned, bm keys per step
-                fa._GPU_CONFIGS[d] = dataclasses.replace(
-                    base,
-                    dkdv_block_m=bm,
-                    dkdv_block_n=bn,
-                    dkdv_warps=w,
-                    dkdv_stages=s,
-                    dq_block_m=bn,
-                    dq_block_n=bm,
-                    dq_warps=w,
-                    dq_stages=s,
-                )
-                ms = _bench(lambda o=o, do=do: o.backward(do, retain_graph=True), grad_to_none=[qg, kg, vg])
-                results.append(
-                    {"d": d, "kernel": "bwd", "config": (bm, bn, w, s), "tflops": _tflops(2.5 * flops, ms)}
-                )
-            fa._GPU_CONFIGS[d] = base
+            for kernel, candidates in (("fwd", SWEEP_FWD), ("dkdv", SWEEP_DKDV), ("dq", SWEEP_DQ)):
+                for config in candidates:
+                    fa._GPU_CONFIGS[d] = dataclasses.replace(
+                        base, **dict(zip(fields[kernel], config, strict=True))
+                    )
+                    if kernel == "fwd":
+                        with torch.no_grad():
+                            ms = _bench(lambda q=q, k=k, v=v: fa.attention(q, k, v, causal=True))
+                        tflops = _tflops(flops, ms)
+                    else:
+                        ms = _bench(
+                            lambda o=o, do=do: o.backward(do, retain_graph=True), grad_to_none=[qg, kg, vg]
+                        )
+                        tflops = _tflops(2.5 * flops, ms)
+                    results.append({"d": d, "kernel": kernel, "config": config, "tflops": tflops})
+                fa._GPU_CONFIGS[d] = base
     finally:
         fa._GPU_CONFIGS.clear()
         fa._GPU_CONFIGS.update(saved)
@@ -264,7 +262,10 @@ def main(argv=None) -> int:
     if args.sweep:
         swept = sweep()
         result["sweep"] = swept
-        text += "\n\nConfig sweep (B4 H32 T4096 causal; TFLOP/s; (BLOCK_M, BLOCK_N, warps, stages)):\n\n"
+        text += (
+            "\n\nConfig sweep (B4 H32 T4096 causal; (BLOCK_M, BLOCK_N, warps, stages); fwd rows: forward "
+            "TFLOP/s; dkdv/dq rows: whole-backward TFLOP/s with that kernel's config):\n\n"
+        )
         text += "| D | kernel | config | TFLOP/s |\n|---|---|---|---:|\n"
         text += "\n".join(
             f"| {r['d']} | {r['kernel']} | {r['config']} | {_fmt(r['tflops'])} |" for r in swept

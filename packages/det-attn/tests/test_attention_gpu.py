@@ -117,7 +117,9 @@ def test_packed_sequence_equals_sequence_alone(d):
     h_q, h_kv, t_q, t_k = 8, 2, 1500, 1700
     anchor = (*_qkv(1, t_q, t_k, h_q, h_kv, d, seed=300), _randn(1, t_q, h_q, d, seed=301))
     for causal in (False, True):
-        kw = {"causal": causal, "dropout_p": 0.1, "seed": 5}
+        kw = (
+            {"causal": causal, "dropout_p": 0.1, "seed": 5} if causal else {"causal": False}
+        )  # fewer compiles
         alone = _fwd_bwd(attention, *anchor[:3], anchor[3], sequence_offset=1, **kw)
         for before, after in (
             (1, 0),

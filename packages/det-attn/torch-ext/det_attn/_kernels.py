@@ -33,12 +33,13 @@ def _to_out(x, OUT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
     # fp32 -> output dtype, round to nearest even. The Triton interpreter truncates fp32 -> bf16
     # (fp_downcast_rounding is ignored there, seen in 3.9), so under it round with integer ops
     # (finite values only, which is all attention produces).
-    if UPCAST and OUT_DTYPE == tl.bfloat16:
-        b = x.to(tl.uint32, bitcast=True)
-        b = b + 0x7FFF + ((b >> 16) & 1)
-        return (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return x.to(OUT_DTYPE)
+    y = x.to(OUT_DTYPE)
+    if UPCAST:
+        if OUT_DTYPE == tl.bfloat16:
+            b = x.to(tl.uint32, bitcast=True)
+            b = b + 0x7FFF + ((b >> 16) & 1)
+            y = (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return y
 
 
 @triton.jit
