@@ -65,16 +65,22 @@ def _tflops(flops: float, ms) -> float | None:
     return flops / (ms * 1e-3) / 1e12 if isinstance(ms, float) else None
 
 
-def _workspace_bytes(m: int, k: int, n: int) -> int:
-    """fp32 bytes of the dW subtree nodes the plain backward writes (0 when finished in-kernel)."""
+def _workspace_bytes(m: int, k: int, n: int) -> dict:
+    """Extra memory of the canonical dW order for one layer (plain backward, leaves of 1024 tokens):
+    the kernel's fp32 scratch stack and the fp32 (N, K) nodes it leaves for the torch tree."""
     from det_train.configs import weight_grad_config
-    from det_train.linear import _aligned_runs
+    from det_train.linear import _aligned_runs, _resident_programs
 
     cfg = weight_grad_config(torch.bfloat16, n, k)
     runs = _aligned_runs(0, -(-m // LEAF_TOKENS), cfg.leaves_per_program)
-    if len(runs) == 1 and runs[0][2] == 1:
-        return 0
-    return sum(count for _, _, count in runs) * n * k * 4
+    tiles = -(-n // cfg.block_n) * -(-k // cfg.block_k)
+    scratch = 0
+    for level, _, count in runs:
+        if cfg.scratch_tree and level > 0:
+            programs = min(tiles * count, _resident_programs(torch.device("cuda")))
+            scratch = max(scratch, programs * level * cfg.block_n * cfg.block_k * 4)
+    nodes = 0 if len(runs) == 1 and runs[0][2] == 1 else sum(c for _, _, c in runs) * n * k * 4
+    return {"scratch": scratch, "nodes": nodes}
 
 
 def _cases(m, k, n):
@@ -228,7 +234,10 @@ def main(argv: list[str] | None = None) -> int:
         ratio = f"{r['ratio_cublas']:.2f}x" if r["ratio_cublas"] else "—"
         ok = "" if not r["ratio_cublas"] else (" ✓" if r["ratio_cublas"] >= r["target"] else " ✗")
         rp = f"{r['ratio_peer']:.2f}x" if r.get("ratio_peer") else "—"
-        ws = f"{r['workspace_bytes'] / 2**20:.0f} MiB" if "workspace_bytes" in r else ""
+        ws = ""
+        if "workspace_bytes" in r:
+            w = r["workspace_bytes"]
+            ws = f"{(w['scratch'] + w['nodes']) / 2**20:.1f} MiB (scratch {w['scratch'] / 2**20:.1f})"
         lines.append(
             f"| {r['M']}x{r['K']}x{r['N']} | {r['op']} | {_fmt(r['det_train']['tflops'])} | "
             f"{_fmt(r['cuBLAS']['tflops'])} | {peer} | {ratio}{ok} | {r['target']:.2f}x | {rp} | {ws} |"
