@@ -13,8 +13,6 @@ __version__ = "1.0.0"
 _EXPORTS = {
     "attention": "flash_attention",
     "attention_varlen": "flash_attention",
-    "MAX_SEQLEN": "flash_attention",
-    "SUPPORTED_HEAD_DIMS": "flash_attention",
     "scaled_dot_product_attention": "sdpa",
     "register_transformers_attention": "transformers_integration",
     "reference": "reference",
