@@ -122,6 +122,10 @@ def main() -> int:
             dict(common, MAX_LEVELS=levels), w.num_warps, w.num_stages,
         )  # fmt: skip
         bad += not compile_one(
+            f"dW {dtype} flat stack levels={levels}", lin._weight_grad_flat_kernel, wtypes,
+            dict(common, MAX_LEVELS=levels), w.num_warps, w.num_stages,
+        )  # fmt: skip
+        bad += not compile_one(
             f"dW {dtype} one leaf",
             lin._weight_grad_kernel,
             wtypes,

@@ -123,13 +123,23 @@ def test_row_invariance_of_y_and_dx(bias):
 
 # ----------------------------------------------------------------------------- canonical dW / db
 @pytest.mark.parametrize(
-    "leaves_per_program, scratch", [(1, False), (2, False), (4, False), (2, True), (8, True)]
+    "leaves_per_program, scratch, flat",
+    [
+        (1, False, False),
+        (2, False, False),
+        (4, False, False),
+        (2, True, False),
+        (8, True, False),
+        (8, True, True),
+    ],
 )
-def test_leaves_per_program_does_not_change_bits(leaves_per_program, scratch):
+def test_leaves_per_program_does_not_change_bits(leaves_per_program, scratch, flat):
     dy, x = _randn(7 * 32 + 5, 40, seed=16), _randn(7 * 32 + 5, 72, seed=17)  # 8 leaves, the last short
     base = weight_grad_config(dy.dtype, 40, 72)
     ref = weight_grad_partial(dy, x, leaf_tokens=32, config=dataclasses.replace(base, leaves_per_program=1))
-    cfg = dataclasses.replace(base, leaves_per_program=leaves_per_program, scratch_tree=scratch)
+    cfg = dataclasses.replace(
+        base, leaves_per_program=leaves_per_program, scratch_tree=scratch, flat_loop=flat
+    )
     for first_leaf, lo, hi in [(0, 0, 229), (3, 96, 229), (1, 32, 160)]:  # odd starts: mixed levels
         part = weight_grad_partial(dy[lo:hi], x[lo:hi], leaf_tokens=32, first_leaf=first_leaf, config=cfg)
         ref_part = weight_grad_partial(
@@ -307,6 +317,7 @@ def test_gpu_leaves_per_program_and_configs_same_bits():
         dict(leaves_per_program=lpp, scratch_tree=sc) for lpp, sc in [(1, False), (2, False), (4, True)]
     ]
     variants += [dict(block_n=bn, block_k=bk, num_warps=w) for bn, bk, w in [(128, 256, 8), (64, 128, 4)]]
+    variants += [dict(flat_loop=True), dict(flat_loop=True, leaves_per_program=4)]
     for change in variants:
         got = weight_grad_partial(
             dy, x, leaf_tokens=1024, config=dataclasses.replace(base, **change), finish_dtype=torch.float32

@@ -61,6 +61,7 @@ class WeightGradConfig:
     leaves_per_program: int  # leaves of the canonical tree one program combines (a power of 2)
     scratch_tree: bool = False  # combine them through a per-program fp32 scratch stack (any power
     # of 2) instead of registers (1, 2 or 4 leaves); neither choice changes bits
+    flat_loop: bool = False  # with scratch_tree: one pipelined loop over all token steps of the subtree
 
 
 # The K step of each dtype: part of the reduction order (changing it changes bits).

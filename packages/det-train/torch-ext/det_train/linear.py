@@ -194,6 +194,82 @@ def _weight_grad_stack_kernel(
         store_rounded(out_ptrs, node, mask, BF16_BY_BITS)
 
 
+@triton.jit(do_not_specialize=["T", "run_start", "leaves", "num_programs"])
+def _weight_grad_flat_kernel(
+    dy_ptr, x_ptr, out_ptr, scratch_ptr,
+    T, N, K, run_start, LEAF_TOKENS, leaves, blocks, num_programs,
+    stride_dyt, stride_dyn, stride_xt, stride_xk, stride_ob, stride_on, stride_ok,
+    dy_t_step, x_t_step,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr,
+    MAX_LEVELS: tl.constexpr, EVEN_T: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BF16_BY_BITS: tl.constexpr,
+):  # fmt: skip
+    """``_weight_grad_stack_kernel`` with one flat, software-pipelined loop over all token steps of
+    the subtree (the loads of leaf j + 1 are in flight while leaf j is merged): same bits."""
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_k = tl.cdiv(K, BLOCK_K)
+    tiles_per_block = num_pid_n * num_pid_k
+    num_pid_in_group = GROUP_N * num_pid_k
+    program = tl.program_id(0)
+    tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+    stack = scratch_ptr + program.to(tl.int64) * (MAX_LEVELS * BLOCK_N * BLOCK_K) + tile
+    offs_t = tl.arange(0, BLOCK_T)
+    steps = tl.cdiv(LEAF_TOKENS, BLOCK_T)
+    for tile_id in range(program, blocks * tiles_per_block, num_programs):
+        block = tile_id // tiles_per_block
+        pid = tile_id % tiles_per_block
+        group_id = pid // num_pid_in_group
+        first_pid_n = group_id * GROUP_N
+        group_size_n = tl.minimum(num_pid_n - first_pid_n, GROUP_N)
+        pid_n = first_pid_n + ((pid % num_pid_in_group) % group_size_n)
+        pid_k = (pid % num_pid_in_group) // group_size_n
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        offs_n = (rows % N).to(tl.int64)
+        offs_k = (cols % K).to(tl.int64)
+        out_ptrs = (
+            out_ptr + block.to(tl.int64) * stride_ob + rows.to(tl.int64)[:, None] * stride_on
+            + cols.to(tl.int64)[None, :] * stride_ok
+        )  # fmt: skip
+        out_mask = (rows[:, None] < N) & (cols[None, :] < K)
+        s0 = run_start + block * (leaves * LEAF_TOKENS)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for i in range(0, leaves * steps):
+            j = i // steps
+            leaf_start = s0 + j * LEAF_TOKENS
+            t0 = leaf_start + (i - j * steps) * BLOCK_T
+            tok = (t0 + offs_t).to(tl.int64)
+            a_ptrs = dy_ptr + tok[None, :] * stride_dyt + offs_n[:, None] * stride_dyn
+            b_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xk
+            if EVEN_T:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                left = tl.minimum(leaf_start + LEAF_TOKENS, T) - t0
+                a = tl.load(a_ptrs, mask=offs_t[None, :] < left, other=0.0)
+                b = tl.load(b_ptrs, mask=offs_t[:, None] < left, other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            if (i + 1) % steps == 0:  # leaf j is complete: merge it into the tree
+                node = acc
+                depth = j * 0
+                for lv in tl.static_range(MAX_LEVELS):
+                    closes = (j + 1) % (2 << lv) == 0
+                    if closes:
+                        tl.debug_barrier()
+                        node = tl.load(stack + lv * (BLOCK_N * BLOCK_K)) + node
+                    depth += tl.where(closes, 1, 0)
+                if j + 1 < leaves:
+                    tl.debug_barrier()
+                    tl.store(stack + depth * (BLOCK_N * BLOCK_K), node)
+                    tl.debug_barrier()
+                else:
+                    store_rounded(out_ptrs, node, out_mask, BF16_BY_BITS)
+                acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _bias_grad_kernel(
     dy_ptr, out_ptr, T, N, LEAF_TOKENS, stride_dyt, stride_dyn,
@@ -312,7 +388,8 @@ def weight_grad_partial(
             scratch = torch.empty(
                 (programs, levels, config.block_n * config.block_k), dtype=torch.float32, device=dy.device
             )
-            _weight_grad_stack_kernel[(programs,)](
+            stack_kernel = _weight_grad_flat_kernel if config.flat_loop else _weight_grad_stack_kernel
+            stack_kernel[(programs,)](
                 dy, x, out, scratch, *args, size, count, programs, *strides, MAX_LEVELS=levels, **common
             )
         else:
