@@ -323,3 +323,28 @@ def test_gpu_leaves_per_program_and_configs_same_bits():
             dy, x, leaf_tokens=1024, config=dataclasses.replace(base, **change), finish_dtype=torch.float32
         )
         assert_bitwise_equal(got, ref, f"dW config {change}")
+
+
+@pytest.mark.gpu
+def test_gpu_fresh_process_cold_cache_real_size():
+    code = (
+        "import torch\n"
+        "from det_core.testing import digest\n"
+        "from det_train import linear\n"
+        "g = torch.Generator().manual_seed(60)\n"
+        "x = torch.randn(4096, 4096, generator=g).to(torch.bfloat16).cuda().requires_grad_()\n"
+        "w = torch.randn(4096, 4096, generator=g).to(torch.bfloat16).cuda().requires_grad_()\n"
+        "b = torch.randn(4096, generator=g).to(torch.bfloat16).cuda().requires_grad_()\n"
+        "y = linear(x, w, b)\n"
+        "y.backward(torch.ones_like(y))\n"
+        "print(digest([y, x.grad, w.grad, b.grad]))\n"
+    )
+    first = run_in_fresh_process(code)
+    assert run_in_fresh_process(code) == first  # two cold compiles, same bits
+    g = torch.Generator().manual_seed(60)
+    x = torch.randn(4096, 4096, generator=g).to(torch.bfloat16).cuda().requires_grad_()
+    w = torch.randn(4096, 4096, generator=g).to(torch.bfloat16).cuda().requires_grad_()
+    b = torch.randn(4096, generator=g).to(torch.bfloat16).cuda().requires_grad_()
+    y = linear(x, w, b)
+    y.backward(torch.ones_like(y))
+    assert digest([y, x.grad, w.grad, b.grad]) == first  # and the same as this (warm) process
