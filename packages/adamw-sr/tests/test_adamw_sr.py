@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from adamw_sr import AdamWSR, adamw_sr_step, adamw_sr_step_reference
+from adamw_sr import AdamWSR, adamw_sr_step, adamw_sr_step_reference, default_base_indices
 from adamw_sr.reference import pow_by_squaring, sqrt_rn_torch
 from det_core.testing import assert_bitwise_equal, digest, run_in_fresh_process
 
@@ -25,28 +25,16 @@ def _grads(shapes, step, dtype, seed=0):
 
 
 def _run_reference(params, grads_per_step, *, amsgrad=False, lr=1e-2, seed=0, **kw):
-    """Reference steps over params in order, base index = running offset (the optimizer's default)."""
+    """Reference steps over params in order, at the optimizer's default base indices."""
     states = [
         dict(m=torch.zeros(p.shape), v=torch.zeros(p.shape), vm=torch.zeros(p.shape) if amsgrad else None)
         for p in params
     ]
+    bases = default_base_indices(p.numel() for p in params)
     for step, grads in enumerate(grads_per_step, start=1):
-        offset = 0
-        for p, g, s in zip(params, grads, states, strict=True):
-            adamw_sr_step_reference(
-                p,
-                g,
-                s["m"],
-                s["v"],
-                s["vm"],
-                step=step,
-                lr=lr,
-                amsgrad=amsgrad,
-                seed=seed,
-                base_index=offset,
-                **kw,
-            )
-            offset += p.numel()
+        for p, g, s, base in zip(params, grads, states, bases, strict=True):
+            kw_all = dict(step=step, lr=lr, amsgrad=amsgrad, seed=seed, base_index=base, **kw)
+            adamw_sr_step_reference(p, g, s["m"], s["v"], s["vm"], **kw_all)
     return states
 
 
@@ -58,7 +46,7 @@ def _run_reference(params, grads_per_step, *, amsgrad=False, lr=1e-2, seed=0, **
     "amsgrad,maximize,stochastic", [(False, False, None), (True, True, None), (False, False, False)]
 )
 def test_kernel_equals_reference_bitwise(param_dtype, amsgrad, maximize, stochastic):
-    # shapes with odd sizes, so base indices are not 4-aligned and windows straddle tensors
+    # odd sizes: windows are partly masked; default bases 0, 8, 176 (each a multiple of 8)
     shapes = [(7,), (33, 5), (3,)]
     params = [
         torch.randn(s, generator=torch.Generator().manual_seed(i)).to(param_dtype)
@@ -97,6 +85,10 @@ def test_reference_sqrt_is_correctly_rounded():
     assert_bitwise_equal(
         sqrt_rn_torch(torch.tensor([0.0, -0.0, math.inf, 4.0])), torch.tensor([0.0, -0.0, math.inf, 2.0])
     )
+
+
+def test_default_base_indices_are_running_offsets_aligned_to_8():
+    assert default_base_indices([7, 165, 3, 8, 0, 1]) == [0, 8, 176, 184, 192, 192]
 
 
 def test_pow_by_squaring_close_to_pow():
@@ -343,7 +335,8 @@ def test_e_functional_step_groups_any_way():
     bases = [0, 5, 22]
     a = [p.clone() for p in params]
     sa = [(torch.zeros(s), torch.zeros(s)) for s in shapes]
-    adamw_sr_step(a, grads, [m for m, _ in sa], [v for _, v in sa], None, torch.ones(3), lr=1e-2, seed=1)
+    ms, vs = [m for m, _ in sa], [v for _, v in sa]
+    adamw_sr_step(a, grads, ms, vs, None, torch.ones(3), lr=1e-2, seed=1, base_indices=bases)
     for i, s in enumerate(shapes):
         b = params[i].clone()
         m, v = torch.zeros(s), torch.zeros(s)
@@ -553,7 +546,7 @@ def test_mixed_dtypes_one_optimizer_and_add_param_group():
     opt.step()
     adamw_sr_step_reference(ra, a.grad, torch.zeros(5), torch.zeros(5), step=1, lr=1e-2, seed=4)
     adamw_sr_step_reference(
-        rb, b.grad, torch.zeros(6), torch.zeros(6), step=1, lr=1e-2, weight_decay=0.0, seed=4, base_index=5
+        rb, b.grad, torch.zeros(6), torch.zeros(6), step=1, lr=1e-2, weight_decay=0.0, seed=4, base_index=8
     )
     assert_bitwise_equal(a, ra)
     assert_bitwise_equal(b, rb)

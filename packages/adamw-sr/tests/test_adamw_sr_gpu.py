@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from adamw_sr import AdamWSR, adamw_sr_step_reference
+from adamw_sr import AdamWSR, adamw_sr_step_reference, default_base_indices
 from det_core.testing import assert_bitwise_equal, digest
 
 pytestmark = pytest.mark.gpu
@@ -41,13 +41,12 @@ def test_cuda_kernel_equals_cpu_reference_bitwise(dtype, amsgrad):
         for p, g in zip(params, grads, strict=True):
             p.grad = g.cuda()
         opt.step()
-        offset = 0
-        for r, g, (m, v, vm) in zip(refs, grads, states, strict=True):
+        bases = default_base_indices(r.numel() for r in refs)
+        for r, g, (m, v, vm), base in zip(refs, grads, states, bases, strict=True):
             adamw_sr_step_reference(
                 r, g, m, v, vm, step=step, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
-                amsgrad=amsgrad, seed=123456789012345, base_index=offset,
+                amsgrad=amsgrad, seed=123456789012345, base_index=base,
             )  # fmt: skip
-            offset += r.numel()
     gpu = {"params": params, "exp_avg": [opt.state[p]["exp_avg"] for p in params]}
     cpu = {"params": refs, "exp_avg": [s[0] for s in states]}
     if digest(gpu) != digest(cpu):

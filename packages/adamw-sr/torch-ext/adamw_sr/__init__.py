@@ -6,9 +6,9 @@ so they train without an fp32 master copy and every step is bitwise reproducible
 See docs/adamw-sr.md.
 """
 
-from .optimizer import AdamWSR, adamw_sr_step, local_segments
+from .optimizer import AdamWSR, adamw_sr_step, default_base_indices, local_segments
 from .reference import adamw_sr_step_reference
 
 __version__ = "1.0.0"
 
-__all__ = ["AdamWSR", "adamw_sr_step", "adamw_sr_step_reference", "local_segments"]
+__all__ = ["AdamWSR", "adamw_sr_step", "adamw_sr_step_reference", "default_base_indices", "local_segments"]

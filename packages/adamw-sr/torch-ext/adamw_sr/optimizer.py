@@ -15,11 +15,24 @@ import torch
 from . import kernel
 from ._vendor.det_core import runtime
 
-__all__ = ["AdamWSR", "adamw_sr_step", "local_segments"]
+__all__ = ["AdamWSR", "adamw_sr_step", "default_base_indices", "local_segments"]
 
 _SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16)
 _SUPPORTED_GRAD_DTYPES = (torch.float32, torch.bfloat16)
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+# Default base indices start every parameter on a multiple of 8: its windows are then 4-aligned in the
+# global index (one Philox call per 4 elements) and 8-aligned in memory (vectorized loads) at once.
+BASE_INDEX_ALIGNMENT = 8
+
+
+def default_base_indices(numels) -> list[int]:
+    """The default global index of each parameter's first element: the running element offset over
+    the parameters in order, each rounded up to a multiple of ``BASE_INDEX_ALIGNMENT`` (8)."""
+    out, offset = [], 0
+    for n in numels:
+        out.append(offset)
+        offset = -(-(offset + int(n)) // BASE_INDEX_ALIGNMENT) * BASE_INDEX_ALIGNMENT
+    return out
 
 
 # --------------------------------------------------------------------------- global element index
@@ -204,7 +217,8 @@ def adamw_sr_step(
         beta1, beta2, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW``.
         stochastic_rounding: bf16 params: ``None``/``True`` stochastic, ``False`` nearest.
         seed: Philox seed, ``0 <= seed < 2**64``.
-        base_indices: global index of each param's first element (default: running offset).
+        base_indices: global index of each param's first element (default: ``default_base_indices``,
+            the running offset with each param starting on a multiple of 8).
         segments: advanced: int64 CPU ``[S, 4]`` rows ``(slot, local_start, length, global_start)``
             mapping local elements to global indices (overrides ``base_indices``; see ``local_segments``).
 
@@ -254,7 +268,7 @@ def adamw_sr_step(
         raise ValueError(f"adamw_sr_step: steps must be float32 of shape ({n},) on {device}")
     if segments is None:
         if base_indices is None:
-            base_indices = [0] + [int(x) for x in torch.tensor([p.numel() for p in params]).cumsum(0)[:-1]]
+            base_indices = default_base_indices(p.numel() for p in params)
         rows = [
             (i, 0, p.numel(), int(b))
             for i, (p, b) in enumerate(zip(params, base_indices, strict=True))
@@ -322,9 +336,10 @@ class AdamWSR(torch.optim.Optimizer):
     updates underflow, and det-core's rounding contract covers fp32 -> bf16 only.
 
     **Determinism:** the update of every element is a pure function of its inputs, the
-    hyperparameters, ``(seed, step)`` and its global index (the running element offset over the
-    optimizer's params in order, an explicit ``base_index``, or, for DTensor params, the
-    shard's position derived from its placement). So steps are bitwise identical run to run, in a
+    hyperparameters, ``(seed, step)`` and its global index (by default the running element offset
+    over the optimizer's params in order, each param starting on a multiple of 8, see
+    ``default_base_indices``; or an explicit ``base_index``; for DTensor params the shard's position
+    is derived from its placement). So steps are bitwise identical run to run, in a
     fresh process, after a state_dict round trip, under any sharding (FSDP2 over any number of
     ranks, even, uneven or empty shards) and equal to the plain-torch reference on a CPU. Not
     guaranteed across Triton versions or GPU models (only expected, see the docs).
@@ -448,12 +463,12 @@ class AdamWSR(torch.optim.Optimizer):
     def _base_indices(self) -> dict[int, int]:
         """id(param) -> global index of its first element (running offset, or the group's override)."""
         if self._base_index_cache is None:
-            offset, out = 0, {}
-            for group in self.param_groups:
-                explicit = group.get("base_index") or [None] * len(group["params"])
-                for p, b in zip(group["params"], explicit, strict=True):
-                    out[id(p)] = offset if b is None else b
-                    offset += p.numel()  # global numel for a DTensor
+            params = [p for group in self.param_groups for p in group["params"]]
+            defaults = default_base_indices(p.numel() for p in params)  # global numel for a DTensor
+            explicit = [
+                b for g in self.param_groups for b in (g.get("base_index") or [None] * len(g["params"]))
+            ]
+            out = {id(p): d if b is None else b for p, d, b in zip(params, defaults, explicit, strict=True)}
             self._base_index_cache = out
         return self._base_index_cache
 
