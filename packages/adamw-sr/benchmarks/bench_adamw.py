@@ -3,9 +3,10 @@
 Cases (DESIGN.md): the 602 M-param Llama-like tensor set (hidden 2048, ffn 8192, 8 layers, vocab
 32000: 74 tensors) and 2,000 tensors of 4K-64K elements. For each: the device copy bandwidth measured
 in this run, the floor ``22 B/param / bandwidth`` (bf16 param read+write, bf16 grad read, fp32
-exp_avg and exp_avg_sq read+write), ours (``AdamWSR.step()``, and the kernel alone with prepared
-launch tables), torch.optim.AdamW fused on fp32 params, torch AdamW fused on bf16 params and states,
-optimi's AdamW (bf16, Kahan summation) if installed. Times are medians of triton.testing.do_bench.
+exp_avg and exp_avg_sq read+write); ours three ways: ``AdamWSR.step()``, the kernel alone with
+prepared launch tables, and ``step()`` with ``capturable=True`` replayed from a CUDA graph;
+torch.optim.AdamW fused on fp32 params; torch AdamW fused on bf16 params and states; optimi's AdamW
+(bf16, Kahan summation) if installed. Times are medians of triton.testing.do_bench.
 
     python packages/adamw-sr/benchmarks/bench_adamw.py --out docs/benchmarks
 
@@ -94,6 +95,23 @@ def time_ours(shapes) -> dict:
     return {"step": step_ms, "kernel": kernel_ms}
 
 
+def time_ours_graphed(shapes) -> float:
+    """``AdamWSR(capturable=True).step()`` captured in a CUDA graph: the step without host overhead."""
+    from adamw_sr import AdamWSR
+
+    params = _params(shapes, torch.bfloat16, torch.bfloat16)
+    lr = torch.tensor(1e-4, device="cuda")
+    opt = AdamWSR(params, lr=lr, weight_decay=0.01, seed=0, capturable=True)
+    opt.step()  # warm-up: state, compile, launch tables
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        opt.step()
+    torch.cuda.current_stream().wait_stream(stream)
+    return bench(graph.replay)
+
+
 def time_torch(shapes, dtype) -> float:
     params = _params(shapes, dtype, dtype)
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
@@ -121,6 +139,11 @@ def run_case(name: str, shapes, bandwidth: float, with_optimi: bool = True) -> d
     floor_ms = BYTES_PER_PARAM_OURS * n / bandwidth * 1e3
     ours = time_ours(shapes)
     _release()
+    try:
+        ours_graphed = time_ours_graphed(shapes)
+    except Exception as e:  # reported, not fatal: the other columns still mean something
+        ours_graphed = f"failed: {type(e).__name__}: {e}"[:120]
+    _release()
     torch_fp32 = time_torch(shapes, torch.float32)
     _release()
     torch_bf16 = time_torch(shapes, torch.bfloat16)
@@ -134,6 +157,7 @@ def run_case(name: str, shapes, bandwidth: float, with_optimi: bool = True) -> d
         "floor_ms": floor_ms,
         "ours_step_ms": ours["step"],
         "ours_kernel_ms": ours["kernel"],
+        "ours_graphed_ms": ours_graphed,
         "torch_fp32_fused_ms": torch_fp32,
         "torch_bf16_fused_ms": torch_bf16,
         "optimi_bf16_kahan_ms": optimi_ms,
@@ -151,8 +175,10 @@ def _ratio(a, b) -> str:
 
 def table(rows: list[dict], bandwidth: float) -> str:
     header = [
-        "case", "params", "floor", "ours step()", "ours kernel", "torch AdamW fp32 fused",
+        "case", "params", "floor", "ours step()", "ours kernel", "ours step() in CUDA graph",
+        "torch AdamW fp32 fused",
         "torch AdamW bf16 fused", "optimi bf16 Kahan", "ours step / floor", "ours kernel / floor",
+        "ours graph / floor",
         "torch fp32 / ours", "optimi / ours",
     ]  # fmt: skip
     lines = [
@@ -170,11 +196,13 @@ def table(rows: list[dict], bandwidth: float) -> str:
             _fmt(r["floor_ms"]),
             _fmt(ours),
             _fmt(r["ours_kernel_ms"]),
+            _fmt(r["ours_graphed_ms"]),
             _fmt(r["torch_fp32_fused_ms"]),
             _fmt(r["torch_bf16_fused_ms"]),
             _fmt(r["optimi_bf16_kahan_ms"]),
             _ratio(ours, r["floor_ms"]),
             _ratio(r["ours_kernel_ms"], r["floor_ms"]),
+            _ratio(r["ours_graphed_ms"], r["floor_ms"]),
             _ratio(r["torch_fp32_fused_ms"], ours),
             _ratio(r["optimi_bf16_kahan_ms"], ours),
         ]
@@ -200,6 +228,7 @@ def plot(rows, path) -> None:
         ("floor_ms", "floor (22 B/param)"),
         ("ours_kernel_ms", "ours (kernel)"),
         ("ours_step_ms", "ours step()"),
+        ("ours_graphed_ms", "ours step(), CUDA graph"),
         ("optimi_bf16_kahan_ms", "optimi bf16 Kahan"),
         ("torch_bf16_fused_ms", "torch bf16 fused"),
         ("torch_fp32_fused_ms", "torch fp32 fused"),

@@ -397,6 +397,7 @@ class AdamWSR(torch.optim.Optimizer):
             seed=seed, stochastic_rounding=stochastic_rounding, base_index=None,
         )  # fmt: skip
         self._base_index_cache = None
+        self._segments_cache: dict = {}
         self._hyper_cache: dict = {}
         super().__init__(params, defaults)
 
@@ -437,6 +438,7 @@ class AdamWSR(torch.optim.Optimizer):
                     f"got {base!r} for {len(group['params'])} params"
                 )
         self._base_index_cache = None
+        self._segments_cache = {}
 
     @staticmethod
     def _param_problem(p: torch.Tensor) -> str | None:
@@ -490,6 +492,20 @@ class AdamWSR(torch.optim.Optimizer):
             hyper = self._hyper_cache[key] = kernel.to_device_async(hyper, device)
         return hyper
 
+    def _segments(self, ps: list[torch.Tensor], base: dict[int, int]) -> torch.Tensor:
+        """``(slot, local_start, length, global_start)`` rows of one launch (cached per param list)."""
+        key = tuple(id(p) for p in ps)
+        segments = self._segments_cache.get(key)
+        if segments is None:
+            rows = []
+            for slot, p in enumerate(ps):
+                rows.extend((slot, *seg) for seg in local_segments(p, base[id(p)]))
+            segments = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
+            if len(self._segments_cache) >= 64:
+                self._segments_cache.clear()
+            self._segments_cache[key] = segments
+        return segments
+
     # ----------------------------------------------------------------- state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -511,6 +527,7 @@ class AdamWSR(torch.optim.Optimizer):
                     else:
                         self.state[p][key] = value.to(device=_local(p).device, dtype=torch.float32, copy=True)
         self._base_index_cache = None
+        self._segments_cache = {}
 
     def _check_state(self, p: torch.Tensor, state: dict, amsgrad: bool) -> None:
         for key in _STATE_KEYS[: 3 if amsgrad else 2]:
@@ -603,10 +620,7 @@ class AdamWSR(torch.optim.Optimizer):
             by_dtype.setdefault((p.dtype, p.grad.dtype), []).append(p)
         for (param_dtype, _), ps in by_dtype.items():
             states = [self.state[p] for p in ps]
-            rows = []
-            for slot, p in enumerate(ps):
-                rows.extend((slot, *seg) for seg in local_segments(p, base[id(p)]))
-            segments = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
+            segments = self._segments(ps, base)
             steps = torch.stack([s["step"] for s in states]).to(torch.float32)
             if steps.device != device:
                 steps = kernel.to_device_async(steps, device)
