@@ -466,48 +466,63 @@ class _LinearFunction(torch.autograd.Function):
                 grad_x.zero_()
             grad_x = grad_x.reshape(ctx.x_shape)
         want_w, want_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
-        if not (want_w or want_b):
-            return grad_x, None, None
-        from .grad_accum import current_accumulator
+        grad_w, grad_b = param_grads(dy2d, x2d, ctx.weight, bias, want_w, want_b)
+        return grad_x, grad_w, grad_b
 
-        acc = current_accumulator()
-        tokens = dy2d.shape[0]
-        if acc is not None and tokens:
-            first_leaf, _ = acc.leaf_span(tokens)
-            if want_w:
-                if ctx.weight.is_leaf:
-                    acc.deposit_partial(
-                        ctx.weight,
-                        weight_grad_partial(dy2d, x2d, leaf_tokens=acc.leaf_tokens, first_leaf=first_leaf),
-                    )
-                else:
-                    grad_w = weight_grad_partial(
-                        dy2d, x2d, leaf_tokens=acc.leaf_tokens, finish_dtype=weight.dtype
-                    )
-            if want_b:
-                if bias.is_leaf:
-                    acc.deposit(bias, first_leaf, bias_grad_leaves(dy2d, acc.leaf_tokens))
-                else:
-                    grad_b = (
-                        bias_grad_partial(dy2d, leaf_tokens=acc.leaf_tokens)
-                        .result(num_leaves(tokens, acc.leaf_tokens))
-                        .to(bias.dtype)
-                    )
-            return grad_x, grad_w, grad_b
-        leaf = _default_leaf_tokens()
+
+def param_grads(
+    dy2d: torch.Tensor,
+    x2d: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    want_w: bool,
+    want_b: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """dW and db of ``y = x W^T + b`` in the canonical token order (the backward of ``linear``).
+
+    With an active accumulator, leaf Parameters get their partial trees deposited and None is
+    returned for them; otherwise the finished gradients (leaves of ``DEFAULT_LEAF_TOKENS``).
+    """
+    from .grad_accum import current_accumulator
+
+    grad_w = grad_b = None
+    if not (want_w or want_b):
+        return grad_w, grad_b
+    acc = current_accumulator()
+    tokens = dy2d.shape[0]
+    if acc is not None and tokens:
+        first_leaf, _ = acc.leaf_span(tokens)
         if want_w:
-            if tokens == 0:
-                grad_w = torch.zeros_like(weight)
+            if weight.is_leaf:
+                acc.deposit_partial(
+                    weight, weight_grad_partial(dy2d, x2d, leaf_tokens=acc.leaf_tokens, first_leaf=first_leaf)
+                )
             else:
-                grad_w = weight_grad_partial(dy2d, x2d, leaf_tokens=leaf, finish_dtype=weight.dtype)
+                grad_w = weight_grad_partial(
+                    dy2d, x2d, leaf_tokens=acc.leaf_tokens, finish_dtype=weight.dtype
+                )
         if want_b:
-            if tokens == 0:
-                grad_b = torch.zeros_like(bias)
+            if bias.is_leaf:
+                acc.deposit(bias, first_leaf, bias_grad_leaves(dy2d, acc.leaf_tokens))
             else:
                 grad_b = (
-                    bias_grad_partial(dy2d, leaf_tokens=leaf).result(num_leaves(tokens, leaf)).to(bias.dtype)
+                    bias_grad_partial(dy2d, leaf_tokens=acc.leaf_tokens)
+                    .result(num_leaves(tokens, acc.leaf_tokens))
+                    .to(bias.dtype)
                 )
-        return grad_x, grad_w, grad_b
+        return grad_w, grad_b
+    leaf = _default_leaf_tokens()
+    if want_w:
+        if tokens == 0:
+            grad_w = torch.zeros_like(weight)
+        else:
+            grad_w = weight_grad_partial(dy2d, x2d, leaf_tokens=leaf, finish_dtype=weight.dtype)
+    if want_b:
+        if tokens == 0:
+            grad_b = torch.zeros_like(bias)
+        else:
+            grad_b = bias_grad_partial(dy2d, leaf_tokens=leaf).result(num_leaves(tokens, leaf)).to(bias.dtype)
+    return grad_w, grad_b
 
 
 def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
