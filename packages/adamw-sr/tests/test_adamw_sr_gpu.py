@@ -147,7 +147,8 @@ def test_cuda_graph_capture_equals_eager():
         assert_bitwise_equal(a, b)
 
 
-def test_cuda_compiled_training_step_equals_eager():
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_cuda_compiled_training_step_equals_eager(backend):
     def make():
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 64))
@@ -163,7 +164,7 @@ def test_cuda_compiled_training_step_equals_eager():
 
     m1, o1 = make()
     m2, o2 = make()
-    compiled_step = torch.compile(o2.step)
+    compiled_step = torch.compile(o2.step, backend=backend)
     for _ in range(3):
         train_step(m1, o1)
         o2.zero_grad()

@@ -27,7 +27,14 @@ BASE_INDEX_ALIGNMENT = 8
 
 def default_base_indices(numels) -> list[int]:
     """The default global index of each parameter's first element: the running element offset over
-    the parameters in order, each rounded up to a multiple of ``BASE_INDEX_ALIGNMENT`` (8)."""
+    the parameters in order, each rounded up to a multiple of ``BASE_INDEX_ALIGNMENT`` (8).
+
+    Args:
+        numels: iterable of element counts (global counts for DTensors). Returns: list of ints.
+
+    **Determinism:** a pure function of the counts and their order: a sharded run, which sees the
+    global counts, assigns the same indices as the unsharded one.
+    """
     out, offset = [], 0
     for n in numels:
         out.append(offset)
@@ -223,7 +230,8 @@ def adamw_sr_step(
             mapping local elements to global indices (overrides ``base_indices``; see ``local_segments``).
 
     Raises:
-        TypeError: unsupported dtypes. ValueError: mismatched lengths, shapes, devices or layouts.
+        TypeError: unsupported dtypes.
+        ValueError: mismatched lengths, shapes, devices or layouts.
 
     **Determinism:** each element's result is a pure function of its inputs, the hyperparameters,
     ``(seed, step)`` and its global index: identical run to run, for any grouping of tensors into
@@ -325,9 +333,10 @@ class AdamWSR(torch.optim.Optimizer):
 
     Raises:
         ValueError: an out-of-range hyperparameter, an unsupported flag, an empty or non-contiguous
-            param, params on several devices. TypeError: fp16, complex or integer params.
-        RuntimeError (from ``step``): sparse gradients, or step called during CUDA graph capture
-            with ``capturable=False``.
+            param, params on several devices.
+        TypeError: fp16, complex or integer params.
+        RuntimeError: from ``step``: sparse gradients, or a step captured in a CUDA graph with
+            ``capturable=False``.
 
     Gradients with NaN or Inf are not rejected: as in ``torch.optim.AdamW`` they propagate into
     the moments and the weights (``amsgrad``'s maximum propagates NaN like ``torch.maximum``).

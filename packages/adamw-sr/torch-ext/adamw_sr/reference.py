@@ -23,6 +23,8 @@ def pow_by_squaring(base: float, exponent: int) -> float:
 
     The kernel computes the same 64 multiplications in the same order, so the two agree bit for bit
     (``math.pow`` and CUDA's ``pow`` may differ in the last bit).
+
+    **Determinism:** IEEE fp64 multiplications only: the same bits on every platform.
     """
     result = 1.0
     for i in range(32):
@@ -40,6 +42,12 @@ def sqrt_rn_torch(x: torch.Tensor) -> torch.Tensor:
     ``sqrt_rn`` is. So: an fp64 estimate rounded to fp32, then corrected to the nearest fp32 by
     exact fp64 tests against the midpoints to its neighbours (a midpoint has 25 significant bits,
     its square 50, so the test is exact; a square root is never exactly a midpoint).
+
+    Args:
+        x: fp32 tensor, any shape. Returns: fp32 tensor of ``x``'s shape.
+
+    **Determinism:** correctly rounded, so equal to IEEE ``sqrt`` (GPU ``sqrt.rn``) for every
+    input except the sign/payload of NaN.
     """
     s = torch.sqrt(x.double()).float()
     xd = x.double()
@@ -57,6 +65,11 @@ def round_nearest_bf16_torch(x: torch.Tensor) -> torch.Tensor:
     """fp32 -> bf16 round-to-nearest-even by bit arithmetic, bit-identical to the kernel.
 
     Equals ``x.to(torch.bfloat16)`` for every non-NaN input; NaN -> quiet NaN with the input's sign.
+
+    Args:
+        x: fp32 tensor, any shape. Returns: bf16 tensor of ``x``'s shape.
+
+    **Determinism:** integer bit arithmetic: the same bits on every platform.
     """
     xb = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     is_nan = ((xb & 0x7F800000) == 0x7F800000) & ((xb & 0x007FFFFF) != 0)
@@ -68,7 +81,13 @@ def round_nearest_bf16_torch(x: torch.Tensor) -> torch.Tensor:
 
 
 def step_scalars(step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> dict:
-    """The per-step fp32 scalars of the update, computed in fp64 and rounded once (as the kernel does)."""
+    """The per-step fp32 scalars of the update, computed in fp64 and rounded once (as the kernel does).
+
+    Returns a dict of 0-dim fp32 tensors: step_size, bias_correction2_sqrt, decay, beta1,
+    one_minus_beta1, beta2, one_minus_beta2, eps.
+
+    **Determinism:** IEEE fp64 operations in the kernel's order, then one fp64 -> fp32 rounding.
+    """
     bias_correction1 = 1.0 - pow_by_squaring(beta1, step)
     bias_correction2 = 1.0 - pow_by_squaring(beta2, step)
     values = {
