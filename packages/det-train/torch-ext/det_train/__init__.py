@@ -15,6 +15,8 @@ __version__ = "1.0.0"
 _EXPORTS = {
     "matmul": "matmul",
     "matmul_partial": "matmul",
+    "row_parallel_linear": "tensor_parallel",
+    "column_parallel_linear": "tensor_parallel",
     "linear": "linear",
     "Linear": "linear",
     "deterministic_mode": "routing",

@@ -1,0 +1,186 @@
+"""Tensor-parallel linear layers whose results equal the unsplit ``det_train.linear`` bit for bit.
+
+Megatron-style splits (Shoeybi et al., "Megatron-LM", 2019) over a ``torch.distributed`` group,
+with the one sum that crosses ranks done in ``matmul``'s own K order instead of an all-reduce:
+
+- ``row_parallel_linear``: rank r holds ``W[:, K_r]`` and ``x[..., K_r]`` (consecutive K parts in
+  rank order). Y sums over K: rank r continues rank r - 1's fp32 accumulator
+  (``matmul_partial``), the last rank adds the bias, rounds, and broadcasts Y. Backward: dX_r =
+  dY W_r and dW_r = dY^T X_r are local (dY is replicated).
+- ``column_parallel_linear``: rank r holds ``W[N_r]`` (and ``b[N_r]``); Y_r is local. Backward: dX
+  sums over N: the same chain over ranks, the last rank broadcasts dX.
+
+The chain runs over row chunks (``chunk_rows``), so rank r + 1 starts on chunk 0 while rank r
+works on chunk 1; rows are independent, so the chunking does not change a bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .configs import matmul_config
+from .linear import _check_linear, param_grads
+from .matmul import launch_matmul, matmul_partial
+
+__all__ = ["column_parallel_linear", "row_parallel_linear"]
+
+
+def _group_ranks(group) -> tuple[int, int, list[int]]:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("tensor-parallel linear needs an initialized torch.distributed process group")
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    ranks = (
+        [dist.get_global_rank(group, r) for r in range(world)] if group is not None else list(range(world))
+    )
+    return rank, world, ranks
+
+
+def _chained_sum(a: torch.Tensor, b: torch.Tensor, bias, out_dtype, group, chunk_rows: int) -> torch.Tensor:
+    """Sum over ranks of ``a_r @ b_r`` in the unsplit K order: each rank continues its predecessor's
+    fp32 accumulator chunk by chunk; the last rank rounds (adding ``bias``) and broadcasts."""
+    rank, world, ranks = _group_ranks(group)
+    m, n = a.shape[0], b.shape[1]
+    last = rank == world - 1
+    k_step = matmul_config(a.dtype, "nn", n, a.shape[1]).block_k
+    if not last and a.shape[1] % k_step:
+        raise ValueError(
+            f"rank {rank}'s part of the summed axis has {a.shape[1]} elements; every part but the last must "
+            f"be a multiple of {k_step} (the K step of the fixed order) for bitwise-unsplit results"
+        )
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    for s in range(0, max(m, 1), chunk_rows):
+        e = min(s + chunk_rows, m)
+        carry = None
+        if rank > 0:
+            carry = torch.empty((e - s, n), dtype=torch.float32, device=a.device)
+            dist.recv(carry, src=ranks[rank - 1], group=group)
+        part = matmul_partial(a[s:e], b, carry, bias=bias if last else None, finish=last)
+        if last:
+            out[s:e] = part
+        else:
+            dist.send(part, dst=ranks[rank + 1], group=group)
+    dist.broadcast(out, src=ranks[-1], group=group)
+    return out
+
+
+class _RowParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, chunk_rows):
+        x2d = x.reshape(-1, x.shape[-1])
+        y = _chained_sum(x2d, weight.t(), bias, x.dtype, group, chunk_rows)
+        ctx.save_for_backward(x2d, weight)
+        ctx.weight, ctx.bias, ctx.x_shape = weight, bias, x.shape
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2d, weight = ctx.saved_tensors
+        dy2d = dy.reshape(-1, weight.shape[0])
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.zeros((dy2d.shape[0], weight.shape[1]), dtype=dy.dtype, device=dy.device)
+            if grad_x.numel() and weight.shape[0]:
+                launch_matmul(dy2d, weight, grad_x)
+            grad_x = grad_x.reshape(ctx.x_shape)
+        want_b = ctx.bias is not None and ctx.needs_input_grad[2]
+        grad_w, grad_b = param_grads(dy2d, x2d, ctx.weight, ctx.bias, ctx.needs_input_grad[1], want_b)
+        return grad_x, grad_w, grad_b, None, None
+
+
+class _ColumnParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, chunk_rows):
+        x2d = x.reshape(-1, x.shape[-1])
+        y = torch.empty((x2d.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+        if y.numel():
+            launch_matmul(x2d, weight.t(), y, bias=bias)
+        ctx.save_for_backward(x2d, weight)
+        ctx.weight, ctx.bias, ctx.x_shape = weight, bias, x.shape
+        ctx.group, ctx.chunk_rows = group, chunk_rows
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2d, weight = ctx.saved_tensors
+        dy2d = dy.reshape(-1, weight.shape[0])
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _chained_sum(dy2d, weight, None, dy.dtype, ctx.group, ctx.chunk_rows).reshape(
+                ctx.x_shape
+            )
+        want_b = ctx.bias is not None and ctx.needs_input_grad[2]
+        grad_w, grad_b = param_grads(dy2d, x2d, ctx.weight, ctx.bias, ctx.needs_input_grad[1], want_b)
+        return grad_x, grad_w, grad_b, None, None
+
+
+def row_parallel_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    group=None,
+    chunk_rows: int = 4096,
+) -> torch.Tensor:
+    """Row-parallel (input-feature split) ``linear``: every rank gets the full, unsplit Y.
+
+    Args:
+        x: this rank's input features ``(*, K_r)``; ranks hold consecutive K parts in group-rank
+            order, every part but the last a multiple of 64 (bf16 / fp16; 32 for fp32).
+        weight: this rank's ``W[:, K_r]``, ``(N, K_r)``.
+        bias: the full ``(N,)`` bias (replicated; added once, by the last rank), or None.
+        group: the tensor-parallel process group (None: the default group).
+        chunk_rows: rows per pipelined chunk of the chain (does not change bits).
+
+    Returns:
+        ``(*, N)`` on every rank, bitwise equal to ``linear(x_full, W_full, bias)``.
+
+    Backward: dX_r = dY W_r and dW_r (canonical token order, accumulator-aware) are local, also
+    bitwise equal to the matching slices of the unsplit gradients. dY must be the same on every
+    rank (it is, when Y feeds replicated computation).
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized.
+        ValueError / TypeError: as ``linear``; a K part (not the last) that is not a multiple of
+            the K step.
+
+    **Determinism:** Y is the unsplit fold over K (rank r continues rank r - 1's fp32 accumulator),
+    so any split at multiples of the K step, any rank count and any ``chunk_rows`` give the unsplit
+    bits. Cost: the ranks' work is a chain (pipelined over row chunks); each hop sends an fp32
+    chunk; the last rank broadcasts Y.
+    """
+    _check_linear(x, weight, bias)
+    return _RowParallel.apply(x, weight, bias, group, int(chunk_rows))
+
+
+def column_parallel_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    group=None,
+    chunk_rows: int = 4096,
+) -> torch.Tensor:
+    """Column-parallel (output-feature split) ``linear``: rank r computes ``Y[..., N_r]``.
+
+    Args:
+        x: the full input ``(*, K)`` (replicated).
+        weight: this rank's rows ``W[N_r]``, ``(N_r, K)``; consecutive N parts in group-rank order,
+            every part but the last a multiple of 64 (bf16 / fp16; 32 for fp32).
+        bias: this rank's ``b[N_r]`` or None.
+        group, chunk_rows: as ``row_parallel_linear`` (used by the backward's dX chain).
+
+    Returns:
+        ``(*, N_r)``, bitwise equal to the matching columns of the unsplit ``linear``.
+
+    Backward: dX = sum over ranks of dY_r W_r, chained in the unsplit order and broadcast, so every
+    rank gets the unsplit dX; dW_r and db_r are local (canonical token order).
+
+    Raises:
+        as ``row_parallel_linear``.
+
+    **Determinism:** Y_r, dW_r, db_r are column / row slices of the unsplit results; dX equals the
+    unsplit dX for any split at multiples of the K step and any ``chunk_rows``.
+    """
+    _check_linear(x, weight, bias)
+    return _ColumnParallel.apply(x, weight, bias, group, int(chunk_rows))
