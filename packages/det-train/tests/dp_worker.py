@@ -1,7 +1,8 @@
 """One rank of a gloo data-parallel test (run by test_distributed.py as a separate process).
 
-Usage: python dp_worker.py CASE RANK WORLD INIT_FILE OUT_FILE. Each case computes this rank's
-share of a fixed global batch, reduces gradients across the group and torch.save()s them.
+``run_rank`` is started once per rank by test_distributed.py (forked from the test process, so
+torch is not imported again); by hand: python dp_worker.py CASES RANK WORLD INIT_METHOD OUT_FILE.
+Each case computes this rank's share of a fixed global batch and reduces gradients across the group.
 """
 
 import os
@@ -60,15 +61,96 @@ def case_accum_interleaved(rank, world):
     return {"w": w.grad}
 
 
-def main():
-    case, rank, world, init_file, out_file = sys.argv[1:6]
-    rank, world = int(rank), int(world)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+# ---------------------------------------------------------------- a tiny model of det_train ops
+V, D = 11, 6
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding -> RMSNorm -> an elementwise (row-invariant) head -> cross-entropy."""
+
+    def __init__(self, emb_dtype):
+        import det_train
+
+        super().__init__()
+        g = torch.Generator().manual_seed(7)
+        self.emb = det_train.Embedding(V, D, dtype=emb_dtype)
+        self.norm = det_train.RMSNorm(D)
+        with torch.no_grad():
+            self.emb.weight.copy_(torch.randn(V, D, generator=g))
+            self.norm.weight.copy_(1 + 0.1 * torch.randn(D, generator=g))
+
+    def forward(self, ids, targets, num_global_tokens):
+        import det_train
+
+        h = self.norm(self.emb(ids))
+        logits = torch.cat([h, 0.5 * h[:, : V - D]], dim=1)
+        return det_train.cross_entropy(logits, targets, num_global_tokens=num_global_tokens)
+
+
+def _lm_batch(tokens):
+    g = torch.Generator().manual_seed(3)
+    return torch.randint(0, V, (tokens,), generator=g), torch.randint(0, V, (tokens,), generator=g)
+
+
+def case_ops_accum(rank, world):
+    """TinyLM through the accumulator: 46 tokens (12 leaves of 4, last short), 2 micro-batches per rank."""
+    tokens = 46
+    ids, targets = _lm_batch(tokens)
+    model = TinyLM(torch.bfloat16)
+    acc = CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF)
+    start, end = contiguous_splits(48, world, LEAF)[rank]
+    end = min(end, tokens)
+    pieces = contiguous_splits(48 // world, 2, LEAF)
+    for a, b in pieces:
+        s, e = start + a, min(start + b, tokens)
+        with acc.micro_batch(token_offset=s):
+            model(ids[s:e], targets[s:e], tokens).backward()
+    acc.reduce(total_tokens=tokens)
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+def _ddp_hook_case(rank, world, n_leaves):
+    import det_train
+    import det_train._leaf_sums as leaf_sums
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    leaf_sums.DEFAULT_LEAF_TOKENS = LEAF  # the ops' plain-backward leaf size, small for the test
+    tokens = n_leaves * LEAF
+    ids, targets = _lm_batch(tokens)
+    model = DDP(TinyLM(torch.float32))
+    model.register_comm_hook(
+        det_train.DeterministicAllreduceState(average=False), det_train.deterministic_allreduce_hook
+    )
+    start, end = contiguous_splits(tokens, world, LEAF)[rank]
+    model(ids[start:end], targets[start:end], tokens).backward()
+    return {name: p.grad for name, p in model.module.named_parameters()}
+
+
+def case_hook8(rank, world):
+    return _ddp_hook_case(rank, world, 8)
+
+
+def case_hook12(rank, world):
+    return _ddp_hook_case(rank, world, 12)
+
+
+def run_rank(rank, world, cases, init_method, out_file):
+    """Join the gloo group, run each case (comma-separated names), torch.save the gradients."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     try:
-        result = globals()[f"case_{case}"](rank, world)
-        torch.save({k: v.detach().clone() for k, v in result.items()}, out_file)
+        out = {}
+        for case in cases.split(","):
+            for name, value in globals()[f"case_{case}"](rank, world).items():
+                out[f"{case}/{name}"] = value.detach().clone()
+        torch.save(out, out_file)
     finally:
         dist.destroy_process_group()
+
+
+def main():
+    cases, rank, world, init_method, out_file = sys.argv[1:6]
+    run_rank(int(rank), int(world), cases, init_method, out_file)
 
 
 if __name__ == "__main__":

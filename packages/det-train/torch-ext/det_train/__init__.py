@@ -28,6 +28,8 @@ _EXPORTS = {
     "CanonicalGradAccumulator": "grad_accum",
     "current_accumulator": "grad_accum",
     "deterministic_allreduce_hook": "distributed",
+    "DeterministicAllreduceState": "distributed",
+    "reduce_gradients": "distributed",
     "layers": "layers",
 }
 

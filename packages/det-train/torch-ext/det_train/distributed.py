@@ -1,0 +1,109 @@
+"""Deterministic data-parallel gradient reduction on top of torch.distributed collectives.
+
+Two paths (docs/det-train.md, "Reductions"):
+
+1. **The general one: ``CanonicalGradAccumulator.reduce(total_tokens, group)``** (grad_accum.py).
+   Every rank's partial canonical trees are exchanged and every rank finishes the same tree, so the
+   reduced gradient is bitwise identical on every rank *and* for any DP degree, micro-batch count
+   and leaf-aligned split of the global batch. ``reduce_gradients`` below is that call.
+2. **``deterministic_allreduce_hook``, a DDP communication hook**: all-gathers each gradient bucket
+   from every rank and sums the W copies in the fixed pairwise tree over rank index, in fp32. Every
+   rank gets identical bits and the result is run-to-run reproducible for a fixed W; it is
+   invariant across DP degrees only in the aligned case described in its docstring.
+
+We add the deterministic reduction on top of torch's collectives; we do not write a communication
+runtime.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ._vendor.det_core.reduce import TreePartial
+
+__all__ = ["DeterministicAllreduceState", "deterministic_allreduce_hook", "rank_tree_sum", "reduce_gradients"]
+
+
+def reduce_gradients(accumulator, total_tokens: int, group=None) -> None:
+    """The general deterministic DP reduction: ``accumulator.reduce(total_tokens, group)``.
+
+    Args:
+        accumulator: a ``CanonicalGradAccumulator`` that received this rank's micro-batches.
+        total_tokens: tokens of the global batch (all ranks, all micro-batches).
+        group: data-parallel process group (None: the default group).
+
+    **Determinism:** ``p.grad`` is bitwise identical on every rank and for every DP degree /
+    micro-batch split whose boundaries are leaf-aligned (tested with gloo for DP 1, 2, 3, 4). Do not
+    also wrap the model in DDP (or keep every micro-batch under ``no_sync``): the accumulator does the
+    communication, and det_train ops return no autograd gradient for the tracked parameters.
+    """
+    accumulator.reduce(total_tokens=total_tokens, group=group)
+
+
+def rank_tree_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """fp32 sum of ``tensors`` (one per rank, in rank order) by the canonical pairwise tree over ranks."""
+    if not tensors:
+        raise ValueError("rank_tree_sum needs at least one tensor")
+    return TreePartial().add_leaves(0, [t.to(torch.float32) for t in tensors]).result(len(tensors))
+
+
+@dataclass
+class DeterministicAllreduceState:
+    """State of ``deterministic_allreduce_hook``.
+
+    Attributes:
+        group: the process group (None: the default group).
+        average: divide the sum by the world size (DDP's default semantics, for a loss that is a
+            per-rank mean). Use ``average=False`` with ``cross_entropy(..., num_global_tokens=N)``,
+            whose gradients are already scaled by 1 / (global tokens).
+    """
+
+    group: object = None
+    average: bool = True
+
+
+# no `from __future__ import annotations` here: DDP checks the hook's annotations as objects
+def deterministic_allreduce_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: all-gather the bucket, sum over ranks in a fixed tree, in fp32.
+
+    Register with ``ddp_model.register_comm_hook(state, deterministic_allreduce_hook)`` where
+    ``state`` is a ``DeterministicAllreduceState``, a process group, or None (default group,
+    averaging like DDP's built-in all-reduce).
+
+    Args:
+        state: see above.
+        bucket: ``torch.distributed.GradBucket`` (flat gradient buffer of any float dtype).
+
+    Returns:
+        A future holding the reduced bucket (same dtype; the sum is computed in fp32 and rounded once).
+
+    Cost: an all-gather (each rank receives W buckets: W times the bucket's memory and W-1 times
+    the traffic of a ring all-reduce's reduce-scatter half) instead of an all-reduce.
+
+    **Determinism:** every rank gets identical bits, run to run, for a fixed DP degree W (NCCL's
+    ring / tree all-reduce guarantees neither across W). Invariance *across* DP degrees holds only
+    when every rank's local gradient is a whole subtree of the canonical tree of the global batch:
+    (a) ranks hold contiguous token ranges in rank order, each exactly ``2**k`` full leaves of the
+    ops' leaf size (k may differ between degrees, e.g. 8 leaves as DP 1, 2, 4 or 12 leaves as DP 1
+    and 3); (b) one micro-batch per rank (DDP adds accumulated gradients in autograd order, not the
+    canonical one); (c) fp32 gradients (a bf16 bucket was rounded per rank before the sum);
+    (d) loss scaling that is the same on every rank (``num_global_tokens`` with ``average=False``).
+    Outside that case use the general path, ``CanonicalGradAccumulator.reduce`` / ``reduce_gradients``.
+    """
+    if state is None or not isinstance(state, DeterministicAllreduceState):
+        state = DeterministicAllreduceState(group=state)
+    group = state.group
+    buffer = bucket.buffer()
+    world = dist.get_world_size(group)
+    gathered = [torch.empty_like(buffer) for _ in range(world)]
+    future = dist.all_gather(gathered, buffer, group=group, async_op=True).get_future()
+
+    def finish(_fut):
+        total = rank_tree_sum(gathered)
+        if state.average:
+            total = total / world
+        buffer.copy_(total.to(buffer.dtype))
+        return buffer
+
+    return future.then(finish)
