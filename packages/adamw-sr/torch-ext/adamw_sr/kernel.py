@@ -124,24 +124,82 @@ def _adamw_sr_kernel(
     one_minus_beta2 = (1.0 - beta2).to(tl.float32)
     eps_f = eps.to(tl.float32)
 
-    lanes = tl.arange(0, BLOCK).to(tl.int64)
-    local = window_local + lanes
-    mask = (local >= segment_start) & (local < segment_end)
-    local = tl.where(mask, local, 0)  # never form an address before a tensor's start
-    p_idx = param_off + local
-    g_idx = grad_off + local
-    m_idx = exp_avg_off + local
-    v_idx = exp_avg_sq_off + local
-    if ALIGNED:
-        p_idx = tl.max_contiguous(tl.multiple_of(p_idx, 8), BLOCK)
-        g_idx = tl.max_contiguous(tl.multiple_of(g_idx, 8), BLOCK)
-        m_idx = tl.max_contiguous(tl.multiple_of(m_idx, 8), BLOCK)
-        v_idx = tl.max_contiguous(tl.multiple_of(v_idx, 8), BLOCK)
+    # Full windows (nearly all) take the unmasked path: with ALIGNED, 16-byte vector loads and stores.
+    # A loaded segment end has unknown divisibility, so a masked window cannot be vectorized.
+    full = (window_local >= segment_start) & (window_local + BLOCK <= segment_end)
+    max_off = param_off
+    if AMSGRAD:
+        max_off = tl.load(trow + 4)
+    if full:
+        _step_window(
+            param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
+            param_off, grad_off, exp_avg_off, exp_avg_sq_off, max_off,
+            window_local, segment_start, segment_end, window_global,
+            step, step_size, bias_correction2_sqrt, decay,
+            beta1_f, one_minus_beta1, beta2_f, one_minus_beta2, eps_f,
+            seed_lo, seed_hi, stream,
+            AMSGRAD, MAXIMIZE, PARAM_BF16, STOCHASTIC, ALIGNED, False, BLOCK,
+        )  # fmt: skip
+    else:
+        _step_window(
+            param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
+            param_off, grad_off, exp_avg_off, exp_avg_sq_off, max_off,
+            window_local, segment_start, segment_end, window_global,
+            step, step_size, bias_correction2_sqrt, decay,
+            beta1_f, one_minus_beta1, beta2_f, one_minus_beta2, eps_f,
+            seed_lo, seed_hi, stream,
+            AMSGRAD, MAXIMIZE, PARAM_BF16, STOCHASTIC, False, True, BLOCK,
+        )  # fmt: skip
 
-    p = tl.load(param_ptr + p_idx, mask=mask).to(tl.float32)
-    g = tl.load(grad_ptr + g_idx, mask=mask).to(tl.float32)
-    m = tl.load(exp_avg_ptr + m_idx, mask=mask)
-    v = tl.load(exp_avg_sq_ptr + v_idx, mask=mask)
+
+@triton.jit
+def _load(ptr, mask, MASKED: tl.constexpr):
+    if MASKED:
+        return tl.load(ptr, mask=mask)
+    else:
+        return tl.load(ptr)
+
+
+@triton.jit
+def _store(ptr, value, mask, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptr, value, mask=mask)
+    else:
+        tl.store(ptr, value)
+
+
+@triton.jit
+def _index(offset, local, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    idx = offset + local
+    if ALIGNED:
+        idx = tl.max_contiguous(tl.multiple_of(idx, 8), BLOCK)
+    return idx
+
+
+@triton.jit
+def _step_window(
+    param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
+    param_off, grad_off, exp_avg_off, exp_avg_sq_off, max_off,
+    window_local, segment_start, segment_end, window_global,
+    step, step_size, bias_correction2_sqrt, decay, beta1_f, one_minus_beta1, beta2_f, one_minus_beta2, eps_f,
+    seed_lo, seed_hi, stream,
+    AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, PARAM_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
+    ALIGNED: tl.constexpr, MASKED: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """The update of one window of BLOCK elements (``MASKED``: some lie outside the segment)."""
+    local = window_local + tl.arange(0, BLOCK).to(tl.int64)
+    mask = (local >= segment_start) & (local < segment_end)
+    if MASKED:
+        local = tl.where(mask, local, 0)  # never form an address before a tensor's start
+    p_idx = _index(param_off, local, ALIGNED, BLOCK)
+    g_idx = _index(grad_off, local, ALIGNED, BLOCK)
+    m_idx = _index(exp_avg_off, local, ALIGNED, BLOCK)
+    v_idx = _index(exp_avg_sq_off, local, ALIGNED, BLOCK)
+
+    p = _load(param_ptr + p_idx, mask, MASKED).to(tl.float32)
+    g = _load(grad_ptr + g_idx, mask, MASKED).to(tl.float32)
+    m = _load(exp_avg_ptr + m_idx, mask, MASKED)
+    v = _load(exp_avg_sq_ptr + v_idx, mask, MASKED)
     if MAXIMIZE:
         g = -g
 
@@ -149,21 +207,18 @@ def _adamw_sr_kernel(
     m = beta1_f * m + one_minus_beta1 * g
     v = beta2_f * v + one_minus_beta2 * (g * g)
     if AMSGRAD:
-        max_off = tl.load(trow + 4)
-        vmax_idx = max_off + local
-        if ALIGNED:
-            vmax_idx = tl.max_contiguous(tl.multiple_of(vmax_idx, 8), BLOCK)
-        vmax = tl.load(max_exp_avg_sq_ptr + vmax_idx, mask=mask)
+        vmax_idx = _index(max_off, local, ALIGNED, BLOCK)
+        vmax = _load(max_exp_avg_sq_ptr + vmax_idx, mask, MASKED)
         vmax = tl.maximum(vmax, v, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(max_exp_avg_sq_ptr + vmax_idx, vmax, mask=mask)
+        _store(max_exp_avg_sq_ptr + vmax_idx, vmax, mask, MASKED)
         v_hat = vmax
     else:
         v_hat = v
     denom = tl.div_rn(tl.sqrt_rn(v_hat), bias_correction2_sqrt) + eps_f
     p = p - step_size * tl.div_rn(m, denom)
 
-    tl.store(exp_avg_ptr + m_idx, m, mask=mask)
-    tl.store(exp_avg_sq_ptr + v_idx, v, mask=mask)
+    _store(exp_avg_ptr + m_idx, m, mask, MASKED)
+    _store(exp_avg_sq_ptr + v_idx, v, mask, MASKED)
     if PARAM_BF16:
         if STOCHASTIC:
             # the one rounding of the step: unbiased, bits keyed by (seed, step, global index)
@@ -171,9 +226,9 @@ def _adamw_sr_kernel(
             out = sr.stochastic_round_bf16(p, rbits)
         else:
             out = _round_nearest_even_bf16(p)
-        tl.store(param_ptr + p_idx, out, mask=mask)
+        _store(param_ptr + p_idx, out, mask, MASKED)
     else:
-        tl.store(param_ptr + p_idx, p, mask=mask)
+        _store(param_ptr + p_idx, p, mask, MASKED)
 
 
 def exactness_options() -> dict:
