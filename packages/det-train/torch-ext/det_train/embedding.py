@@ -133,9 +133,10 @@ class _EmbeddingFunction(torch.autograd.Function):
         if acc is None:
             hi = 1 << max(n_leaves - 1, 0).bit_length()  # the whole tree: lone children promote
             (((_level, _index), (rows, vals)),) = _sparse_tree(seg_ids, seg_leaf, sums, 0, hi).items()
-            grad = torch.zeros((v, d), dtype=torch.float32, device=dy.device)
-            grad[rows] = vals
-            return None, grad.to(weight.dtype)
+            # rows no token touched are exact zeros: round only the touched rows to weight.dtype
+            grad = torch.zeros((v, d), dtype=weight.dtype, device=dy.device)
+            grad[rows] = vals.to(weight.dtype)
+            return None, grad
         nodes = _sparse_tree(seg_ids, seg_leaf + first_leaf, sums, first_leaf, first_leaf + n_leaves)
         partial = TreePartial()
         for key, (rows, vals) in sorted(nodes.items()):
