@@ -141,8 +141,8 @@ def row_parallel_linear(
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
-        ValueError / TypeError: as ``linear``; a K part (not the last) that is not a multiple of
-            the K step.
+        ValueError: as ``linear``; a K part (not the last) that is not a multiple of the K step.
+        TypeError: as ``linear``.
 
     **Determinism:** Y is the unsplit fold over K (rank r continues rank r - 1's fp32 accumulator),
     so any split at multiples of the K step, any rank count and any ``chunk_rows`` give the unsplit
@@ -177,7 +177,9 @@ def column_parallel_linear(
     rank gets the unsplit dX; dW_r and db_r are local (canonical token order).
 
     Raises:
-        as ``row_parallel_linear``.
+        RuntimeError: torch.distributed is not initialized.
+        ValueError: as ``linear``; an N part (not the last) that is not a multiple of the K step.
+        TypeError: as ``linear``.
 
     **Determinism:** Y_r, dW_r, db_r are column / row slices of the unsplit results; dX equals the
     unsplit dX for any split at multiples of the K step and any ``chunk_rows``.
