@@ -37,6 +37,23 @@ def baseline() -> dict:
     return result
 
 
+# Spawned process groups, one per world size, each running several jobs (start-up paid once):
+# (kind, micro-batch size). "dp": replicated weights; "fsdp": FSDP2-sharded weights and state.
+# 3 ranks hold 3, 3, 2 sequences; FSDP needs the same micro-batch count on every rank (3 -> 1 each).
+SPAWNED_JOBS = {
+    2: [("dp", 4), ("dp", 2), ("fsdp", 2)],
+    3: [("dp", 2), ("fsdp", 3)],
+    4: [("dp", 2)],
+}
+
+
+@functools.cache
+def spawned(world: int) -> dict[tuple[str, int], dict]:
+    """Results of ``SPAWNED_JOBS[world]`` on ``world`` spawned gloo ranks, keyed by (kind, micro)."""
+    jobs = [(tiny(micro_batch_seqs=micro), {"fsdp": kind == "fsdp"}) for kind, micro in SPAWNED_JOBS[world]]
+    return dict(zip(SPAWNED_JOBS[world], tg.train_spawned_many(jobs, world), strict=True))
+
+
 def assert_same_training(got: dict, want: dict, what: str) -> None:
     """Weights and optimizer state bit for bit (first mismatch named), then the weight digests."""
     assert sorted(got["state_dict"]) == sorted(want["state_dict"]), what

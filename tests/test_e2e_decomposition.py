@@ -10,14 +10,12 @@ import pytest
 import torch
 
 from examples import train_gpt as tg
-from tests._e2e_runs import GLOBAL_BATCH, assert_same_training, baseline, tiny
+from tests._e2e_runs import GLOBAL_BATCH, assert_same_training, baseline, spawned, tiny
 
 # (DP degree, micro-batch size, accumulation steps); (1, 8, 1) is the baseline
 SINGLE_PROCESS = [(1, 4, 2), (1, 2, 4)]
-TWO_RANKS = [(2, 4, 1), (2, 2, 2)]
-FOUR_RANKS = [(4, 2, 1)]
-# 3 ranks hold 3, 3, 2 sequences (uneven); micro-batch 2 -> micro-batches 2+1, 2+1, 2
-THREE_RANKS = [(3, 2, None)]
+# on spawned ranks; 3 ranks hold 3, 3, 2 sequences (uneven): micro-batch 2 -> 2+1, 2+1, 2
+DATA_PARALLEL = [(2, 4, 1), (2, 2, 2), (4, 2, 1), (3, 2, None)]
 
 
 @pytest.mark.parametrize("dp, micro, accum", SINGLE_PROCESS)
@@ -27,12 +25,11 @@ def test_micro_batches_in_one_process(dp, micro, accum):
     assert_same_training(got, baseline(), f"(dp {dp}, micro-batch {micro}, accum {accum})")
 
 
-@pytest.mark.parametrize("world, splits", [(2, TWO_RANKS), (4, FOUR_RANKS), (3, THREE_RANKS)])
-def test_data_parallel_ranks(world, splits):
-    results = tg.train_spawned_many([(tiny(micro_batch_seqs=micro), {}) for _, micro, _ in splits], world)
-    for (dp, micro, accum), got in zip(splits, results, strict=True):
-        assert accum is None or dp * micro * accum == GLOBAL_BATCH
-        assert_same_training(got, baseline(), f"(dp {dp}, micro-batch {micro}, accum {accum})")
+@pytest.mark.parametrize("dp, micro, accum", DATA_PARALLEL)
+def test_data_parallel_ranks(dp, micro, accum):
+    assert accum is None or dp * micro * accum == GLOBAL_BATCH
+    got = spawned(dp)[("dp", micro)]
+    assert_same_training(got, baseline(), f"(dp {dp}, micro-batch {micro}, accum {accum})")
 
 
 def test_split_helpers():

@@ -10,16 +10,16 @@ from __future__ import annotations
 import pytest
 
 from examples import train_gpt as tg
-from tests._e2e_runs import assert_same_training, baseline, tiny
+from tests._e2e_runs import assert_same_training, baseline, spawned, tiny
 
 
-def test_fsdp2_sharded_matches_unsharded():
-    # 2 ranks with micro-batch 2 (2 accumulation steps each); 3 ranks hold 3, 3, 2 sequences in one
-    # micro-batch each (FSDP needs the same micro-batch count on every rank) and torch.chunk shards
-    # every weight 3 ways, unevenly: the 256-row embedding tables as 86, 86, 84 rows
-    for world, micro in ((2, 2), (3, 3)):
-        got = tg.train_spawned(tiny(micro_batch_seqs=micro), world, fsdp=True)
-        assert_same_training(got, baseline(), f"FSDP2 over {world} ranks, micro-batch {micro}")
+@pytest.mark.parametrize("world, micro", [(2, 2), (3, 3)])
+def test_fsdp2_sharded_matches_unsharded(world, micro):
+    # 2 ranks: micro-batches of 2 (2 accumulation steps each). 3 ranks: 3, 3, 2 sequences in one
+    # micro-batch each, and torch.chunk shards every weight 3 ways, unevenly (the 256-row embedding
+    # table as 86, 86, 84 rows)
+    got = spawned(world)[("fsdp", micro)]
+    assert_same_training(got, baseline(), f"FSDP2 over {world} ranks, micro-batch {micro}")
 
 
 def test_fsdp_refuses_unsupported_combinations():
