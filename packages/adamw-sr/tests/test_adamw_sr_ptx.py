@@ -19,15 +19,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from adamw_sr import kernel
-sig = {{
-    "param_ptr": "*{param}", "grad_ptr": "*bf16", "exp_avg_ptr": "*fp32", "exp_avg_sq_ptr": "*fp32",
-    "max_exp_avg_sq_ptr": "*fp32", "tensor_table_ptr": "*i64", "chunk_table_ptr": "*i64", "steps_ptr": "*fp32",
-    "hyper_ptr": "*fp64", "seed_lo": "i64", "seed_hi": "i64", "stream": "i32", "AMSGRAD": "constexpr",
-    "MAXIMIZE": "constexpr", "PARAM_BF16": "constexpr", "STOCHASTIC": "constexpr", "ALIGNED": "constexpr",
-    "BLOCK": "constexpr",
-}}
-constexprs = {{"AMSGRAD": {amsgrad}, "MAXIMIZE": False, "PARAM_BF16": {bf16}, "STOCHASTIC": True, "ALIGNED": True,
-              "BLOCK": kernel.LAUNCH_CONFIGS["cuda"]["BLOCK"]}}
+pointers = dict(param="{param}", grad="bf16", exp_avg="fp32", exp_avg_sq="fp32", max_exp_avg_sq="fp32",
+                tensor_table="i64", chunk_table="i64", steps="fp32", hyper="fp64")
+sig = {{f"{{name}}_ptr": "*" + dtype for name, dtype in pointers.items()}}
+sig.update(seed_lo="i64", seed_hi="i64", stream="i32")
+META = ("AMSGRAD", "MAXIMIZE", "PARAM_BF16", "STOCHASTIC", "ALIGNED", "BLOCK")
+sig.update({{k: "constexpr" for k in META}})
+constexprs = {{"AMSGRAD": {amsgrad}, "MAXIMIZE": False, "PARAM_BF16": {bf16}, "STOCHASTIC": True,
+              "ALIGNED": True, "BLOCK": kernel.LAUNCH_CONFIGS["cuda"]["BLOCK"]}}
 attrs = {{(i,): [["tt.divisibility", 16]] for i in range(9)}}
 options = dict(num_warps=kernel.LAUNCH_CONFIGS["cuda"]["num_warps"], **kernel.exactness_options())
 compiled = triton.compile(ASTSource(kernel._adamw_sr_kernel, sig, constexprs=constexprs, attrs=attrs),
