@@ -22,7 +22,7 @@ from adamw_sr import kernel
 pointers = dict(param="{param}", grad="bf16", exp_avg="fp32", exp_avg_sq="fp32", max_exp_avg_sq="fp32",
                 tensor_table="i64", chunk_table="i64", steps="fp32", hyper="fp64")
 sig = {{f"{{name}}_ptr": "*" + dtype for name, dtype in pointers.items()}}
-sig.update(seed_lo="i64", seed_hi="i64", stream="i32")
+sig.update(seed_lo="i64", seed_hi="i64", rng_stream="i32")
 META = ("AMSGRAD", "MAXIMIZE", "PARAM_BF16", "STOCHASTIC", "ALIGNED", "BLOCK")
 sig.update({{k: "constexpr" for k in META}})
 constexprs = {{"AMSGRAD": {amsgrad}, "MAXIMIZE": False, "PARAM_BF16": {bf16}, "STOCHASTIC": True,

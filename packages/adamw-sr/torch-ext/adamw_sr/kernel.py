@@ -66,7 +66,7 @@ def _round_nearest_even_bf16(x):
     return out.to(tl.float32, bitcast=True).to(tl.bfloat16)
 
 
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "stream"])
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "rng_stream"])
 def _adamw_sr_kernel(
     # base pointers, one per tensor role
     param_ptr,
@@ -82,7 +82,7 @@ def _adamw_sr_kernel(
     # Philox key words
     seed_lo,
     seed_hi,
-    stream,
+    rng_stream,
     # meta-parameters
     AMSGRAD: tl.constexpr,
     MAXIMIZE: tl.constexpr,
@@ -137,7 +137,7 @@ def _adamw_sr_kernel(
             window_local, segment_start, segment_end, window_global,
             step, step_size, bias_correction2_sqrt, decay,
             beta1_f, one_minus_beta1, beta2_f, one_minus_beta2, eps_f,
-            seed_lo, seed_hi, stream,
+            seed_lo, seed_hi, rng_stream,
             AMSGRAD, MAXIMIZE, PARAM_BF16, STOCHASTIC, ALIGNED, False, BLOCK,
         )  # fmt: skip
     else:
@@ -147,7 +147,7 @@ def _adamw_sr_kernel(
             window_local, segment_start, segment_end, window_global,
             step, step_size, bias_correction2_sqrt, decay,
             beta1_f, one_minus_beta1, beta2_f, one_minus_beta2, eps_f,
-            seed_lo, seed_hi, stream,
+            seed_lo, seed_hi, rng_stream,
             AMSGRAD, MAXIMIZE, PARAM_BF16, STOCHASTIC, False, True, BLOCK,
         )  # fmt: skip
 
@@ -182,7 +182,7 @@ def _step_window(
     param_off, grad_off, exp_avg_off, exp_avg_sq_off, max_off,
     window_local, segment_start, segment_end, window_global,
     step, step_size, bias_correction2_sqrt, decay, beta1_f, one_minus_beta1, beta2_f, one_minus_beta2, eps_f,
-    seed_lo, seed_hi, stream,
+    seed_lo, seed_hi, rng_stream,
     AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, PARAM_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
     ALIGNED: tl.constexpr, MASKED: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -222,7 +222,7 @@ def _step_window(
     if PARAM_BF16:
         if STOCHASTIC:
             # the one rounding of the step: unbiased, bits keyed by (seed, step, global index)
-            rbits = rng.random_bits_x4(seed_lo, seed_hi, step, stream, window_global, BLOCK)
+            rbits = rng.random_bits_x4(seed_lo, seed_hi, step, rng_stream, window_global, BLOCK)
             out = sr.stochastic_round_bf16(p, rbits)
         else:
             out = _round_nearest_even_bf16(p)
