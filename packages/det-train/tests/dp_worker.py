@@ -98,15 +98,38 @@ def case_ops_accum(rank, world):
     ids, targets = _lm_batch(tokens)
     model = TinyLM(torch.bfloat16)
     acc = CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF)
-    start, end = contiguous_splits(48, world, LEAF)[rank]
-    end = min(end, tokens)
-    pieces = contiguous_splits(48 // world, 2, LEAF)
-    for a, b in pieces:
+    start, _ = contiguous_splits(48, world, LEAF)[rank]
+    for a, b in contiguous_splits(48 // world, 2, LEAF):
         s, e = start + a, min(start + b, tokens)
         with acc.micro_batch(token_offset=s):
             model(ids[s:e], targets[s:e], tokens).backward()
     acc.reduce(total_tokens=tokens)
     return {name: p.grad for name, p in model.named_parameters()}
+
+
+def case_fsdp_accum(rank, world):
+    """As ops_accum, with the model sharded by FSDP2 (fully_shard, uneven shards; an empty one at DP 4)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    tokens = 46
+    ids, targets = _lm_batch(tokens)
+    model = TinyLM(torch.bfloat16)
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(model.emb, mesh=mesh)
+    fully_shard(model.norm, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    acc = CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF).track_fsdp(model)
+    start, _ = contiguous_splits(48, world, LEAF)[rank]
+    for a, b in contiguous_splits(48 // world, 2, LEAF):
+        s, e = start + a, min(start + b, tokens)
+        with acc.micro_batch(token_offset=s):
+            model(ids[s:e], targets[s:e], tokens).backward()
+    acc.reduce(total_tokens=tokens)
+    return {
+        name.replace("_fsdp_wrapped_module.", ""): p.grad.full_tensor()
+        for name, p in model.named_parameters()
+    }
 
 
 def _ddp_hook_case(rank, world, n_leaves):

@@ -16,9 +16,9 @@ from det_core.testing import assert_bitwise_equal
 
 CASES = {
     1: "accum_contiguous,accum_interleaved,ops_accum,hook8,hook12",
-    2: "accum_contiguous,accum_interleaved,ops_accum,hook8",
-    3: "accum_contiguous,accum_interleaved,ops_accum,hook12",
-    4: "accum_contiguous,accum_interleaved,ops_accum,hook8",
+    2: "accum_contiguous,accum_interleaved,ops_accum,fsdp_accum,hook8",
+    3: "accum_contiguous,accum_interleaved,ops_accum,fsdp_accum,hook12",
+    4: "accum_contiguous,accum_interleaved,ops_accum,fsdp_accum,hook8",
 }
 
 
@@ -84,6 +84,18 @@ def test_ops_through_accumulator_dp_1_2_3_4():
     ref = assert_same_on_all("ops_accum", (1, 2, 3, 4))
     assert ref["ops_accum/emb.weight"].dtype == torch.bfloat16
     assert bool(ref["ops_accum/norm.weight"].abs().gt(0).all())
+
+
+def test_fsdp2_sharded_grads_equal_unsharded_dp_2_3_4():
+    """FSDP2 (fully_shard on gloo, uneven shards, an empty shard at DP 4): the accumulator replaces
+    FSDP2's reduce-scatter, and the gathered sharded gradients equal the DP-1 unsharded ones bitwise."""
+    ref = {k.replace("ops_accum/", ""): v for k, v in run_ranks(1)[0].items() if k.startswith("ops_accum/")}
+    for world in (2, 3, 4):
+        for rank, got in enumerate(run_ranks(world)):
+            for name, value in ref.items():
+                assert_bitwise_equal(
+                    got[f"fsdp_accum/{name}"], value, f"FSDP2 {name}, DP={world}, rank {rank}"
+                )
 
 
 def test_ddp_hook_aligned_power_of_two_subtrees():

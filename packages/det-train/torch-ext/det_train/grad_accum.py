@@ -96,6 +96,41 @@ class CanonicalGradAccumulator:
         self._uses: dict[int, int] = {}  # deposits per parameter in the current micro-batch
         self._spans: list[tuple[int, int]] = []  # (token_offset, tokens) seen by the ops
         self._token_offset: int | None = None
+        self._fsdp: dict[int, object] = {}  # param index -> FSDP2 FSDPParam (see track_fsdp)
+        self._shapes: dict[int, torch.Size] = {}  # param index -> full (unsharded) gradient shape
+
+    def track_fsdp(self, module: torch.nn.Module) -> CanonicalGradAccumulator:
+        """Accept deposits for FSDP2's unsharded parameters of ``module`` (``fully_shard``).
+
+        Under FSDP2 the ops see the all-gathered (unsharded) parameter objects, while this
+        accumulator tracks the sharded ones (``module.named_parameters()``). After this call a
+        deposit for an unsharded parameter counts for its sharded parameter, and ``reduce`` writes
+        each rank's shard of the full canonical gradient into ``p.grad`` (a DTensor like FSDP2's).
+        FSDP2's own reduce-scatter does not run for these parameters: det_train ops return no
+        autograd gradient for them. Returns ``self``.
+
+        Raises ValueError if ``module`` holds no FSDP2 parameter that this accumulator tracks.
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        for sub in module.modules():
+            if not isinstance(sub, FSDPModule):
+                continue
+            state = sub._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:
+                groups = [g for g in (getattr(state, "_fsdp_param_group", None),) if g is not None]
+            for group in groups:
+                for fsdp_param in group.fsdp_params:
+                    index = self._index.get(id(fsdp_param.sharded_param))
+                    if index is not None:
+                        self._fsdp[index] = fsdp_param
+        if not self._fsdp:
+            raise ValueError(
+                "track_fsdp: no parameter of this module is both FSDP2-sharded (fully_shard) and tracked "
+                "by this accumulator; build the accumulator from the sharded module's parameters"
+            )
+        return self
 
     # ------------------------------------------------------------------ micro-batches
     @contextlib.contextmanager
@@ -152,6 +187,10 @@ class CanonicalGradAccumulator:
                 "deposit outside micro_batch(): wrap forward and backward in acc.micro_batch(...)"
             )
         index = self._index.get(id(param))
+        if index is None:  # FSDP2: the unsharded parameter of a tracked sharded one
+            index = next(
+                (i for i, fp in self._fsdp.items() if getattr(fp, "_unsharded_param", None) is param), None
+            )
         if index is None:
             raise ValueError(
                 f"deposit for a parameter of shape {tuple(param.shape)} that this accumulator does not "
@@ -159,6 +198,7 @@ class CanonicalGradAccumulator:
             )
         use = self._uses.get(index, 0)
         self._uses[index] = use + 1
+        self._shapes[index] = param.shape
         return index, use
 
     def deposit(self, param: torch.Tensor, first_leaf: int, leaf_sums: torch.Tensor) -> None:
@@ -230,7 +270,8 @@ class CanonicalGradAccumulator:
                     f"{self.leaf_tokens}; only the micro-batch ending the global batch may end mid-leaf"
                 )
         for p in self._params:
-            if p.grad is not None and bool(p.grad.ne(0).any()):
+            local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            if local is not None and bool(local.ne(0).any()):
                 raise RuntimeError(
                     f"{self._names[self._index[id(p)]]}: p.grad already holds a non-zero gradient "
                     "(from an op that is not canonical-order aware, or a previous step): "
@@ -263,7 +304,10 @@ class CanonicalGradAccumulator:
                 )
             for index, grad in grads.items():
                 p = self._params[index]
-                p.grad = grad.to(device=p.device, dtype=p.dtype).view(p.shape)
+                if index in self._fsdp:
+                    p.grad = _fsdp_shard(self._fsdp[index], grad.to(dtype=p.dtype))
+                else:
+                    p.grad = grad.to(device=p.device, dtype=p.dtype).view(p.shape)
         finally:
             self._partials = {}
             self._spans = []
@@ -279,8 +323,9 @@ class CanonicalGradAccumulator:
         if world == 1:
             return self._partials
         local_keys = {slot: sorted(tp.nodes) for slot, tp in self._partials.items()}
+        shapes = {slot[0]: tuple(self._shapes[slot[0]]) for slot in self._partials}
         meta = [None] * world
-        dist.all_gather_object(meta, (len(self._params), local_keys), group=group)
+        dist.all_gather_object(meta, (len(self._params), local_keys, shapes), group=group)
         counts = {m[0] for m in meta}
         if len(counts) != 1:
             raise RuntimeError(f"ranks track different numbers of parameters: {[m[0] for m in meta]}")
@@ -288,11 +333,15 @@ class CanonicalGradAccumulator:
         merged: dict[tuple[int, int], TreePartial] = {}
         for slot in slots:
             p = self._params[slot[0]]
+            shape = next(m[2][slot[0]] for m in meta if slot[0] in m[2])  # full shape (FSDP2: unsharded)
+            numel = 1
+            for size in shape:
+                numel *= size
             per_rank = [m[1].get(slot, []) for m in meta]
             width = max(len(k) for k in per_rank)
             mine = self._partials.get(slot, TreePartial()).nodes
             device = next(iter(mine.values())).device if mine else p.device
-            send = torch.zeros((width, p.numel()), dtype=torch.float32, device=device)
+            send = torch.zeros((width, numel), dtype=torch.float32, device=device)
             for row, key in enumerate(local_keys.get(slot, [])):
                 send[row] = mine[key].reshape(-1)
             recv = [torch.empty_like(send) for _ in range(world)]
@@ -300,10 +349,21 @@ class CanonicalGradAccumulator:
             tree = TreePartial()
             for rank, keys in enumerate(per_rank):
                 part = TreePartial()
-                part.nodes = {key: recv[rank][row].view(p.shape) for row, key in enumerate(keys)}
+                part.nodes = {key: recv[rank][row].view(shape) for row, key in enumerate(keys)}
                 try:
                     tree.merge(part)
                 except ValueError as err:
                     raise ValueError(f"{self._names[slot[0]]}: rank {rank}: {err}") from None
             merged[slot] = tree
         return merged
+
+
+def _fsdp_shard(fsdp_param, full: torch.Tensor):
+    """This rank's shard of a full gradient, as FSDP2 lays it out (torch.chunk along the shard dim)."""
+    info = fsdp_param.mesh_info
+    dim = fsdp_param.fsdp_placement.dim
+    chunks = list(torch.chunk(full, info.shard_mesh_size, dim=dim))
+    local = chunks[info.shard_mesh_rank] if info.shard_mesh_rank < len(chunks) else full.new_empty(0)
+    if local.numel() == 0:
+        local = full.new_empty(fsdp_param.sharded_size)
+    return fsdp_param.to_sharded_dtensor(local.contiguous())

@@ -131,7 +131,7 @@ class _RMSNormFunction(torch.autograd.Function):
             x2 = x2.contiguous()
         m = x2.shape[0]
         out_dtype = x.dtype if weight is None else torch.promote_types(x.dtype, weight.dtype)
-        y = torch.empty((m, d), dtype=out_dtype, device=x.device)
+        y = torch.empty(x.shape, dtype=out_dtype, device=x.device)  # not a view: FSDP2 hooks want a base
         rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
         block_d = triton.next_power_of_2(d)
         if m > 0:
@@ -142,15 +142,15 @@ class _RMSNormFunction(torch.autograd.Function):
                 rstd,
                 d,
                 x2.stride(0),
-                y.stride(0),
+                d,  # y is contiguous: row stride D
                 eps,
                 HAS_WEIGHT=weight is not None,
                 BLOCK_D=block_d,
                 num_warps=_num_warps(block_d),
             )
         ctx.save_for_backward(x2, weight, rstd)
-        ctx.d = d
-        return y.view(x.shape)
+        ctx.d, ctx.x_shape = d, x.shape
+        return y
 
     @staticmethod
     def backward(ctx, dy):
@@ -160,12 +160,12 @@ class _RMSNormFunction(torch.autograd.Function):
         if dy2.stride(-1) != 1:
             dy2 = dy2.contiguous()
         m = x2.shape[0]
-        dx = torch.empty((m, d), dtype=x2.dtype, device=x2.device)
+        dx = torch.empty(ctx.x_shape, dtype=x2.dtype, device=x2.device)
         has_w = weight is not None
         dw = None
         if m == 0:
             dw = torch.zeros_like(weight) if has_w and ctx.needs_input_grad[1] else None
-            return dx.view(dy.shape), dw, None, None
+            return dx, dw, None, None
         if has_w:
             acc, leaf, first_leaf, rows = leaf_layout(m, MAX_ROWS_PER_CHUNK, "rms_norm")
         else:
@@ -184,7 +184,7 @@ class _RMSNormFunction(torch.autograd.Function):
             d,
             dy2.stride(0),
             x2.stride(0),
-            dx.stride(0),
+            d,  # dx is contiguous: row stride D
             HAS_WEIGHT=has_w,
             ROWS_PER_CHUNK=rows,
             BLOCK_D=block_d,
@@ -192,7 +192,7 @@ class _RMSNormFunction(torch.autograd.Function):
         )
         if has_w and ctx.needs_input_grad[1]:
             dw = finish_param_grad(acc, weight, first_leaf, fold_chunks(partial, leaf // rows))
-        return dx.view(dy.shape), dw, None, None
+        return dx, dw, None, None
 
 
 def rms_norm(
