@@ -67,7 +67,8 @@ def _sdpa_backend():
     """The fastest SDPA backend this GPU accepts for the model's shapes: cuDNN, else flash."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    q = torch.randn(1, 12, 1024, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    # the model's layout: (B, T, H, D) views transposed to (B, H, T, D)
+    q = torch.randn(2, 1024, 12, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True).transpose(1, 2)
     for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
         try:
             with sdpa_kernel([backend]):
