@@ -415,6 +415,25 @@ def test_f_state_dict_layout_and_dtypes_like_torch():
         assert opt2.state[q][k].data_ptr() != sd["state"][0][k].data_ptr()  # not aliasing the dict
 
 
+def test_f_loads_a_torch_adamw_state_dict():
+    # drop-in: a torch.optim.AdamW checkpoint continues under AdamWSR with the same moments
+    a, b = torch.randn(5, 3), None
+    opt_t = torch.optim.AdamW([a], lr=1e-2, amsgrad=True)
+    a.grad = torch.randn(5, 3)
+    opt_t.step()
+    b = a.detach().clone()
+    opt = AdamWSR([b], lr=1e-3)
+    opt.load_state_dict(opt_t.state_dict())
+    assert opt.param_groups[0]["seed"] == 0 and opt.param_groups[0]["amsgrad"] is True
+    assert_bitwise_equal(opt.state[b]["exp_avg"], opt_t.state[a]["exp_avg"])
+    a.grad = torch.randn(5, 3)
+    b.grad = a.grad.clone()
+    opt_t.step()
+    opt.step()
+    assert opt.state[b]["step"].item() == 2.0
+    assert float((a - b).abs().max()) < 1e-6
+
+
 # --------------------------------------------------------------------------- g. bf16-only network
 
 

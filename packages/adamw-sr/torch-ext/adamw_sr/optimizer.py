@@ -519,7 +519,8 @@ class AdamWSR(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load as ``torch.optim.Optimizer`` does, but keep the moments in fp32 (torch casts
-        floating state to the param dtype, which would round them to bf16)."""
+        floating state to the param dtype, which would round them to bf16) and copy every state
+        tensor (torch keeps a reference to the caller's ``step`` tensors)."""
         saved = state_dict["state"]
         super().load_state_dict(state_dict)
         order = [p for g in self.param_groups for p in g["params"]]
@@ -535,20 +536,41 @@ class AdamWSR(torch.optim.Optimizer):
                         self.state[p][key] = value.to(dtype=torch.float32, copy=True)
                     else:
                         self.state[p][key] = value.to(device=_local(p).device, dtype=torch.float32, copy=True)
+                step = self.state[p].get("step")
+                if isinstance(step, torch.Tensor) and step is saved[pid].get("step"):
+                    self.state[p]["step"] = step.clone()  # torch would alias the caller's step tensor
         self._base_index_cache = None
         self._segments_cache = {}
 
     def _check_state(self, p: torch.Tensor, state: dict, amsgrad: bool) -> None:
+        """A loaded or existing state must hold fp32 moments of the param's shape and a step tensor."""
+        if not isinstance(state.get("step"), torch.Tensor):
+            raise RuntimeError(f"AdamWSR: state of a param of shape {tuple(p.shape)} lacks a 'step' tensor")
         for key in _STATE_KEYS[: 3 if amsgrad else 2]:
-            if key in state or len(state):
-                value = state.get(key)
-                if value is None:
-                    raise RuntimeError(f"AdamWSR: state of a param of shape {tuple(p.shape)} lacks '{key}'")
-                if value.dtype != torch.float32 or value.shape != p.shape:
-                    raise RuntimeError(
-                        f"AdamWSR: state '{key}' must be float32 of shape {tuple(p.shape)}, "
-                        f"got {value.dtype} {tuple(value.shape)}"
-                    )
+            value = state.get(key)
+            if value is None:
+                if key == "max_exp_avg_sq":
+                    continue  # amsgrad switched on later: created at zero, as torch does
+                raise RuntimeError(f"AdamWSR: state of a param of shape {tuple(p.shape)} lacks '{key}'")
+            if value.dtype != torch.float32 or value.shape != p.shape:
+                raise RuntimeError(
+                    f"AdamWSR: state '{key}' must be float32 of shape {tuple(p.shape)}, "
+                    f"got {value.dtype} {tuple(value.shape)}"
+                )
+
+    def __setstate__(self, state: dict) -> None:
+        """Fill group options a loaded state lacks (e.g. a ``torch.optim.AdamW`` state_dict), like torch."""
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+            group.setdefault("foreach", None)
+            group.setdefault("capturable", False)
+            group.setdefault("differentiable", False)
+            group.setdefault("fused", None)
+            group.setdefault("seed", self.defaults.get("seed", 0) if hasattr(self, "defaults") else 0)
+            group.setdefault("stochastic_rounding", None)
+            group.setdefault("base_index", None)
 
     # ----------------------------------------------------------------- step
 
