@@ -241,7 +241,7 @@ def test_gqa_fp16_and_cross_attention_match_reference():
 
 
 def test_dropout_mask_equals_reference_and_keep_rate():
-    batch, t, heads, d, p, seed = 2, 128, 4, 128, 0.15, 12345
+    batch, t, heads, d, p, seed = 2, 128, 4, 128, 0.15, 1  # seed 1: Triton specialises ints equal to 1
     q = torch.zeros(batch, t, heads, d, dtype=torch.bfloat16, device="cuda")
     v = (
         torch.eye(t, dtype=torch.bfloat16, device="cuda")[None, :, None, :]

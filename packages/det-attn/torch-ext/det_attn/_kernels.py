@@ -43,16 +43,32 @@ def _to_out(x, OUT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _dropout_keep(seed_lo, seed_hi, seq, head, offs_q, offs_k, threshold, QK_T: tl.constexpr):
-    # Philox counter: step word = sequence id, stream = attention dropout,
-    # index = head << 44 | query << 22 | key (positions inside the sequence).
-    base = head.to(tl.int64) << 44
+def _dropout_keep(
+    seed_lo, seed_hi, seq, head, offs_q, start_k, threshold, BLOCK_K: tl.constexpr, QK_T: tl.constexpr
+):
+    # Keep mask of a tile of queries `offs_q` and keys start_k .. start_k + BLOCK_K - 1. Philox key
+    # (seed_lo, seed_hi); counter per det-core's RNG contract with step word = sequence id, stream =
+    # attention dropout, index = head << 44 | query << 22 | key (positions inside the sequence).
+    # Four neighbouring keys 4j .. 4j+3 share one Philox call (counter index >> 2); start_k % 4 == 0.
+    offs_j = start_k // 4 + tl.arange(0, BLOCK_K // 4)
     if QK_T:  # tile laid out [key, query]
-        index = base + (offs_q[None, :].to(tl.int64) << 22) + offs_k[:, None].to(tl.int64)
+        ctr = (head.to(tl.int64) << 42) + (offs_q[None, :].to(tl.int64) << 20) + offs_j[:, None].to(tl.int64)
     else:  # tile laid out [query, key]
-        index = base + (offs_q[:, None].to(tl.int64) << 22) + offs_k[None, :].to(tl.int64)
-    stream = seq * 0 + DROPOUT_STREAM  # a runtime scalar, as random_bits expects
-    bits = rng.random_bits(seed_lo, seed_hi, seq, stream, index)
+        ctr = (head.to(tl.int64) << 42) + (offs_q[:, None].to(tl.int64) << 20) + offs_j[None, :].to(tl.int64)
+    zero = tl.zeros(ctr.shape, tl.uint32)
+    r0, r1, r2, r3 = rng.philox4x32_10(
+        (ctr & 0xFFFFFFFF).to(tl.uint32),
+        (ctr >> 32).to(tl.uint32),
+        zero + seq,
+        zero + DROPOUT_STREAM,
+        zero + seed_lo,
+        zero + seed_hi,
+    )
+    words = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [..., a, b] holds word 2b + a
+    if QK_T:
+        bits = tl.reshape(tl.permute(words, (0, 3, 2, 1)), [BLOCK_K, offs_q.shape[0]])  # key 4j + 2b + a
+    else:
+        bits = tl.reshape(tl.permute(words, (0, 1, 3, 2)), [offs_q.shape[0], BLOCK_K])
     return bits.to(tl.int64) >= threshold
 
 
@@ -110,7 +126,7 @@ def _fwd_inner(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if DROPOUT:
-            keep = _dropout_keep(seed_lo, seed_hi, seq, head, offs_m, offs_n, drop_threshold, False)
+            keep = _dropout_keep(seed_lo, seed_hi, seq, head, offs_m, start, drop_threshold, BLOCK_N, False)
             p = tl.where(keep, p * drop_scale, 0.0)
         if UPCAST:
             acc = tl.dot(p, v.to(tl.float32), acc)
@@ -296,6 +312,7 @@ def _dkdv_inner(
     stride_qt,
     stride_dot,
     offs_n,
+    start_n,
     offs_d,
     start_m,
     end_m,
@@ -309,6 +326,7 @@ def _dkdv_inner(
     drop_threshold,
     drop_scale,
     BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     DROPOUT: tl.constexpr,
@@ -342,7 +360,7 @@ def _dkdv_inner(
             pT = tl.where(visible, pT, 0.0)
         dpT = tl.dot(v, tl.trans(do))
         if DROPOUT:
-            keep = _dropout_keep(seed_lo, seed_hi, seq, head, offs_m, offs_n, drop_threshold, True)
+            keep = _dropout_keep(seed_lo, seed_hi, seq, head, offs_m, start_n, drop_threshold, BLOCK_N, True)
             pdT = tl.where(keep, pT * drop_scale, 0.0)
             dpT = tl.where(keep, dpT * drop_scale, 0.0)
         else:
@@ -459,6 +477,7 @@ def attn_bwd_dkdv_kernel(
             stride_qt,
             stride_dot,
             offs_n,
+            start_n,
             offs_d,
             begin,
             diag_end,
@@ -472,6 +491,7 @@ def attn_bwd_dkdv_kernel(
             drop_threshold,
             drop_scale,
             BLOCK_M,
+            BLOCK_N,
             True,
             CAUSAL,
             DROPOUT,
@@ -490,6 +510,7 @@ def attn_bwd_dkdv_kernel(
             stride_qt,
             stride_dot,
             offs_n,
+            start_n,
             offs_d,
             full_begin,
             full_end,
@@ -503,6 +524,7 @@ def attn_bwd_dkdv_kernel(
             drop_threshold,
             drop_scale,
             BLOCK_M,
+            BLOCK_N,
             False,
             CAUSAL,
             DROPOUT,
@@ -521,6 +543,7 @@ def attn_bwd_dkdv_kernel(
             stride_qt,
             stride_dot,
             offs_n,
+            start_n,
             offs_d,
             tail_begin,
             q_len,
@@ -534,6 +557,7 @@ def attn_bwd_dkdv_kernel(
             drop_threshold,
             drop_scale,
             BLOCK_M,
+            BLOCK_N,
             True,
             CAUSAL,
             DROPOUT,
@@ -598,7 +622,7 @@ def _dq_inner(
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, vT)
         if DROPOUT:
-            keep = _dropout_keep(seed_lo, seed_hi, seq, head, offs_m, offs_n, drop_threshold, False)
+            keep = _dropout_keep(seed_lo, seed_hi, seq, head, offs_m, start, drop_threshold, BLOCK_N, False)
             dp = tl.where(keep, dp * drop_scale, 0.0)
         ds = p * (dp - delta[:, None])
         if UPCAST:

@@ -59,7 +59,7 @@ class _Config:
 #                 fwd: BM  BN  warps stages | dK/dV: BM BN warps stages | dQ: BM BN warps stages
 _GPU_CONFIGS = {
     64: _Config(128, 64, 4, 3, 32, 64, 4, 3, 64, 64, 8, 3),
-    128: _Config(128, 64, 8, 3, 64, 64, 8, 3, 64, 64, 8, 3),
+    128: _Config(128, 64, 8, 3, 64, 64, 8, 3, 64, 32, 8, 3),
 }
 # Interpreter: small, unequal blocks so tiny CPU tests cross many tile and diagonal boundaries.
 _INTERPRETER_CONFIG = _Config(32, 16, 1, 1, 16, 32, 1, 1, 32, 16, 1, 1)
