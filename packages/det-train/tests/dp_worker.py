@@ -9,7 +9,6 @@ import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
@@ -18,6 +17,7 @@ from det_core.testing import contiguous_splits  # noqa: E402
 from det_train.grad_accum import CanonicalGradAccumulator  # noqa: E402
 
 LEAF = 4
+DEVICE = torch.device("cpu")  # run_rank sets cuda:<rank> for the NCCL test
 TOKENS = 48  # 12 leaves
 
 
@@ -89,14 +89,15 @@ class TinyLM(torch.nn.Module):
 
 def _lm_batch(tokens):
     g = torch.Generator().manual_seed(3)
-    return torch.randint(0, V, (tokens,), generator=g), torch.randint(0, V, (tokens,), generator=g)
+    ids, targets = torch.randint(0, V, (tokens,), generator=g), torch.randint(0, V, (tokens,), generator=g)
+    return ids.to(DEVICE), targets.to(DEVICE)
 
 
 def case_ops_accum(rank, world):
     """TinyLM through the accumulator: 46 tokens (12 leaves of 4, last short), 2 micro-batches per rank."""
     tokens = 46
     ids, targets = _lm_batch(tokens)
-    model = TinyLM(torch.bfloat16)
+    model = TinyLM(torch.bfloat16).to(DEVICE)
     acc = CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF)
     start, _ = contiguous_splits(48, world, LEAF)[rank]
     for a, b in contiguous_splits(48 // world, 2, LEAF):
@@ -140,7 +141,8 @@ def _ddp_hook_case(rank, world, n_leaves):
     leaf_sums.DEFAULT_LEAF_TOKENS = LEAF  # the ops' plain-backward leaf size, small for the test
     tokens = n_leaves * LEAF
     ids, targets = _lm_batch(tokens)
-    model = DDP(TinyLM(torch.float32))
+    model = TinyLM(torch.float32).to(DEVICE)
+    model = DDP(model, device_ids=[DEVICE.index]) if DEVICE.type == "cuda" else DDP(model)
     model.register_comm_hook(
         det_train.DeterministicAllreduceState(average=False), det_train.deterministic_allreduce_hook
     )
@@ -157,21 +159,30 @@ def case_hook12(rank, world):
     return _ddp_hook_case(rank, world, 12)
 
 
-def run_rank(rank, world, cases, init_method, out_file):
-    """Join the gloo group, run each case (comma-separated names), torch.save the gradients."""
+def run_rank(rank, world, cases, init_method, out_file, backend="gloo"):
+    """Join the group, run each case (comma-separated names), torch.save the gradients (on CPU).
+
+    ``backend="nccl"`` runs on cuda:<rank> (the cases that support a device: ops_accum, hook*).
+    """
+    global DEVICE
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    if backend == "nccl":
+        DEVICE = torch.device("cuda", rank)
+        torch.cuda.set_device(DEVICE)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
     try:
         out = {}
         for case in cases.split(","):
             for name, value in globals()[f"case_{case}"](rank, world).items():
-                out[f"{case}/{name}"] = value.detach().clone()
+                out[f"{case}/{name}"] = value.detach().cpu().clone()
         torch.save(out, out_file)
     finally:
         dist.destroy_process_group()
 
 
 def main():
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any det_train kernel module is imported
     cases, rank, world, init_method, out_file = sys.argv[1:6]
     run_rank(int(rank), int(world), cases, init_method, out_file)
 

@@ -115,6 +115,40 @@ def test_ddp_hook_matches_accumulator_when_aligned():
     assert_bitwise_equal(rank_tree_sum([a, b, c, a]), (a + b) + (c + a), "tree over 4 ranks")
 
 
+def _run_nccl(world: int, cases: str) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import dp_worker
+
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{Path(tmp, 'init')}"
+        outs = [str(Path(tmp, f"rank{r}.pt")) for r in range(world)]
+        ctx = mp.get_context("spawn")  # CUDA is initialised in this process: no fork
+        procs = [
+            ctx.Process(target=dp_worker.run_rank, args=(r, world, cases, init, outs[r], "nccl"))
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=600)
+        codes = [p.exitcode for p in procs]
+        assert codes == [0] * world, f"NCCL ranks failed: exit codes {codes}"
+        return [torch.load(o) for o in outs]
+
+
+@pytest.mark.gpu
+def test_gpu_nccl_dp_2_equals_dp_1():
+    """NCCL on 2 GPUs: accumulator path (DP 1 vs 2, 2 micro-batches per rank) and DDP hook (8 leaves)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (nvidia-h200-x2)")
+    (ref,) = _run_nccl(1, "ops_accum,hook8")
+    for rank, got in enumerate(_run_nccl(2, "ops_accum,hook8")):
+        for name, value in ref.items():
+            assert_bitwise_equal(got[name], value, f"NCCL {name}, DP=2, rank {rank}")
+
+
 def test_reduce_with_group_needs_initialized_process_group():
     from det_train.grad_accum import CanonicalGradAccumulator
 
