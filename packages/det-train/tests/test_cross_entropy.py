@@ -5,7 +5,14 @@ import det_train
 import pytest
 import torch
 from det_core.reduce import TreePartial, leaf_sums_reference
-from det_core.testing import assert_bitwise_equal, assert_row_invariant, assert_run_to_run, contiguous_splits
+from det_core.testing import (
+    assert_bitwise_equal,
+    assert_row_invariant,
+    assert_run_to_run,
+    contiguous_splits,
+    digest,
+    run_in_fresh_process,
+)
 from det_train.grad_accum import CanonicalGradAccumulator
 from det_train.reference_norms import cross_entropy_reference
 
@@ -78,6 +85,22 @@ def test_accuracy_half(dtype):
 def test_run_to_run():
     logits, targets = _inputs(40, 500)
     assert_run_to_run(lambda: _loss_and_grad(logits, targets), repeats=3, name="cross_entropy")
+
+
+def test_fresh_process_cold_cache():
+    code = (
+        "import torch, det_train\n"
+        "from det_core.testing import digest\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "x = (3 * torch.randn(20, 300, generator=g)).bfloat16().requires_grad_()\n"
+        "t = torch.randint(0, 300, (20,), generator=g)\n"
+        "loss = det_train.cross_entropy(x, t); loss.backward()\n"
+        "print(digest([loss, x.grad]))\n"
+    )
+    g = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(20, 300, generator=g)).bfloat16()
+    t = torch.randint(0, 300, (20,), generator=g)
+    assert run_in_fresh_process(code, env={"TRITON_INTERPRET": "1"}) == digest(list(_loss_and_grad(x, t)))
 
 
 def test_micro_batch_invariance_with_num_global_tokens():

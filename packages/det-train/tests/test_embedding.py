@@ -4,7 +4,13 @@ invariant to micro-batching, handles repeated ids without atomics; forward is an
 import det_train
 import pytest
 import torch
-from det_core.testing import assert_bitwise_equal, assert_run_to_run, contiguous_splits
+from det_core.testing import (
+    assert_bitwise_equal,
+    assert_run_to_run,
+    contiguous_splits,
+    digest,
+    run_in_fresh_process,
+)
 from det_train.grad_accum import DEFAULT_LEAF_TOKENS, CanonicalGradAccumulator
 from det_train.reference_norms import embedding_weight_grad_reference
 
@@ -47,6 +53,24 @@ def test_grad_equals_canonical_definition(hot):
 def test_run_to_run():
     ids, w, dy = _inputs(300, 20, 16, hot=3)
     assert_run_to_run(lambda: _grad(ids, w, dy), repeats=3, name="embedding dW")
+
+
+def test_fresh_process_cold_cache():
+    code = (
+        "import torch, det_train\n"
+        "from det_core.testing import digest\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "ids = torch.randint(0, 9, (70,), generator=g)\n"
+        "w = torch.randn(9, 8, generator=g).bfloat16().requires_grad_()\n"
+        "dy = torch.randn(70, 8, generator=g).bfloat16()\n"
+        "det_train.embedding(ids, w).backward(dy)\n"
+        "print(digest(w.grad))\n"
+    )
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 9, (70,), generator=g)
+    w = torch.randn(9, 8, generator=g).bfloat16()
+    dy = torch.randn(70, 8, generator=g).bfloat16()
+    assert run_in_fresh_process(code, env={"TRITON_INTERPRET": "1"}) == digest(_grad(ids, w, dy))
 
 
 @pytest.mark.parametrize("int32", [False, True])
