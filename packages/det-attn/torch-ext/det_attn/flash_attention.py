@@ -226,7 +226,7 @@ def _backward(
     interp = runtime.interpreter_active()
     do = do.contiguous()
     delta = torch.empty_like(lse2)
-    pre_block = 32 if interp else 128
+    pre_block = 32  # fixed: each row is summed alike wherever it sits in a tile (packing-safe)
     _kernels.attn_bwd_preprocess_kernel[(triton.cdiv(total_q, pre_block), heads)](
         o,
         do,
