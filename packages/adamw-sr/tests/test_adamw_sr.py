@@ -623,3 +623,19 @@ def test_compiled_optimizer_step_has_no_graph_break_and_equals_eager():
         assert_bitwise_equal(a, b)
     explained = torch._dynamo.explain(o2.step)()
     assert explained.graph_break_count == 0 and explained.graph_count == 1
+
+
+def test_cached_launch_tables_do_not_keep_old_gradients_alive():
+    # zero_grad(set_to_none=True) gives new gradient tensors each step: the cache must not pin the old
+    import gc
+    import weakref
+
+    p = torch.zeros(64, dtype=torch.bfloat16)
+    opt = AdamWSR([p], lr=1e-3)
+    p.grad = torch.ones(64, dtype=torch.bfloat16)
+    old = weakref.ref(p.grad)
+    opt.step()
+    p.grad = torch.ones(64, dtype=torch.bfloat16)
+    opt.step()
+    gc.collect()
+    assert old() is None

@@ -16,8 +16,11 @@ from det_core.testing import assert_bitwise_equal, digest
 
 pytestmark = pytest.mark.gpu
 
-# odd sizes so base indices are not 4-aligned and windows straddle tensor ends; ~5.2 M elements
+# odd sizes: trailing masked windows; ~5.2 M elements at the default (8-aligned) base indices
 SHAPES = [(2048, 2048), (1_000_003,), (2048,), (7, 13), (4096, 1)]
+# a second group at explicit, unaligned base indices beyond 2**32 (masked leading lanes, 64-bit counters)
+EXTRA_SHAPES = [(333,), (5000,)]
+EXTRA_BASES = [2**33 + 1, 10**12 + 7]
 
 
 def _grads(shapes, step, dtype, device):
@@ -28,20 +31,22 @@ def _grads(shapes, step, dtype, device):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("amsgrad", [False, True])
 def test_cuda_kernel_equals_cpu_reference_bitwise(dtype, amsgrad):
+    shapes = SHAPES + EXTRA_SHAPES
     init = [
-        torch.randn(s, generator=torch.Generator().manual_seed(i)).to(dtype) for i, s in enumerate(SHAPES)
+        torch.randn(s, generator=torch.Generator().manual_seed(i)).to(dtype) for i, s in enumerate(shapes)
     ]
     params = [x.cuda() for x in init]
     kw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, amsgrad=amsgrad)
-    opt = AdamWSR(params, seed=123456789012345, **kw)
+    groups = [{"params": params[: len(SHAPES)]}, {"params": params[len(SHAPES) :], "base_index": EXTRA_BASES}]
+    opt = AdamWSR(groups, seed=123456789012345, **kw)
     refs = [x.clone() for x in init]
-    states = [(torch.zeros(s), torch.zeros(s), torch.zeros(s) if amsgrad else None) for s in SHAPES]
+    states = [(torch.zeros(s), torch.zeros(s), torch.zeros(s) if amsgrad else None) for s in shapes]
+    bases = default_base_indices(r.numel() for r in refs)[: len(SHAPES)] + EXTRA_BASES
     for step in range(1, 4):
-        grads = _grads(SHAPES, step, dtype, "cpu")
+        grads = _grads(shapes, step, dtype, "cpu")
         for p, g in zip(params, grads, strict=True):
             p.grad = g.cuda()
         opt.step()
-        bases = default_base_indices(r.numel() for r in refs)
         for r, g, (m, v, vm), base in zip(refs, grads, states, bases, strict=True):
             adamw_sr_step_reference(
                 r, g, m, v, vm, step=step, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
@@ -50,8 +55,8 @@ def test_cuda_kernel_equals_cpu_reference_bitwise(dtype, amsgrad):
     gpu = {"params": params, "exp_avg": [opt.state[p]["exp_avg"] for p in params]}
     cpu = {"params": refs, "exp_avg": [s[0] for s in states]}
     if digest(gpu) != digest(cpu):
-        for a, b in zip(params, refs, strict=True):
-            assert_bitwise_equal(a.cpu(), b)
+        for i, (a, b) in enumerate(zip(params, refs, strict=True)):
+            assert_bitwise_equal(a.cpu(), b, f"param {i}")
     assert digest(gpu) == digest(cpu)
     print(f"digest {dtype} amsgrad={amsgrad}: {digest(gpu)}")
 

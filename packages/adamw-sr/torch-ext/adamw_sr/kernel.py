@@ -290,8 +290,9 @@ def build_chunk_table(segments: torch.Tensor, block: int) -> torch.Tensor:
     ).contiguous()
 
 
-def _role_table(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int], bool]:
-    """The lowest-address tensor of a role, each tensor's element offset from it, and 16-byte alignment."""
+def _role_table(tensors: list[torch.Tensor]) -> tuple[int, list[int], bool]:
+    """The position of a role's lowest-address tensor, each tensor's element offset from it, and
+    whether all are 16-byte aligned."""
     size = tensors[0].element_size()
     addresses = [t.data_ptr() for t in tensors]
     low = min(range(len(tensors)), key=addresses.__getitem__)
@@ -304,7 +305,7 @@ def _role_table(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int], b
         offsets.append(diff // size)
         aligned &= (diff // size) % 8 == 0
     aligned &= addresses[low] % 16 == 0
-    return tensors[low], offsets, aligned
+    return low, offsets, aligned
 
 
 def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -335,20 +336,24 @@ def _chunk_table(segments: torch.Tensor, block: int, device: torch.device) -> tu
 
 
 class LaunchPlan:
-    """Device tables of one launch, cached while the tensors' addresses and layout stay the same."""
+    """Device tables of one launch, cached while the tensors' addresses and layout stay the same.
+
+    Holds no reference to the tensors (a cached plan must not keep freed gradients alive): only
+    which position of each role has the lowest address, which the launch uses as the base pointer.
+    """
 
     def __init__(self, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, segments, device):
         config = launch_config(device)
         self.block = config["BLOCK"]
         self.num_warps = config["num_warps"]
         roles = [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs or exp_avg_sqs]
-        bases, columns, aligned = [], [], True
+        lowest, columns, aligned = [], [], True
         for tensors in roles:
-            base, offsets, role_aligned = _role_table(tensors)
-            bases.append(base)
+            low, offsets, role_aligned = _role_table(tensors)
+            lowest.append(low)
             columns.append(offsets)
             aligned &= role_aligned
-        self.bases = bases
+        self.lowest = lowest
         table = torch.tensor(list(zip(*columns, strict=True)), dtype=torch.int64).reshape(-1, 5)
         self.tensor_table = to_device_async(table, device)
         self.chunk_table, starts_aligned = _chunk_table(segments, self.block, device)
@@ -358,6 +363,7 @@ class LaunchPlan:
 
 def launch_fused_step(
     plan: LaunchPlan,
+    roles: tuple[list[torch.Tensor], ...],
     steps: torch.Tensor,
     hyper: torch.Tensor,
     *,
@@ -367,13 +373,17 @@ def launch_fused_step(
     param_bf16: bool,
     stochastic: bool,
 ) -> None:
-    """Run the fused step over a prepared ``LaunchPlan`` (no checks: callers validate first)."""
+    """Run the fused step over a prepared ``LaunchPlan`` (no checks: callers validate first).
+
+    ``roles`` are the lists the plan was built from, in order: params, grads, exp_avgs, exp_avg_sqs,
+    max_exp_avg_sqs (``exp_avg_sqs`` again without amsgrad).
+    """
     if plan.num_chunks == 0:
         return
     if not _EXACTNESS_OPTIONS:
         _EXACTNESS_OPTIONS.update(exactness_options())
     seed_lo, seed_hi = rng.split_seed(seed)
-    p, g, m, v, vmax = plan.bases
+    p, g, m, v, vmax = (tensors[low] for tensors, low in zip(roles, plan.lowest, strict=True))
     _adamw_sr_kernel[(plan.num_chunks,)](
         p, g, m, v, vmax,
         plan.tensor_table, plan.chunk_table, steps, hyper,

@@ -166,8 +166,9 @@ def _fused_step_op(
 ) -> None:
     # seed travels as a decimal string: the schema's int is 64-bit signed, a seed is unsigned
     plan = _get_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, segments)
+    roles = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs or exp_avg_sqs)
     kernel.launch_fused_step(
-        plan, steps, hyper, seed=int(seed), amsgrad=amsgrad, maximize=maximize,
+        plan, roles, steps, hyper, seed=int(seed), amsgrad=amsgrad, maximize=maximize,
         param_bf16=params[0].dtype == torch.bfloat16, stochastic=stochastic,
     )  # fmt: skip
 
