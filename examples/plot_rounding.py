@@ -29,6 +29,35 @@ def moving_average(values: list[float], window: int) -> list[float]:
     return out
 
 
+def plot(meta: dict, out: Path) -> None:
+    """Both curves (raw, faint; moving mean, bold) as a PNG, and ``meta`` beside it as JSON."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs, steps_total = meta["runs"], meta["config"]["steps"]
+    window = max(1, steps_total // 20)
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+    for (rounding, run), color in zip(runs.items(), ("tab:blue", "tab:red"), strict=True):
+        steps = range(1, len(run["losses"]) + 1)
+        ax.plot(steps, run["losses"], color=color, alpha=0.25, linewidth=0.8)
+        label = f"AdamWSR, {rounding} (held-out {run['val_loss']:.3f})"
+        ax.plot(steps, moving_average(run["losses"], window), color=color, linewidth=1.6, label=label)
+    ax.set_title(
+        f"bf16 weights, no fp32 master: {meta['n_params'] / 1e6:.2g} M params, lr {meta['config']['lr']:g}"
+    )
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"train loss (nats/byte, {window}-step mean)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
+    print(f"wrote {out} and {out.with_suffix('.json')}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(tg.PRESETS))
@@ -37,7 +66,11 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, help="peak learning rate (default: the preset's)")
     p.add_argument("--constant-lr", action="store_true", help="no cosine decay after warm-up")
     p.add_argument("--out", default="docs/img/rounding.png")
+    p.add_argument("--replot", metavar="JSON", help="only redraw from a JSON this script wrote")
     args = p.parse_args(argv)
+    if args.replot:
+        plot(json.loads(Path(args.replot).read_text()), Path(args.out))
+        return 0
     overrides = {"kernels": args.kernels, "optimizer": "adamw_sr"}
     for key in ("steps", "lr"):
         if getattr(args, key) is not None:
@@ -58,33 +91,9 @@ def main(argv=None) -> int:
             f"{rounding:>10}: final train loss {result['losses'][-1]:.4f}, held-out {result['val_loss']:.4f}"
         )
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    window = max(1, cfg.steps // 20)
-    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
-    for (rounding, run), color in zip(runs.items(), ("tab:blue", "tab:red"), strict=True):
-        steps = range(1, len(run["losses"]) + 1)
-        ax.plot(steps, run["losses"], color=color, alpha=0.25, linewidth=0.8)
-        label = f"{rounding} (held-out {run['val_loss']:.3f})"
-        ax.plot(steps, moving_average(run["losses"], window), color=color, linewidth=1.6, label=label)
     n_params = sum(p.numel() for p in tg.GPT(cfg.model_config(), kernels="torch").parameters())
-    ax.set_title(
-        f"bf16 weights, no fp32 master: AdamW rounding ({n_params / 1e6:.2g} M params, lr {cfg.lr:g})"
-    )
-    ax.set_xlabel("step")
-    ax.set_ylabel(f"train loss (nats/byte, {window}-step mean)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
     meta = {"config": dataclasses.asdict(cfg), "n_params": n_params, "runs": runs}
-    out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
-    print(f"wrote {out} and {out.with_suffix('.json')}")
+    plot(meta, Path(args.out))
     return 0
 
 
