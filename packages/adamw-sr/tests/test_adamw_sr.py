@@ -437,7 +437,7 @@ def test_f_loads_a_torch_adamw_state_dict():
 # --------------------------------------------------------------------------- g. bf16-only network
 
 
-def _train_regression(kind, steps=60, lr=1e-3):
+def _train_regression(kind, steps=40, lr=1e-3):
     # a linear layer 0.05 away from a solution; lr 1e-3 is below half a bf16 ULP for |w| > 0.25
     g = torch.Generator().manual_seed(0)
     x = torch.randn(256, 16, generator=g)
@@ -460,8 +460,9 @@ def _train_regression(kind, steps=60, lr=1e-3):
 
 def test_g_bf16_only_network_sr_beats_nearest_and_nears_fp32_master():
     loss_sr, loss_rn, loss_32 = (_train_regression(k) for k in ("sr", "nearest", "fp32_master"))
-    assert loss_sr < 0.5 * loss_rn, (loss_sr, loss_rn)
-    assert loss_sr < 1.5 * loss_32 + 1e-3, (loss_sr, loss_32)
+    assert loss_sr < 0.5 * loss_rn, (loss_sr, loss_rn, loss_32)
+    # measured: SR 0.0139, nearest 0.0351, fp32 master 0.0123 (from 0.045)
+    assert loss_sr < 1.25 * loss_32, (loss_sr, loss_32)
 
 
 # --------------------------------------------------------------------------- bad input
