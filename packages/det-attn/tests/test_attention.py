@@ -416,6 +416,8 @@ def _bad_cases():
         (ValueError, "seed", lambda: attention(q, k, v, dropout_p=0.1)),
         (ValueError, "dropout_p", lambda: attention(q, k, v, dropout_p=1.0, seed=0)),
         (ValueError, "softmax_scale", lambda: attention(q, k, v, softmax_scale=-1.0)),
+        (ValueError, "sequence_offset", lambda: attention(q, k, v, sequence_offset=2**32)),
+        (ValueError, "head_offset", lambda: attention(q, k, v, head_offset=2**19)),
         (ValueError, "device", lambda: attention(q, k.to("meta"), v.to("meta"))),
         (TypeError, "int32", lambda: attention_varlen(*flat, cu.long(), cu, 8, 8)),
         (

@@ -106,7 +106,13 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dims: int, op:
 
 
 def _check_dropout(
-    dropout_p: float, seed: int | None, sequence_offset: int, head_offset: int, heads: int, op: str
+    dropout_p: float,
+    seed: int | None,
+    sequence_offset: int,
+    head_offset: int,
+    heads: int,
+    batch: int,
+    op: str,
 ) -> None:
     if not 0.0 <= float(dropout_p) < 1.0:
         raise ValueError(f"{op}: dropout_p must be in [0, 1), got {dropout_p}")
@@ -116,8 +122,10 @@ def _check_dropout(
                 f"{op}: dropout_p > 0 needs an explicit integer seed (there is no global generator)"
             )
         rng.check_key(seed, 0, rng.STREAM_ATTN_DROPOUT)
-    if not 0 <= int(sequence_offset) < 2**32:
-        raise ValueError(f"{op}: sequence_offset must be in [0, 2**32), got {sequence_offset}")
+    if not 0 <= int(sequence_offset) or int(sequence_offset) + batch > 2**32:
+        raise ValueError(
+            f"{op}: sequence_offset + sequences must be in [0, 2**32], got {sequence_offset} + {batch}"
+        )
     if not 0 <= int(head_offset) or int(head_offset) + heads > _MAX_HEADS:
         raise ValueError(
             f"{op}: head_offset + heads must be in [0, {_MAX_HEADS}], got {head_offset} + {heads}"
@@ -448,7 +456,7 @@ def attention(
         raise ValueError(
             f"{op}: causal attention needs T_k >= T_q (bottom-right alignment), got {t_k} < {t_q}"
         )
-    _check_dropout(dropout_p, seed, sequence_offset, head_offset, heads, op)
+    _check_dropout(dropout_p, seed, sequence_offset, head_offset, heads, batch, op)
     scale = _scale(softmax_scale, head_dim, op)
     cu_q = torch.arange(0, batch + 1, device=q.device, dtype=torch.int32) * t_q
     cu_k = torch.arange(0, batch + 1, device=q.device, dtype=torch.int32) * t_k
@@ -555,7 +563,7 @@ def attention_varlen(
         raise ValueError(f"{op}: a sequence has queries but no keys (its attention is undefined)")
     if causal and bool((len_k < len_q).any()):
         raise ValueError(f"{op}: causal attention needs every key length >= its query length (bottom-right)")
-    _check_dropout(dropout_p, seed, sequence_offset, head_offset, heads, op)
+    _check_dropout(dropout_p, seed, sequence_offset, head_offset, heads, len_q.numel(), op)
     scale = _scale(softmax_scale, head_dim, op)
     o, lse2 = _AttentionFunction.apply(
         q,
