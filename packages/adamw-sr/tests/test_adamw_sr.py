@@ -640,3 +640,16 @@ def test_cached_launch_tables_do_not_keep_old_gradients_alive():
     opt.step()
     gc.collect()
     assert old() is None
+
+
+@pytest.mark.parametrize(
+    "param_dtype,grad_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)]
+)
+def test_mixed_param_and_grad_dtypes_equal_reference(param_dtype, grad_dtype):
+    p = torch.randn(300).to(param_dtype)
+    g = torch.randn(300).to(grad_dtype)
+    r = p.clone()
+    m, v = torch.zeros(300), torch.zeros(300)
+    adamw_sr_step([p], [g], [m.clone()], [v.clone()], None, torch.ones(1), lr=1e-2, seed=6)
+    adamw_sr_step_reference(r, g, m, v, step=1, lr=1e-2, seed=6)
+    assert_bitwise_equal(p, r)
