@@ -28,6 +28,10 @@ def dropout_keep_mask(
 
     Philox key ``seed``, step word ``sequence``, stream ``rng.STREAM_ATTN_DROPOUT``, index
     ``head << 44 | query << 22 | key``; keep iff the 32 bits are ``>= round(dropout_p * 2**32)``.
+    Raises ``ValueError`` (from det-core) for a seed or sequence outside the contract's word sizes.
+
+    **Determinism:** a pure function of its arguments (counter-based RNG, no global state).
+    Method: Philox4x32-10 (Salmon et al., SC'11) through det-core's torch reference.
     """
     threshold = min(int(round(dropout_p * 2**32)), 2**32 - 1)
     qi = torch.arange(t_q, dtype=torch.int64, device=device)[:, None]
@@ -54,7 +58,11 @@ def attention_reference(
 
     Returns ``(o, lse)``: ``o`` ``(B, T_q, H_q, D)`` in ``dtype`` and the natural LSE
     ``(B, H_q, T_q)``. Differentiable (autograd through plain torch ops). Causal masks are
-    bottom-right aligned like the kernels.
+    bottom-right aligned like the kernels; dropout uses ``dropout_keep_mask`` (needs ``seed``).
+
+    **Determinism:** plain torch on CPU in fp64 is deterministic; on CUDA it follows torch's
+    matmul (not guaranteed bitwise). It is an accuracy reference, not a bitwise one.
+    Method: the textbook softmax attention (Vaswani et al., 2017), materialising the scores.
     """
     batch, t_q, heads, head_dim = q.shape
     t_k, kv_heads = k.shape[1], k.shape[2]
@@ -98,7 +106,10 @@ def attention_varlen_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of ``det_attn.attention_varlen``: ``(o (total_q, H, D), lse (H, total_q))``.
 
-    Runs ``attention_reference`` per sequence (sequence index ``sequence_offset + b``).
+    Runs ``attention_reference`` per sequence (sequence index ``sequence_offset + b``); takes
+    ``(total, H, D)`` tensors and int32 ``cu_seqlens`` plus ``attention_reference``'s keywords.
+
+    **Determinism:** as ``attention_reference``. Method: as ``attention_reference``.
     """
     sequence_offset = kwargs.pop("sequence_offset", 0)
     outs, lses = [], []
