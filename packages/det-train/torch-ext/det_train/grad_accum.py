@@ -283,9 +283,7 @@ class CanonicalGradAccumulator:
             grads: dict[int, torch.Tensor] = {}
             for (index, _use), partial in sorted(partials.items()):
                 name = self._names[index]
-                if any(level == 0 and i >= total_leaves for level, i in partial.nodes) or any(
-                    (i << level) >= total_leaves for level, i in partial.nodes
-                ):
+                if any((i << level) >= total_leaves for level, i in partial.nodes):  # first leaf of a node
                     raise ValueError(
                         f"{name}: deposits reach past leaf {total_leaves - 1} "
                         f"(total_tokens={total_tokens}, leaf_tokens={self.leaf_tokens})"
