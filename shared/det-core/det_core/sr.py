@@ -42,8 +42,32 @@ def stochastic_round_bf16(x, rbits):
 
 @triton.jit
 def round_nearest_bf16(x):
-    """Round-to-nearest-even fp32 -> bf16 (the hardware conversion), for the non-SR path."""
-    return x.to(tl.bfloat16)
+    """Round-to-nearest-even fp32 -> bf16 by bit arithmetic, for the non-SR path.
+
+    Equals the hardware conversion for every non-NaN input (NaN -> quiet NaN with its sign, as
+    ``stochastic_round_bf16``). Written out because the Triton interpreter's fp32 -> bf16 cast
+    truncates, which would make CPU and GPU bits differ.
+    """
+    xb = x.to(tl.uint32, bitcast=True)
+    is_nan = ((xb & 0x7F800000) == 0x7F800000) & ((xb & 0x007FFFFF) != 0)
+    rounded = (xb + 0x7FFF + ((xb >> 16) & 1)) & 0xFFFF0000
+    out = tl.where(is_nan, (xb & 0x80000000) | 0x7FC00000, rounded)
+    return (out >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+def round_nearest_bf16_torch(x: torch.Tensor) -> torch.Tensor:
+    """Reference of ``round_nearest_bf16``: fp32 -> bf16, nearest-even, NaN -> quiet NaN with sign.
+
+    Raises ``TypeError`` unless ``x`` is fp32.
+    """
+    if x.dtype != torch.float32:
+        raise TypeError(f"round_nearest_bf16_torch takes fp32 input, got {x.dtype}")
+    xb = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    is_nan = ((xb & _EXP_MASK) == _EXP_MASK) & ((xb & _MAN_MASK) != 0)
+    rounded = ((xb + 0x7FFF + ((xb >> 16) & 1)) & 0xFFFF0000) & 0xFFFFFFFF
+    out = torch.where(is_nan, (xb & 0x80000000) | 0x7FC00000, rounded)
+    top = (out >> 16).to(torch.int32)
+    return torch.where(top >= 0x8000, top - 0x10000, top).to(torch.int16).view(torch.bfloat16)
 
 
 def stochastic_round_bf16_torch(x: torch.Tensor, rbits: torch.Tensor) -> torch.Tensor:

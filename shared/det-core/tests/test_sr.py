@@ -143,3 +143,22 @@ def test_rejects_non_fp32_and_shape_mismatch():
 def test_gpu_sr_equals_cpu_reference_at_size():
     x = torch.randn(1 << 22) * 100
     assert_bitwise_equal(sr_triton(x, 3, 9), sr_torch(x, 3, 9), "gpu sr")
+
+
+@triton.jit
+def _rn_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    tl.store(out_ptr + offs, sr.round_nearest_bf16(tl.load(x_ptr + offs, mask=m, other=0.0)), mask=m)
+
+
+def test_round_nearest_equals_torch_cast_and_reference():
+    # ties (low half exactly 0x8000) in both parities, specials and random values
+    ties = torch.tensor([0x3F808000, 0x3F818000, 0xBF808000, 0x7F7F8000], dtype=torch.int64).to(torch.int32)
+    x = torch.cat([torch.randn(3000) * 1e3, SPECIALS, ties.view(torch.float32)])
+    out = torch.empty(x.shape, dtype=torch.bfloat16, device=_device())
+    _rn_kernel[(triton.cdiv(x.numel(), 256),)](x.to(_device()), out, x.numel(), BLOCK=256)
+    ref = sr.round_nearest_bf16_torch(x)
+    assert_bitwise_equal(out.cpu(), ref, "round nearest: triton vs reference")
+    finite = ~torch.isnan(x)
+    assert_bitwise_equal(ref[finite], x[finite].to(torch.bfloat16), "round nearest vs torch cast")
