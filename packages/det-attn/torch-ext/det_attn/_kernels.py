@@ -73,6 +73,34 @@ def _dropout_keep(
 
 
 @triton.jit
+def _seq_span(cu_ptr, seq, seqlen, DENSE: tl.constexpr):
+    # (first token, length) of sequence `seq`: from cu_seqlens, or, for a padded batch (DENSE),
+    # seq * seqlen and seqlen (the same numbers, with no dependent load before the first tile).
+    if DENSE:
+        start = seq.to(tl.int64) * seqlen
+        length = tl.zeros([], tl.int32) + seqlen
+    else:
+        start = tl.load(cu_ptr + seq).to(tl.int64)
+        length = (tl.load(cu_ptr + seq + 1) - start).to(tl.int32)
+    return start, length
+
+
+@triton.jit
+def _program_tile(n_tiles, n_heads, HEAVY_LAST: tl.constexpr):
+    # Grid axis 0 is tile-rank-major over heads (rank * n_heads + head) so that every head's
+    # heaviest causal tile is dispatched before any lighter one (longest job first); axis 1 is
+    # the sequence. Which program owns a tile never changes what the tile computes (no effect on bits).
+    pid = tl.program_id(0)
+    rank = pid // n_heads
+    head = pid % n_heads
+    if HEAVY_LAST:
+        tile = n_tiles - 1 - rank
+    else:
+        tile = rank
+    return tile, tl.program_id(1), head
+
+
+@triton.jit
 def _fwd_inner(
     acc,
     l_i,
@@ -136,7 +164,7 @@ def _fwd_inner(
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tiles"])  # one binary for every sequence length
 def attn_fwd_kernel(
     # pointers
     q_ptr,
@@ -148,6 +176,9 @@ def attn_fwd_kernel(
     cu_k_ptr,
     # sizes and scalars
     n_tiles,
+    n_heads,
+    seqlen_q,
+    seqlen_k,
     group,
     qk_scale,
     seed_lo,
@@ -171,17 +202,14 @@ def attn_fwd_kernel(
     CAUSAL: tl.constexpr,
     DROPOUT: tl.constexpr,
     UPCAST: tl.constexpr,
+    DENSE: tl.constexpr,
 ):
-    tile = n_tiles - 1 - tl.program_id(0)  # heaviest causal tiles first; no effect on bits
-    seq = tl.program_id(1)
-    head = tl.program_id(2)
-    q_start = tl.load(cu_q_ptr + seq).to(tl.int64)
-    q_len = (tl.load(cu_q_ptr + seq + 1) - q_start).to(tl.int32)
+    tile, seq, head = _program_tile(n_tiles, n_heads, True)  # causal: later query tiles are heavier
+    q_start, q_len = _seq_span(cu_q_ptr, seq, seqlen_q, DENSE)
     start_m = tile * BLOCK_M
     if start_m >= q_len:
         return
-    k_start = tl.load(cu_k_ptr + seq).to(tl.int64)
-    k_len = (tl.load(cu_k_ptr + seq + 1) - k_start).to(tl.int32)
+    k_start, k_len = _seq_span(cu_k_ptr, seq, seqlen_k, DENSE)
     diag = k_len - q_len  # bottom-right causal alignment: query i sees keys j <= i + diag
     kv_head = head // group
     DTYPE = q_ptr.dtype.element_ty
@@ -377,7 +405,7 @@ def _dkdv_inner(
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tiles"])  # one binary for every sequence length
 def attn_bwd_dkdv_kernel(
     # pointers
     q_ptr,
@@ -392,6 +420,9 @@ def attn_bwd_dkdv_kernel(
     cu_k_ptr,
     # sizes and scalars
     n_tiles,
+    n_heads,
+    seqlen_q,
+    seqlen_k,
     group,
     sm_scale,
     qk_scale,
@@ -418,19 +449,16 @@ def attn_bwd_dkdv_kernel(
     CAUSAL: tl.constexpr,
     DROPOUT: tl.constexpr,
     UPCAST: tl.constexpr,
+    DENSE: tl.constexpr,
 ):
     # One program owns KV block `tile` of KV head `kv_head`: it sums over the query heads of the
     # group (ascending) and, for each, over the query blocks (ascending). No atomics.
-    tile = n_tiles - 1 - tl.program_id(0)
-    seq = tl.program_id(1)
-    kv_head = tl.program_id(2)
-    k_start = tl.load(cu_k_ptr + seq).to(tl.int64)
-    k_len = (tl.load(cu_k_ptr + seq + 1) - k_start).to(tl.int32)
+    tile, seq, kv_head = _program_tile(n_tiles, n_heads, False)  # causal: early KV tiles are heavier
+    k_start, k_len = _seq_span(cu_k_ptr, seq, seqlen_k, DENSE)
     start_n = tile * BLOCK_N
     if start_n >= k_len:
         return
-    q_start = tl.load(cu_q_ptr + seq).to(tl.int64)
-    q_len = (tl.load(cu_q_ptr + seq + 1) - q_start).to(tl.int32)
+    q_start, q_len = _seq_span(cu_q_ptr, seq, seqlen_q, DENSE)
     diag = k_len - q_len
     DTYPE = q_ptr.dtype.element_ty
 
@@ -632,7 +660,7 @@ def _dq_inner(
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tiles"])  # one binary for every sequence length
 def attn_bwd_dq_kernel(
     # pointers
     q_ptr,
@@ -646,6 +674,9 @@ def attn_bwd_dq_kernel(
     cu_k_ptr,
     # sizes and scalars
     n_tiles,
+    n_heads,
+    seqlen_q,
+    seqlen_k,
     group,
     sm_scale,
     qk_scale,
@@ -672,18 +703,15 @@ def attn_bwd_dq_kernel(
     CAUSAL: tl.constexpr,
     DROPOUT: tl.constexpr,
     UPCAST: tl.constexpr,
+    DENSE: tl.constexpr,
 ):
     # One program owns query block `tile` of one head and loops over KV blocks in ascending order.
-    tile = n_tiles - 1 - tl.program_id(0)
-    seq = tl.program_id(1)
-    head = tl.program_id(2)
-    q_start = tl.load(cu_q_ptr + seq).to(tl.int64)
-    q_len = (tl.load(cu_q_ptr + seq + 1) - q_start).to(tl.int32)
+    tile, seq, head = _program_tile(n_tiles, n_heads, True)
+    q_start, q_len = _seq_span(cu_q_ptr, seq, seqlen_q, DENSE)
     start_m = tile * BLOCK_M
     if start_m >= q_len:
         return
-    k_start = tl.load(cu_k_ptr + seq).to(tl.int64)
-    k_len = (tl.load(cu_k_ptr + seq + 1) - k_start).to(tl.int32)
+    k_start, k_len = _seq_span(cu_k_ptr, seq, seqlen_k, DENSE)
     diag = k_len - q_len
     kv_head = head // group
     DTYPE = q_ptr.dtype.element_ty

@@ -36,7 +36,11 @@ class _Config:
     Reduction-order-defining (changing one changes bits, so they depend only on head dim and the
     interpreter switch, never on batch, sequence length or packing):
     ``fwd_block_n`` (keys per online-softmax step), ``dkdv_block_m`` (queries per dK/dV step),
-    ``dq_block_n`` (keys per dQ step). The others only change which rows a program owns.
+    ``dq_block_n`` (keys per dQ step). ``fwd_block_m`` and ``fwd_warps`` set the register layout
+    of the softmax row sums, which may fix another fp32 order within a row (whether they do is
+    checked on the GPU by ``benchmarks/ablate_attention.py``). The others (stages, the backward
+    kernels' owned-block sizes and warps) only change which rows a program owns and when loads
+    are issued.
     """
 
     fwd_block_m: int
@@ -51,15 +55,19 @@ class _Config:
     dq_block_n: int
     dq_warps: int
     dq_stages: int
+    # forward pipeline depth with dropout on (its Philox tiles need shared memory for layout
+    # changes: at D=128 three stages would exceed the H200's 227 KiB); 0 = fwd_stages. No effect on bits.
+    fwd_dropout_stages: int = 0
 
 
-# Fixed table (no autotune), bf16 and fp16 alike, causal or not. Starting points: Triton tutorial
-# 06 (fused attention) Hopper configs, then the candidates with the fewest register spills when
-# compiled for sm_90 (ptxas -v); the benchmark's --sweep times the alternatives on the GPU.
-#                 fwd: BM  BN  warps stages | dK/dV: BM BN warps stages | dQ: BM BN warps stages
+# Fixed table (no autotune), bf16 and fp16 alike, causal or not. Each row is the fastest measured
+# on an H200 (benchmarks/bench_attention.py --sweep at B4 H32 T4096 causal, and
+# benchmarks/ablate_attention.py at T1024/T4096); the fields marked * set a summation order, so
+# changing one changes bits (for every input alike: never chosen per shape).
+#                 fwd: BM  BN* warps stages | dK/dV: BM* BN warps stages | dQ: BM BN* warps stages
 _GPU_CONFIGS = {
-    64: _Config(128, 64, 4, 3, 32, 64, 4, 3, 64, 64, 8, 3),
-    128: _Config(128, 64, 8, 3, 64, 64, 8, 3, 64, 32, 8, 3),
+    64: _Config(128, 64, 8, 3, 64, 64, 4, 3, 64, 64, 4, 3),
+    128: _Config(128, 128, 8, 3, 64, 128, 8, 3, 128, 64, 8, 3, fwd_dropout_stages=2),
 }
 # Interpreter: small, unequal blocks so tiny CPU tests cross many tile and diagonal boundaries.
 _INTERPRETER_CONFIG = _Config(32, 16, 1, 1, 16, 32, 1, 1, 32, 16, 1, 1)
@@ -165,15 +173,34 @@ def _dropout_args(dropout_p: float, seed: int | None) -> tuple[int, int, int, fl
     return seed_lo, seed_hi, threshold, 1.0 / (1.0 - dropout_p)
 
 
-def _forward(q, k, v, cu_q, cu_k, max_q, scale, causal, dropout_p, seed, sequence_offset, head_offset):
+def _grid(n_tiles: int, heads: int, batch: int) -> tuple[int, int]:
+    # axis 0: tile rank major over heads (see _kernels._program_tile); axis 1: sequences
+    if n_tiles * heads >= 2**31:  # pragma: no cover - needs > 2**31 (tile, head) pairs
+        raise ValueError(f"det_attn: {n_tiles} tiles x {heads} heads exceed the CUDA grid; split the heads")
+    return (n_tiles * heads, batch)
+
+
+def _seq_args(cu_q, cu_k, dense, placeholder):
+    """Kernel arguments of the sequence layout: (cu_q, cu_k, seqlen_q, seqlen_k, DENSE).
+
+    ``dense`` is ``(batch, T_q, T_k)`` for a padded batch (sequence b starts at b * T, no cu_seqlens
+    tensors and no loads of them), else None (packed, cu_seqlens given).
+    """
+    if dense is None:
+        return cu_q, cu_k, 0, 0, False
+    return placeholder, placeholder, dense[1], dense[2], True
+
+
+def _forward(q, k, v, cu_q, cu_k, dense, max_q, scale, causal, dropout_p, seed, sequence_offset, head_offset):
     total_q, heads, head_dim = q.shape
-    batch = cu_q.numel() - 1
+    batch = dense[0] if dense is not None else cu_q.numel() - 1
     cfg = _config(head_dim)
     o = torch.empty_like(q)
     lse2 = torch.empty((heads, total_q), device=q.device, dtype=torch.float32)
     seed_lo, seed_hi, threshold, drop_scale = _dropout_args(dropout_p, seed)
     n_tiles = triton.cdiv(max_q, cfg.fwd_block_m)
-    _kernels.attn_fwd_kernel[(n_tiles, batch, heads)](
+    cu_q, cu_k, seqlen_q, seqlen_k, is_dense = _seq_args(cu_q, cu_k, dense, lse2)
+    _kernels.attn_fwd_kernel[_grid(n_tiles, heads, batch)](
         q,
         k,
         v,
@@ -182,6 +209,9 @@ def _forward(q, k, v, cu_q, cu_k, max_q, scale, causal, dropout_p, seed, sequenc
         cu_q,
         cu_k,
         n_tiles,
+        heads,
+        seqlen_q,
+        seqlen_k,
         heads // k.shape[1],
         scale * math.log2(math.e),
         seed_lo,
@@ -203,8 +233,9 @@ def _forward(q, k, v, cu_q, cu_k, max_q, scale, causal, dropout_p, seed, sequenc
         CAUSAL=causal,
         DROPOUT=dropout_p > 0.0,
         UPCAST=runtime.interpreter_active(),
+        DENSE=is_dense,
         num_warps=cfg.fwd_warps,
-        num_stages=cfg.fwd_stages,
+        num_stages=cfg.fwd_dropout_stages if dropout_p > 0.0 and cfg.fwd_dropout_stages else cfg.fwd_stages,
     )
     return o, lse2
 
@@ -218,6 +249,7 @@ def _backward(
     lse2,
     cu_q,
     cu_k,
+    dense,
     max_q,
     max_k,
     scale,
@@ -229,7 +261,7 @@ def _backward(
 ):
     total_q, heads, head_dim = q.shape
     kv_heads = k.shape[1]
-    batch = cu_q.numel() - 1
+    batch = dense[0] if dense is not None else cu_q.numel() - 1
     cfg = _config(head_dim)
     interp = runtime.interpreter_active()
     do = do.contiguous()
@@ -252,9 +284,10 @@ def _backward(
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     seed_lo, seed_hi, threshold, drop_scale = _dropout_args(dropout_p, seed)
-    common = dict(HEAD_DIM=head_dim, CAUSAL=causal, DROPOUT=dropout_p > 0.0, UPCAST=interp)
+    cu_q, cu_k, seqlen_q, seqlen_k, is_dense = _seq_args(cu_q, cu_k, dense, delta)
+    common = dict(HEAD_DIM=head_dim, CAUSAL=causal, DROPOUT=dropout_p > 0.0, UPCAST=interp, DENSE=is_dense)
     n_kv_tiles = triton.cdiv(max_k, cfg.dkdv_block_n)
-    _kernels.attn_bwd_dkdv_kernel[(n_kv_tiles, batch, kv_heads)](
+    _kernels.attn_bwd_dkdv_kernel[_grid(n_kv_tiles, kv_heads, batch)](
         q,
         k,
         v,
@@ -266,6 +299,9 @@ def _backward(
         cu_q,
         cu_k,
         n_kv_tiles,
+        kv_heads,
+        seqlen_q,
+        seqlen_k,
         heads // kv_heads,
         scale,
         scale * math.log2(math.e),
@@ -291,7 +327,7 @@ def _backward(
         **common,
     )
     n_q_tiles = triton.cdiv(max_q, cfg.dq_block_m)
-    _kernels.attn_bwd_dq_kernel[(n_q_tiles, batch, heads)](
+    _kernels.attn_bwd_dq_kernel[_grid(n_q_tiles, heads, batch)](
         q,
         k,
         v,
@@ -302,6 +338,9 @@ def _backward(
         cu_q,
         cu_k,
         n_q_tiles,
+        heads,
+        seqlen_q,
+        seqlen_k,
         heads // kv_heads,
         scale,
         scale * math.log2(math.e),
@@ -332,21 +371,35 @@ def _backward(
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, dropout_p, seed, sequence_offset, head_offset
+        ctx,
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        dense,
+        max_q,
+        max_k,
+        scale,
+        causal,
+        dropout_p,
+        seed,
+        sequence_offset,
+        head_offset,
     ):
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         o, lse2 = _forward(
-            q, k, v, cu_q, cu_k, max_q, scale, causal, dropout_p, seed, sequence_offset, head_offset
+            q, k, v, cu_q, cu_k, dense, max_q, scale, causal, dropout_p, seed, sequence_offset, head_offset
         )
         ctx.save_for_backward(q, k, v, o, lse2, cu_q, cu_k)
-        ctx.args = (max_q, max_k, scale, causal, dropout_p, seed, sequence_offset, head_offset)
+        ctx.args = (dense, max_q, max_k, scale, causal, dropout_p, seed, sequence_offset, head_offset)
         ctx.mark_non_differentiable(lse2)
         return o, lse2
 
     @staticmethod
     def backward(ctx, do, _dlse2):
         q, k, v, o, lse2, cu_q, cu_k = ctx.saved_tensors
-        max_q, max_k, scale, causal, dropout_p, seed, sequence_offset, head_offset = ctx.args
+        dense, max_q, max_k, scale, causal, dropout_p, seed, sequence_offset, head_offset = ctx.args
         dq, dk, dv = _backward(
             do,
             q,
@@ -356,6 +409,7 @@ class _AttentionFunction(torch.autograd.Function):
             lse2,
             cu_q,
             cu_k,
+            dense,
             max_q,
             max_k,
             scale,
@@ -365,7 +419,7 @@ class _AttentionFunction(torch.autograd.Function):
             sequence_offset,
             head_offset,
         )
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
 
 def _scale(softmax_scale: float | None, head_dim: int, op: str) -> float:
@@ -458,14 +512,14 @@ def attention(
         )
     _check_dropout(dropout_p, seed, sequence_offset, head_offset, heads, batch, op)
     scale = _scale(softmax_scale, head_dim, op)
-    cu_q = torch.arange(0, batch + 1, device=q.device, dtype=torch.int32) * t_q
-    cu_k = torch.arange(0, batch + 1, device=q.device, dtype=torch.int32) * t_k
+    # padded batch: sequence b starts at token b * T (no cu_seqlens tensors, no host sync)
     o, lse2 = _AttentionFunction.apply(
         q.reshape(batch * t_q, heads, head_dim),
         k.reshape(batch * t_k, k.shape[2], head_dim),
         v.reshape(batch * t_k, k.shape[2], head_dim),
-        cu_q,
-        cu_k,
+        None,
+        None,
+        (batch, t_q, t_k),
         t_q,
         t_k,
         scale,
@@ -571,6 +625,7 @@ def attention_varlen(
         v,
         cu_seqlens_q,
         cu_seqlens_k,
+        None,
         max(int(max_seqlen_q), 1),
         max(int(max_seqlen_k), 1),
         scale,
