@@ -74,6 +74,50 @@ def test_kernel_equals_reference_bitwise(param_dtype, amsgrad, maximize, stochas
         assert opt.state[p]["step"].item() == 3.0
 
 
+# Launch variants (tile shape, tiles per window, scalars precomputed or per program, warps) change only
+# which thread computes what: each must give the reference's bits. Sizes give full tiles, masked tails,
+# tiles wholly past a tensor's end (skipped) and, at unaligned explicit bases, masked leading lanes.
+@pytest.mark.parametrize(
+    "config,amsgrad",
+    [
+        (dict(BLOCK=64, SUB=16, num_warps=2, TILE_2D=True, PRECOMPUTED=True), False),
+        (dict(BLOCK=64, SUB=16, num_warps=2, TILE_2D=False, PRECOMPUTED=False), True),
+        (dict(BLOCK=32, SUB=32, num_warps=1, TILE_2D=True, PRECOMPUTED=False), False),
+        (dict(BLOCK=48, SUB=8, num_warps=1, TILE_2D=False, PRECOMPUTED=True), False),
+    ],
+)
+def test_kernel_variants_equal_reference(config, amsgrad, monkeypatch):
+    from adamw_sr import kernel
+    from adamw_sr.optimizer import _PLAN_CACHE
+
+    monkeypatch.setitem(kernel.LAUNCH_CONFIGS, "interpreter", config)
+    _PLAN_CACHE.clear()
+    shapes = [(7,), (100,), (3, 33), (130,)]
+    bases = [0, 8, 2**33 + 1, 10**12 + 7]  # last two unaligned: leading lanes masked
+    params = [
+        torch.randn(s, generator=torch.Generator().manual_seed(i)).bfloat16() for i, s in enumerate(shapes)
+    ]
+    refs = [p.clone() for p in params]
+    opt = AdamWSR(
+        [{"params": params, "base_index": bases}], lr=3e-2, weight_decay=0.1, amsgrad=amsgrad, seed=5
+    )
+    states = [(torch.zeros(s), torch.zeros(s), torch.zeros(s) if amsgrad else None) for s in shapes]
+    for step in range(1, 3):
+        grads = _grads(shapes, step, torch.bfloat16)
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        opt.step()
+        for r, g, (m, v, vm), b in zip(refs, grads, states, bases, strict=True):
+            adamw_sr_step_reference(
+                r, g, m, v, vm, step=step, lr=3e-2, weight_decay=0.1, amsgrad=amsgrad, seed=5, base_index=b
+            )
+    _PLAN_CACHE.clear()
+    for i, (p, r, (m, v, _)) in enumerate(zip(params, refs, states, strict=True)):
+        assert_bitwise_equal(p, r, f"param {i}")
+        assert_bitwise_equal(opt.state[p]["exp_avg"], m, f"exp_avg {i}")
+        assert_bitwise_equal(opt.state[p]["exp_avg_sq"], v, f"exp_avg_sq {i}")
+
+
 def test_reference_sqrt_is_correctly_rounded():
     # torch.sqrt on CPU is not correctly rounded in every build; the reference's sqrt_rn is
     x = torch.rand(200_000, generator=torch.Generator().manual_seed(0)) * torch.logspace(-30, 30, 200_000)
@@ -653,3 +697,17 @@ def test_mixed_param_and_grad_dtypes_equal_reference(param_dtype, grad_dtype):
     adamw_sr_step([p], [g], [m.clone()], [v.clone()], None, torch.ones(1), lr=1e-2, seed=6)
     adamw_sr_step_reference(r, g, m, v, step=1, lr=1e-2, seed=6)
     assert_bitwise_equal(p, r)
+
+
+def test_eager_step_bumps_version_counters_like_an_in_place_op():
+    # eager steps skip the custom op's dispatch but must still tell autograd the tensors changed
+    p = torch.nn.Parameter(torch.randn(10))
+    p.grad = torch.randn(10)
+    opt = AdamWSR([p], lr=1e-2)
+    before = p._version
+    opt.step()
+    m, v = opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]
+    versions = (p._version, m._version, v._version)
+    assert p._version > before
+    opt.step()
+    assert all(t._version > old for t, old in zip((p, m, v), versions, strict=True))

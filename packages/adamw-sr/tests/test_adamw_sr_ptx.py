@@ -1,9 +1,10 @@
-"""The kernel compiled for an H100/H200 (sm_90) without a GPU: the PTX must keep the arithmetic IEEE.
+"""The kernels compiled for an H100/H200 (sm_90) without a GPU: the PTX must keep the arithmetic IEEE.
 
-Compiles ``_adamw_sr_kernel`` ahead of time (``triton.compile`` with an explicit target, in a child
-process with the interpreter off) and checks what makes the GPU bit-identical to the CPU reference:
-no fp32 FMA contraction, no flush-to-zero, IEEE division and square root, and 128-bit vector loads
-on the aligned full-window path (the bandwidth target).
+Compiles ``_adamw_sr_kernel`` (with the committed CUDA launch config) and the per-tensor scalar kernel
+ahead of time (``triton.compile`` with an explicit target, in a child process with the interpreter
+off) and checks what makes the GPU bit-identical to the CPU reference: no fp32 FMA contraction, no
+flush-to-zero, IEEE division and square root (fp32 in the step, fp64 in the scalars), and vector
+loads and stores on the aligned full-tile path (the bandwidth target).
 """
 
 from __future__ import annotations
@@ -19,32 +20,55 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from adamw_sr import kernel
+config = kernel.LAUNCH_CONFIGS["cuda"]
+options = dict(num_warps=config["num_warps"], **kernel.exactness_options())
+target = GPUTarget("cuda", 90, 32)
 pointers = dict(param="{param}", grad="bf16", exp_avg="fp32", exp_avg_sq="fp32", max_exp_avg_sq="fp32",
-                tensor_table="i64", chunk_table="i64", steps="fp32", hyper="fp64")
+                tensor_table="i64", chunk_table="i64", steps="fp32", hyper="fp64", scalars="fp32")
 sig = {{f"{{name}}_ptr": "*" + dtype for name, dtype in pointers.items()}}
 sig.update(seed_lo="i64", seed_hi="i64", rng_stream="i32")
-META = ("AMSGRAD", "MAXIMIZE", "PARAM_BF16", "STOCHASTIC", "ALIGNED", "BLOCK")
+META = ("AMSGRAD", "MAXIMIZE", "PARAM_BF16", "STOCHASTIC", "ALIGNED", "BLOCK", "SUB", "TILE_2D",
+        "PRECOMPUTED")
 sig.update({{k: "constexpr" for k in META}})
 constexprs = {{"AMSGRAD": {amsgrad}, "MAXIMIZE": False, "PARAM_BF16": {bf16}, "STOCHASTIC": True,
-              "ALIGNED": True, "BLOCK": kernel.LAUNCH_CONFIGS["cuda"]["BLOCK"]}}
-attrs = {{(i,): [["tt.divisibility", 16]] for i in range(9)}}
-options = dict(num_warps=kernel.LAUNCH_CONFIGS["cuda"]["num_warps"], **kernel.exactness_options())
-compiled = triton.compile(ASTSource(kernel._adamw_sr_kernel, sig, constexprs=constexprs, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options=options)
-ptx = compiled.asm["ptx"]
-count = lambda s: ptx.count(s)
+              "ALIGNED": True, "BLOCK": config["BLOCK"], "SUB": config["SUB"], "TILE_2D": config["TILE_2D"],
+              "PRECOMPUTED": {precomputed}}}
+attrs = {{(i,): [["tt.divisibility", 16]] for i in range(len(pointers))}}
+ptx = triton.compile(ASTSource(kernel._adamw_sr_kernel, sig, constexprs=constexprs, attrs=attrs),
+                     target=target, options=options).asm["ptx"]
+ssig = dict(steps_ptr="*fp32", hyper_ptr="*fp64", scalars_ptr="*fp32", num_tensors="i32",
+            BLOCK_T="constexpr")
+sconst = {{"BLOCK_T": kernel._SCALARS_BLOCK}}
+soptions = dict(num_warps=4, **kernel.exactness_options())
+sptx = triton.compile(ASTSource(kernel._step_scalars_kernel, ssig, constexprs=sconst), target=target,
+                      options=soptions).asm["ptx"]
+count = lambda s, text=ptx: text.count(s)
 print(json.dumps({{"fma32": count("fma.rn.f32"), "ftz": count(".ftz"), "div_rn": count("div.rn.f32"),
                   "sqrt_rn": count("sqrt.rn.f32"), "approx": count(".approx"), "div_full": count("div.full"),
-                  "v4_loads": count("ld.global.v4") + count("ld.global.nc.v4")}}))
+                  "v4_loads": count("ld.global.v4") + count("ld.global.nc.v4"),
+                  "vector_loads": count("ld.global.v2") + count("ld.global.v4") + count("ld.global.nc.v"),
+                  "vector_stores": count("st.global.v2") + count("st.global.v4"),
+                  "fp64_mul": count("mul.rn.f64") + count("mul.f64"),
+                  "scalar_div_rn64": count("div.rn.f64", sptx),
+                  "scalar_sqrt_rn64": count("sqrt.rn.f64", sptx),
+                  "scalar_approx": count(".approx", sptx), "scalar_ftz": count(".ftz", sptx),
+                  "scalar_fma": count("fma.rn.f", sptx)}}))
 """
 
 
-@pytest.mark.parametrize("param,amsgrad", [("bf16", False), ("fp32", True)])
-def test_sm90_ptx_is_ieee_and_vectorized(param, amsgrad):
-    code = _COMPILE.format(param=param, amsgrad=amsgrad, bf16=param == "bf16")
+@pytest.mark.parametrize("param,amsgrad,precomputed", [("bf16", False, True), ("fp32", True, False)])
+def test_sm90_ptx_is_ieee_and_vectorized(param, amsgrad, precomputed):
+    code = _COMPILE.format(param=param, amsgrad=amsgrad, bf16=param == "bf16", precomputed=precomputed)
     counts = json.loads(run_in_fresh_process(code, env={"TRITON_INTERPRET": "0"}))
     assert counts["fma32"] == 0, counts  # enable_fp_fusion=False: no a*b+c contraction
     assert counts["ftz"] == 0, counts  # enable_reflect_ftz=False: subnormals kept
     assert counts["approx"] == 0 and counts["div_full"] == 0, counts  # no approximate div/sqrt
     assert counts["div_rn"] > 0 and counts["sqrt_rn"] > 0, counts
-    assert counts["v4_loads"] >= 4, counts  # param, grad, exp_avg, exp_avg_sq as 128-bit loads
+    # fp32 states always as 128-bit loads; with fp32 params the param too (and max_exp_avg_sq)
+    assert counts["v4_loads"] >= (4 if param == "fp32" else 2), counts
+    assert counts["vector_loads"] >= 4 and counts["vector_stores"] >= 3, counts  # p, g, m, v
+    # the fp64 scalar work (beta ** step by squaring) runs in the step kernel only without PRECOMPUTED
+    assert (counts["fp64_mul"] == 0) == precomputed, counts
+    # the scalar kernel: IEEE fp64 division and square root, no contraction, no flush
+    assert counts["scalar_div_rn64"] > 0 and counts["scalar_sqrt_rn64"] > 0, counts
+    assert counts["scalar_approx"] == 0 and counts["scalar_ftz"] == 0 and counts["scalar_fma"] == 0, counts

@@ -7,17 +7,22 @@ Layout of a launch (all tensors on one device, one param dtype and one grad dtyp
   ``tensor_table`` (int64, ``[T, 5]``). So hundreds of tensors need one launch, not hundreds.
 * A ``chunk_table`` (int64, ``[C, 5]``) lists BLOCK-element windows: ``(slot, window_local_start,
   segment_local_start, segment_local_end, window_global_start)``. Windows are aligned to 4 in the
-  *global* index, so one Philox call serves 4 elements (``random_bits_x4``) whatever the tensor's
-  base index; elements of the window outside the segment are masked.
+  *global* index, so one Philox call serves 4 elements whatever the tensor's base index; elements of
+  the window outside the segment are masked. A program walks its window in tiles of ``SUB`` elements
+  (few registers per thread, so several programs share an SM and hide each other's latency).
 * Per-tensor steps (``steps``, fp32 ``[T]``, torch's layout) and the hyperparameters (``hyper``,
   fp64 ``[5]``: lr, beta1, beta2, eps, weight_decay) are read from device memory, so the launch
-  can be captured in a CUDA graph and replayed with a new lr and step.
+  can be captured in a CUDA graph and replayed with a new lr and step. With ``PRECOMPUTED`` a tiny
+  kernel first turns them into a per-tensor table of fp32 scalars (``scalars``, ``[T, 9]``), so the
+  fp64 work runs once per tensor instead of once per program.
 
 Bit-exactness with ``reference.py``: scalars are computed in fp64 from the same sequence of IEEE
 operations (``beta ** step`` by binary exponentiation: multiplications only), rounded once to fp32;
 elementwise math is fp32 with IEEE division and square root (``div_rn``/``sqrt_rn``), and every
 launch passes ``enable_fp_fusion=False`` (no ``a * b + c`` contracted into an FMA) and
-``enable_reflect_ftz=False`` (subnormals kept, as on the CPU).
+``enable_reflect_ftz=False`` (subnormals kept, as on the CPU). The variants below (tile shape,
+``SUB``, ``PRECOMPUTED``, ``BLOCK``, ``num_warps``) only change which thread computes what: every
+element runs the same operations on the same values, so all give the same bits.
 """
 
 from __future__ import annotations
@@ -29,16 +34,27 @@ import triton.language as tl
 from ._vendor.det_core import rng, runtime, sr
 
 # Fixed launch configs, keyed by where the kernel runs. The step is elementwise and its random
-# bits are keyed by global element index, so BLOCK and num_warps do NOT change any result bit.
+# bits are keyed by global element index, so NO entry changes any result bit (the ablation
+# benchmark and test_kernel_variants_equal_reference check it):
+#   BLOCK        elements per program (one chunk-table row; a multiple of SUB)
+#   SUB          elements per inner tile (BLOCK // SUB iterations per program)
+#   num_warps    threads per program / 32 (SUB / (32 * num_warps) elements per thread and tile)
+#   TILE_2D      tiles shaped [SUB // 4, 4]: a thread owns whole Philox groups of 4, and the four
+#                words are picked by column, no layout shuffle; False: 1-D tiles, words interleaved
+#                with det-core's random_bits_x4 (join/permute/reshape)
+#   PRECOMPUTED  per-tensor fp32 scalars from a separate tiny launch (else fp64 work per program)
 LAUNCH_CONFIGS = {
-    "cuda": {"BLOCK": 4096, "num_warps": 8},
-    "interpreter": {"BLOCK": 1024, "num_warps": 4},
+    "cuda": {"BLOCK": 8192, "SUB": 1024, "num_warps": 4, "TILE_2D": True, "PRECOMPUTED": True},
+    "interpreter": {"BLOCK": 1024, "SUB": 1024, "num_warps": 4, "TILE_2D": True, "PRECOMPUTED": True},
 }
 
 TENSOR_TABLE_COLUMNS = 5  # element offsets of param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq
 CHUNK_TABLE_COLUMNS = (
     5  # slot, window local start, segment local start, segment local end, window global start
 )
+# step, step_size, bias_correction2_sqrt, decay, beta1, 1 - beta1, beta2, 1 - beta2, eps (fp32)
+SCALAR_TABLE_COLUMNS = 9
+_SCALARS_BLOCK = 128  # tensors per program of the scalar kernel
 
 
 @triton.jit
@@ -50,6 +66,60 @@ def _pow_by_squaring(base, exponent):
         result = tl.where(bit != 0, result * base, result)
         base = base * base
     return result
+
+
+@triton.jit
+def _step_scalars(steps_ptr, hyper_ptr, slot):
+    """The fp32 scalars of tensor ``slot`` (scalar or tensor of slots), as ``reference.step_scalars``.
+
+    Computed in fp64 and rounded once; fp64 ``/`` and ``sqrt`` lower to IEEE ``div.rn.f64`` /
+    ``sqrt.rn.f64`` (fp32's would be approximate).
+    """
+    step_f = tl.load(steps_ptr + slot)
+    step = step_f.to(tl.int64)
+    lr = tl.load(hyper_ptr)
+    beta1 = tl.load(hyper_ptr + 1)
+    beta2 = tl.load(hyper_ptr + 2)
+    eps = tl.load(hyper_ptr + 3)
+    weight_decay = tl.load(hyper_ptr + 4)
+    bias_correction1 = 1.0 - _pow_by_squaring(beta1, step)
+    bias_correction2 = 1.0 - _pow_by_squaring(beta2, step)
+    step_size = (lr / bias_correction1).to(tl.float32)
+    bias_correction2_sqrt = tl.sqrt(bias_correction2).to(tl.float32)
+    decay = (1.0 - lr * weight_decay).to(tl.float32)
+    return (
+        step_f,
+        step_size,
+        bias_correction2_sqrt,
+        decay,
+        beta1.to(tl.float32),
+        (1.0 - beta1).to(tl.float32),
+        beta2.to(tl.float32),
+        (1.0 - beta2).to(tl.float32),
+        eps.to(tl.float32),
+    )
+
+
+@triton.jit
+def _step_scalars_kernel(steps_ptr, hyper_ptr, scalars_ptr, num_tensors, BLOCK_T: tl.constexpr):
+    """Write each tensor's row of fp32 scalars (``SCALAR_TABLE_COLUMNS``) for the ``PRECOMPUTED`` path."""
+    slots = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    inside = slots < num_tensors
+    slots = tl.where(inside, slots, 0)
+    values = _step_scalars(steps_ptr, hyper_ptr, slots)
+    step_f, step_size, bias_correction2_sqrt, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps = (
+        values
+    )
+    row = scalars_ptr + slots * 9
+    tl.store(row, step_f, mask=inside)
+    tl.store(row + 1, step_size, mask=inside)
+    tl.store(row + 2, bias_correction2_sqrt, mask=inside)
+    tl.store(row + 3, decay, mask=inside)
+    tl.store(row + 4, beta1, mask=inside)
+    tl.store(row + 5, one_minus_beta1, mask=inside)
+    tl.store(row + 6, beta2, mask=inside)
+    tl.store(row + 7, one_minus_beta2, mask=inside)
+    tl.store(row + 8, eps, mask=inside)
 
 
 @triton.jit
@@ -66,6 +136,32 @@ def _round_nearest_even_bf16(x):
     return out.to(tl.float32, bitcast=True).to(tl.bfloat16)
 
 
+@triton.jit
+def _random_bits_tile(seed_lo, seed_hi, step, stream, base, ROWS: tl.constexpr):
+    """uint32 bits ``[ROWS, 4]`` for global indices ``base + 4 * row + column`` (``base % 4 == 0``).
+
+    det-core's RNG contract (``rng`` module docstring): element ``i`` takes word ``i & 3`` of the
+    Philox call with counter ``(i >> 2, step, stream)``. Here row ``r`` is one call and column ``c``
+    its word ``c``, so a thread owning a row needs no exchange with other threads. Same bits as
+    ``rng.random_bits_x4(...)`` reshaped to ``[ROWS, 4]``.
+    """
+    q = (base >> 2).to(tl.int64) + tl.arange(0, ROWS).to(tl.int64)
+    zero = tl.zeros([ROWS], tl.uint32)
+    c0 = (q & 0xFFFFFFFF).to(tl.uint32)
+    c1 = (q >> 32).to(tl.uint32)
+    c2 = zero + step.to(tl.uint32)
+    c3 = zero + stream.to(tl.uint32)
+    k0 = zero + seed_lo.to(tl.uint32)
+    k1 = zero + seed_hi.to(tl.uint32)
+    r0, r1, r2, r3 = rng.philox4x32_10(c0, c1, c2, c3, k0, k1)
+    word = tl.arange(0, 4)[None, :]
+    return tl.where(
+        word == 0,
+        r0[:, None],
+        tl.where(word == 1, r1[:, None], tl.where(word == 2, r2[:, None], r3[:, None])),
+    )
+
+
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "rng_stream"])
 def _adamw_sr_kernel(
     # base pointers, one per tensor role
@@ -79,6 +175,7 @@ def _adamw_sr_kernel(
     chunk_table_ptr,
     steps_ptr,
     hyper_ptr,
+    scalars_ptr,
     # Philox key words
     seed_lo,
     seed_hi,
@@ -90,6 +187,9 @@ def _adamw_sr_kernel(
     STOCHASTIC: tl.constexpr,
     ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr,
+    SUB: tl.constexpr,
+    TILE_2D: tl.constexpr,
+    PRECOMPUTED: tl.constexpr,
 ):
     chunk = tl.program_id(0).to(tl.int64)
     row = chunk_table_ptr + chunk * 5
@@ -104,52 +204,60 @@ def _adamw_sr_kernel(
     grad_off = tl.load(trow + 1)
     exp_avg_off = tl.load(trow + 2)
     exp_avg_sq_off = tl.load(trow + 3)
-
-    # scalars in fp64, rounded once to fp32 (same sequence as reference.step_scalars)
-    step = tl.load(steps_ptr + slot).to(tl.int64)
-    lr = tl.load(hyper_ptr)
-    beta1 = tl.load(hyper_ptr + 1)
-    beta2 = tl.load(hyper_ptr + 2)
-    eps = tl.load(hyper_ptr + 3)
-    weight_decay = tl.load(hyper_ptr + 4)
-    bias_correction1 = 1.0 - _pow_by_squaring(beta1, step)
-    bias_correction2 = 1.0 - _pow_by_squaring(beta2, step)
-    # fp64 `/` and `sqrt` lower to IEEE div.rn.f64 / sqrt.rn.f64 (fp32's would be approximate)
-    step_size = (lr / bias_correction1).to(tl.float32)
-    bias_correction2_sqrt = tl.sqrt(bias_correction2).to(tl.float32)
-    decay = (1.0 - lr * weight_decay).to(tl.float32)
-    beta1_f = beta1.to(tl.float32)
-    one_minus_beta1 = (1.0 - beta1).to(tl.float32)
-    beta2_f = beta2.to(tl.float32)
-    one_minus_beta2 = (1.0 - beta2).to(tl.float32)
-    eps_f = eps.to(tl.float32)
-
-    # Full windows (nearly all) take the unmasked path: with ALIGNED, 16-byte vector loads and stores.
-    # A loaded segment end has unknown divisibility, so a masked window cannot be vectorized.
-    full = (window_local >= segment_start) & (window_local + BLOCK <= segment_end)
     max_off = param_off
     if AMSGRAD:
         max_off = tl.load(trow + 4)
-    if full:
-        _step_window(
-            param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
-            param_off, grad_off, exp_avg_off, exp_avg_sq_off, max_off,
-            window_local, segment_start, segment_end, window_global,
-            step, step_size, bias_correction2_sqrt, decay,
-            beta1_f, one_minus_beta1, beta2_f, one_minus_beta2, eps_f,
-            seed_lo, seed_hi, rng_stream,
-            AMSGRAD, MAXIMIZE, PARAM_BF16, STOCHASTIC, ALIGNED, False, BLOCK,
-        )  # fmt: skip
+
+    if PRECOMPUTED:
+        srow = scalars_ptr + slot * 9
+        step = tl.load(srow).to(tl.int64)
+        step_size = tl.load(srow + 1)
+        bias_correction2_sqrt = tl.load(srow + 2)
+        decay = tl.load(srow + 3)
+        beta1_f = tl.load(srow + 4)
+        one_minus_beta1 = tl.load(srow + 5)
+        beta2_f = tl.load(srow + 6)
+        one_minus_beta2 = tl.load(srow + 7)
+        eps_f = tl.load(srow + 8)
     else:
-        _step_window(
-            param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
-            param_off, grad_off, exp_avg_off, exp_avg_sq_off, max_off,
-            window_local, segment_start, segment_end, window_global,
-            step, step_size, bias_correction2_sqrt, decay,
-            beta1_f, one_minus_beta1, beta2_f, one_minus_beta2, eps_f,
-            seed_lo, seed_hi, rng_stream,
-            AMSGRAD, MAXIMIZE, PARAM_BF16, STOCHASTIC, False, True, BLOCK,
-        )  # fmt: skip
+        (
+            step_f,
+            step_size,
+            bias_correction2_sqrt,
+            decay,
+            beta1_f,
+            one_minus_beta1,
+            beta2_f,
+            one_minus_beta2,
+            eps_f,
+        ) = _step_scalars(steps_ptr, hyper_ptr, slot)
+        step = step_f.to(tl.int64)
+
+    # Full tiles (nearly all) take the unmasked path: with ALIGNED, vector loads and stores. A loaded
+    # segment end has unknown divisibility, so a masked tile cannot be vectorized. Tiles of the window
+    # wholly outside the segment are skipped.
+    for sub in range(0, BLOCK, SUB):
+        tile_local = window_local + sub
+        if (tile_local >= segment_start) & (tile_local + SUB <= segment_end):
+            _step_tile(
+                param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
+                param_off, grad_off, exp_avg_off, exp_avg_sq_off, max_off,
+                tile_local, segment_start, segment_end, window_global + sub,
+                step, step_size, bias_correction2_sqrt, decay,
+                beta1_f, one_minus_beta1, beta2_f, one_minus_beta2, eps_f,
+                seed_lo, seed_hi, rng_stream,
+                AMSGRAD, MAXIMIZE, PARAM_BF16, STOCHASTIC, ALIGNED, False, SUB, TILE_2D,
+            )  # fmt: skip
+        elif (tile_local < segment_end) & (tile_local + SUB > segment_start):
+            _step_tile(
+                param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
+                param_off, grad_off, exp_avg_off, exp_avg_sq_off, max_off,
+                tile_local, segment_start, segment_end, window_global + sub,
+                step, step_size, bias_correction2_sqrt, decay,
+                beta1_f, one_minus_beta1, beta2_f, one_minus_beta2, eps_f,
+                seed_lo, seed_hi, rng_stream,
+                AMSGRAD, MAXIMIZE, PARAM_BF16, STOCHASTIC, False, True, SUB, TILE_2D,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -169,32 +277,39 @@ def _store(ptr, value, mask, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _index(offset, local, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+def _index(offset, local, ALIGNED: tl.constexpr, SUB: tl.constexpr, TILE_2D: tl.constexpr):
     idx = offset + local
     if ALIGNED:
-        idx = tl.max_contiguous(tl.multiple_of(idx, 8), BLOCK)
+        if TILE_2D:  # rows of 4 contiguous elements, each row starting on a multiple of 4
+            idx = tl.max_contiguous(tl.multiple_of(idx, [1, 4]), [1, 4])
+        else:
+            idx = tl.max_contiguous(tl.multiple_of(idx, 8), SUB)
     return idx
 
 
 @triton.jit
-def _step_window(
+def _step_tile(
     param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
     param_off, grad_off, exp_avg_off, exp_avg_sq_off, max_off,
-    window_local, segment_start, segment_end, window_global,
+    tile_local, segment_start, segment_end, tile_global,
     step, step_size, bias_correction2_sqrt, decay, beta1_f, one_minus_beta1, beta2_f, one_minus_beta2, eps_f,
     seed_lo, seed_hi, rng_stream,
     AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, PARAM_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
-    ALIGNED: tl.constexpr, MASKED: tl.constexpr, BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr, MASKED: tl.constexpr, SUB: tl.constexpr, TILE_2D: tl.constexpr,
 ):  # fmt: skip
-    """The update of one window of BLOCK elements (``MASKED``: some lie outside the segment)."""
-    local = window_local + tl.arange(0, BLOCK).to(tl.int64)
+    """The update of one tile of SUB elements (``MASKED``: some lie outside the segment)."""
+    if TILE_2D:
+        lanes = tl.arange(0, SUB // 4)[:, None] * 4 + tl.arange(0, 4)[None, :]
+    else:
+        lanes = tl.arange(0, SUB)
+    local = tile_local + lanes.to(tl.int64)
     mask = (local >= segment_start) & (local < segment_end)
     if MASKED:
         local = tl.where(mask, local, 0)  # never form an address before a tensor's start
-    p_idx = _index(param_off, local, ALIGNED, BLOCK)
-    g_idx = _index(grad_off, local, ALIGNED, BLOCK)
-    m_idx = _index(exp_avg_off, local, ALIGNED, BLOCK)
-    v_idx = _index(exp_avg_sq_off, local, ALIGNED, BLOCK)
+    p_idx = _index(param_off, local, ALIGNED, SUB, TILE_2D)
+    g_idx = _index(grad_off, local, ALIGNED, SUB, TILE_2D)
+    m_idx = _index(exp_avg_off, local, ALIGNED, SUB, TILE_2D)
+    v_idx = _index(exp_avg_sq_off, local, ALIGNED, SUB, TILE_2D)
 
     p = _load(param_ptr + p_idx, mask, MASKED).to(tl.float32)
     g = _load(grad_ptr + g_idx, mask, MASKED).to(tl.float32)
@@ -207,7 +322,7 @@ def _step_window(
     m = beta1_f * m + one_minus_beta1 * g
     v = beta2_f * v + one_minus_beta2 * (g * g)
     if AMSGRAD:
-        vmax_idx = _index(max_off, local, ALIGNED, BLOCK)
+        vmax_idx = _index(max_off, local, ALIGNED, SUB, TILE_2D)
         vmax = _load(max_exp_avg_sq_ptr + vmax_idx, mask, MASKED)
         vmax = tl.maximum(vmax, v, propagate_nan=tl.PropagateNan.ALL)
         _store(max_exp_avg_sq_ptr + vmax_idx, vmax, mask, MASKED)
@@ -222,7 +337,10 @@ def _step_window(
     if PARAM_BF16:
         if STOCHASTIC:
             # the one rounding of the step: unbiased, bits keyed by (seed, step, global index)
-            rbits = rng.random_bits_x4(seed_lo, seed_hi, step, rng_stream, window_global, BLOCK)
+            if TILE_2D:
+                rbits = _random_bits_tile(seed_lo, seed_hi, step, rng_stream, tile_global, SUB // 4)
+            else:
+                rbits = rng.random_bits_x4(seed_lo, seed_hi, step, rng_stream, tile_global, SUB)
             out = sr.stochastic_round_bf16(p, rbits)
         else:
             out = _round_nearest_even_bf16(p)
@@ -340,12 +458,18 @@ class LaunchPlan:
 
     Holds no reference to the tensors (a cached plan must not keep freed gradients alive): only
     which position of each role has the lowest address, which the launch uses as the base pointer.
+    ``config`` overrides the entry of ``LAUNCH_CONFIGS`` (benchmarks compare variants; no variant
+    changes a result bit).
     """
 
-    def __init__(self, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, segments, device):
-        config = launch_config(device)
-        self.block = config["BLOCK"]
-        self.num_warps = config["num_warps"]
+    def __init__(self, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, segments, device, config=None):
+        self.config = dict(config or launch_config(device))
+        self.block = self.config["BLOCK"]
+        if self.block % self.config["SUB"] or self.config["SUB"] % 4:
+            raise ValueError(
+                f"adamw_sr: launch config {self.config}: BLOCK must be a multiple of SUB, SUB of 4"
+            )
+        self.num_warps = self.config["num_warps"]
         roles = [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs or exp_avg_sqs]
         lowest, columns, aligned = [], [], True
         for tensors in roles:
@@ -356,6 +480,11 @@ class LaunchPlan:
         self.lowest = lowest
         table = torch.tensor(list(zip(*columns, strict=True)), dtype=torch.int64).reshape(-1, 5)
         self.tensor_table = to_device_async(table, device)
+        self.num_tensors = len(table)
+        # per-tensor fp32 scalars, rewritten by the scalar kernel at every step (PRECOMPUTED)
+        self.scalars = torch.empty(
+            (self.num_tensors, SCALAR_TABLE_COLUMNS), dtype=torch.float32, device=device
+        )
         self.chunk_table, starts_aligned = _chunk_table(segments, self.block, device)
         self.aligned = aligned and starts_aligned
         self.num_chunks = len(self.chunk_table)
@@ -372,21 +501,34 @@ def launch_fused_step(
     maximize: bool,
     param_bf16: bool,
     stochastic: bool,
-) -> None:
+):
     """Run the fused step over a prepared ``LaunchPlan`` (no checks: callers validate first).
 
     ``roles`` are the lists the plan was built from, in order: params, grads, exp_avgs, exp_avg_sqs,
-    max_exp_avg_sqs (``exp_avg_sqs`` again without amsgrad).
+    max_exp_avg_sqs (``exp_avg_sqs`` again without amsgrad). With the config's ``PRECOMPUTED``, two
+    launches in stream order: the per-tensor scalars, then the step. Returns Triton's handle of the
+    step kernel (benchmarks read its register count), or ``None`` when there is nothing to do.
     """
     if plan.num_chunks == 0:
-        return
+        return None
     if not _EXACTNESS_OPTIONS:
         _EXACTNESS_OPTIONS.update(exactness_options())
+    config = plan.config
+    if config["PRECOMPUTED"]:
+        _step_scalars_kernel[(triton.cdiv(plan.num_tensors, _SCALARS_BLOCK),)](
+            steps,
+            hyper,
+            plan.scalars,
+            plan.num_tensors,
+            BLOCK_T=_SCALARS_BLOCK,
+            num_warps=4,
+            **_EXACTNESS_OPTIONS,
+        )
     seed_lo, seed_hi = rng.split_seed(seed)
     p, g, m, v, vmax = (tensors[low] for tensors, low in zip(roles, plan.lowest, strict=True))
-    _adamw_sr_kernel[(plan.num_chunks,)](
+    return _adamw_sr_kernel[(plan.num_chunks,)](
         p, g, m, v, vmax,
-        plan.tensor_table, plan.chunk_table, steps, hyper,
+        plan.tensor_table, plan.chunk_table, steps, hyper, plan.scalars,
         seed_lo, seed_hi, rng.STREAM_PARAM_SR,
         AMSGRAD=amsgrad,
         MAXIMIZE=maximize,
@@ -394,6 +536,9 @@ def launch_fused_step(
         STOCHASTIC=stochastic,
         ALIGNED=plan.aligned and not runtime.interpreter_active(),
         BLOCK=plan.block,
+        SUB=config["SUB"],
+        TILE_2D=config["TILE_2D"],
+        PRECOMPUTED=config["PRECOMPUTED"],
         num_warps=plan.num_warps,
         **_EXACTNESS_OPTIONS,
     )  # fmt: skip
