@@ -11,7 +11,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from . import _kernels
 from ._vendor.det_core import rng, runtime
@@ -58,6 +57,9 @@ class _Config:
     # forward pipeline depth with dropout on (its Philox tiles need shared memory for layout
     # changes: at D=128 three stages would exceed the H200's 227 KiB); 0 = fwd_stages. No effect on bits.
     fwd_dropout_stages: int = 0
+    # dK/dV kernel: all query blocks in one masked loop instead of diagonal / full / tail loops
+    # (fewer registers, a mask on every step). No effect on bits.
+    dkdv_one_loop: bool = False
 
 
 # Fixed table (no autotune), bf16 and fp16 alike, causal or not. Each row is the fastest measured
@@ -66,15 +68,20 @@ class _Config:
 # changing one changes bits (for every input alike: never chosen per shape).
 #                 fwd: BM  BN* warps stages | dK/dV: BM* BN warps stages | dQ: BM BN* warps stages
 _GPU_CONFIGS = {
-    64: _Config(128, 64, 8, 3, 64, 64, 4, 3, 64, 64, 4, 3),
-    128: _Config(128, 128, 8, 3, 64, 128, 8, 3, 128, 64, 8, 3, fwd_dropout_stages=2),
+    64: _Config(128, 64, 8, 3, 64, 64, 4, 3, 64, 64, 4, 3, dkdv_one_loop=True),
+    128: _Config(128, 128, 8, 3, 64, 128, 8, 3, 128, 64, 8, 3, fwd_dropout_stages=2, dkdv_one_loop=True),
 }
 # Interpreter: small, unequal blocks so tiny CPU tests cross many tile and diagonal boundaries.
 _INTERPRETER_CONFIG = _Config(32, 16, 1, 1, 16, 32, 1, 1, 32, 16, 1, 1)
 
 
-def _config(head_dim: int) -> _Config:
-    return _INTERPRETER_CONFIG if runtime.interpreter_active() else _GPU_CONFIGS[head_dim]
+def _config(head_dim: int, interpreter: bool) -> _Config:
+    return _INTERPRETER_CONFIG if interpreter else _GPU_CONFIGS[head_dim]
+
+
+def _cdiv(a: int, b: int) -> int:
+    # plain int math: triton.cdiv is a constexpr_function, tens of microseconds per host call
+    return -(-a // b)
 
 
 # --------------------------------------------------------------------------- checks
@@ -194,11 +201,12 @@ def _seq_args(cu_q, cu_k, dense, placeholder):
 def _forward(q, k, v, cu_q, cu_k, dense, max_q, scale, causal, dropout_p, seed, sequence_offset, head_offset):
     total_q, heads, head_dim = q.shape
     batch = dense[0] if dense is not None else cu_q.numel() - 1
-    cfg = _config(head_dim)
+    interp = runtime.interpreter_active()
+    cfg = _config(head_dim, interp)
     o = torch.empty_like(q)
     lse2 = torch.empty((heads, total_q), device=q.device, dtype=torch.float32)
     seed_lo, seed_hi, threshold, drop_scale = _dropout_args(dropout_p, seed)
-    n_tiles = triton.cdiv(max_q, cfg.fwd_block_m)
+    n_tiles = _cdiv(max_q, cfg.fwd_block_m)
     cu_q, cu_k, seqlen_q, seqlen_k, is_dense = _seq_args(cu_q, cu_k, dense, lse2)
     _kernels.attn_fwd_kernel[_grid(n_tiles, heads, batch)](
         q,
@@ -232,7 +240,7 @@ def _forward(q, k, v, cu_q, cu_k, dense, max_q, scale, causal, dropout_p, seed, 
         BLOCK_N=cfg.fwd_block_n,
         CAUSAL=causal,
         DROPOUT=dropout_p > 0.0,
-        UPCAST=runtime.interpreter_active(),
+        UPCAST=interp,
         DENSE=is_dense,
         num_warps=cfg.fwd_warps,
         num_stages=cfg.fwd_dropout_stages if dropout_p > 0.0 and cfg.fwd_dropout_stages else cfg.fwd_stages,
@@ -262,12 +270,12 @@ def _backward(
     total_q, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     batch = dense[0] if dense is not None else cu_q.numel() - 1
-    cfg = _config(head_dim)
     interp = runtime.interpreter_active()
+    cfg = _config(head_dim, interp)
     do = do.contiguous()
     delta = torch.empty_like(lse2)
     pre_block = 32  # fixed: each row is summed alike wherever it sits in a tile (packing-safe)
-    _kernels.attn_bwd_preprocess_kernel[(triton.cdiv(total_q, pre_block), heads)](
+    _kernels.attn_bwd_preprocess_kernel[(_cdiv(total_q, pre_block), heads)](
         o,
         do,
         delta,
@@ -286,7 +294,7 @@ def _backward(
     seed_lo, seed_hi, threshold, drop_scale = _dropout_args(dropout_p, seed)
     cu_q, cu_k, seqlen_q, seqlen_k, is_dense = _seq_args(cu_q, cu_k, dense, delta)
     common = dict(HEAD_DIM=head_dim, CAUSAL=causal, DROPOUT=dropout_p > 0.0, UPCAST=interp, DENSE=is_dense)
-    n_kv_tiles = triton.cdiv(max_k, cfg.dkdv_block_n)
+    n_kv_tiles = _cdiv(max_k, cfg.dkdv_block_n)
     _kernels.attn_bwd_dkdv_kernel[_grid(n_kv_tiles, kv_heads, batch)](
         q,
         k,
@@ -322,11 +330,12 @@ def _backward(
         lse2.stride(0),
         BLOCK_M=cfg.dkdv_block_m,
         BLOCK_N=cfg.dkdv_block_n,
+        ONE_LOOP=cfg.dkdv_one_loop,
         num_warps=cfg.dkdv_warps,
         num_stages=cfg.dkdv_stages,
         **common,
     )
-    n_q_tiles = triton.cdiv(max_q, cfg.dq_block_m)
+    n_q_tiles = _cdiv(max_q, cfg.dq_block_m)
     _kernels.attn_bwd_dq_kernel[_grid(n_q_tiles, heads, batch)](
         q,
         k,
