@@ -3,7 +3,9 @@
 Uses Triton's ahead-of-time path (``triton.compile`` of an ``ASTSource`` for ``GPUTarget("cuda",
 90, 32)``) and, when present, the ``ptxas`` bundled with Triton (``-v``) for registers and spills.
 A CPU-side check of the fixed config table: every table entry must compile, use wgmma, pipeline its
-loads, and not spill. Depends on Triton internals (checked with Triton 3.9); not a test.
+loads, and not spill (the TMA forward and the lean dW kernel of the table included; with
+``maxnreg`` 128 the lean kernel fits two programs per SM). Depends on Triton internals (checked
+with Triton 3.9); not a test.
 
     python packages/det-train/benchmarks/aot_compile_check.py
 """
@@ -50,7 +52,7 @@ def _ptxas() -> Path | None:
     return None
 
 
-def compile_one(name, fn, types, constexprs, num_warps, num_stages) -> bool:
+def compile_one(name, fn, types, constexprs, num_warps, num_stages, maxnreg=None) -> bool:
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
     attrs = {
         (i,): [["tt.divisibility", 16]]
@@ -65,7 +67,7 @@ def compile_one(name, fn, types, constexprs, num_warps, num_stages) -> bool:
     )
     try:
         kernel = triton.compile(
-            src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages}
+            src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages, "maxnreg": maxnreg}
         )
     except Exception as exc:  # report every entry
         print(f"{name}: COMPILE FAILED: {type(exc).__name__}: {str(exc)[:500]}")
@@ -112,6 +114,24 @@ def main() -> int:
                         f"matmul {dtype} {layout} {cls} bias={bias} nk={nk}", mm._matmul_kernel, types, const,
                         c.num_warps, c.num_stages,
                     )  # fmt: skip
+                if c.tma:  # the TMA kernel the entry selects (host descriptors of A and B)
+                    kmajor = layout == "nt"
+                    b_block = [c.block_n, c.block_k] if kmajor else [c.block_k, c.block_n]
+                    ttypes = {
+                        "a_desc": f"tensordesc<{tname[1:]}[{c.block_m}, {c.block_k}]>",
+                        "b_desc": f"tensordesc<{tname[1:]}[{b_block[0]}, {b_block[1]}]>",
+                        "c_ptr": tname, "bias_ptr": tname,
+                    }  # fmt: skip
+                    for bias in (False, True):
+                        const = dict(
+                            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+                            B_KMAJOR=kmajor, PERSISTENT=c.persistent, HAS_BIAS=bias, UPCAST=False,
+                            DOT_PRECISION=None, BF16_BY_BITS=False, stride_cn=1,
+                        )  # fmt: skip
+                        bad += not compile_one(
+                            f"matmul TMA {dtype} {layout} {cls} bias={bias}", mm._matmul_tma_kernel, ttypes,
+                            const, c.num_warps, c.num_stages,
+                        )  # fmt: skip
         w = cfgs.weight_grad_config(dtype, 4096, 4096)
         wtypes = {"dy_ptr": tname, "x_ptr": tname, "out_ptr": tname, "scratch_ptr": "*fp32"}
         common = dict(
@@ -119,6 +139,19 @@ def main() -> int:
             UPCAST=False, DOT_PRECISION=None, BF16_BY_BITS=False, stride_dyn=1, stride_xk=1, stride_ok=1,
         )  # fmt: skip
         levels = w.leaves_per_program.bit_length() - 1
+        if w.lean:  # the table's dW kernel
+            ltypes = dict(wtypes)
+            if w.tma:
+                ltypes["dy_ptr"] = f"tensordesc<{tname[1:]}[{w.block_t}, {w.block_n}]>"
+                ltypes["x_ptr"] = f"tensordesc<{tname[1:]}[{w.block_t}, {w.block_k}]>"
+            lean = dict(
+                common, MAX_LEVELS=levels - 1 if w.pairs else levels, PAIRS=w.pairs, TMA=w.tma,
+                MERGE_ROWS=0 if w.merge_in_registers else min(32, w.block_n),
+            )  # fmt: skip
+            bad += not compile_one(
+                f"dW {dtype} lean tma={w.tma} maxnreg={w.maxnreg}", lin._weight_grad_lean_kernel, ltypes,
+                lean, w.num_warps, w.num_stages, maxnreg=w.maxnreg,
+            )  # fmt: skip
         bad += not compile_one(
             f"dW {dtype} stack levels={levels}", lin._weight_grad_stack_kernel, wtypes,
             dict(common, MAX_LEVELS=levels), w.num_warps, w.num_stages,

@@ -69,16 +69,16 @@ def _workspace_bytes(m: int, k: int, n: int) -> dict:
     """Extra memory of the canonical dW order for one layer (plain backward, leaves of 1024 tokens):
     the kernel's fp32 scratch stack and the fp32 (N, K) nodes it leaves for the torch tree."""
     from det_train.configs import weight_grad_config
-    from det_train.linear import _aligned_runs, _resident_programs
+    from det_train.linear import _aligned_runs, dw_scratch_shape
 
     cfg = weight_grad_config(torch.bfloat16, n, k)
     runs = _aligned_runs(0, -(-m // LEAF_TOKENS), cfg.leaves_per_program)
     tiles = -(-n // cfg.block_n) * -(-k // cfg.block_k)
     scratch = 0
     for level, _, count in runs:
-        if cfg.scratch_tree and level > 0:
-            programs = min(tiles * count, _resident_programs(torch.device("cuda")))
-            scratch = max(scratch, programs * level * cfg.block_n * cfg.block_k * 4)
+        shape = dw_scratch_shape(cfg, level, tiles * count, torch.device("cuda"))
+        if shape is not None:
+            scratch = max(scratch, shape[0] * shape[1] * shape[2] * 4)
     nodes = 0 if len(runs) == 1 and runs[0][2] == 1 else sum(c for _, _, c in runs) * n * k * 4
     return {"scratch": scratch, "nodes": nodes}
 

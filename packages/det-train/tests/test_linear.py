@@ -16,7 +16,7 @@ from det_core.testing import (
 )
 from det_train import CanonicalGradAccumulator, Linear, linear
 from det_train.configs import weight_grad_config
-from det_train.linear import _aligned_runs, bias_grad_partial, weight_grad_partial
+from det_train.linear import _aligned_runs, _dw_tma_operands, bias_grad_partial, weight_grad_partial
 from det_train.reference import linear_fp64, weight_grad_canonical, weight_grad_fp64
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -123,23 +123,32 @@ def test_row_invariance_of_y_and_dx(bias):
 
 # ----------------------------------------------------------------------------- canonical dW / db
 @pytest.mark.parametrize(
-    "leaves_per_program, scratch, flat",
+    "leaves_per_program, kernel",
     [
-        (1, False, False),
-        (2, False, False),
-        (4, False, False),
-        (2, True, False),
-        (8, True, False),
-        (8, True, True),
+        (1, {}),
+        (2, {}),
+        (4, {}),
+        (2, dict(scratch_tree=True)),
+        (8, dict(scratch_tree=True)),
+        (8, dict(scratch_tree=True, flat_loop=True)),
+        (8, dict(lean=True)),
+        (4, dict(lean=True, pairs=True)),
+        (8, dict(lean=True, pairs=True)),
+        (8, dict(lean=True, tma=True)),
+        (4, dict(lean=True, pairs=True, tma=True)),
+        (8, dict(lean=True, merge_in_registers=True)),
+        (8, dict(lean=True, pairs=True, tma=True, merge_in_registers=True)),
     ],
 )
-def test_leaves_per_program_does_not_change_bits(leaves_per_program, scratch, flat):
+def test_leaves_per_program_does_not_change_bits(leaves_per_program, kernel):
     dy, x = _randn(7 * 32 + 5, 40, seed=16), _randn(7 * 32 + 5, 72, seed=17)  # 8 leaves, the last short
     base = weight_grad_config(dy.dtype, 40, 72)
+    if kernel.get("tma"):  # TMA needs leaf ends on token steps: step 32 (in reference and candidate)
+        base = dataclasses.replace(base, block_t=32)
     ref = weight_grad_partial(dy, x, leaf_tokens=32, config=dataclasses.replace(base, leaves_per_program=1))
-    cfg = dataclasses.replace(
-        base, leaves_per_program=leaves_per_program, scratch_tree=scratch, flat_loop=flat
-    )
+    cfg = dataclasses.replace(base, leaves_per_program=leaves_per_program, **kernel)
+    if kernel.get("tma"):
+        assert _dw_tma_operands(dy, x, cfg, 32) is not None  # the TMA path is the one tested
     for first_leaf, lo, hi in [(0, 0, 229), (3, 96, 229), (1, 32, 160)]:  # odd starts: mixed levels
         part = weight_grad_partial(dy[lo:hi], x[lo:hi], leaf_tokens=32, first_leaf=first_leaf, config=cfg)
         ref_part = weight_grad_partial(
@@ -313,11 +322,18 @@ def test_gpu_leaves_per_program_and_configs_same_bits():
     dy, x = _randn(8192, 4096, seed=51), _randn(8192, 4096, seed=52)
     base = weight_grad_config(dy.dtype, 4096, 4096)
     ref = weight_grad_partial(dy, x, leaf_tokens=1024, finish_dtype=torch.float32)
+    old = dict(lean=False, tma=False, maxnreg=None)  # the pre-lean kernels
     variants = [
-        dict(leaves_per_program=lpp, scratch_tree=sc) for lpp, sc in [(1, False), (2, False), (4, True)]
+        dict(old, leaves_per_program=lpp, scratch_tree=sc) for lpp, sc in [(1, False), (2, False), (4, True)]
     ]
     variants += [dict(block_n=bn, block_k=bk, num_warps=w) for bn, bk, w in [(128, 256, 8), (64, 128, 4)]]
-    variants += [dict(flat_loop=True), dict(flat_loop=True, leaves_per_program=4)]
+    variants += [dict(old, scratch_tree=True, flat_loop=True), dict(old, scratch_tree=True, num_stages=4)]
+    variants += [
+        dict(tma=False),
+        dict(pairs=True, programs_per_sm=1, num_stages=4, maxnreg=None),
+        dict(merge_in_registers=True, programs_per_sm=1, maxnreg=None),
+        dict(leaves_per_program=4),
+    ]
     for change in variants:
         got = weight_grad_partial(
             dy, x, leaf_tokens=1024, config=dataclasses.replace(base, **change), finish_dtype=torch.float32

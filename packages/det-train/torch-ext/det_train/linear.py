@@ -6,8 +6,9 @@ summed over tokens in the canonical order (fp32 leaf sums combined by det_core's
   tokens aligned to the global token index; a leaf is a sequential fp32 fold in steps of
   ``block_t`` tokens; leaves are combined by ``TreePartial``. The dW kernel computes whole aligned
   subtrees of up to ``leaves_per_program`` leaves (in registers, or through a per-program scratch
-  stack that stays in L2), so a micro-batch of up to 8 leaves is finished in-kernel and only the
-  rest of the tree runs in torch.
+  stack that stays in L2; the default "lean" kernel keeps one tile live, loads by TMA and runs two
+  programs per SM), so a micro-batch of up to 8 leaves is finished in-kernel and only the rest of
+  the tree runs in torch.
 - With an active ``CanonicalGradAccumulator`` the leaf sums are deposited there (notes/CANONICAL_GRADS.md)
   and the autograd gradient of the weight / bias is None.
 """
@@ -62,6 +63,24 @@ def _leaf_sum(
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += dy_t_step
         b_ptrs += x_t_step
+    return acc
+
+
+@triton.jit
+def _leaf_sum_tma(
+    dy_desc, x_desc, tok_start, tok_end, off_n, off_k,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``_leaf_sum`` with TMA tile loads (tokens past T zero-filled; leaf ends are BLOCK_T-aligned)."""
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for t in range(tok_start, tok_end, BLOCK_T):
+        a = tl.trans(dy_desc.load([t, off_n]))  # dY^T tile (BLOCK_N, BLOCK_T)
+        b = x_desc.load([t, off_k])  # X tile (BLOCK_T, BLOCK_K)
+        if UPCAST:  # interpreter: fp32 dot of a row-major copy, as matmul's TMA kernel
+            a = tl.reshape(tl.reshape(a.to(tl.float32), (BLOCK_N * BLOCK_T,)), (BLOCK_N, BLOCK_T))
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     return acc
 
 
@@ -270,6 +289,124 @@ def _weight_grad_flat_kernel(
                 acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
 
 
+@triton.jit(do_not_specialize=["T", "run_start", "leaves", "num_programs"])
+def _weight_grad_lean_kernel(
+    dy_ptr, x_ptr, out_ptr, scratch_ptr, stride_scratch,
+    T, N, K, run_start, LEAF_TOKENS, leaves, blocks, num_programs,
+    stride_dyt, stride_dyn, stride_xt, stride_xk, stride_ob, stride_on, stride_ok,
+    dy_t_step, x_t_step,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr,
+    MAX_LEVELS: tl.constexpr, PAIRS: tl.constexpr, MERGE_ROWS: tl.constexpr, TMA: tl.constexpr,
+    EVEN_T: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BF16_BY_BITS: tl.constexpr,
+):  # fmt: skip
+    """``_weight_grad_stack_kernel`` with one accumulator tile live during the token loop (same bits).
+
+    The root is stored inside the leaf loop and the scratch / output addresses are rebuilt after
+    each leaf (from a value the compiler cannot prove loop invariant), so no node and no 128x128
+    pointer tensor stays in registers across the token loop: ~half the registers, two programs per
+    SM, and one program's tree merge overlaps the other's tensor-core work. With ``PAIRS`` the two
+    leaves of each level-1 node are summed in registers (two tiles live, one program per SM, half
+    the scratch traffic); the stack then holds levels >= 1 (``MAX_LEVELS`` counts those levels).
+    With ``TMA`` ``dy_ptr`` / ``x_ptr`` are host tensor descriptors of dY and X (tiles by TMA).
+    ``MERGE_ROWS == 0``: left siblings are loaded whole and added in registers (less scratch
+    traffic, more registers); else the merge runs on row chunks of ``MERGE_ROWS`` in memory.
+    """
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_k = tl.cdiv(K, BLOCK_K)
+    tiles_per_block = num_pid_n * num_pid_k
+    num_pid_in_group = GROUP_N * num_pid_k
+    program = tl.program_id(0)
+    group_leaves: tl.constexpr = 2 if PAIRS else 1
+    nodes = leaves // group_leaves
+    for tile_id in range(program, blocks * tiles_per_block, num_programs):
+        block = tile_id // tiles_per_block
+        pid = tile_id % tiles_per_block
+        group_id = pid // num_pid_in_group
+        first_pid_n = group_id * GROUP_N
+        group_size_n = tl.minimum(num_pid_n - first_pid_n, GROUP_N)
+        pid_n = first_pid_n + ((pid % num_pid_in_group) % group_size_n)
+        pid_k = (pid % num_pid_in_group) // group_size_n
+        offs_n = ((pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N).to(tl.int64)
+        offs_k = ((pid_k * BLOCK_K + tl.arange(0, BLOCK_K)) % K).to(tl.int64)
+        s0 = run_start + block * (leaves * LEAF_TOKENS)
+        for j in range(0, nodes):
+            start = s0 + j * (group_leaves * LEAF_TOKENS)
+            if TMA:
+                node = _leaf_sum_tma(
+                    dy_ptr, x_ptr, start, tl.minimum(start + LEAF_TOKENS, T), pid_n * BLOCK_N,
+                    pid_k * BLOCK_K, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST, DOT_PRECISION,
+                )  # fmt: skip
+            else:
+                node = _leaf_sum(
+                    dy_ptr, x_ptr, start, tl.minimum(start + LEAF_TOKENS, T), offs_n, offs_k,
+                    stride_dyt, stride_dyn, stride_xt, stride_xk, dy_t_step, x_t_step,
+                    BLOCK_N, BLOCK_K, BLOCK_T, EVEN_T, UPCAST, DOT_PRECISION,
+                )  # fmt: skip
+            if PAIRS:  # node(1) = leaf 2j + leaf 2j + 1, in registers
+                start1 = start + LEAF_TOKENS
+                if TMA:
+                    node = node + _leaf_sum_tma(
+                        dy_ptr, x_ptr, start1, tl.minimum(start1 + LEAF_TOKENS, T), pid_n * BLOCK_N,
+                        pid_k * BLOCK_K, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST, DOT_PRECISION,
+                    )  # fmt: skip
+                else:
+                    node = node + _leaf_sum(
+                        dy_ptr, x_ptr, start1, tl.minimum(start1 + LEAF_TOKENS, T), offs_n, offs_k,
+                        stride_dyt, stride_dyn, stride_xt, stride_xk, dy_t_step, x_t_step,
+                        BLOCK_N, BLOCK_K, BLOCK_T, EVEN_T, UPCAST, DOT_PRECISION,
+                    )  # fmt: skip
+            # the tree merge runs in memory on row chunks: few registers live beside the token loop
+            slot = scratch_ptr + program.to(tl.int64) * stride_scratch
+            closing = 0  # levels this node closes; the node it makes waits in slot `closing`
+            for lv in tl.static_range(MAX_LEVELS):
+                closing += tl.where((j + 1) % (2 << lv) == 0, 1, 0)
+            zero = j >> 30  # 0, but depends on j: keeps the offsets below out of LICM's reach
+            tile = (zero + tl.arange(0, BLOCK_N))[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+            if (closing == 0) & (j + 1 < nodes):  # a left sibling: straight to its slot
+                tl.debug_barrier()  # every thread is done reading the slot being overwritten
+                tl.store(slot + tile, node)
+                tl.debug_barrier()
+            elif MERGE_ROWS == 0:  # merge in registers: (left + node) level by level, whole tiles
+                for lv in tl.static_range(MAX_LEVELS):
+                    if lv < closing:
+                        tl.debug_barrier()  # the left sibling was stored by other threads
+                        node = tl.load(slot + lv * (BLOCK_N * BLOCK_K) + tile) + node
+                if j + 1 < nodes:
+                    tl.debug_barrier()
+                    tl.store(slot + closing * (BLOCK_N * BLOCK_K) + tile, node)
+                    tl.debug_barrier()
+                else:  # the root: rounded into the output
+                    rows = pid_n * BLOCK_N + zero + tl.arange(0, BLOCK_N)
+                    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+                    out_ptrs = (
+                        out_ptr + block.to(tl.int64) * stride_ob
+                        + rows.to(tl.int64)[:, None] * stride_on + cols.to(tl.int64)[None, :] * stride_ok
+                    )  # fmt: skip
+                    store_rounded(out_ptrs, node, (rows[:, None] < N) & (cols[None, :] < K), BF16_BY_BITS)
+            else:  # node -> slot MAX_LEVELS, then (left + node) level by level, chunk by chunk
+                tl.store(slot + MAX_LEVELS * (BLOCK_N * BLOCK_K) + tile, node)
+                tl.debug_barrier()
+                for c in tl.static_range(BLOCK_N // MERGE_ROWS):
+                    part = (c * MERGE_ROWS + zero + tl.arange(0, MERGE_ROWS))[:, None] * BLOCK_K
+                    part += tl.arange(0, BLOCK_K)[None, :]
+                    value = tl.load(slot + MAX_LEVELS * (BLOCK_N * BLOCK_K) + part)
+                    for lv in tl.static_range(MAX_LEVELS):
+                        if lv < closing:
+                            value = tl.load(slot + lv * (BLOCK_N * BLOCK_K) + part) + value
+                    if j + 1 < nodes:
+                        tl.store(slot + closing * (BLOCK_N * BLOCK_K) + part, value)
+                    else:  # the root: rounded into the output
+                        rows = pid_n * BLOCK_N + c * MERGE_ROWS + zero + tl.arange(0, MERGE_ROWS)
+                        cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+                        out_ptrs = (
+                            out_ptr + block.to(tl.int64) * stride_ob
+                            + rows.to(tl.int64)[:, None] * stride_on + cols.to(tl.int64)[None, :] * stride_ok
+                        )  # fmt: skip
+                        mask = (rows[:, None] < N) & (cols[None, :] < K)
+                        store_rounded(out_ptrs, value, mask, BF16_BY_BITS)
+                tl.debug_barrier()
+
+
 @triton.jit(do_not_specialize=["T"])
 def _bias_grad_kernel(
     dy_ptr, out_ptr, T, N, LEAF_TOKENS, stride_dyt, stride_dyn,
@@ -340,9 +477,10 @@ def weight_grad_partial(
         ``leaves_per_program`` leaves, merged), or the finished tensor.
 
     Workspace: one fp32 ``(N, K)`` tile per aligned subtree left unfinished by the kernel (none
-    when the run is one subtree, finished and rounded in-kernel), plus, with ``scratch_tree``, a
-    stack of ``log2(leaves_per_program)`` fp32 tiles per resident program (2 per SM): with the
-    default table, 264 x 3 x 64 KiB = 49.5 MiB on a 132-SM H200, whatever the layer's size.
+    when the run is one subtree, finished and rounded in-kernel), plus, with ``scratch_tree`` /
+    ``lean``, a stack of fp32 tiles per resident program (``dw_scratch_shape``): with the default
+    table 264 programs x (3 levels + 1 merge slot) x 64 KiB = 66 MiB on a 132-SM H200, whatever
+    the layer's size.
 
     **Determinism:** leaf sums are fixed by ``block_t`` (config table) and the leaf's tokens; the
     tree by global leaf indices: any leaf-aligned split of the tokens merges to the same bits, and
@@ -353,9 +491,9 @@ def weight_grad_partial(
     if config is None:
         config = weight_grad_config(dy.dtype, N, K)
     lpp = config.leaves_per_program
-    if lpp < 1 or lpp & (lpp - 1) or (lpp > 4 and not config.scratch_tree):
+    if lpp < 1 or lpp & (lpp - 1) or (lpp > 4 and not (config.scratch_tree or config.lean)):
         raise ValueError(
-            f"leaves_per_program must be 1, 2 or 4 (any power of 2 with scratch_tree), got {lpp}"
+            f"leaves_per_program must be 1, 2 or 4 (any power of 2 with scratch_tree or lean), got {lpp}"
         )
     leaves = num_leaves(T, leaf_tokens)
     runs = _aligned_runs(first_leaf, leaves, config.leaves_per_program)
@@ -382,12 +520,28 @@ def weight_grad_partial(
             dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), out.stride(0), out.stride(1), out.stride(2),
             config.block_t * dy.stride(0), config.block_t * x.stride(0),
         )  # fmt: skip
-        if config.scratch_tree and size > 1:
-            levels = level  # a subtree of 2**level leaves keeps at most `level` left siblings waiting
-            programs = min(grid[0] * grid[1], _resident_programs(dy.device))
+        if config.lean and size > 1:
+            levels = level - 1 if config.pairs else level  # levels that wait in the stack
             scratch = torch.empty(
-                (programs, levels, config.block_n * config.block_k), dtype=torch.float32, device=dy.device
+                dw_scratch_shape(config, level, grid[0] * grid[1], dy.device),
+                dtype=torch.float32,
+                device=dy.device,
             )
+            programs = scratch.shape[0]
+            descs = _dw_tma_operands(dy, x, config, leaf_tokens) if config.tma else None
+            _weight_grad_lean_kernel[(programs,)](
+                *(descs or (dy, x)), out, scratch, scratch.stride(0), *args, size, count, programs, *strides,
+                MAX_LEVELS=levels, PAIRS=config.pairs, TMA=descs is not None, maxnreg=config.maxnreg,
+                MERGE_ROWS=0 if config.merge_in_registers else min(32, config.block_n), **common,
+            )  # fmt: skip
+        elif config.scratch_tree and size > 1:
+            levels = level  # a subtree of 2**level leaves keeps at most `level` left siblings waiting
+            scratch = torch.empty(
+                dw_scratch_shape(config, level, grid[0] * grid[1], dy.device),
+                dtype=torch.float32,
+                device=dy.device,
+            )
+            programs = scratch.shape[0]
             stack_kernel = _weight_grad_flat_kernel if config.flat_loop else _weight_grad_stack_kernel
             stack_kernel[(programs,)](
                 dy, x, out, scratch, *args, size, count, programs, *strides, MAX_LEVELS=levels, **common
@@ -404,11 +558,47 @@ def weight_grad_partial(
     return partial
 
 
-def _resident_programs(device: torch.device) -> int:
-    """Programs of the persistent dW tree kernel: two per SM (its scratch is sized by this)."""
+def _dw_tma_operands(dy: torch.Tensor, x: torch.Tensor, config: WeightGradConfig, leaf_tokens: int):
+    """TMA descriptors of dY (T, N) and X (T, K), or None when not applicable (leaf ends not on
+    ``block_t`` steps, fp32, rows or addresses not 16-byte aligned, Triton < 3.4)."""
+    if leaf_tokens % config.block_t or dy.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if dy.stride(1) != 1 or x.stride(1) != 1 or dy.stride(0) % 8 or x.stride(0) % 8:
+        return None
+    if dy.data_ptr() % 16 or x.data_ptr() % 16:
+        return None
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    T, N = dy.shape
+    K = x.shape[1]
+    return (
+        TensorDescriptor(dy, [T, N], [dy.stride(0), 1], [config.block_t, config.block_n]),
+        TensorDescriptor(x, [T, K], [x.stride(0), 1], [config.block_t, config.block_k]),
+    )
+
+
+def dw_scratch_shape(
+    config: WeightGradConfig, level: int, programs_needed: int, device: torch.device
+) -> tuple[int, int, int] | None:
+    """Shape of the fp32 scratch stack of the dW tree kernels for subtrees of ``2**level`` leaves:
+    (programs, slots, block_n * block_k), or None when the config uses no scratch."""
+    if level == 0 or not (config.lean or config.scratch_tree):
+        return None
+    programs = min(programs_needed, _resident_programs(device, config.programs_per_sm))
+    if config.lean:
+        slots = (level - 1 if config.pairs else level) + (0 if config.merge_in_registers else 1)
+    else:
+        slots = level
+    return programs, max(slots, 1), config.block_n * config.block_k
+
+
+def _resident_programs(device: torch.device, per_sm: int = 2) -> int:
+    """Programs of the persistent dW tree kernels: ``per_sm`` per SM (their scratch is sized by this)."""
     if device.type != "cuda":
         return 4
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _single_node(level: int, index: int, value: torch.Tensor) -> TreePartial:

@@ -46,6 +46,12 @@ def bf16_by_bits(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and runtime.interpreter_active()
 
 
+@triton.jit
+def _row_major(t, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """``t`` itself; under the interpreter a row-major copy of a transposed view (through a reshape)."""
+    return tl.reshape(tl.reshape(t, (ROWS * COLS,)), (ROWS, COLS))
+
+
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
     # pointers
@@ -114,6 +120,8 @@ def _matmul_kernel(
         if UPCAST:  # Triton interpreter: no bf16 dot; the fp32 dot of bf16 values is exact per product
             a = a.to(tl.float32)
             b = b.to(tl.float32)
+            if B_NK_TILES:  # as in the TMA kernel: a row-major copy for numpy's dot
+                b = _row_major(b, BLOCK_K, BLOCK_N)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += a_k_step
         b_ptrs += b_k_step
@@ -128,6 +136,102 @@ def _matmul_kernel(
     )
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     store_rounded(c_ptrs, acc, mask, BF16_BY_BITS)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_tma_kernel(
+    a_desc, b_desc, c_ptr, bias_ptr, M, N, K, stride_cm, stride_cn, num_programs,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    B_KMAJOR: tl.constexpr, PERSISTENT: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BF16_BY_BITS: tl.constexpr,
+):  # fmt: skip
+    """``_matmul_kernel`` (2-D, no carry) with A and B tiles loaded by TMA (Hopper tensor memory
+    accelerator) through host tensor descriptors: the same K fold, the same ``tl.dot`` per step, so
+    the same bits. ``B_KMAJOR``: B = W.T described as W (N, K), tiles (BLOCK_N, BLOCK_K) fed to
+    the dot transposed (wgmma's native K-major B). Rows / columns / K past the end are zero-filled
+    by TMA and never stored. ``PERSISTENT``: ``num_programs`` programs walk the tiles."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    k_steps = tl.cdiv(K, BLOCK_K)
+    if PERSISTENT:
+        first, step = tl.program_id(0), num_programs
+    else:
+        first, step = tl.program_id(0), num_pid_m * num_pid_n
+    for tile_id in range(first, num_pid_m * num_pid_n, step):
+        group_id = tile_id // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
+        pid_n = (tile_id % num_pid_in_group) // group_size_m
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, k_steps):
+            a = a_desc.load([off_m, k * BLOCK_K])
+            if B_KMAJOR:
+                b = tl.trans(b_desc.load([off_n, k * BLOCK_K]))
+            else:
+                b = b_desc.load([k * BLOCK_K, off_n])
+            if UPCAST:  # interpreter: fp32 dot of a row-major copy (numpy sums a transposed view
+                a = a.to(tl.float32)  # in another order); the GPU dot reads either from smem
+                b = _row_major(b.to(tl.float32), BLOCK_K, BLOCK_N)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        rows = off_m + tl.arange(0, BLOCK_M)
+        cols = off_n + tl.arange(0, BLOCK_N)
+        if HAS_BIAS:
+            acc = acc + tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols.to(tl.int64)[None, :] * stride_cn
+        store_rounded(c_ptrs, acc, (rows[:, None] < M) & (cols[None, :] < N), BF16_BY_BITS)
+
+
+def _tma_operands(a: torch.Tensor, b: torch.Tensor, config: MatmulConfig, carry) -> tuple | None:
+    """Host TMA descriptors of A and B (B as W (N, K) when K-contiguous), or None when the call
+    does not qualify (batched, carry, fp32, strides or addresses not 16-byte aligned)."""
+    if carry is not None or a.dim() != 2 or b.dim() != 2 or a.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if a.stride(1) != 1 or a.stride(0) % 8 or a.data_ptr() % 16 or b.data_ptr() % 16:
+        return None
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # Triton < 3.4
+        return None
+    M, K = a.shape
+    N = b.shape[1]
+    a_desc = TensorDescriptor(a, [M, K], [a.stride(0), 1], [config.block_m, config.block_k])
+    if b.stride(0) == 1 and b.stride(1) % 8 == 0:  # W.T of a (N, K) weight: describe W itself
+        return (
+            a_desc,
+            TensorDescriptor(b.t(), [N, K], [b.stride(1), 1], [config.block_n, config.block_k]),
+            True,
+        )
+    if b.stride(1) == 1 and b.stride(0) % 8 == 0:
+        return a_desc, TensorDescriptor(b, [K, N], [b.stride(0), 1], [config.block_k, config.block_n]), False
+    return None
+
+
+def _launch_tma(a, b, out, bias, config: MatmulConfig, descs) -> torch.Tensor:
+    a_desc, b_desc, b_kmajor = descs
+    M, K = a.shape
+    N = b.shape[1]
+    tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
+    programs = min(tiles, runtime_programs(a.device)) if config.persistent else tiles
+    _matmul_tma_kernel[(programs,)](
+        a_desc, b_desc, out, bias if bias is not None else out, M, N, K,
+        out.stride(0), out.stride(1), programs,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        B_KMAJOR=b_kmajor, PERSISTENT=config.persistent, HAS_BIAS=bias is not None,
+        UPCAST=runtime.interpreter_active(), DOT_PRECISION=_dot_precision(a.dtype),
+        BF16_BY_BITS=bf16_by_bits(out.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def runtime_programs(device: torch.device) -> int:
+    """Programs of a persistent matmul: one per SM (4 under the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _dot_precision(dtype: torch.dtype) -> str | None:
@@ -162,6 +266,10 @@ def launch_matmul(
     N = b.shape[-1]
     if config is None:
         config = matmul_config(a.dtype, layout_of(a, b), N, K)
+    if config.tma:
+        descs = _tma_operands(a, b, config, carry)
+        if descs is not None:
+            return _launch_tma(a, b, out, bias.contiguous() if bias is not None else None, config, descs)
     a3, saz = _as_batched(a)
     b3, sbz = _as_batched(b)
     c3, scz = _as_batched(out)
