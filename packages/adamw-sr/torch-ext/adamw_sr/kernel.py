@@ -37,7 +37,7 @@ from ._vendor.det_core import rng, runtime, sr
 # bits are keyed by global element index, so NO entry changes any result bit (the ablation
 # benchmark and test_kernel_variants_equal_reference check it):
 #   BLOCK        elements per program (one chunk-table row; a multiple of SUB)
-#   SUB          elements per inner tile (BLOCK // SUB iterations per program)
+#   SUB          elements per inner tile (BLOCK // SUB iterations per program; a multiple of 8)
 #   num_warps    threads per program / 32 (SUB / (32 * num_warps) elements per thread and tile)
 #   TILE_2D      tiles shaped [SUB // 4, 4]: a thread owns whole Philox groups of 4, and the four
 #                words are picked by column, no layout shuffle; False: 1-D tiles, words interleaved
@@ -465,9 +465,10 @@ class LaunchPlan:
     def __init__(self, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, segments, device, config=None):
         self.config = dict(config or launch_config(device))
         self.block = self.config["BLOCK"]
-        if self.block % self.config["SUB"] or self.config["SUB"] % 4:
+        # tiles start 8-aligned in every tensor (the ALIGNED hints rely on it) and 4-aligned globally
+        if self.block % self.config["SUB"] or self.config["SUB"] % 8:
             raise ValueError(
-                f"adamw_sr: launch config {self.config}: BLOCK must be a multiple of SUB, SUB of 4"
+                f"adamw_sr: launch config {self.config}: BLOCK must be a multiple of SUB, SUB of 8"
             )
         self.num_warps = self.config["num_warps"]
         roles = [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs or exp_avg_sqs]
