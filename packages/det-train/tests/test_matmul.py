@@ -94,6 +94,39 @@ def test_batch_index_and_3d_rows_match_2d():
     assert_bitwise_equal(out4[1, 2], matmul(a4[1, 0], b3[2]), "broadcast")
 
 
+@pytest.mark.parametrize("dtype", HALF)
+def test_tma_kernel_gives_the_pointer_kernel_bits(dtype):
+    """The forward's TMA kernel (host descriptors; plain and persistent) equals the pointer kernel
+    bit for bit: K tail zero-filled, rows past M and columns past N never stored, bias added."""
+    from det_train.matmul import _tma_operands
+
+    for m, k, n in [(5, 72, 40), (33, 136, 24), (70, 200, 36)]:
+        x, w, bias = (
+            _randn(m, k, dtype=dtype, seed=m),
+            _randn(n, k, dtype=dtype, seed=k),
+            _randn(n, dtype=dtype),
+        )
+        base = dataclasses.replace(configs.matmul_config(dtype, "nt", n, k), block_m=16, block_n=16)
+        for bb in (None, bias):
+            ref = launch_matmul(x, w.t(), torch.empty(m, n, dtype=dtype, device=DEVICE), bias=bb, config=base)
+            for persistent in (False, True):
+                cfg = dataclasses.replace(base, tma=True, persistent=persistent)
+                assert _tma_operands(x, w.t(), cfg, None) is not None  # the TMA path is the one tested
+                got = launch_matmul(
+                    x, w.t(), torch.empty(m, n, dtype=dtype, device=DEVICE), bias=bb, config=cfg
+                )
+                assert_bitwise_equal(got, ref, f"{m}x{k}x{n} bias={bb is not None} persistent={persistent}")
+    # not eligible (row-major B, misaligned rows): the pointer kernel, same bits
+    x, w = _randn(9, 68, dtype=dtype, seed=1), _randn(20, 68, dtype=dtype, seed=2)
+    cfg = dataclasses.replace(configs.matmul_config(dtype, "nt", 20, 68), tma=True)
+    assert _tma_operands(x, w.t(), cfg, None) is None  # 68 * 2 bytes is not a multiple of 16
+    b_row_major = _randn(64, 24, dtype=dtype, seed=3)
+    assert _tma_operands(_randn(9, 64, dtype=dtype, seed=4), b_row_major, cfg, None) is None  # "nn"
+    assert_bitwise_equal(
+        launch_matmul(x, w.t(), torch.empty(9, 20, dtype=dtype, device=DEVICE), config=cfg), matmul(x, w.t())
+    )
+
+
 def test_layouts_and_views_read_in_place_give_same_bits():
     a, b = _randn(40, 96, seed=12), _randn(96, 56, seed=13)
     ref = matmul(a, b)
@@ -208,6 +241,10 @@ def test_gpu_every_config_of_a_dtype_gives_the_same_bits():
         out = torch.empty_like(ref)
         launch_matmul(a, b_t, out, config=dataclasses.replace(base, b_nk_tiles=nk))
         assert_bitwise_equal(out, ref, f"B read transposed, b_nk_tiles={nk}")
+    for change in (dict(tma=True), dict(tma=True, persistent=True), dict(tma=True, block_m=256, block_n=128)):
+        out = torch.empty_like(ref)  # TMA loads of A and of W's (N, K) tiles: same bits
+        launch_matmul(a, b_t, out, config=dataclasses.replace(base, **change))
+        assert_bitwise_equal(out, ref, f"B read transposed, {change}")
 
 
 @pytest.mark.gpu
