@@ -61,6 +61,13 @@ def split_seed(seed: int) -> tuple[int, int]:
 
 
 @triton.jit
+def _broadcast_u32(value, like):
+    """``value`` (an int scalar tensor of any width, or a Python int that Triton may have turned
+    into a constexpr, e.g. 1) as uint32 in the shape of ``like``: its low 32 bits."""
+    return (tl.zeros(like.shape, tl.int64) + value).to(tl.uint32)
+
+
+@triton.jit
 def _mulhilo32(a, b):
     # b is a uint32 constant; a uint32 tensor. hi via umulhi, lo by wrapping multiply.
     return tl.umulhi(a, b), a * b
@@ -100,10 +107,10 @@ def random_bits(seed_lo, seed_hi, step, stream, index):
     zero = tl.zeros(index.shape, tl.uint32)
     c0 = (q & 0xFFFFFFFF).to(tl.uint32)
     c1 = (q >> 32).to(tl.uint32)
-    c2 = zero + step.to(tl.uint32)
-    c3 = zero + stream.to(tl.uint32)
-    k0 = zero + seed_lo.to(tl.uint32)
-    k1 = zero + seed_hi.to(tl.uint32)
+    c2 = _broadcast_u32(step, zero)
+    c3 = _broadcast_u32(stream, zero)
+    k0 = _broadcast_u32(seed_lo, zero)
+    k1 = _broadcast_u32(seed_hi, zero)
     r0, r1, r2, r3 = philox4x32_10(c0, c1, c2, c3, k0, k1)
     w = index & 3
     return tl.where(w == 0, r0, tl.where(w == 1, r1, tl.where(w == 2, r2, r3)))
@@ -120,10 +127,10 @@ def random_bits_x4(seed_lo, seed_hi, step, stream, base, BLOCK: tl.constexpr):
     zero = tl.zeros([BLOCK // 4], tl.uint32)
     c0 = (q & 0xFFFFFFFF).to(tl.uint32)
     c1 = (q >> 32).to(tl.uint32)
-    c2 = zero + step.to(tl.uint32)
-    c3 = zero + stream.to(tl.uint32)
-    k0 = zero + seed_lo.to(tl.uint32)
-    k1 = zero + seed_hi.to(tl.uint32)
+    c2 = _broadcast_u32(step, zero)
+    c3 = _broadcast_u32(stream, zero)
+    k0 = _broadcast_u32(seed_lo, zero)
+    k1 = _broadcast_u32(seed_hi, zero)
     r0, r1, r2, r3 = philox4x32_10(c0, c1, c2, c3, k0, k1)
     # interleave to element order: [q0w0, q0w1, q0w2, q0w3, q1w0, ...]
     r01 = tl.join(r0, r1)  # [BLOCK/4, 2]
