@@ -217,9 +217,11 @@ def cross_entropy(
     invariant to micro-batching. Not across GPU models / Triton versions (exp/log lowering).
 
     Raises:
-        TypeError: bad dtypes. ValueError: shape mismatch, unknown reduction, ``num_global_tokens``
-        not positive or given with a reduction other than ``"mean"``, a target out of range
-        (checked on the host: one device sync). RuntimeError: device problems.
+        TypeError: bad dtypes.
+        ValueError: shape mismatch, unknown reduction, ``num_global_tokens`` not positive or given
+            with a reduction other than ``"mean"``, a target out of range (checked on the host:
+            one device sync).
+        RuntimeError: device problems.
 
     Reference: the softmax cross-entropy gradient ``softmax - onehot``; kernel layout after
     Liger-Kernel ``ops/cross_entropy.py`` (which computes the gradient in the forward instead).
