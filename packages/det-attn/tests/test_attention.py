@@ -227,6 +227,28 @@ def test_packed_sequence_equals_sequence_alone(causal):
         assert_bitwise_equal(dv[sk], alone[4][0], f"dv: {where}")
 
 
+def test_value_strides_other_than_key_strides_give_same_bits():
+    # the kernels read v with k's strides, so the launcher copies k and v when their strides differ
+    # (here v is a column slice of a wider buffer, k contiguous); the result must be unchanged
+    h, t = 2, 29
+    q, k, v = (x[0] for x in _qkv(1, t, t, h, h, seed=900))
+    do = _randn(t, h, D, seed=901)
+    cu = torch.tensor([0, 11, t], dtype=torch.int32)
+    got = []
+    for sliced in (False, True):
+        wide = torch.zeros(t, h, 2 * D, dtype=v.dtype)
+        wide[..., :D] = v
+        wide.requires_grad_()
+        value = wide[..., :D] if sliced else wide[..., :D].contiguous()  # no clone: keeps the slice
+        assert (value.stride() != k.stride()) == sliced
+        qg, kg = q.clone().requires_grad_(), k.clone().requires_grad_()
+        o, lse = attention_varlen(qg, kg, value, cu, cu, 18, 18, causal=True, return_lse=True)
+        o.backward(do)
+        got.append((o.detach(), lse, qg.grad, kg.grad, wide.grad[..., :D]))
+    for name, a, b in zip(NAMES, got[1], got[0], strict=True):
+        assert_bitwise_equal(a, b, name)
+
+
 def test_varlen_matches_reference_with_empty_sequence():
     # an empty sequence (0 queries, 0 keys) in the middle is allowed and changes nothing
     h_q, h_kv = 2, 2

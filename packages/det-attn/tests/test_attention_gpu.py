@@ -181,16 +181,18 @@ def test_heads_split_across_ranks_reproduce_unsplit():
             assert_bitwise_equal(g_, w, f"{name}: {parts} ranks")
 
 
-def test_context_parallel_queries_keep_o_lse_dq_bits():
-    t, d = 4096, 128
+# Forward BLOCK_M is 128 at D=64 and D=128, dQ BLOCK_M 64 and 128: chunk starts on multiples of
+# 128 put every query row at the same place in the same tiles as the undivided run.
+CP_TILE = 128
+
+
+def _check_context_parallel(t, d, edges_of):
     q, k, v = _qkv(1, t, t, 16, 4, d, seed=500)
     do = _randn(1, t, 16, d, seed=501)
     o, lse, dq, dk, dv = _fwd_bwd(attention, q, k, v, do, causal=True)
     for parts in (2, 3, 4):
-        edges = [
-            (lo + 13 * (i > 0), hi + 13 * (i < parts - 1))
-            for i, (lo, hi) in enumerate(contiguous_splits(t, parts))
-        ]
+        edges = edges_of(t, parts)
+        assert edges[0][0] == 0 and edges[-1][1] == t
         dk_sum = torch.zeros_like(dk, dtype=torch.float32)
         for lo, hi in edges:
             co, clse, cdq, cdk, _ = _fwd_bwd(
@@ -201,6 +203,28 @@ def test_context_parallel_queries_keep_o_lse_dq_bits():
             assert_bitwise_equal(cdq, dq[:, lo:hi], f"dq: {parts} ranks, chunk {lo}:{hi}")
             dk_sum[:, :hi] += cdk.float()
         assert (dk_sum - dk.float()).abs().max().item() <= 2**-6 * dk.float().abs().max().item()
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_context_parallel_aligned_chunks_keep_o_lse_dq_bits(d):
+    # chunk starts on multiples of 128 (the documented condition); 3 parts give unequal chunks
+    def edges(t, parts):
+        return [(lo * CP_TILE, hi * CP_TILE) for lo, hi in contiguous_splits(t // CP_TILE, parts)]
+
+    _check_context_parallel(4096, d, edges)
+
+
+def test_context_parallel_unaligned_chunks_keep_o_lse_dq_bits():
+    # chunk starts off the tile grid (2061 = 16 * 128 + 13): a row sits elsewhere in its tile and
+    # some of its key blocks switch between the masked and the unmasked loop. Holds only because
+    # both loops do the same arithmetic on a visible score (explicit fma, see _kernels._fwd_inner).
+    def edges(t, parts):
+        return [
+            (lo + 13 * (i > 0), hi + 13 * (i < parts - 1))
+            for i, (lo, hi) in enumerate(contiguous_splits(t, parts))
+        ]
+
+    _check_context_parallel(4096, 128, edges)
 
 
 @pytest.mark.parametrize("d", [64, 128])

@@ -142,16 +142,21 @@ def _fwd_inner(
             v = tl.load(v_ptrs)
         if UPCAST:
             kT = kT.to(tl.float32)
-        qk = tl.dot(q, kT) * qk_scale
+        s = tl.dot(q, kT)  # raw scores; the scale is folded into the exp2 argument below
         if MASKED:
             visible = offs_n[None, :] < k_len
             if CAUSAL:
                 visible = visible & (offs_n[None, :] <= offs_m[:, None] + diag)
-            qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_new[:, None])
+            s = tl.where(visible, s, float("-inf"))  # exact: a visible score keeps its bits
+        # Masked and unmasked blocks do the same arithmetic on a visible score (no contraction
+        # left to the compiler): max(s) * scale == max(s * scale) (rounding is monotone, scale > 0),
+        # and the exponent is one explicit fma. So a row's bits do not depend on whether a block
+        # was masked for its tile, i.e. not on where the row sits in its tile. A masked score
+        # gives fma(-inf, scale, -m) = -inf and exp2 = 0 (m is finite: every row sees key 0).
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.math.exp2(tl.fma(s, qk_scale, -m_new[:, None]))
         alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = tl.fma(l_i, alpha, tl.sum(p, 1))
         acc = acc * alpha[:, None]
         if DROPOUT:
             keep = _dropout_keep(seed_lo, seed_hi, seq, head, offs_m, start, drop_threshold, BLOCK_N, False)
@@ -380,7 +385,7 @@ def _dkdv_inner(
         if UPCAST:
             qT = qT.to(tl.float32)
             do = do.to(tl.float32)
-        pT = tl.math.exp2(tl.dot(k, qT) * qk_scale - lse2[None, :])  # [BLOCK_N, BLOCK_M]
+        pT = tl.math.exp2(tl.fma(tl.dot(k, qT), qk_scale, -lse2[None, :]))  # [BLOCK_N, BLOCK_M]
         if MASKED:
             visible = offs_m[None, :] < q_len
             if CAUSAL:
@@ -682,7 +687,7 @@ def _dq_inner(
         if UPCAST:
             kT = kT.to(tl.float32)
             vT = vT.to(tl.float32)
-        p = tl.math.exp2(tl.dot(q, kT) * qk_scale - lse2[:, None])
+        p = tl.math.exp2(tl.fma(tl.dot(q, kT), qk_scale, -lse2[:, None]))  # explicit fma, as forward
         if MASKED:
             visible = offs_n[None, :] < k_len
             if CAUSAL:

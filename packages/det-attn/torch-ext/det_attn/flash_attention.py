@@ -68,11 +68,15 @@ class _Config:
 # changing one changes bits (for every input alike: never chosen per shape).
 #                 fwd: BM  BN* warps stages | dK/dV: BM* BN warps stages | dQ: BM BN* warps stages
 _GPU_CONFIGS = {
-    64: _Config(128, 64, 8, 3, 64, 64, 4, 3, 64, 64, 4, 3, dkdv_one_loop=True),
-    128: _Config(128, 128, 8, 3, 64, 128, 8, 3, 128, 64, 8, 3, fwd_dropout_stages=2, dkdv_one_loop=True),
+    64: _Config(128, 64, 8, 3, 64, 64, 4, 3, 64, 64, 4, 3),
+    128: _Config(128, 128, 8, 3, 64, 128, 8, 3, 128, 64, 8, 3, fwd_dropout_stages=2),
 }
 # Interpreter: small, unequal blocks so tiny CPU tests cross many tile and diagonal boundaries.
 _INTERPRETER_CONFIG = _Config(32, 16, 1, 1, 16, 32, 1, 1, 32, 16, 1, 1)
+
+
+# Triton reads TRITON_INTERPRET when the kernels are decorated (at import), so read it once too.
+_INTERPRET = runtime.interpreter_active()
 
 
 def _config(head_dim: int, interpreter: bool) -> _Config:
@@ -171,13 +175,14 @@ def _check_cu_seqlens(cu: torch.Tensor, total: int, device: torch.device, name: 
 # --------------------------------------------------------------------------- launchers
 
 
-def _dropout_args(dropout_p: float, seed: int | None) -> tuple[int, int, int, float]:
+def _dropout_args(dropout_p: float, seed: int | None, sequence_offset: int, head_offset: int) -> tuple:
+    """Kernel arguments seed_lo, seed_hi, seq_offset, head_offset, threshold, drop_scale."""
     if dropout_p == 0.0:
-        return 0, 0, 0, 1.0
+        return 0, 0, sequence_offset, head_offset, 0, 1.0
     seed_lo, seed_hi = rng.split_seed(int(seed))
     # keep an element iff its 32 random bits are >= threshold: P(keep) = 1 - threshold / 2**32
     threshold = min(int(round(dropout_p * 2**32)), 2**32 - 1)
-    return seed_lo, seed_hi, threshold, 1.0 / (1.0 - dropout_p)
+    return seed_lo, seed_hi, sequence_offset, head_offset, threshold, 1.0 / (1.0 - dropout_p)
 
 
 def _grid(n_tiles: int, heads: int, batch: int) -> tuple[int, int]:
@@ -187,28 +192,107 @@ def _grid(n_tiles: int, heads: int, batch: int) -> tuple[int, int]:
     return (n_tiles * heads, batch)
 
 
-def _seq_args(cu_q, cu_k, dense, placeholder):
-    """Kernel arguments of the sequence layout: (cu_q, cu_k, seqlen_q, seqlen_k, DENSE).
-
-    ``dense`` is ``(batch, T_q, T_k)`` for a padded batch (sequence b starts at b * T, no cu_seqlens
-    tensors and no loads of them), else None (packed, cu_seqlens given).
-    """
-    if dense is None:
-        return cu_q, cu_k, 0, 0, False
-    return placeholder, placeholder, dense[1], dense[2], True
+# Per-shape launch arguments (grids, sizes, strides, meta), built once and reused: the host
+# side of a call is then a dict lookup plus the launches (it bounds the speed at short
+# sequences). The key holds everything the arguments are computed from, the config included.
+_PLANS: dict = {}
+_MAX_PLANS = 1024
 
 
-def _forward(q, k, v, cu_q, cu_k, dense, max_q, scale, causal, dropout_p, seed, sequence_offset, head_offset):
-    total_q, heads, head_dim = q.shape
-    batch = dense[0] if dense is not None else cu_q.numel() - 1
-    interp = runtime.interpreter_active()
+@dataclass(frozen=True)
+class _Plan:
+    fwd_grid: tuple
+    fwd_sizes: tuple  # n_tiles, heads, seqlen_q, seqlen_k, group, qk_scale
+    fwd_strides: tuple
+    fwd_meta: dict
+    pre_grid: tuple
+    pre_args: tuple  # total_q, strides
+    pre_meta: dict
+    dkdv_grid: tuple
+    dkdv_sizes: tuple  # n_tiles, kv_heads, seqlen_q, seqlen_k, group, scale, qk_scale
+    dkdv_strides: tuple
+    dkdv_meta: dict
+    dq_grid: tuple
+    dq_sizes: tuple
+    dq_strides: tuple
+    dq_meta: dict
+
+
+def _plan(q, k, dense, batch, max_q, max_k, scale, causal, dropout) -> _Plan:
+    interp = _INTERPRET
+    head_dim = q.shape[2]
     cfg = _config(head_dim, interp)
+    key = (q.shape, q.stride(), k.shape, k.stride(), dense, batch, max_q, max_k, scale, causal, dropout, cfg)
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan
+    total_q, heads, _ = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    seqlen_q, seqlen_k = (dense[1], dense[2]) if dense is not None else (0, 0)
+    qk_scale = scale * math.log2(math.e)
+    o_strides = torch.empty_like(q, device="meta").stride()  # o, dq = empty_like(q)
+    lse_stride = total_q  # lse2, delta: (heads, total_q) contiguous
+    do_strides = (heads * head_dim, head_dim)  # dO is made contiguous
+    dk_strides = torch.empty_like(k, device="meta").stride()
+    common = dict(HEAD_DIM=head_dim, CAUSAL=causal, DROPOUT=dropout, UPCAST=interp, DENSE=dense is not None)
+    n_fwd = _cdiv(max_q, cfg.fwd_block_m)
+    n_kv = _cdiv(max_k, cfg.dkdv_block_n)
+    n_dq = _cdiv(max_q, cfg.dq_block_m)
+    pre_block = 32  # fixed: each row is summed alike wherever it sits in a tile (packing-safe)
+    plan = _Plan(
+        fwd_grid=_grid(n_fwd, heads, batch),
+        fwd_sizes=(n_fwd, heads, seqlen_q, seqlen_k, group, qk_scale),
+        fwd_strides=(*q.stride()[:2], *k.stride()[:2], *o_strides[:2], lse_stride),
+        fwd_meta=dict(
+            BLOCK_M=cfg.fwd_block_m,
+            BLOCK_N=cfg.fwd_block_n,
+            num_warps=cfg.fwd_warps,
+            num_stages=cfg.fwd_dropout_stages if dropout and cfg.fwd_dropout_stages else cfg.fwd_stages,
+            **common,
+        ),
+        pre_grid=(_cdiv(total_q, pre_block), heads),
+        pre_args=(total_q, *o_strides[:2], *do_strides, lse_stride),
+        pre_meta=dict(HEAD_DIM=head_dim, BLOCK_M=pre_block),
+        dkdv_grid=_grid(n_kv, kv_heads, batch),
+        dkdv_sizes=(n_kv, kv_heads, seqlen_q, seqlen_k, group, scale, qk_scale),
+        dkdv_strides=(*q.stride()[:2], *k.stride()[:2], *do_strides, *dk_strides[:2], lse_stride),
+        dkdv_meta=dict(
+            BLOCK_M=cfg.dkdv_block_m,
+            BLOCK_N=cfg.dkdv_block_n,
+            ONE_LOOP=cfg.dkdv_one_loop,
+            num_warps=cfg.dkdv_warps,
+            num_stages=cfg.dkdv_stages,
+            **common,
+        ),
+        dq_grid=_grid(n_dq, heads, batch),
+        dq_sizes=(n_dq, heads, seqlen_q, seqlen_k, group, scale, qk_scale),
+        dq_strides=(*q.stride()[:2], *k.stride()[:2], *do_strides, *o_strides[:2], lse_stride),
+        dq_meta=dict(
+            BLOCK_M=cfg.dq_block_m,
+            BLOCK_N=cfg.dq_block_n,
+            num_warps=cfg.dq_warps,
+            num_stages=cfg.dq_stages,
+            **common,
+        ),
+    )
+    if len(_PLANS) >= _MAX_PLANS:  # bound the cache (shapes seen by one process are few)
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
+
+
+def _forward(
+    q, k, v, cu_q, cu_k, dense, max_q, scale, causal, dropout_p, seed, sequence_offset, head_offset, max_k=0
+):
+    # max_k (only the backward grid needs it) makes the forward share the backward's plan
+    batch = dense[0] if dense is not None else cu_q.shape[0] - 1
+    plan = _plan(q, k, dense, batch, max_q, max_k, scale, causal, dropout_p > 0.0)
     o = torch.empty_like(q)
-    lse2 = torch.empty((heads, total_q), device=q.device, dtype=torch.float32)
-    seed_lo, seed_hi, threshold, drop_scale = _dropout_args(dropout_p, seed)
-    n_tiles = _cdiv(max_q, cfg.fwd_block_m)
-    cu_q, cu_k, seqlen_q, seqlen_k, is_dense = _seq_args(cu_q, cu_k, dense, lse2)
-    _kernels.attn_fwd_kernel[_grid(n_tiles, heads, batch)](
+    lse2 = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    if dense is not None:  # a padded batch: no cu_seqlens tensors (any pointer will do)
+        cu_q = cu_k = lse2
+    _kernels.attn_fwd_kernel[plan.fwd_grid](
         q,
         k,
         v,
@@ -216,34 +300,10 @@ def _forward(q, k, v, cu_q, cu_k, dense, max_q, scale, causal, dropout_p, seed, 
         lse2,
         cu_q,
         cu_k,
-        n_tiles,
-        heads,
-        seqlen_q,
-        seqlen_k,
-        heads // k.shape[1],
-        scale * math.log2(math.e),
-        seed_lo,
-        seed_hi,
-        sequence_offset,
-        head_offset,
-        threshold,
-        drop_scale,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        o.stride(0),
-        o.stride(1),
-        lse2.stride(0),
-        HEAD_DIM=head_dim,
-        BLOCK_M=cfg.fwd_block_m,
-        BLOCK_N=cfg.fwd_block_n,
-        CAUSAL=causal,
-        DROPOUT=dropout_p > 0.0,
-        UPCAST=interp,
-        DENSE=is_dense,
-        num_warps=cfg.fwd_warps,
-        num_stages=cfg.fwd_dropout_stages if dropout_p > 0.0 and cfg.fwd_dropout_stages else cfg.fwd_stages,
+        *plan.fwd_sizes,
+        *_dropout_args(dropout_p, seed, sequence_offset, head_offset),
+        *plan.fwd_strides,
+        **plan.fwd_meta,
     )
     return o, lse2
 
@@ -267,35 +327,19 @@ def _backward(
     sequence_offset,
     head_offset,
 ):
-    total_q, heads, head_dim = q.shape
-    kv_heads = k.shape[1]
-    batch = dense[0] if dense is not None else cu_q.numel() - 1
-    interp = runtime.interpreter_active()
-    cfg = _config(head_dim, interp)
-    do = do.contiguous()
+    batch = dense[0] if dense is not None else cu_q.shape[0] - 1
+    plan = _plan(q, k, dense, batch, max_q, max_k, scale, causal, dropout_p > 0.0)
+    if not do.is_contiguous():
+        do = do.contiguous()
     delta = torch.empty_like(lse2)
-    pre_block = 32  # fixed: each row is summed alike wherever it sits in a tile (packing-safe)
-    _kernels.attn_bwd_preprocess_kernel[(_cdiv(total_q, pre_block), heads)](
-        o,
-        do,
-        delta,
-        total_q,
-        o.stride(0),
-        o.stride(1),
-        do.stride(0),
-        do.stride(1),
-        delta.stride(0),
-        HEAD_DIM=head_dim,
-        BLOCK_M=pre_block,
-    )
+    _kernels.attn_bwd_preprocess_kernel[plan.pre_grid](o, do, delta, *plan.pre_args, **plan.pre_meta)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    seed_lo, seed_hi, threshold, drop_scale = _dropout_args(dropout_p, seed)
-    cu_q, cu_k, seqlen_q, seqlen_k, is_dense = _seq_args(cu_q, cu_k, dense, delta)
-    common = dict(HEAD_DIM=head_dim, CAUSAL=causal, DROPOUT=dropout_p > 0.0, UPCAST=interp, DENSE=is_dense)
-    n_kv_tiles = _cdiv(max_k, cfg.dkdv_block_n)
-    _kernels.attn_bwd_dkdv_kernel[_grid(n_kv_tiles, kv_heads, batch)](
+    drop = _dropout_args(dropout_p, seed, sequence_offset, head_offset)
+    if dense is not None:
+        cu_q = cu_k = delta
+    _kernels.attn_bwd_dkdv_kernel[plan.dkdv_grid](
         q,
         k,
         v,
@@ -306,37 +350,12 @@ def _backward(
         dv,
         cu_q,
         cu_k,
-        n_kv_tiles,
-        kv_heads,
-        seqlen_q,
-        seqlen_k,
-        heads // kv_heads,
-        scale,
-        scale * math.log2(math.e),
-        seed_lo,
-        seed_hi,
-        sequence_offset,
-        head_offset,
-        threshold,
-        drop_scale,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        do.stride(0),
-        do.stride(1),
-        dk.stride(0),
-        dk.stride(1),
-        lse2.stride(0),
-        BLOCK_M=cfg.dkdv_block_m,
-        BLOCK_N=cfg.dkdv_block_n,
-        ONE_LOOP=cfg.dkdv_one_loop,
-        num_warps=cfg.dkdv_warps,
-        num_stages=cfg.dkdv_stages,
-        **common,
+        *plan.dkdv_sizes,
+        *drop,
+        *plan.dkdv_strides,
+        **plan.dkdv_meta,
     )
-    n_q_tiles = _cdiv(max_q, cfg.dq_block_m)
-    _kernels.attn_bwd_dq_kernel[_grid(n_q_tiles, heads, batch)](
+    _kernels.attn_bwd_dq_kernel[plan.dq_grid](
         q,
         k,
         v,
@@ -346,33 +365,10 @@ def _backward(
         dq,
         cu_q,
         cu_k,
-        n_q_tiles,
-        heads,
-        seqlen_q,
-        seqlen_k,
-        heads // kv_heads,
-        scale,
-        scale * math.log2(math.e),
-        seed_lo,
-        seed_hi,
-        sequence_offset,
-        head_offset,
-        threshold,
-        drop_scale,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        do.stride(0),
-        do.stride(1),
-        dq.stride(0),
-        dq.stride(1),
-        lse2.stride(0),
-        BLOCK_M=cfg.dq_block_m,
-        BLOCK_N=cfg.dq_block_n,
-        num_warps=cfg.dq_warps,
-        num_stages=cfg.dq_stages,
-        **common,
+        *plan.dq_sizes,
+        *drop,
+        *plan.dq_strides,
+        **plan.dq_meta,
     )
     return dq, dk, dv
 
@@ -396,13 +392,19 @@ class _AttentionFunction(torch.autograd.Function):
         sequence_offset,
         head_offset,
     ):
-        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        if k.stride(-1) != 1 or v.stride() != k.stride():  # the kernels read v with k's strides
+            k, v = k.contiguous(), v.contiguous()
         o, lse2 = _forward(
-            q, k, v, cu_q, cu_k, dense, max_q, scale, causal, dropout_p, seed, sequence_offset, head_offset
-        )
+            q, k, v, cu_q, cu_k, dense, max_q, scale, causal, dropout_p, seed, sequence_offset, head_offset,
+            max_k,
+        )  # fmt: skip
         ctx.save_for_backward(q, k, v, o, lse2, cu_q, cu_k)
         ctx.args = (dense, max_q, max_k, scale, causal, dropout_p, seed, sequence_offset, head_offset)
         ctx.mark_non_differentiable(lse2)
+        # lse2 never gets a gradient: do not let autograd allocate and zero-fill one per backward
+        ctx.set_materialize_grads(False)
         return o, lse2
 
     @staticmethod
