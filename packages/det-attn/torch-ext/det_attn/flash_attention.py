@@ -497,8 +497,10 @@ def attention(
     sequence given to ``attention_varlen`` beside any neighbours. Heads are independent, so
     splitting heads across ranks (keeping GQA groups together, with ``head_offset`` for dropout)
     reproduces the unsplit bits. Under causal context parallelism (a rank holds a chunk of queries
-    and the keys up to the chunk's end) O, LSE and dq keep their bits; dk and dv do not (the
-    ranks' partial sums are added outside the kernel, in another order). Dropout masks are a pure
+    and the keys up to the chunk's end) O, LSE and dq keep their bits when every chunk starts at
+    a multiple of 128 tokens (then each row keeps its place in its tiles; other starts are checked
+    on the GPU but not guaranteed); dk and dv do not (the ranks' partial sums are added outside
+    the kernel, in another order). Dropout masks are a pure
     function of (seed, sequence index, head, query position, key position). Not guaranteed across
     GPU models, Triton versions, or between the GPU and the CPU interpreter (other block sizes).
 
