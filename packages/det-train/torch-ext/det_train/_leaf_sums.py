@@ -3,7 +3,10 @@ and hand a parameter gradient's leaves to the accumulator or finish the canonica
 
 Reduction order (det_core.reduce): a kernel first sums each chunk of ``rows_per_chunk`` consecutive
 tokens sequentially in fp32 (``chunk_partials``, one row per chunk); ``fold_chunks`` then adds the
-chunks of one leaf sequentially in chunk order; leaves are combined by ``TreePartial``.
+chunks of one leaf sequentially in chunk order; leaves are combined by the canonical pairwise tree.
+The tree runs on the GPU (``tree_in_place``, one Triton kernel, no host round-trip): every output
+element walks the tree's levels in order, so its bits are those of ``TreePartial`` (fp32 adds of
+the same operands in the same pairs).
 """
 
 from __future__ import annotations
@@ -13,11 +16,13 @@ import triton
 import triton.language as tl
 
 from ._vendor.det_core.reduce import TreePartial, num_leaves
+from ._vendor.det_core.sr import round_nearest_bf16
 from .grad_accum import DEFAULT_LEAF_TOKENS, current_accumulator
 
-__all__ = ["finish_param_grad", "fold_chunks", "leaf_layout"]
+__all__ = ["cast_out", "dyadic_nodes", "finish_param_grad", "fold_chunks", "leaf_layout", "tree_in_place"]
 
 _FOLD_BLOCK = 1024  # columns per program; does not change bits (the fold is elementwise)
+_TREE_BLOCK = 512  # columns per program of the tree kernel; does not change bits (elementwise)
 
 
 @triton.jit
@@ -41,6 +46,114 @@ def _fold_chunks_kernel(
             other=0.0,
         )
     tl.store(out_ptr + leaf.to(tl.int64) * N + cols, acc, mask=mask)
+
+
+@triton.jit
+def cast_out(x, out_ptr):
+    # fp32 -> output dtype, nearest-even on every device (the interpreter's bf16 cast truncates)
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        return round_nearest_bf16(x)
+    else:
+        return x.to(out_ptr.dtype.element_ty)
+
+
+@triton.jit
+def tree_combine(
+    rows_ptr, row_stride, cols, mask, leaf_ptr, k, lo, hi, LEVELS: tl.constexpr, DENSE: tl.constexpr
+):
+    """Combine ``k`` fp32 rows (entries) holding sums of global leaves ``g_0 < g_1 < ...`` in place.
+
+    Entry ``i`` is leaf ``lo + i`` (``DENSE``) or ``leaf_ptr[i]``. Level by level, the node ``u`` of
+    a level is held in the row of its first entry; a right child is added to its left sibling
+    (``left + right``) when both exist and their parent lies inside ``[lo, hi)``; a lone child keeps
+    its value (the canonical promotion). Afterwards the first entry of every maximal aligned subtree
+    inside ``[lo, hi)`` holds that subtree's sum (``TreePartial``'s nodes, same bits).
+    """
+    for level in range(0, LEVELS):
+        prev_u = tl.full((), -1, tl.int64)
+        left = tl.full((), -1, tl.int64)
+        left_u = tl.full((), -2, tl.int64)
+        for i32 in range(0, k):
+            i = tl.full((), 0, tl.int64) + i32
+            if DENSE:
+                g = i + lo
+            else:
+                g = tl.load(leaf_ptr + i).to(tl.int64)
+            u = g >> level
+            is_slot = u != prev_u
+            parent = u >> 1
+            inside = ((parent << (level + 1)) >= lo) & (((parent + 1) << (level + 1)) <= hi)
+            if is_slot & ((u & 1) == 1) & (left_u == u - 1) & inside:
+                a = tl.load(rows_ptr + left * row_stride + cols, mask=mask, other=0.0)
+                b = tl.load(rows_ptr + i * row_stride + cols, mask=mask, other=0.0)
+                tl.store(rows_ptr + left * row_stride + cols, a + b, mask=mask)
+            new_left = is_slot & ((u & 1) == 0)
+            left = tl.where(new_left, i, left)
+            left_u = tl.where(new_left, u, left_u)
+            prev_u = u
+
+
+@triton.jit
+def _dense_tree_kernel(
+    rows_ptr,
+    out_ptr,
+    n_leaves,
+    N,
+    lo,
+    hi,
+    LEVELS: tl.constexpr,
+    WRITE_ROOT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    tree_combine(rows_ptr, N, cols, mask, rows_ptr, n_leaves, lo, hi, LEVELS, True)
+    if WRITE_ROOT:
+        root = tl.load(rows_ptr + cols, mask=mask, other=0.0)
+        tl.store(out_ptr + cols, cast_out(root, out_ptr), mask=mask)
+
+
+def dyadic_nodes(lo: int, hi: int) -> list[tuple[int, int]]:
+    """The maximal aligned subtrees ``(level, index)`` covering leaves ``[lo, hi)``, left to right."""
+    nodes = []
+    while lo < hi:
+        level = 0
+        while lo % (2 << level) == 0 and lo + (2 << level) <= hi:
+            level += 1
+        nodes.append((level, lo >> level))
+        lo += 1 << level
+    return nodes
+
+
+def _levels(lo: int, hi: int) -> int:
+    return max((level for level, _ in dyadic_nodes(lo, hi)), default=0)
+
+
+def tree_in_place(leaf_sums: torch.Tensor, lo: int = 0, out_dtype: torch.dtype | None = None):
+    """Canonical tree over contiguous fp32 leaf sums ``(n, N)`` (global leaves ``lo .. lo + n - 1``).
+
+    Overwrites ``leaf_sums``. With ``out_dtype`` (``lo`` must be 0): returns the root ``(N,)`` in
+    ``out_dtype`` (``TreePartial().add_leaves(0, leaves).result(n)``, same bits). Without: returns
+    ``{(level, index): (N,) fp32 view}``, the maximal aligned subtrees inside ``[lo, lo + n)``.
+    """
+    n, width = leaf_sums.shape
+    hi = lo + n
+    if out_dtype is not None:
+        if lo != 0:
+            raise ValueError("tree_in_place: the root is defined for leaves starting at 0")
+        levels = max(n - 1, 0).bit_length()
+        hi = 1 << levels  # the whole tree: absent right children promote their sibling
+    else:
+        levels = _levels(lo, hi)
+    out = torch.empty((width,), dtype=out_dtype or torch.float32, device=leaf_sums.device)
+    block = min(_TREE_BLOCK, max(16, triton.next_power_of_2(width)))
+    if n and width:
+        _dense_tree_kernel[(triton.cdiv(width, block),)](
+            leaf_sums, out, n, width, lo, hi, LEVELS=levels, WRITE_ROOT=out_dtype is not None, BLOCK=block
+        )
+    if out_dtype is not None:
+        return out
+    return {(level, index): leaf_sums[(index << level) - lo] for level, index in dyadic_nodes(lo, lo + n)}
 
 
 def fold_chunks(partials: torch.Tensor, chunks_per_leaf: int) -> torch.Tensor:
@@ -77,13 +190,18 @@ def leaf_layout(num_tokens: int, max_rows_per_chunk: int, op: str):
 
 
 def finish_param_grad(acc, param: torch.Tensor, first_leaf: int, leaf_sums: torch.Tensor):
-    """Deposit ``leaf_sums`` (n_leaves, *param.shape) into ``acc``, or finish the tree over them.
+    """Deposit the canonical subtrees of ``leaf_sums`` (n_leaves, *param.shape) fp32 into ``acc``,
+    or finish the tree over them. ``leaf_sums`` is overwritten (the tree runs in place on the GPU).
 
     Returns None when deposited (the autograd gradient of ``param``), else the gradient in
     ``param.dtype``.
     """
-    leaf_sums = leaf_sums.view(leaf_sums.shape[0], *param.shape)
+    flat = leaf_sums.reshape(leaf_sums.shape[0], -1)
     if acc is not None:
-        acc.deposit(param, first_leaf, leaf_sums)
+        partial = TreePartial()
+        partial.nodes = {
+            key: value.view(param.shape) for key, value in tree_in_place(flat, first_leaf).items()
+        }
+        acc.deposit_partial(param, partial)
         return None
-    return TreePartial().add_leaves(0, leaf_sums).result(leaf_sums.shape[0]).to(param.dtype)
+    return tree_in_place(flat, 0, param.dtype).view(param.shape)

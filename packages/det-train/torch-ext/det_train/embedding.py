@@ -24,86 +24,162 @@ import torch
 import triton
 import triton.language as tl
 
-from ._leaf_sums import leaf_layout
+from ._leaf_sums import cast_out, dyadic_nodes, leaf_layout, tree_combine
 from ._vendor.det_core.reduce import TreePartial, num_leaves
 from ._vendor.det_core.runtime import check_kernel_device
 
 __all__ = ["Embedding", "embedding"]
 
-_BLOCK_D = 256  # columns per program; does not change bits (the fold is per column)
+_BLOCK_D = 256  # columns per program; does not change bits (the fold and the tree are per column)
 
 
 @triton.jit
-def _segment_sum_kernel(
-    dy_ptr,
-    perm_ptr,
-    seg_start_ptr,
-    out_ptr,
-    D,
-    stride_dy,
-    BLOCK_D: tl.constexpr,
-):
-    seg = tl.program_id(0)
+def _segment_fold_kernel(dy_ptr, perm_ptr, seg_first_ptr, sums_ptr, M, D, stride_dy, BLOCK_D: tl.constexpr):
+    # program s folds segment s (a run of equal (id, leaf) in the stable sort) in token order from +0.0;
+    # programs past the last segment (seg_first == M) do nothing, so the grid needs no host count
+    seg = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = cols < D
-    start = tl.load(seg_start_ptr + seg)
-    end = tl.load(seg_start_ptr + seg + 1)
-    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for i in range(start, end):
-        tok = tl.load(perm_ptr + i)
-        acc += tl.load(dy_ptr + tok * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + seg.to(tl.int64) * D + cols, acc, mask=mask)
+    start = tl.load(seg_first_ptr + seg)
+    end = tl.load(seg_first_ptr + seg + 1)
+    if start < end:
+        acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        for i32 in range(start, end, 4):
+            # four independent row loads in flight, added strictly in token order
+            i = tl.full((), 0, tl.int64) + i32
+            last = end - 1  # clamped addresses: rows past the segment are loaded but not added
+            t0 = tl.load(perm_ptr + i)
+            t1 = tl.load(perm_ptr + tl.minimum(i + 1, last))
+            t2 = tl.load(perm_ptr + tl.minimum(i + 2, last))
+            t3 = tl.load(perm_ptr + tl.minimum(i + 3, last))
+            r0 = tl.load(dy_ptr + t0 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+            r1 = tl.load(dy_ptr + t1 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+            r2 = tl.load(dy_ptr + t2 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+            r3 = tl.load(dy_ptr + t3 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+            v1, v2, v3 = i + 1 < end, i + 2 < end, i + 3 < end
+            acc = acc + r0
+            acc = tl.where(v1, acc + r1, acc)
+            acc = tl.where(v2, acc + r2, acc)
+            acc = tl.where(v3, acc + r3, acc)
+        tl.store(sums_ptr + seg * D + cols, acc, mask=mask)
 
 
-def _segment_sums(ids: torch.Tensor, dy: torch.Tensor, leaf: int):
-    """(entry ids, entry leaf indices, fp32 sums (S, D)) for each run of equal (id, local leaf)."""
+@triton.jit
+def _id_tree_kernel(
+    sums_ptr,
+    seg_first_ptr,
+    seg_leaf_ptr,
+    sorted_ids_ptr,
+    node_of_leaf_ptr,
+    out_ptr,
+    M,
+    V,
+    D,
+    max_segments,
+    lo,
+    hi,
+    first_leaf,
+    LEVELS: tl.constexpr,
+    NODE_TABLES: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # program s: if segment s is its id's first, combine the id's segments (one per leaf, leaves
+    # increasing) by the canonical tree in place, then write the maximal subtrees to the output rows
+    seg = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = cols < D
+    start = tl.load(seg_first_ptr + seg)
+    if start < M:
+        row_id = tl.load(sorted_ids_ptr + start)
+        prev_start = tl.load(seg_first_ptr + tl.maximum(seg - 1, 0))
+        prev_id = tl.load(sorted_ids_ptr + prev_start)
+        if (seg == 0) | (prev_id != row_id):
+            k = tl.full((), 1, tl.int64)
+            going = k == 1
+            for j in range(1, max_segments):
+                nxt = tl.load(seg_first_ptr + tl.minimum(seg + j, M))
+                same = going & (nxt < M)
+                same = same & (tl.load(sorted_ids_ptr + tl.minimum(nxt, M - 1)) == row_id)
+                k += same.to(tl.int64)
+                going = same
+            rows = sums_ptr + seg * D
+            tree_combine(rows, D, cols, mask, seg_leaf_ptr + seg, k, lo, hi, LEVELS, False)
+            if NODE_TABLES:
+                prev_q = tl.full((), -1, tl.int64)
+                for i in range(0, k):
+                    q = tl.load(node_of_leaf_ptr + tl.load(seg_leaf_ptr + seg + i) - first_leaf).to(tl.int64)
+                    if q != prev_q:
+                        value = tl.load(rows + i * D + cols, mask=mask, other=0.0)
+                        tl.store(out_ptr + (q * V + row_id) * D + cols, value, mask=mask)
+                    prev_q = q
+            else:
+                root = tl.load(rows + cols, mask=mask, other=0.0)
+                tl.store(out_ptr + row_id * D + cols, cast_out(root, out_ptr), mask=mask)
+
+
+def _segments(ids: torch.Tensor, leaf: int, first_leaf: int):
+    """Stable sort of the ids and its (id, leaf) runs, all on the device (no host sync).
+
+    Returns ``(sorted_ids, perm, seg_first (M + 1,), seg_leaf (M + 1,))``: segment ``s`` covers sorted
+    positions ``[seg_first[s], seg_first[s + 1])`` (``M`` past the last segment) of global leaf
+    ``seg_leaf[s]``.
+    """
+    m = ids.shape[0]
     sorted_ids, perm = torch.sort(ids, stable=True)
     leaf_of = torch.div(perm, leaf, rounding_mode="floor")
     new_seg = torch.ones_like(sorted_ids, dtype=torch.bool)
     new_seg[1:] = (sorted_ids[1:] != sorted_ids[:-1]) | (leaf_of[1:] != leaf_of[:-1])
-    starts = new_seg.nonzero().flatten()
-    seg_start = torch.cat([starts, starts.new_tensor([ids.shape[0]])])
-    n_seg, d = starts.shape[0], dy.shape[1]
-    sums = torch.empty((n_seg, d), dtype=torch.float32, device=dy.device)
-    _segment_sum_kernel[(n_seg, triton.cdiv(d, _BLOCK_D))](
-        dy, perm, seg_start, sums, d, dy.stride(0), BLOCK_D=_BLOCK_D
+    seg_rank = torch.cumsum(new_seg, 0) - 1
+    seg_first = torch.searchsorted(seg_rank, torch.arange(m + 1, device=ids.device))
+    seg_leaf = leaf_of[seg_first.clamp(max=m - 1)] + first_leaf
+    return sorted_ids, perm, seg_first, seg_leaf
+
+
+def _weight_grad(ids, dy, v: int, leaf: int, first_leaf: int, out_dtype, node_tables: bool):
+    """Canonical-order weight gradient: ``(V, D)`` in ``out_dtype`` (the whole tree over the call's
+    leaves, numbered from 0), or with ``node_tables`` a ``TreePartial`` of dense fp32 tables, one per
+    maximal aligned subtree of global leaves ``[first_leaf, first_leaf + n_leaves)``."""
+    m, d = dy.shape
+    n_leaves = num_leaves(m, leaf)
+    sorted_ids, perm, seg_first, seg_leaf = _segments(ids, leaf, first_leaf)
+    sums = torch.empty((m, d), dtype=torch.float32, device=dy.device)
+    grid = (m, triton.cdiv(d, _BLOCK_D))
+    _segment_fold_kernel[grid](dy, perm, seg_first, sums, m, d, dy.stride(0), BLOCK_D=_BLOCK_D)
+    if node_tables:
+        lo, hi = first_leaf, first_leaf + n_leaves
+        nodes = dyadic_nodes(lo, hi)
+        levels = max(level for level, _ in nodes)
+        node_of = [q for q, (level, _) in enumerate(nodes) for _ in range(1 << level)]
+        node_of_leaf = torch.tensor(node_of, dtype=torch.int32).to(dy.device, non_blocking=True)
+        out = torch.zeros((len(nodes), v, d), dtype=torch.float32, device=dy.device)
+    else:
+        lo, levels = 0, max(n_leaves - 1, 0).bit_length()
+        hi = 1 << levels  # the whole tree: lone children promote
+        node_of_leaf = seg_first  # unused
+        out = torch.zeros((v, d), dtype=out_dtype, device=dy.device)  # untouched rows: exact zeros
+    _id_tree_kernel[grid](
+        sums,
+        seg_first,
+        seg_leaf,
+        sorted_ids,
+        node_of_leaf,
+        out,
+        m,
+        v,
+        d,
+        n_leaves,
+        lo,
+        hi,
+        first_leaf,
+        LEVELS=levels,
+        NODE_TABLES=node_tables,
+        BLOCK_D=_BLOCK_D,
     )
-    return sorted_ids[starts], leaf_of[starts], sums
-
-
-def _sparse_tree(ids, nodes, values, lo: int, hi: int):
-    """Walk the canonical tree over leaves on sparse (id, node) entries sorted by (id, node).
-
-    Leaves ``[lo, hi)`` are this call's (global indices). Returns ``{(level, index): (ids, values)}``
-    for the maximal aligned subtrees inside ``[lo, hi)``.
-    """
-    out: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-    level = 0
-    while ids.numel():
-        parent = torch.div(nodes, 2, rounding_mode="floor")
-        span = 1 << (level + 1)
-        inside = (parent * span >= lo) & ((parent + 1) * span <= hi)
-        # entries whose parent reaches outside the call's leaves are finished maximal subtrees
-        done = ~inside
-        if bool(done.any()):
-            for node in torch.unique(nodes[done]).tolist():
-                sel = done & (nodes == node)
-                out[(level, int(node))] = (ids[sel], values[sel])
-            keep = inside
-            ids, nodes, values, parent = ids[keep], nodes[keep], values[keep], parent[keep]
-            if not ids.numel():
-                break
-        pair = torch.zeros_like(ids, dtype=torch.bool)  # entry i is a left child whose sibling i+1 exists
-        pair[:-1] = (ids[1:] == ids[:-1]) & (parent[1:] == parent[:-1])
-        is_right = torch.zeros_like(pair)
-        is_right[1:] = pair[:-1]
-        summed = values.clone()
-        left = pair.nonzero().flatten()
-        summed[left] = values[left] + values[left + 1]
-        keep = ~is_right
-        ids, nodes, values = ids[keep], parent[keep], summed[keep]
-        level += 1
-    return out
+    if not node_tables:
+        return out
+    partial = TreePartial()
+    partial.nodes = {key: out[q] for q, key in enumerate(nodes)}
+    return partial
 
 
 class _EmbeddingFunction(torch.autograd.Function):
@@ -128,22 +204,9 @@ class _EmbeddingFunction(torch.autograd.Function):
         if dy2.stride(-1) != 1:
             dy2 = dy2.contiguous()
         acc, leaf, first_leaf, _ = leaf_layout(m, 1, "embedding")
-        n_leaves = num_leaves(m, leaf)
-        seg_ids, seg_leaf, sums = _segment_sums(flat, dy2, leaf)
         if acc is None:
-            hi = 1 << max(n_leaves - 1, 0).bit_length()  # the whole tree: lone children promote
-            (((_level, _index), (rows, vals)),) = _sparse_tree(seg_ids, seg_leaf, sums, 0, hi).items()
-            # rows no token touched are exact zeros: round only the touched rows to weight.dtype
-            grad = torch.zeros((v, d), dtype=weight.dtype, device=dy.device)
-            grad[rows] = vals.to(weight.dtype)
-            return None, grad
-        nodes = _sparse_tree(seg_ids, seg_leaf + first_leaf, sums, first_leaf, first_leaf + n_leaves)
-        partial = TreePartial()
-        for key, (rows, vals) in sorted(nodes.items()):
-            dense = torch.zeros((v, d), dtype=torch.float32, device=dy.device)
-            dense[rows] = vals
-            partial.nodes[key] = dense
-        acc.deposit_partial(weight, partial)
+            return None, _weight_grad(flat, dy2, v, leaf, 0, weight.dtype, node_tables=False)
+        acc.deposit_partial(weight, _weight_grad(flat, dy2, v, leaf, first_leaf, None, node_tables=True))
         return None, None
 
 
