@@ -15,8 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._leaf_sums import leaf_layout
-from ._vendor.det_core.reduce import TreePartial
+from ._leaf_sums import leaf_layout, tree_in_place
 from ._vendor.det_core.runtime import check_kernel_device
 
 __all__ = ["cross_entropy"]
@@ -181,7 +180,8 @@ def _canonical_token_sum(loss: torch.Tensor) -> torch.Tensor:
     n_leaves = -(-n // leaf)
     sums = torch.empty((n_leaves,), dtype=torch.float32, device=loss.device)
     _token_leaf_sum_kernel[(n_leaves,)](loss, sums, n, LEAF=leaf, LANES=_LANES, num_warps=4)
-    return TreePartial().add_leaves(0, sums).result(sums.shape[0])
+    # the pairwise tree over the leaves in one kernel (TreePartial's bits, no host round-trip)
+    return tree_in_place(sums.view(n_leaves, 1), 0, torch.float32).view(())
 
 
 def cross_entropy(
@@ -255,13 +255,19 @@ def cross_entropy(
         logits2 = logits2.contiguous()
     targets1 = targets.reshape(-1).to(torch.int64).contiguous()
     valid = targets1 != ignore_index
+    count = None
     if targets1.numel():
-        bad = valid & ((targets1 < 0) | (targets1 >= v))
-        if bool(bad.any()):
-            first = int(targets1[bad][0])
+        # one host sync for the range check and (mean without num_global_tokens) the token count
+        bad = (valid & ((targets1 < 0) | (targets1 >= v))).any()
+        if reduction == "mean" and num_global_tokens is None:
+            n_bad, count = torch.stack([bad.to(torch.int64), valid.sum()]).tolist()
+        else:
+            n_bad = int(bad)
+        if n_bad:
+            first = int(targets1[valid & ((targets1 < 0) | (targets1 >= v))][0])
             raise ValueError(f"cross_entropy: target {first} is outside [0, {v}) and is not ignore_index")
     denominator = None
     if reduction == "mean":
-        denominator = int(num_global_tokens) if num_global_tokens is not None else int(valid.sum())
+        denominator = int(num_global_tokens) if num_global_tokens is not None else int(count or 0)
     out = _CrossEntropyFunction.apply(logits2, targets1, int(ignore_index), reduction, denominator)
     return out.view(targets.shape) if reduction == "none" else out
