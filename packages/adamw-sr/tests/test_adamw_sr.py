@@ -145,45 +145,54 @@ def test_pow_by_squaring_close_to_pow():
 
 
 def _track_torch(opt_kwargs_ours, opt_kwargs_torch, group_kw, steps=100, schedule=True):
+    """Run ours and torch.optim.AdamW (fp32) side by side, plus torch's AdamW in fp64 as ground truth.
+
+    Returns (max |ours - torch| over all steps, ours' and torch's final max |error| vs fp64)."""
     shapes = [(6, 5), (9,)]
     init = [torch.randn(s, generator=torch.Generator().manual_seed(10 + i)) for i, s in enumerate(shapes)]
-    ours = [x.clone() for x in init]
-    theirs = [x.clone() for x in init]
-    opt_a = AdamWSR([{"params": ours[:1], **group_kw}, {"params": ours[1:]}], **opt_kwargs_ours)
-    opt_b = torch.optim.AdamW(
-        [{"params": theirs[:1], **group_kw}, {"params": theirs[1:]}], **opt_kwargs_torch
-    )
-    scheds = (
-        [torch.optim.lr_scheduler.StepLR(o, step_size=30, gamma=0.5) for o in (opt_a, opt_b)]
-        if schedule
-        else []
-    )
+    runs = [[x.clone() for x in init], [x.clone() for x in init], [x.double() for x in init]]
+    opts = [AdamWSR, torch.optim.AdamW, torch.optim.AdamW]
+    opts = [
+        make([{"params": ps[:1], **group_kw}, {"params": ps[1:]}], **kw)
+        for make, ps, kw in zip(
+            opts, runs, (opt_kwargs_ours, opt_kwargs_torch, opt_kwargs_torch), strict=True
+        )
+    ]
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=30, gamma=0.5) for o in opts] if schedule else []
     worst = 0.0
     for step in range(steps):
-        for p, q, g in zip(ours, theirs, _grads(shapes, step, torch.float32), strict=True):
-            p.grad, q.grad = g.clone(), g.clone()
-        opt_a.step()
-        opt_b.step()
-        for s in scheds:
-            s.step()
-        worst = max(worst, max(float((p - q).abs().max()) for p, q in zip(ours, theirs, strict=True)))
-    return worst
+        for *ps, g in zip(*runs, _grads(shapes, step, torch.float32), strict=True):
+            for p in ps:
+                p.grad = g.to(p.dtype, copy=True)
+        for o in (*opts, *scheds):
+            o.step()
+        worst = max(worst, max(float((p - q).abs().max()) for p, q in zip(runs[0], runs[1], strict=True)))
+    errors = [
+        max(float((p.double() - e).abs().max()) for p, e in zip(r, runs[2], strict=True)) for r in runs[:2]
+    ]
+    return worst, *errors
 
 
 def test_a_fp32_tracks_torch_adamw_with_schedule_amsgrad_maximize():
     kw = dict(lr=1e-2, weight_decay=0.05)
-    worst = _track_torch(kw, kw, {"amsgrad": True, "maximize": True})
-    assert worst < 1e-6, worst  # the issue asks < 1e-4; differences are last-bit roundings
+    worst, ours_err, torch_err = _track_torch(kw, kw, {"amsgrad": True, "maximize": True})
+    # the issue asks < 1e-4 vs torch; our decay p - p * (lr * wd) differs from torch's p * (1 - lr * wd)
+    # (fp32-rounded factor) by ~1 ULP per few steps, hence no longer < 1e-6 (measured 1.7e-6)
+    assert worst < 1e-5, worst
+    # accuracy vs fp64: torch's CPU loop rounds fewer times (lerp, addcmul, addcdiv) than our separate
+    # IEEE ops, ours has no decay-factor bias: measured 0.40x here, 1.41x in the tensor-lr test
+    assert ours_err <= 1.5 * torch_err, (ours_err, torch_err)
 
 
 def test_a_fp32_tracks_torch_adamw_tensor_lr():
-    worst = _track_torch(
+    worst, ours_err, torch_err = _track_torch(
         dict(lr=torch.tensor(5e-3), weight_decay=0.01),
         dict(lr=torch.tensor(5e-3), weight_decay=0.01),
         {},
         schedule=False,
     )
-    assert worst < 1e-6, worst
+    assert worst < 1e-5, worst
+    assert ours_err <= 1.5 * torch_err, (ours_err, torch_err)
 
 
 # --------------------------------------------------------------------------- b. SR is unbiased

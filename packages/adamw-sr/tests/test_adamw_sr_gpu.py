@@ -1,7 +1,7 @@
 """GPU tests of adamw_sr at real sizes (marked ``gpu``; skipped without CUDA). No GPU work at import.
 
 * the kernel on CUDA equals the plain-torch CPU reference bit for bit (digests), fp32 and bf16;
-* fp32 params track torch.optim.AdamW (fused) over 100 steps;
+* fp32 params: at least as close to an fp64 AdamW as torch's fused AdamW is, over 100 steps;
 * the card's headline run at full size (6,000 steps of 1e-4) and weight decay alone (10,000 steps);
 * CUDA-graph capture with lr and step on the device equals eager steps;
 * torch.compile (inductor) of a training step equals eager, bitwise.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo
 from adamw_sr import AdamWSR, adamw_sr_step_reference, default_base_indices
 from det_core.testing import assert_bitwise_equal, digest
 
@@ -62,18 +63,34 @@ def test_cuda_kernel_equals_cpu_reference_bitwise(dtype, amsgrad):
 
 
 def test_cuda_fp32_tracks_torch_fused_adamw():
+    # Ground truth: torch.optim.AdamW in fp64 on fp64 copies. torch's fused CUDA kernel is itself not
+    # IEEE-exact fp32 (it mixes fp64 scalars into fp32 math), so it is a peer, not the target: ours
+    # must be at least as close to fp64 as fused is (factor 1.0), and within the issue's 1e-4 of fused.
     init = [torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(SHAPES)]
     ours = [x.cuda() for x in init]
-    theirs = [x.cuda() for x in init]
+    fused = [x.cuda() for x in init]
+    exact = [x.cuda().double() for x in init]
     opt_a = AdamWSR(ours, lr=1e-3, weight_decay=0.1)
-    opt_b = torch.optim.AdamW(theirs, lr=1e-3, weight_decay=0.1, fused=True)
+    opt_b = torch.optim.AdamW(fused, lr=1e-3, weight_decay=0.1, fused=True)
+    opt_c = torch.optim.AdamW(exact, lr=1e-3, weight_decay=0.1, foreach=False)
     for step in range(100):
-        for p, q, g in zip(ours, theirs, _grads(SHAPES, step, torch.float32, "cuda"), strict=True):
-            p.grad, q.grad = g, g.clone()
+        grads = _grads(SHAPES, step, torch.float32, "cuda")
+        for p, q, r, g in zip(ours, fused, exact, grads, strict=True):
+            p.grad, q.grad, r.grad = g, g.clone(), g.double()
         opt_a.step()
         opt_b.step()
-    worst = max(float((p - q).abs().max()) for p, q in zip(ours, theirs, strict=True))
-    assert worst < 1e-5, worst
+        opt_c.step()
+
+    def worst(xs, ys):
+        return max(float((x.double() - y.double()).abs().max()) for x, y in zip(xs, ys, strict=True))
+
+    ours_err, fused_err, ours_vs_fused = worst(ours, exact), worst(fused, exact), worst(ours, fused)
+    print(
+        f"max |err| vs fp64: ours {ours_err:.3e}, torch fused {fused_err:.3e}; "
+        f"ours vs fused {ours_vs_fused:.3e}"
+    )
+    assert ours_err <= fused_err, (ours_err, fused_err)
+    assert ours_vs_fused < 1e-4, ours_vs_fused
 
 
 def _toward_target(w):
@@ -96,19 +113,32 @@ def test_cuda_headline_full_6000_steps():
 
 
 def test_cuda_weight_decay_alone_10000_steps():
+    # The issue's run: zero gradients, lr 1e-4, wd 0.01 (decay 1e-6 per step, 1/256 of one bf16 ULP).
+    # The bf16 SR run follows the fp32 decay curve, and that fp32 curve is torch's: fp32 cannot follow
+    # the real-number (1 - 1e-6)**10000 (each step rounds to the fp32 grid: ~0.98987, not 0.99005).
     n = 1 << 16
     w = torch.ones(n, dtype=torch.bfloat16, device="cuda")
     w32 = torch.ones(n, device="cuda")
+    t_loop = torch.ones(n, device="cuda")
+    t_fused = torch.ones(n, device="cuda")
     opt = AdamWSR([w], lr=1e-4, weight_decay=0.01)
     opt32 = AdamWSR([w32], lr=1e-4, weight_decay=0.01)
+    torch_loop = torch.optim.AdamW([t_loop], lr=1e-4, weight_decay=0.01, foreach=False)
+    torch_fused = torch.optim.AdamW([t_fused], lr=1e-4, weight_decay=0.01, fused=True)
     for _ in range(10_000):
-        w.grad = torch.zeros_like(w)
-        w32.grad = torch.zeros_like(w32)
-        opt.step()
-        opt32.step()
+        for t in (w, w32, t_loop, t_fused):
+            t.grad = torch.zeros_like(t)
+        for o in (opt, opt32, torch_loop, torch_fused):
+            o.step()
     sigma = 2.0**-8 * (10_000 * 1e-6 / 2.0**-8 / n) ** 0.5
     assert abs(w.double().mean().item() - w32[0].item()) < 5 * sigma
-    assert abs(w32[0].item() - (1 - 1e-6) ** 10_000) < 1e-4
+    assert float(w32[0]) < 0.9995  # it did decay (~0.99)
+    for name, theirs in (("foreach=False", t_loop), ("fused", t_fused)):
+        diff = float((w32 - theirs).abs().max())
+        print(
+            f"fp32 AdamWSR vs torch AdamW {name}: max |diff| {diff:.3e}, bitwise {torch.equal(w32, theirs)}"
+        )
+        assert diff <= 1e-6, (name, diff)
 
 
 def test_cuda_graph_capture_equals_eager():
@@ -177,6 +207,8 @@ def test_cuda_compiled_training_step_equals_eager(backend):
         compiled_step()
     for a, b in zip(m1.parameters(), m2.parameters(), strict=True):
         assert_bitwise_equal(a, b)
+    explained = torch._dynamo.explain(o2.step)()  # "no graph break around the step"
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -46,12 +46,16 @@ def default_base_indices(numels) -> list[int]:
 # --------------------------------------------------------------------------- global element index
 
 
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
 def _is_dtensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor" and hasattr(t, "_local_tensor")
+    kind = type(t)
+    return kind not in _PLAIN_TENSOR_TYPES and kind.__name__ == "DTensor" and hasattr(t, "_local_tensor")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if _is_dtensor(t) else t
+    return t if type(t) in _PLAIN_TENSOR_TYPES else (t._local_tensor if _is_dtensor(t) else t)
 
 
 def local_segments(param: torch.Tensor, base_index: int) -> list[tuple[int, int, int]]:
@@ -448,9 +452,13 @@ class AdamWSR(torch.optim.Optimizer):
             maximize=maximize, foreach=None, capturable=capturable, differentiable=False, fused=None,
             seed=seed, stochastic_rounding=stochastic_rounding, base_index=None,
         )  # fmt: skip
-        self._base_index_cache = None
+        self._base_index_cache = {}
         self._segments_cache: dict = {}
         self._hyper_cache: dict = {}
+        # "unchecked": a loaded state not yet validated (states this class creates are valid by
+        # construction, so the per-tensor state check runs once per load, not every step). A dict
+        # mutated in place: dynamo (torch 2.11) refuses setattr on the optimizer while tracing
+        self._state_flags = {"unchecked": True}
         super().__init__(params, defaults)
 
     # ----------------------------------------------------------------- groups and indices
@@ -489,7 +497,7 @@ class AdamWSR(torch.optim.Optimizer):
                     f"AdamWSR: base_index must list one non-negative int (or None) per param, "
                     f"got {base!r} for {len(group['params'])} params"
                 )
-        self._base_index_cache = None
+        self._base_index_cache = {}
         self._segments_cache = {}
 
     @staticmethod
@@ -516,14 +524,16 @@ class AdamWSR(torch.optim.Optimizer):
 
     def _base_indices(self) -> dict[int, int]:
         """id(param) -> global index of its first element (running offset, or the group's override)."""
-        if self._base_index_cache is None:
+        # filled in place, never reassigned inside step(): dynamo (torch 2.11) refuses a setattr on
+        # the optimizer object while tracing a compiled step
+        if not self._base_index_cache:
             params = [p for group in self.param_groups for p in group["params"]]
             defaults = default_base_indices(p.numel() for p in params)  # global numel for a DTensor
             explicit = [
                 b for g in self.param_groups for b in (g.get("base_index") or [None] * len(g["params"]))
             ]
             out = {id(p): d if b is None else b for p, d, b in zip(params, defaults, explicit, strict=True)}
-            self._base_index_cache = out
+            self._base_index_cache.update(out)
         return self._base_index_cache
 
     def _hyper(self, group: dict, device: torch.device) -> torch.Tensor:
@@ -582,8 +592,9 @@ class AdamWSR(torch.optim.Optimizer):
                 step = self.state[p].get("step")
                 if isinstance(step, torch.Tensor) and step is saved[pid].get("step"):
                     self.state[p]["step"] = step.clone()  # torch would alias the caller's step tensor
-        self._base_index_cache = None
+        self._base_index_cache = {}
         self._segments_cache = {}
+        self._state_flags = {"unchecked": True}
 
     def _check_state(self, p: torch.Tensor, state: dict, amsgrad: bool) -> None:
         """A loaded or existing state must hold fp32 moments of the param's shape and a step tensor."""
@@ -604,6 +615,7 @@ class AdamWSR(torch.optim.Optimizer):
     def __setstate__(self, state: dict) -> None:
         """Fill group options a loaded state lacks (e.g. a ``torch.optim.AdamW`` state_dict), like torch."""
         super().__setstate__(state)
+        self._state_flags = {"unchecked": True}
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
@@ -632,22 +644,49 @@ class AdamWSR(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        # as torch's optimizers: the capture query is not traceable (dynamo would break the graph here)
+        capturing = (
+            not torch.compiler.is_compiling()
+            and torch.cuda.is_available()
+            and torch.cuda.is_current_stream_capturing()
+        )
         work = []
         for group in self.param_groups:
             if capturing and not group["capturable"]:
                 raise RuntimeError("AdamWSR: step() is being captured in a CUDA graph; pass capturable=True")
             with_grad = [p for p in group["params"] if p.grad is not None]
-            for p in with_grad:
-                self._check_grad(p)
-                if self.state.get(p):
-                    self._check_state(p, self.state[p], group["amsgrad"])
+            self._check_grads(with_grad)
             work.append((group, with_grad))
+        check_states = self._state_flags["unchecked"] or torch.compiler.is_compiling()
+        if check_states:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if self.state.get(p):
+                        self._check_state(p, self.state[p], group["amsgrad"])
+            if not torch.compiler.is_compiling():
+                self._state_flags["unchecked"] = False
         base = self._base_indices()
         for group, with_grad in work:
             if with_grad:
                 self._group_step(group, with_grad, base)
         return loss
+
+    @staticmethod
+    def _check_grads(ps: list[torch.Tensor]) -> None:
+        """``_check_grad`` for each param, with a fast test for the common plain-tensor case."""
+        strided, dtypes = torch.strided, _SUPPORTED_GRAD_DTYPES
+        for p in ps:
+            g = p.grad
+            if (
+                type(g) not in _PLAIN_TENSOR_TYPES
+                or type(p) not in _PLAIN_TENSOR_TYPES
+                or g.layout != strided
+                or g.dtype not in dtypes
+                or g.shape != p.shape
+                or g.device != p.device
+                or not g.is_contiguous()
+            ):
+                AdamWSR._check_grad(p)  # the full check, with its precise error
 
     @staticmethod
     def _check_grad(p: torch.Tensor) -> None:
@@ -670,8 +709,8 @@ class AdamWSR(torch.optim.Optimizer):
     def _group_step(self, group: dict, with_grad: list[torch.Tensor], base: dict[int, int]) -> None:
         amsgrad, capturable = group["amsgrad"], group["capturable"]
         device = _local(with_grad[0]).device
-        for p in with_grad:
-            state = self.state[p]
+        all_states = [self.state[p] for p in with_grad]  # one (Python-level) tensor hash per param
+        for p, state in zip(with_grad, all_states, strict=True):
             if len(state) == 0:
                 step_device = device if capturable else torch.device("cpu")
                 state["step"] = torch.tensor(0.0, dtype=torch.float32, device=step_device)
@@ -685,15 +724,15 @@ class AdamWSR(torch.optim.Optimizer):
                 state["max_exp_avg_sq"] = torch.zeros_like(
                     p, dtype=torch.float32, memory_format=torch.preserve_format
                 )
-        step_tensors = [self.state[p]["step"] for p in with_grad]
-        torch._foreach_add_(step_tensors, 1.0)
+        torch._foreach_add_([s["step"] for s in all_states], 1.0)
         hyper = self._hyper(group, device)
         # one launch per (param dtype, grad dtype): the kernel is specialized on both
         by_dtype: dict = {}
-        for p in with_grad:
-            by_dtype.setdefault((p.dtype, p.grad.dtype), []).append(p)
-        for (param_dtype, _), ps in by_dtype.items():
-            states = [self.state[p] for p in ps]
+        for p, state in zip(with_grad, all_states, strict=True):
+            ps_states = by_dtype.setdefault((p.dtype, p.grad.dtype), ([], []))
+            ps_states[0].append(p)
+            ps_states[1].append(state)
+        for (param_dtype, _), (ps, states) in by_dtype.items():
             segments = self._segments(ps, base)
             steps = torch.stack([s["step"] for s in states]).to(torch.float32)
             if steps.device != device:

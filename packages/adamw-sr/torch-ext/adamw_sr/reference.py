@@ -83,8 +83,8 @@ def round_nearest_bf16_torch(x: torch.Tensor) -> torch.Tensor:
 def step_scalars(step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> dict:
     """The per-step fp32 scalars of the update, computed in fp64 and rounded once (as the kernel does).
 
-    Returns a dict of 0-dim fp32 tensors: step_size, bias_correction2_sqrt, decay, beta1,
-    one_minus_beta1, beta2, one_minus_beta2, eps.
+    Returns a dict of 0-dim fp32 tensors: step_size, bias_correction2_sqrt, lr_decay (lr * weight_decay),
+    beta1, one_minus_beta1, beta2, one_minus_beta2, eps.
 
     **Determinism:** IEEE fp64 operations in the kernel's order, then one fp64 -> fp32 rounding.
     """
@@ -93,7 +93,7 @@ def step_scalars(step: int, lr: float, beta1: float, beta2: float, eps: float, w
     values = {
         "step_size": lr / bias_correction1,
         "bias_correction2_sqrt": math.sqrt(bias_correction2),
-        "decay": 1.0 - lr * weight_decay,
+        "lr_decay": lr * weight_decay,
         "beta1": beta1,
         "one_minus_beta1": 1.0 - beta1,
         "beta2": beta2,
@@ -157,7 +157,7 @@ def adamw_sr_step_reference(
     if maximize:
         g = -g
     p = param.to(torch.float32)
-    p = p * s["decay"]
+    p = p - p * s["lr_decay"]  # not p * (1 - lr * wd): see the kernel
     m = s["beta1"] * exp_avg + s["one_minus_beta1"] * g
     v = s["beta2"] * exp_avg_sq + s["one_minus_beta2"] * (g * g)
     if amsgrad:
