@@ -14,14 +14,15 @@ from det_core.testing import (
     digest,
     run_in_fresh_process,
 )
-from det_train import CanonicalGradAccumulator, Linear, linear
-from det_train.configs import weight_grad_config
+from det_train import CanonicalGradAccumulator, Linear, configs, linear
+from det_train.configs import WeightGradConfig, check_weight_grad_config, weight_grad_config
 from det_train.linear import _aligned_runs, _dw_tma_operands, bias_grad_partial, weight_grad_partial
 from det_train.reference import linear_fp64, weight_grad_canonical, weight_grad_fp64
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CPU_ROWS = [1, 2, 3, 17, 64, 65, 129]
-GPU_ROWS = [1, 2, 3, 17, 64, 65, 127, 128, 129, 1000, 4096]
+# 4095 / 4096 / 8192 straddle configs.TMA_MIN_ROWS: the forward switches kernel there (same bits)
+GPU_ROWS = [1, 2, 3, 17, 64, 65, 127, 128, 129, 1000, 4095, 4096, 8192]
 
 
 def _randn(*shape, dtype=torch.bfloat16, seed=0, device=DEVICE, requires_grad=False):
@@ -172,6 +173,56 @@ def test_leaves_per_program_does_not_change_bits(leaves_per_program, kernel):
     assert_bitwise_equal(fused, plain.result(4).to(torch.bfloat16), "in-kernel finish")
 
 
+# dW variants of the large shape class that compile on Triton 3.6 (H200) and must give the table's bits.
+_LEAN = dict(lean=True, tma=True, scratch_tree=False, flat_loop=False, merge_in_registers=False)
+_OLD = dict(lean=False, tma=False, pairs=False, maxnreg=None, programs_per_sm=2)  # pre-lean kernels
+SUPPORTED_DW_VARIANTS = [  # the first 9 ran bit-exact on an H200, Triton 3.6 (tests, sweep, ablation)
+    dict(_OLD, leaves_per_program=1, scratch_tree=False, num_stages=3),
+    dict(_OLD, leaves_per_program=2, scratch_tree=False, num_stages=3),
+    dict(_OLD, leaves_per_program=4, scratch_tree=True, num_stages=3),
+    dict(_OLD, leaves_per_program=8, scratch_tree=True, num_stages=4),
+    dict(_LEAN, leaves_per_program=8, pairs=False, maxnreg=128, programs_per_sm=2, num_stages=3),
+    dict(_LEAN, leaves_per_program=8, pairs=False, maxnreg=128, programs_per_sm=2, num_stages=3, tma=False),
+    dict(_LEAN, leaves_per_program=8, pairs=False, maxnreg=None, programs_per_sm=1, num_stages=4),
+    dict(_LEAN, leaves_per_program=8, pairs=False, maxnreg=None, programs_per_sm=1, num_stages=4,
+         merge_in_registers=True),
+    dict(_LEAN, leaves_per_program=8, pairs=True, maxnreg=None, programs_per_sm=1, num_stages=4),
+    dict(_LEAN, leaves_per_program=4, pairs=True, maxnreg=None, programs_per_sm=1, num_stages=4),
+    dict(_OLD, leaves_per_program=8, scratch_tree=True, flat_loop=True, num_stages=3),
+    dict(_LEAN, leaves_per_program=8, pairs=True, maxnreg=None, programs_per_sm=1, num_stages=3, tma=False),
+    dict(_LEAN, leaves_per_program=8, pairs=False, maxnreg=128, programs_per_sm=2, num_stages=3,
+         block_n=64, block_k=128, num_warps=4),
+    dict(_LEAN, leaves_per_program=8, pairs=False, maxnreg=None, programs_per_sm=1, num_stages=3,
+         block_k=256),
+]  # fmt: skip
+# ptxas (Triton 3.6) failed on this one: "Insufficient registers (128) ... register target of 154"
+PTXAS_FAILED_DW_VARIANT = dict(
+    _LEAN, leaves_per_program=8, pairs=False, maxnreg=128, programs_per_sm=2, block_k=256, num_stages=3
+)
+
+
+def test_dw_config_check_rejects_what_ptxas_cannot_compile():
+    base = weight_grad_config(torch.bfloat16, 4096, 4096)
+    for cfg in configs._WEIGHT_GRAD_TABLE.values():
+        check_weight_grad_config(cfg)  # every table entry is a supported variant
+    for change in SUPPORTED_DW_VARIANTS:
+        check_weight_grad_config(dataclasses.replace(base, **change))
+    bad = dataclasses.replace(base, **PTXAS_FAILED_DW_VARIANT)
+    assert configs.live_accumulator_registers(bad) == 128  # 128 x 256 fp32 over 256 threads
+    with pytest.raises(ValueError, match=r"maxnreg=128 .* Use maxnreg >= 160"):
+        check_weight_grad_config(bad)
+    with pytest.raises(ValueError, match="two tiles live"):  # pairs: 2 x 64 registers under 128
+        check_weight_grad_config(dataclasses.replace(base, maxnreg=128))
+    with pytest.raises(ValueError, match="lean dW kernel only"):
+        check_weight_grad_config(dataclasses.replace(base, lean=False, maxnreg=128, scratch_tree=True))
+    with pytest.raises(ValueError, match="leaves_per_program"):
+        check_weight_grad_config(WeightGradConfig(64, 64, 64, 8, 4, 3, 3))
+    # weight_grad_partial checks before compiling: the error, not a ptxas failure
+    dy, x = _randn(64, 256, seed=30), _randn(64, 256, seed=31)
+    with pytest.raises(ValueError, match="ptxas cannot compile"):
+        weight_grad_partial(dy, x, leaf_tokens=32, config=bad)
+
+
 def test_aligned_runs_are_maximal_aligned_subtrees():
     assert _aligned_runs(0, 8, 4) == [(2, 0, 2)]
     assert _aligned_runs(1, 7, 4) == [(0, 1, 1), (1, 1, 1), (2, 1, 1)]
@@ -319,26 +370,20 @@ def test_gpu_accuracy_vs_cublas_forward_and_backward():
 
 @pytest.mark.gpu
 def test_gpu_leaves_per_program_and_configs_same_bits():
+    """Every supported dW variant (SUPPORTED_DW_VARIANTS: pre-lean, lean with and without TMA / pairs /
+    register merge / maxnreg, other tiles) gives the table config's bits at 8192 tokens."""
     dy, x = _randn(8192, 4096, seed=51), _randn(8192, 4096, seed=52)
     base = weight_grad_config(dy.dtype, 4096, 4096)
     ref = weight_grad_partial(dy, x, leaf_tokens=1024, finish_dtype=torch.float32)
-    old = dict(lean=False, tma=False, maxnreg=None)  # the pre-lean kernels
-    variants = [
-        dict(old, leaves_per_program=lpp, scratch_tree=sc) for lpp, sc in [(1, False), (2, False), (4, True)]
-    ]
-    variants += [dict(block_n=bn, block_k=bk, num_warps=w) for bn, bk, w in [(128, 256, 8), (64, 128, 4)]]
-    variants += [dict(old, scratch_tree=True, flat_loop=True), dict(old, scratch_tree=True, num_stages=4)]
-    variants += [
-        dict(tma=False),
-        dict(pairs=True, programs_per_sm=1, num_stages=4, maxnreg=None),
-        dict(merge_in_registers=True, programs_per_sm=1, maxnreg=None),
-        dict(leaves_per_program=4),
-    ]
-    for change in variants:
-        got = weight_grad_partial(
-            dy, x, leaf_tokens=1024, config=dataclasses.replace(base, **change), finish_dtype=torch.float32
-        )
+    for change in SUPPORTED_DW_VARIANTS:
+        cfg = dataclasses.replace(base, **change)
+        assert cfg.block_t == base.block_t  # the only field that changes bits stays fixed
+        got = weight_grad_partial(dy, x, leaf_tokens=1024, config=cfg, finish_dtype=torch.float32)
         assert_bitwise_equal(got, ref, f"dW config {change}")
+    with pytest.raises(ValueError, match="ptxas cannot compile"):  # rejected before ptxas sees it
+        weight_grad_partial(
+            dy, x, leaf_tokens=1024, config=dataclasses.replace(base, **PTXAS_FAILED_DW_VARIANT)
+        )
 
 
 @pytest.mark.gpu

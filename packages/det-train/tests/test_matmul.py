@@ -4,6 +4,7 @@ CPU (Triton interpreter) at small sizes; `gpu` tests at real sizes on a CUDA dev
 """
 
 import dataclasses
+import importlib
 
 import pytest
 import torch
@@ -22,7 +23,8 @@ from det_train.reference import matmul_fp64
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HALF = [torch.bfloat16, torch.float16]
 CPU_ROWS = [1, 2, 3, 17, 64, 65, 129]
-GPU_ROWS = [1, 2, 3, 17, 64, 65, 127, 128, 129, 1000, 4096]
+# 4095 / 4096 / 8192 straddle configs.TMA_MIN_ROWS: the forward ("nt") switches kernel there
+GPU_ROWS = [1, 2, 3, 17, 64, 65, 127, 128, 129, 1000, 4095, 4096, 8192]
 
 
 def _randn(*shape, dtype=torch.bfloat16, seed=0, device=DEVICE):
@@ -127,6 +129,45 @@ def test_tma_kernel_gives_the_pointer_kernel_bits(dtype):
     )
 
 
+def test_table_entries_of_a_dtype_share_block_k_and_rows_pick_only_the_kernel():
+    """M (rows) may select the kernel of the large forward, never block_k (the reduction order)."""
+    for key, cfg in configs._MATMUL_TABLE.items():
+        dtype = torch.float32 if key[0] == "fp32" else torch.bfloat16
+        assert cfg.block_k == configs.BLOCK_K[dtype], key
+    few = configs.matmul_config(torch.bfloat16, "nt", 4096, 4096, rows=configs.TMA_MIN_ROWS - 1)
+    many = configs.matmul_config(torch.bfloat16, "nt", 4096, 4096, rows=configs.TMA_MIN_ROWS)
+    assert not few.tma and many.tma
+    assert many == dataclasses.replace(few, tma=True, num_stages=many.num_stages)  # K order fields equal
+    for layout in ("nn", "tn", "tt"):  # every other entry ignores M
+        assert configs.matmul_config(torch.bfloat16, layout, 4096, 4096, rows=1) == configs.matmul_config(
+            torch.bfloat16, layout, 4096, 4096, rows=1 << 20
+        )
+    assert configs.matmul_config(torch.bfloat16, "nt", 64, 64, rows=1) == configs.matmul_config(
+        torch.bfloat16, "nt", 64, 64, rows=1 << 20
+    )
+
+
+def test_row_threshold_switches_kernel_not_bits(monkeypatch):
+    """With the threshold lowered to 64 rows, 64 rows take the TMA kernel and 63 the pointer kernel
+    (the table's own large "nt" entries): every shared row is bitwise equal, with and without bias."""
+    mm = importlib.import_module("det_train.matmul")  # the module (det_train.matmul is also a function)
+    monkeypatch.setattr(configs, "TMA_MIN_ROWS", 64)
+    used = []
+    real_launch_tma = mm._launch_tma
+    monkeypatch.setattr(mm, "_launch_tma", lambda *a, **kw: used.append("tma") or real_launch_tma(*a, **kw))
+    k, n = 256, 320  # large class: the 128 x 256 entries, a partial second N tile
+    x, w, bias = _randn(64, k, seed=40), _randn(n, k, seed=41), _randn(n, seed=42)
+    for bb in (None, bias):
+        used.clear()
+        many = torch.empty(64, n, dtype=torch.bfloat16, device=DEVICE)
+        launch_matmul(x, w.t(), many, bias=bb)
+        assert used == ["tma"]  # the TMA kernel ran for M = 64
+        few = torch.empty(63, n, dtype=torch.bfloat16, device=DEVICE)
+        launch_matmul(x[:63], w.t(), few, bias=bb)
+        assert used == ["tma"]  # ... and the pointer kernel for M = 63
+        assert_bitwise_equal(few, many[:63], f"M=63 (pointer) vs M=64 (TMA), bias={bb is not None}")
+
+
 def test_layouts_and_views_read_in_place_give_same_bits():
     a, b = _randn(40, 96, seed=12), _randn(96, 56, seed=13)
     ref = matmul(a, b)
@@ -220,12 +261,14 @@ def test_gpu_every_config_of_a_dtype_gives_the_same_bits():
     """The table's claim: only block_k orders the sum, so all half-precision entries agree."""
     a, b = _randn(1000, 1024, seed=32), _randn(1024, 768, seed=33)
     ref = matmul(a, b)
+    b_t = b.t().contiguous().t()  # B = W.T (K-major): the "nt" entries' TMA kernel applies
     for key, cfg in configs._MATMUL_TABLE.items():
         if key[0] != "half":
             continue
-        out = torch.empty_like(ref)
-        launch_matmul(a, b, out, config=cfg)
-        assert_bitwise_equal(out, ref, f"config {key}")
+        for operand, name in ((b, "B row-major"), (b_t, "B = W.T")):
+            out = torch.empty_like(ref)
+            launch_matmul(a, operand, out, config=cfg)
+            assert_bitwise_equal(out, ref, f"config {key}, {name}")
     # operand layouts (each its own table entry) read in place: same bits
     assert_bitwise_equal(matmul(a, b.t().contiguous().t()), ref, "B column-major (nt)")
     assert_bitwise_equal(matmul(a.t().contiguous().t(), b), ref, "A column-major (tn)")
@@ -236,7 +279,6 @@ def test_gpu_every_config_of_a_dtype_gives_the_same_bits():
         cfg = dataclasses.replace(base, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
         launch_matmul(a, b, out, config=cfg)
         assert_bitwise_equal(out, ref, f"tile {bm}x{bn}")
-    b_t = b.t().contiguous().t()  # B = W.T: also the variant that loads W tiles and transposes them
     for nk in (False, True):
         out = torch.empty_like(ref)
         launch_matmul(a, b_t, out, config=dataclasses.replace(base, b_nk_tiles=nk))
@@ -245,6 +287,29 @@ def test_gpu_every_config_of_a_dtype_gives_the_same_bits():
         out = torch.empty_like(ref)  # TMA loads of A and of W's (N, K) tiles: same bits
         launch_matmul(a, b_t, out, config=dataclasses.replace(base, **change))
         assert_bitwise_equal(out, ref, f"B read transposed, {change}")
+
+
+@pytest.mark.gpu
+def test_gpu_tma_and_pointer_kernels_agree_across_the_row_threshold():
+    """The forward x @ W.T takes the TMA kernel from configs.TMA_MIN_ROWS rows and the pointer kernel
+    below: the same rows from M = 4095 (pointer) and M = 4096 (TMA) are bitwise equal, whole
+    matrices, with and without bias, for N = 4096 and N = 14336 (a partial last N tile: 14336 =
+    56 x 256) and for a K with a tail (4160 = 65 x 64)."""
+    from det_train.linear import linear
+    from det_train.matmul import _tma_operands
+
+    threshold = configs.TMA_MIN_ROWS
+    assert threshold == 4096
+    for k, n in [(4096, 4096), (4096, 14336), (4160, 4096)]:
+        x, w, bias = _randn(threshold, k, seed=k + 1), _randn(n, k, seed=n + 2), _randn(n, seed=3)
+        many = configs.matmul_config(x.dtype, "nt", n, k, rows=threshold)
+        few = configs.matmul_config(x.dtype, "nt", n, k, rows=threshold - 1)
+        assert many.tma and not few.tma
+        assert _tma_operands(x, w.t(), many, None) is not None  # M = 4096 really runs the TMA kernel
+        assert_bitwise_equal(matmul(x[:-1], w.t()), matmul(x, w.t())[:-1], f"matmul K={k} N={n}")
+        assert_bitwise_equal(linear(x[:-1], w, bias), linear(x, w, bias)[:-1], f"linear+bias K={k} N={n}")
+        # and a single row (the pointer kernel at M = 1) equals row 4095 of the TMA result
+        assert_bitwise_equal(matmul(x[-1:], w.t())[0], matmul(x, w.t())[-1], f"last row K={k} N={n}")
 
 
 @pytest.mark.gpu

@@ -1,8 +1,18 @@
 """The fixed kernel-config table of det_train's matmul and linear kernels (no timing-based autotune).
 
-A config is looked up by **dtype, operand layout and the shape class of N and K** — never by M
-(rows / tokens), so a row's result cannot depend on the batch size. Layouts name which operand
-is stored K-contiguous: for ``C = A @ B`` with ``A (M, K)`` and ``B (K, N)``,
+A config is looked up by **dtype, operand layout and the shape class of N and K**. The number of
+rows M (tokens) takes part in exactly one place, and never in the reduction order: for the
+forward layout ``"nt"`` in the large class, **M selects between two kernels whose bits are
+identical** — the TMA kernel when ``M >= TMA_MIN_ROWS`` (4096; tiles loaded through host tensor
+descriptors, 0.95x / 0.86x cuBLAS at 8192 rows on an H200) and the pointer kernel below it (at
+1024 rows the TMA kernel ran at 0.49x, the pointer kernel at 0.62x: the TMA launch's host-side
+cost is not hidden by a ~50 us kernel). Both entries fold K in steps of the same ``block_k`` with
+the same ``tl.dot``, so a row's bits do not depend on which kernel ran (checked on the GPU by
+``test_gpu_tma_and_pointer_kernels_agree_across_the_row_threshold``,
+``test_gpu_row_invariance_real_sizes`` — M from 1 to 8192 across the threshold — and
+``test_gpu_every_config_of_a_dtype_gives_the_same_bits``; on CPU by
+``test_row_threshold_switches_kernel_not_bits``). **M never selects ``block_k``.**
+Layouts name which operand is stored K-contiguous: for ``C = A @ B`` with ``A (M, K)`` and ``B (K, N)``,
 
 - ``"nn"``: A row-major (K contiguous), B row-major (N contiguous) — ``dY @ W`` (dX);
 - ``"nt"``: B read through a transposed view (K contiguous) — ``X @ W.T`` (the nn.Linear forward);
@@ -18,6 +28,12 @@ the token step ``block_t`` changes bits (it is the fold step inside a leaf); ``l
 ``scratch_tree``, ``flat_loop``, ``lean``, ``pairs``, ``merge_in_registers``, ``tma``,
 ``programs_per_sm`` and ``maxnreg`` do not (they choose how much of the fixed leaf tree one program
 computes, where it keeps waiting nodes, how it loads tiles and how many programs share an SM).
+
+**Supported dW variants.** ``check_weight_grad_config`` rejects, with a ValueError, combinations
+that ptxas cannot compile: a ``maxnreg`` cap below the fp32 accumulator tiles the lean kernel keeps
+live plus ``MAXNREG_HEADROOM`` registers (Triton 3.6 on an H200: a 128x256 tile at 8 warps — 128
+registers of accumulator — under ``maxnreg=128`` failed with ptxas C7602 "Insufficient registers
+... register target of 154 or higher"), and ``maxnreg`` on a kernel that does not take it.
 """
 
 from __future__ import annotations
@@ -28,10 +44,15 @@ import torch
 
 __all__ = [
     "BIAS_GRAD_BLOCK_T",
+    "MAXNREG_HEADROOM",
+    "TMA_MIN_ROWS",
     "MatmulConfig",
     "WeightGradConfig",
+    "check_weight_grad_config",
     "layout_of",
+    "live_accumulator_registers",
     "matmul_config",
+    "rows_class",
     "shape_class",
     "weight_grad_config",
 ]
@@ -84,35 +105,61 @@ BIAS_GRAD_BLOCK_T = 64
 
 _HALF = (torch.bfloat16, torch.float16)
 
-# (dtype group, layout, shape class) -> config. Shape class "large": N >= 256 and K >= 256.
-# Large tiles: BLOCK 128x256x64, 8 warps, 4 stages, grouped ordering (0.85-0.89x cuBLAS on H200 for
-# row-major B, DESIGN.md). For B read transposed ("nt", the forward) the pointer kernel reached only
-# 0.71-0.80x (H200, 2026-11-29): its tiles are loaded by TMA instead (W's (N, K) tiles, wgmma's native
-# K-major B); benchmarks/ablate_matmul.py compares the candidates.
-_MATMUL_TABLE: dict[tuple[str, str, str], MatmulConfig] = {
-    ("half", "nn", "large"): MatmulConfig(128, 256, 64, 8, 8, 4),
-    ("half", "nt", "large"): MatmulConfig(128, 256, 64, 8, 8, 4, tma=True),
-    ("half", "tn", "large"): MatmulConfig(128, 256, 64, 8, 8, 3),
-    ("half", "tt", "large"): MatmulConfig(128, 256, 64, 8, 8, 3),
-    ("half", "nn", "small"): MatmulConfig(64, 64, 64, 8, 4, 4),
-    ("half", "nt", "small"): MatmulConfig(64, 64, 64, 8, 4, 4),
-    ("half", "tn", "small"): MatmulConfig(64, 64, 64, 8, 4, 4),
-    ("half", "tt", "small"): MatmulConfig(64, 64, 64, 8, 4, 4),
+# Rows (M) from which the large "nt" forward uses the TMA kernel; below, the pointer kernel. Both have
+# the same block_k and dot, hence the same bits: the threshold only picks the faster kernel.
+TMA_MIN_ROWS = 4096
+
+# (dtype group, layout, shape class of N and K, rows class) -> config. Shape class "large": N >= 256
+# and K >= 256. Rows class "any" except for the large forward ("nt"): "many" (M >= TMA_MIN_ROWS) and
+# "few" (M < TMA_MIN_ROWS) — two kernels with one block_k, so the same bits (module docstring).
+# Measured on an H200 (torch 2.11, Triton 3.6, bf16, 2026-11-29, benchmarks/ablate_matmul.py):
+#   nt, M = 8192, K = 4096, N = 4096 / 14336: TMA 128x256 g8 s4 0.95x / 0.86x cuBLAS, pointer
+#   128x256 g8 s3 0.71x / 0.65x; M = 1024, K = N = 4096: TMA 0.49x, pointer 0.62x.
+#   nn (dX) pointer 128x256 s4: 0.92-0.98x cuBLAS (benchmarks/bench_matmul.py).
+_MATMUL_TABLE: dict[tuple[str, str, str, str], MatmulConfig] = {
+    ("half", "nn", "large", "any"): MatmulConfig(128, 256, 64, 8, 8, 4),
+    ("half", "nt", "large", "many"): MatmulConfig(128, 256, 64, 8, 8, 4, tma=True),
+    ("half", "nt", "large", "few"): MatmulConfig(128, 256, 64, 8, 8, 3),
+    ("half", "tn", "large", "any"): MatmulConfig(128, 256, 64, 8, 8, 3),
+    ("half", "tt", "large", "any"): MatmulConfig(128, 256, 64, 8, 8, 3),
+    ("half", "nn", "small", "any"): MatmulConfig(64, 64, 64, 8, 4, 4),
+    ("half", "nt", "small", "any"): MatmulConfig(64, 64, 64, 8, 4, 4),
+    ("half", "tn", "small", "any"): MatmulConfig(64, 64, 64, 8, 4, 4),
+    ("half", "tt", "small", "any"): MatmulConfig(64, 64, 64, 8, 4, 4),
     # fp32: IEEE fp32 dot (no TF32), CUDA cores; correct, not fast.
-    ("fp32", "any", "any"): MatmulConfig(64, 64, 32, 8, 4, 3),
+    ("fp32", "any", "any", "any"): MatmulConfig(64, 64, 32, 8, 4, 3),
 }
 
 # dW = dY^T X: A = dY read transposed (tokens contiguous per column), B = X row-major.
-# Large: 128x128 output tile (64 fp32 registers / thread per tile at 8 warps); up to 8 leaves per
-# program through the scratch stack, so a micro-batch of <= 8 leaves (8192 tokens at 1024 per leaf)
-# is finished in-kernel with no fp32 node written to HBM. The lean kernel (one tile live, TMA loads,
-# 128 registers) runs two programs per SM so tree merges overlap tensor-core work; the first
-# scratch_tree kernel (232 registers, one program per SM) reached 0.50-0.53x cuBLAS at 4096-8192 tokens.
+# Large: 128x128 output tile; up to 8 leaves per program, so a micro-batch of <= 8 leaves (8192
+# tokens at 1024 per leaf) is finished in-kernel with no fp32 node written to HBM. The lean kernel
+# with pairs (the two leaves of a level-1 node summed in registers: two tiles live, one program per
+# SM, no register cap, half the scratch traffic) and TMA loads, 4 stages, measured best on an H200
+# (torch 2.11, Triton 3.6, benchmarks/ablate_matmul.py): 0.60x / 0.61x cuBLAS at 8192 tokens
+# (K = 4096, N = 4096 / 14336), 0.79x at 1024 tokens; the previous entry (lean, TMA, maxnreg 128,
+# 2 programs / SM, 3 stages) 0.53x / 0.49x / 0.57x; the first scratch-stack kernel 0.48x / 0.47x.
 _WEIGHT_GRAD_TABLE: dict[tuple[str, str], WeightGradConfig] = {
-    ("half", "large"): WeightGradConfig(128, 128, 64, 8, 8, 3, 8, lean=True, tma=True, maxnreg=128),
+    ("half", "large"): WeightGradConfig(
+        block_n=128,
+        block_k=128,
+        block_t=64,
+        group_n=8,
+        num_warps=8,
+        num_stages=4,
+        leaves_per_program=8,
+        lean=True,
+        pairs=True,
+        programs_per_sm=1,
+        maxnreg=None,
+        tma=True,
+    ),
     ("half", "small"): WeightGradConfig(64, 64, 64, 8, 4, 3, 1),
     ("fp32", "any"): WeightGradConfig(64, 64, 32, 8, 4, 3, 1),
 }
+
+# Registers per thread a maxnreg cap must leave beside the live fp32 accumulator tiles (addresses,
+# loop state, TMA descriptors): ptxas asked for 154 with a 128-register accumulator (Triton 3.6).
+MAXNREG_HEADROOM = 32
 
 
 def _dtype_group(dtype: torch.dtype) -> str:
@@ -136,12 +183,24 @@ def layout_of(a: torch.Tensor, b: torch.Tensor) -> str:
     return a_t + b_t
 
 
-def matmul_config(dtype: torch.dtype, layout: str, n: int, k: int) -> MatmulConfig:
-    """The config of ``C (M, N) = A (M, K) @ B (K, N)`` for ``dtype`` and ``layout`` (M plays no part)."""
+def rows_class(rows: int | None) -> str:
+    """``"many"`` when ``rows >= TMA_MIN_ROWS`` (or ``rows`` is None), else ``"few"``; selects only
+    between kernels of one ``block_k`` (the same bits), never the reduction order."""
+    return "many" if rows is None or rows >= TMA_MIN_ROWS else "few"
+
+
+def matmul_config(dtype: torch.dtype, layout: str, n: int, k: int, rows: int | None = None) -> MatmulConfig:
+    """The config of ``C (M, N) = A (M, K) @ B (K, N)`` for ``dtype`` and ``layout``.
+
+    ``rows`` (M of the 2-D problem; None: many rows) picks the TMA or the pointer kernel of the
+    large ``"nt"`` entry — two kernels with the same ``block_k``, so the same bits; it never
+    changes ``block_k`` (see the module docstring).
+    """
     group = _dtype_group(dtype)
     if group == "fp32":
-        return _MATMUL_TABLE[("fp32", "any", "any")]
-    return _MATMUL_TABLE[(group, layout, shape_class(n, k))]
+        return _MATMUL_TABLE[("fp32", "any", "any", "any")]
+    key = (group, layout, shape_class(n, k))
+    return _MATMUL_TABLE.get((*key, rows_class(rows))) or _MATMUL_TABLE[(*key, "any")]
 
 
 def weight_grad_config(dtype: torch.dtype, n: int, k: int) -> WeightGradConfig:
@@ -150,3 +209,40 @@ def weight_grad_config(dtype: torch.dtype, n: int, k: int) -> WeightGradConfig:
     if group == "fp32":
         return _WEIGHT_GRAD_TABLE[("fp32", "any")]
     return _WEIGHT_GRAD_TABLE[(group, shape_class(n, k))]
+
+
+def live_accumulator_registers(config: WeightGradConfig) -> int:
+    """fp32 registers per thread held by the dW kernel's live accumulator tiles (two with ``pairs``
+    or ``merge_in_registers`` in the lean kernel, else one)."""
+    tiles = 2 if config.lean and (config.pairs or config.merge_in_registers) else 1
+    return tiles * config.block_n * config.block_k // (32 * config.num_warps)
+
+
+def check_weight_grad_config(config: WeightGradConfig) -> None:
+    """Raise ValueError for a dW config outside the supported variants (before any compile).
+
+    Rejected: ``leaves_per_program`` not a power of 2 (or above 4 without ``scratch_tree`` /
+    ``lean``); ``maxnreg`` on a kernel other than the lean one (it would be ignored); a ``maxnreg``
+    below ``live_accumulator_registers(config) + MAXNREG_HEADROOM`` (ptxas fails with "Insufficient
+    registers", e.g. a 128x256 tile at 8 warps under ``maxnreg=128`` on Triton 3.6).
+    """
+    lpp = config.leaves_per_program
+    if lpp < 1 or lpp & (lpp - 1) or (lpp > 4 and not (config.scratch_tree or config.lean)):
+        raise ValueError(
+            f"leaves_per_program must be 1, 2 or 4 (any power of 2 with scratch_tree or lean), got {lpp}"
+        )
+    if config.maxnreg is None:
+        return
+    if not config.lean:
+        raise ValueError(
+            f"maxnreg={config.maxnreg} applies to the lean dW kernel only; set lean=True or maxnreg=None"
+        )
+    need = live_accumulator_registers(config) + MAXNREG_HEADROOM
+    if config.maxnreg < need:
+        raise ValueError(
+            f"unsupported dW config: maxnreg={config.maxnreg} leaves no room for the live fp32 accumulator "
+            f"({live_accumulator_registers(config)} registers per thread for "
+            f"{config.block_n}x{config.block_k} at {config.num_warps} warps"
+            f"{', two tiles live' if config.lean and (config.pairs or config.merge_in_registers) else ''}); "
+            f"ptxas cannot compile it. Use maxnreg >= {need}, maxnreg=None, or a smaller tile / more warps."
+        )

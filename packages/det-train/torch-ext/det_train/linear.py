@@ -6,9 +6,9 @@ summed over tokens in the canonical order (fp32 leaf sums combined by det_core's
   tokens aligned to the global token index; a leaf is a sequential fp32 fold in steps of
   ``block_t`` tokens; leaves are combined by ``TreePartial``. The dW kernel computes whole aligned
   subtrees of up to ``leaves_per_program`` leaves (in registers, or through a per-program scratch
-  stack that stays in L2; the default "lean" kernel keeps one tile live, loads by TMA and runs two
-  programs per SM), so a micro-batch of up to 8 leaves is finished in-kernel and only the rest of
-  the tree runs in torch.
+  stack that stays in L2; the default "lean" kernel sums the two leaves of each level-1 node in
+  registers, merges higher levels in memory, loads by TMA and runs one program per SM), so a
+  micro-batch of up to 8 leaves is finished in-kernel and only the rest of the tree runs in torch.
 - With an active ``CanonicalGradAccumulator`` the leaf sums are deposited there (notes/CANONICAL_GRADS.md)
   and the autograd gradient of the weight / bias is None.
 """
@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ._vendor.det_core import runtime
 from ._vendor.det_core.reduce import TreePartial, num_leaves
-from .configs import BIAS_GRAD_BLOCK_T, WeightGradConfig, weight_grad_config
+from .configs import BIAS_GRAD_BLOCK_T, WeightGradConfig, check_weight_grad_config, weight_grad_config
 from .matmul import _check_bias, _dot_precision, bf16_by_bits, launch_matmul, store_rounded
 
 __all__ = ["Linear", "bias_grad_partial", "linear", "weight_grad_partial"]
@@ -479,8 +479,13 @@ def weight_grad_partial(
     Workspace: one fp32 ``(N, K)`` tile per aligned subtree left unfinished by the kernel (none
     when the run is one subtree, finished and rounded in-kernel), plus, with ``scratch_tree`` /
     ``lean``, a stack of fp32 tiles per resident program (``dw_scratch_shape``): with the default
-    table 264 programs x (3 levels + 1 merge slot) x 64 KiB = 66 MiB on a 132-SM H200, whatever
-    the layer's size.
+    table (lean, pairs, one program per SM) 132 programs x (2 levels + 1 merge slot) x 64 KiB =
+    24.75 MiB on a 132-SM H200, whatever the layer's size.
+
+    Raises:
+        ValueError: an unsupported ``config`` (``configs.check_weight_grad_config``: e.g. a
+            ``maxnreg`` cap below the live accumulator's registers, which ptxas cannot compile).
+        RuntimeError: ptxas rejected a lean-kernel variant on this Triton version.
 
     **Determinism:** leaf sums are fixed by ``block_t`` (config table) and the leaf's tokens; the
     tree by global leaf indices: any leaf-aligned split of the tokens merges to the same bits, and
@@ -490,11 +495,7 @@ def weight_grad_partial(
     K = x.shape[1]
     if config is None:
         config = weight_grad_config(dy.dtype, N, K)
-    lpp = config.leaves_per_program
-    if lpp < 1 or lpp & (lpp - 1) or (lpp > 4 and not (config.scratch_tree or config.lean)):
-        raise ValueError(
-            f"leaves_per_program must be 1, 2 or 4 (any power of 2 with scratch_tree or lean), got {lpp}"
-        )
+    check_weight_grad_config(config)  # unsupported variants fail here, not inside ptxas
     leaves = num_leaves(T, leaf_tokens)
     runs = _aligned_runs(first_leaf, leaves, config.leaves_per_program)
     fused = finish_dtype is not None and first_leaf == 0 and len(runs) == 1 and runs[0][2] == 1
@@ -529,11 +530,21 @@ def weight_grad_partial(
             )
             programs = scratch.shape[0]
             descs = _dw_tma_operands(dy, x, config, leaf_tokens) if config.tma else None
-            _weight_grad_lean_kernel[(programs,)](
-                *(descs or (dy, x)), out, scratch, scratch.stride(0), *args, size, count, programs, *strides,
-                MAX_LEVELS=levels, PAIRS=config.pairs, TMA=descs is not None, maxnreg=config.maxnreg,
-                MERGE_ROWS=0 if config.merge_in_registers else min(32, config.block_n), **common,
-            )  # fmt: skip
+            try:
+                _weight_grad_lean_kernel[(programs,)](
+                    *(descs or (dy, x)), out, scratch, scratch.stride(0), *args, size, count, programs,
+                    *strides, MAX_LEVELS=levels, PAIRS=config.pairs, TMA=descs is not None,
+                    maxnreg=config.maxnreg, **common,
+                    MERGE_ROWS=0 if config.merge_in_registers else min(32, config.block_n),
+                )  # fmt: skip
+            except Exception as exc:  # a variant check_weight_grad_config did not foresee
+                if type(exc).__name__ != "PTXASError":
+                    raise
+                raise RuntimeError(
+                    f"ptxas could not compile the lean dW kernel for {config} on this Triton version; "
+                    "this variant is unsupported here: use the table's config (weight_grad_config) or "
+                    "raise maxnreg / set maxnreg=None"
+                ) from exc
         elif config.scratch_tree and size > 1:
             levels = level  # a subtree of 2**level leaves keeps at most `level` left siblings waiting
             scratch = torch.empty(

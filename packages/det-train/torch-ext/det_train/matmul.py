@@ -2,8 +2,10 @@
 
 Each output tile is a sequential fp32 fold over K in steps of ``block_k`` (one ``tl.dot`` per step,
 K ascending from 0). The config comes from a fixed table keyed by dtype, operand layout and the
-shape class of N and K (``configs.py``), never by M, and there is no split-K: a row's bits depend
-only on that row of A, on B and on K, never on M or the row's position. Operands are read
+shape class of N and K (``configs.py``); M only picks, for the large forward ``x @ W.T``, between
+the TMA kernel (M >= ``configs.TMA_MIN_ROWS``) and the pointer kernel, which have the same
+``block_k`` and the same bits (tested on the GPU across the threshold). There is no split-K: a
+row's bits depend only on that row of A, on B and on K, never on M or the row's position. Operands are read
 through their strides (transposed and sliced views are not copied).
 
 Row-parallel chaining: ``matmul_partial(a, b, carry=c)`` continues the fp32 fold from ``c``, so
@@ -262,8 +264,8 @@ def launch_matmul(
     """
     M, K = a.shape[-2:]
     N = b.shape[-1]
-    if config is None:
-        config = matmul_config(a.dtype, layout_of(a, b), N, K)
+    if config is None:  # M picks the TMA or the pointer kernel, never block_k (same bits)
+        config = matmul_config(a.dtype, layout_of(a, b), N, K, rows=M)
     if config.tma:
         descs = _tma_operands(a, b, config, carry)
         if descs is not None:
@@ -351,7 +353,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     2^31 elements are indexed in 64 bits.
 
     **Determinism:** bitwise identical run to run (no atomics, no split-K, configs from a fixed
-    table). Row invariant: row ``i`` of the result depends only on row ``i`` of ``a``, on ``b`` and
+    table; M only chooses between a TMA and a pointer kernel with the same K order, hence the
+    same bits). Row invariant: row ``i`` of the result depends only on row ``i`` of ``a``, on ``b`` and
     on K — not on M, on the row's position, on the other rows, or on the batch index. Column
     invariant in the same way (not on N). Not guaranteed: equal bits across GPU models, Triton
     versions, or against cuBLAS / ``torch.matmul`` (a different summation order).
