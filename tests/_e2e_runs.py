@@ -1,12 +1,22 @@
-"""Training runs shared by the end-to-end tests, cached per process: through the Triton
-interpreter a step of even the "tiny" model costs seconds, so the reference run is trained once."""
+"""Training runs shared by the end-to-end tests, computed once per pytest run: through the Triton
+interpreter a step of even the "tiny" model costs seconds, so each run is trained once and its
+result read by every test that checks a property of it.
+
+Under pytest-xdist every worker is its own process, so a per-process cache would train the
+reference run (and spawn each gloo group) once per worker. The results are therefore also shared
+through files in a folder of the whole pytest run (``DET_E2E_SHARED_DIR``, made by
+tests/conftest.py): the first worker to need one takes its file lock and trains it; a worker that
+needs it meanwhile waits on the lock and then reads the file."""
 
 from __future__ import annotations
 
 import atexit
+import fcntl
 import functools
+import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,25 +26,60 @@ from examples import train_gpt as tg
 
 STEPS = 2  # two optimizer steps: the second one reads the optimizer state the first one wrote
 CHECKPOINT_STEP = 1
-GLOBAL_BATCH = 8  # sequences of the tiny preset's 16 tokens
+GLOBAL_BATCH = 8  # sequences of SEQ_LEN tokens
+# Shorter sequences than the tiny preset's 16 (the interpreter's cost grows with the token count);
+# one canonical leaf per sequence, so every split below is at leaf boundaries and still has to
+# reproduce the same 8-leaf reduction tree.
+SEQ_LEN = 8
 
-_TMP = Path(tempfile.mkdtemp(prefix="e2e-runs-"))
-atexit.register(shutil.rmtree, _TMP, ignore_errors=True)
+SHARED_DIR_ENV = "DET_E2E_SHARED_DIR"
+_PRIVATE_DIR = None  # this process's own folder when no shared one is set
+
+
+def _run_dir() -> Path:
+    global _PRIVATE_DIR
+    if os.environ.get(SHARED_DIR_ENV):
+        return Path(os.environ[SHARED_DIR_ENV])
+    if _PRIVATE_DIR is None:
+        _PRIVATE_DIR = Path(tempfile.mkdtemp(prefix="e2e-runs-"))
+        atexit.register(shutil.rmtree, _PRIVATE_DIR, ignore_errors=True)
+    return _PRIVATE_DIR
+
+
+def _once_per_run(key: str, compute: Callable[[Path], object]):
+    """``compute(folder)`` once per pytest run (all xdist workers), its result read from a file after."""
+    folder = _run_dir()
+    result_path = folder / f"{key}.pt"
+    with open(folder / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # held while another worker trains it: wait for its file
+        if result_path.exists():
+            return torch.load(result_path, weights_only=True)
+        result = compute(folder)
+        torch.save(result, result_path.with_suffix(".tmp"))
+        os.replace(result_path.with_suffix(".tmp"), result_path)
+        return result
 
 
 def tiny(**overrides) -> tg.TrainConfig:
-    """The tiny preset for ``STEPS`` steps with a global batch of ``GLOBAL_BATCH`` sequences."""
-    return tg.make_config("tiny", **{"steps": STEPS, "batch_seqs": GLOBAL_BATCH, **overrides})
+    """The tiny preset with ``SEQ_LEN``-token sequences, ``STEPS`` steps, a global batch of
+    ``GLOBAL_BATCH`` sequences."""
+    base = {"steps": STEPS, "batch_seqs": GLOBAL_BATCH, "seq_len": SEQ_LEN, "leaf_tokens": SEQ_LEN}
+    return tg.make_config("tiny", **{**base, **overrides})
 
 
 @functools.cache
 def baseline() -> dict:
-    """(DP 1, micro-batch 8, accumulation 1) in this process; writes a checkpoint after step 1
-    (``result["checkpoint"]``; saving does not change the run)."""
-    path = _TMP / "baseline-step1.pt"
-    result = tg.train(tiny(micro_batch_seqs=GLOBAL_BATCH), save_at=CHECKPOINT_STEP, save_path=path)
-    result["checkpoint"] = str(path)
-    return result
+    """(DP 1, micro-batch 8, accumulation 1) in one process; writes a checkpoint after step 1
+    (``result["checkpoint"]``; saving does not change the run). No ``"model"``."""
+
+    def run(folder: Path) -> dict:
+        path = folder / "baseline-step1.pt"
+        result = tg.train(tiny(micro_batch_seqs=GLOBAL_BATCH), save_at=CHECKPOINT_STEP, save_path=path)
+        result.pop("model")
+        result["checkpoint"] = str(path)
+        return result
+
+    return _once_per_run("baseline", run)
 
 
 # Spawned process groups, one per world size, each running several jobs (start-up paid once):
@@ -51,7 +96,8 @@ SPAWNED_JOBS = {
 def spawned(world: int) -> dict[tuple[str, int], dict]:
     """Results of ``SPAWNED_JOBS[world]`` on ``world`` spawned gloo ranks, keyed by (kind, micro)."""
     jobs = [(tiny(micro_batch_seqs=micro), {"fsdp": kind == "fsdp"}) for kind, micro in SPAWNED_JOBS[world]]
-    return dict(zip(SPAWNED_JOBS[world], tg.train_spawned_many(jobs, world), strict=True))
+    results = _once_per_run(f"spawned-{world}", lambda _: tg.train_spawned_many(jobs, world))
+    return dict(zip(SPAWNED_JOBS[world], results, strict=True))
 
 
 def assert_same_training(got: dict, want: dict, what: str) -> None:

@@ -17,7 +17,7 @@ from tests._e2e_runs import assert_same_training, baseline, spawned, tiny
 def test_fsdp2_sharded_matches_unsharded(world, micro):
     # 2 ranks: micro-batches of 2 (2 accumulation steps each). 3 ranks: 3, 3, 2 sequences in one
     # micro-batch each, and torch.chunk shards every weight 3 ways, unevenly (the 256-row embedding
-    # table as 86, 86, 84 rows)
+    # table as 86, 86, 84 rows, the 8-row position table as 3, 3, 2)
     got = spawned(world)[("fsdp", micro)]
     assert_same_training(got, baseline(), f"FSDP2 over {world} ranks, micro-batch {micro}")
 

@@ -20,10 +20,13 @@ SMALL_LR = dict(lr=3e-5, warmup_steps=1, min_lr_ratio=1.0, weight_decay=0.0)
 
 
 def test_stochastic_rounding_reaches_lower_loss_than_nearest():
-    cfg = tg.make_config("tiny", kernels="torch", optimizer="adamw_sr", steps=12, **SMALL_LR)
+    # 8-byte sequences (the interpreter's AdamWSR launches dominate: fewer steps, same margins)
+    cfg = tg.make_config(
+        "tiny", kernels="torch", optimizer="adamw_sr", steps=10, seq_len=8, leaf_tokens=8, **SMALL_LR
+    )
     sr = tg.train(cfg, evaluate_end=True)
     nearest = tg.train(dataclasses.replace(cfg, rounding="nearest"), evaluate_end=True)
-    # measured: held-out 5.538 (SR) vs 5.551 (nearest); initial ~5.55
+    # measured: held-out 5.507 (SR) vs 5.522 (nearest); last 4 steps' losses 0.045 apart
     assert sr["val_loss"] < nearest["val_loss"] - 0.005, (sr["val_loss"], nearest["val_loss"])
     assert sum(sr["losses"][-4:]) < sum(nearest["losses"][-4:]) - 0.02, (sr["losses"], nearest["losses"])
     # round-to-nearest cannot move an RMSNorm weight (1.0, half ULP 2**-8) by updates of ~3e-5
