@@ -103,16 +103,17 @@ def main() -> int:
         types = {"a_ptr": tname, "b_ptr": tname, "c_ptr": tname, "carry_ptr": "*fp32", "bias_ptr": tname}
         for layout, unit in (("nn", dict(stride_ak=1, stride_bn=1)), ("nt", dict(stride_ak=1, stride_bk=1))):
             for cls, (n, k) in (("large", (4096, 4096)), ("small", (64, 64))):
-                c = cfgs.matmul_config(dtype, layout, n, k)
+                c = cfgs.matmul_config(dtype, layout, n, k)  # many rows (the TMA entry where there is one)
+                p = cfgs.matmul_config(dtype, layout, n, k, rows=1)  # few rows: the pointer kernel's entry
                 for bias, nk in ((False, False), (True, False), (False, layout == "nt")):
                     const = dict(
-                        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+                        BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, GROUP_M=p.group_m,
                         EVEN_K=True, HAS_CARRY=False, HAS_BIAS=bias, UPCAST=False, DOT_PRECISION=None,
                         BF16_BY_BITS=False, B_NK_TILES=nk, stride_cn=1, **unit,
                     )  # fmt: skip
                     bad += not compile_one(
                         f"matmul {dtype} {layout} {cls} bias={bias} nk={nk}", mm._matmul_kernel, types, const,
-                        c.num_warps, c.num_stages,
+                        p.num_warps, p.num_stages,
                     )  # fmt: skip
                 if c.tma:  # the TMA kernel the entry selects (host descriptors of A and B)
                     kmajor = layout == "nt"

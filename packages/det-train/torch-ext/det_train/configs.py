@@ -224,7 +224,8 @@ def check_weight_grad_config(config: WeightGradConfig) -> None:
     Rejected: ``leaves_per_program`` not a power of 2 (or above 4 without ``scratch_tree`` /
     ``lean``); ``maxnreg`` on a kernel other than the lean one (it would be ignored); a ``maxnreg``
     below ``live_accumulator_registers(config) + MAXNREG_HEADROOM`` (ptxas fails with "Insufficient
-    registers", e.g. a 128x256 tile at 8 warps under ``maxnreg=128`` on Triton 3.6).
+    registers", e.g. a 128x256 tile at 8 warps under ``maxnreg=128`` on Triton 3.6 and 3.9, or
+    spills: ``pairs`` with two 128x128 tiles under ``maxnreg=128`` spills ~1 KB per thread).
     """
     lpp = config.leaves_per_program
     if lpp < 1 or lpp & (lpp - 1) or (lpp > 4 and not (config.scratch_tree or config.lean)):
@@ -244,5 +245,6 @@ def check_weight_grad_config(config: WeightGradConfig) -> None:
             f"({live_accumulator_registers(config)} registers per thread for "
             f"{config.block_n}x{config.block_k} at {config.num_warps} warps"
             f"{', two tiles live' if config.lean and (config.pairs or config.merge_in_registers) else ''}); "
-            f"ptxas cannot compile it. Use maxnreg >= {need}, maxnreg=None, or a smaller tile / more warps."
+            f"ptxas cannot compile it or must spill. Use maxnreg >= {need}, maxnreg=None, "
+            "or a smaller tile / more warps."
         )
