@@ -5,17 +5,19 @@ Forward: a gather (``weight[ids]``, an exact copy). Backward: the gradient of ro
 ``leaf_tokens`` tokens (aligned to the global token index), a fp32 fold starting at +0.0 in token
 order; leaves combined by the fixed pairwise tree of det_core.reduce.
 
-Method (sparse, no (n_leaves, V, D) tensor):
-1. stable sort of the ids (``torch.sort(stable=True)``): equal ids keep token order;
-2. segments = runs of equal (id, leaf); a Triton kernel folds each segment's dy rows in token
-   order (one program per segment and column block; no atomics);
-3. the tree over leaves is walked level by level on the sparse (id, node) entries: siblings that
-   are both present are added (left + right), a lone child is promoted (its sum with the absent
+Method (sparse, no (n_leaves, V, D) tensor, no host sync in the backward):
+1. stable sort of the ids (``torch.sort(stable=True)``): equal ids keep token order; segments =
+   runs of equal (id, leaf), located on the device (``cumsum`` + ``searchsorted``);
+2. ``_segment_fold_kernel``: one program per segment and column block folds the segment's dy rows
+   in token order from +0.0 (no atomics); programs past the last segment return at once;
+3. ``_id_tree_kernel``: one program per id and column block walks the canonical tree over the id's
+   segments (at most one per leaf) level by level in place (``_leaf_sums.tree_combine``): siblings
+   that are both present are added (left + right), a lone child is promoted (its sum with the absent
    sibling's +0.0 is itself, as no leaf sum is -0.0 after the +0.0 start), nodes whose parent
    reaches outside the call's leaves stay as maximal subtrees;
-4. the result is scattered into a zero (V, D) table (one dense table per maximal subtree when an
-   accumulator is active, usually 1 to log2(n_leaves) + 1 of them).
-Workspace: the sorted ids and segment sums, ``M * D * 4`` bytes at most, plus the dense outputs.
+4. the same program writes the id's row of a zero (V, D) table (one dense table per maximal subtree
+   when an accumulator is active, usually 1 to log2(n_leaves) + 1 of them).
+Workspace: the sorted ids and segment sums, ``M * D * 4`` bytes, plus the dense outputs.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ Reduction orders (fixed; the table below names what changes bits):
   ``next_pow2(D)`` elements (``tl.sum``), so a row's bits depend on the row and D alone;
 - dweight = sum over tokens of ``dy * x_hat`` in the canonical order: each program folds
   ``rows_per_chunk`` consecutive tokens sequentially in fp32, the chunks of a leaf are folded in
-  chunk order (``_leaf_sums.fold_chunks``) and leaves are combined by ``TreePartial`` (or deposited
-  into the active ``CanonicalGradAccumulator``).
+  chunk order (``_leaf_sums.fold_chunks``) and leaves are combined by the canonical pairwise tree
+  on the GPU (``_leaf_sums.tree_in_place``: ``TreePartial``'s bits, no host round-trip), or its
+  maximal subtrees are deposited into the active ``CanonicalGradAccumulator``.
 """
 
 from __future__ import annotations
