@@ -39,3 +39,17 @@ def test_subtrees_equal_tree_partial(n, lo):
 def test_root_needs_leaves_from_zero():
     with pytest.raises(ValueError, match="starting at 0"):
         tree_in_place(_leaves(3), 2, torch.float32)
+
+
+# ---------------------------------------------------------------- GPU (the compiled kernel)
+@pytest.mark.gpu
+@pytest.mark.parametrize(("n", "lo"), [(8, 0), (13, 0), (13, 3), (6, 8)])
+def test_gpu_tree_equals_tree_partial(n, lo):
+    x = _leaves(n, width=4096 + 3, seed=n).cuda()
+    partial = TreePartial().add_leaves(lo, x)
+    for key, value in tree_in_place(x.clone(), lo).items():
+        assert_bitwise_equal(value, partial.nodes[key], f"GPU node {key} of leaves [{lo}, {lo + n})")
+    if lo == 0:
+        ref = TreePartial().add_leaves(0, x).result(n)
+        assert_bitwise_equal(tree_in_place(x.clone(), 0, torch.float32), ref, "GPU root")
+        assert_bitwise_equal(tree_in_place(x.clone(), 0, torch.bfloat16), ref.bfloat16(), "GPU bf16 root")
