@@ -124,10 +124,16 @@ os.environ["LOCAL_KERNELS"] = f"{repo_id}={local_repo}"
 report["local_kernels"] = describe(kernels.get_kernel(repo_id, version=1))
 os.environ.pop("LOCAL_KERNELS")
 report["get_local_kernel"] = describe(kernels.get_local_kernel(Path(extra_repo)))
+def _from_source_tree(mod):
+    # a file under the repo counts, except the Python environment itself (nox keeps it in .nox/)
+    path = os.path.realpath(str(getattr(mod, "__file__", "") or ""))
+    env = os.path.realpath(sys.prefix)
+    return path.startswith(os.path.realpath(cache_only_check)) and not path.startswith(env + os.sep)
+
+
 report["source_modules"] = sorted(
     name for name, mod in list(sys.modules.items())
-    if name.split(".")[0] in ("det_core", python_name)
-    or str(getattr(mod, "__file__", "") or "").startswith(cache_only_check)
+    if name.split(".")[0] in ("det_core", python_name) or _from_source_tree(mod)
 )
 print("PROBE-REPORT " + json.dumps(report))
 """
