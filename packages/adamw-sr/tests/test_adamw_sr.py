@@ -720,3 +720,41 @@ def test_eager_step_bumps_version_counters_like_an_in_place_op():
     assert p._version > before
     opt.step()
     assert all(t._version > old for t, old in zip((p, m, v), versions, strict=True))
+
+
+def test_param_replaced_after_construction_is_rejected_and_untouched():
+    # found by a new-user check: p.data swapped for a transposed view or an fp16 tensor after the
+    # optimizer was built must be rejected at step(), not updated through the wrong layout
+    for replacement, error in (
+        (torch.zeros(4, 4).t(), ValueError),
+        (torch.zeros(4, 4, dtype=torch.float16), TypeError),
+    ):
+        p = torch.nn.Parameter(torch.zeros(4, 4))
+        opt = AdamWSR([p], lr=0.1, weight_decay=0.0)
+        p.data = replacement
+        p.grad = torch.ones(
+            4, 4, dtype=torch.float32 if replacement.dtype == torch.float32 else torch.float16
+        )
+        before = p.detach().clone()
+        with pytest.raises(error):
+            opt.step()
+        assert torch.equal(p.detach(), before) and len(opt.state[p]) == 0
+
+
+def test_cpu_step_without_interpreter_is_rejected_before_state(monkeypatch):
+    p = torch.nn.Parameter(torch.ones(8))
+    opt = AdamWSR([p], lr=0.1)
+    p.grad = torch.ones(8)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.ones(8)) and len(opt.state[p]) == 0
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, True, 1.5])
+def test_functional_step_rejects_a_seed_outside_the_contract(seed):
+    p, g = torch.ones(8), torch.ones(8)
+    m, v = torch.zeros(8), torch.zeros(8)
+    with pytest.raises(ValueError, match="seed"):
+        adamw_sr_step([p], [g], [m], [v], None, torch.ones(1), lr=0.1, seed=seed)
+    assert torch.equal(p, torch.ones(8)) and torch.equal(m, torch.zeros(8))

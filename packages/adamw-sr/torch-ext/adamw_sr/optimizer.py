@@ -127,6 +127,9 @@ _PLAN_CACHE_SIZE = 64
 def _get_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, segments: torch.Tensor):
     key = (
         params[0].device,
+        # element offsets depend on element size: the same addresses with other dtypes need another plan
+        tuple(t.dtype for t in (params[0], grads[0], exp_avgs[0])),
+        tuple(t.dtype for t in grads),
         tuple(t.data_ptr() for t in params),
         tuple(t.data_ptr() for t in grads),
         tuple(t.data_ptr() for t in exp_avgs),
@@ -278,7 +281,7 @@ def adamw_sr_step(
 
     Raises:
         TypeError: unsupported dtypes.
-        ValueError: mismatched lengths, shapes, devices or layouts.
+        ValueError: mismatched lengths, shapes, devices or layouts; a seed outside ``[0, 2**64)``.
 
     **Determinism:** each element's result is a pure function of its inputs, the hyperparameters,
     ``(seed, step)`` and its global index: identical run to run, for any grouping of tensors into
@@ -286,6 +289,8 @@ def adamw_sr_step(
     ``reference.adamw_sr_step_reference``. Not guaranteed across Triton versions or GPU models.
     """
     max_exp_avg_sqs = list(max_exp_avg_sqs or [])
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"adamw_sr_step: seed must be an int in [0, 2**64), got {seed!r}")
     n = len(params)
     lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
     if amsgrad:
@@ -656,6 +661,8 @@ class AdamWSR(torch.optim.Optimizer):
                 raise RuntimeError("AdamWSR: step() is being captured in a CUDA graph; pass capturable=True")
             with_grad = [p for p in group["params"] if p.grad is not None]
             self._check_grads(with_grad)
+            if with_grad:  # CPU params need the Triton interpreter: say so before any state is touched
+                runtime.check_kernel_device(*(_local(p) for p in with_grad), op="AdamWSR.step")
             work.append((group, with_grad))
         check_states = self._state_flags["unchecked"] or torch.compiler.is_compiling()
         if check_states:
@@ -674,12 +681,14 @@ class AdamWSR(torch.optim.Optimizer):
     @staticmethod
     def _check_grads(ps: list[torch.Tensor]) -> None:
         """``_check_grad`` for each param, with a fast test for the common plain-tensor case."""
-        strided, dtypes = torch.strided, _SUPPORTED_GRAD_DTYPES
+        strided, dtypes, param_dtypes = torch.strided, _SUPPORTED_GRAD_DTYPES, _SUPPORTED_PARAM_DTYPES
         for p in ps:
             g = p.grad
             if (
                 type(g) not in _PLAIN_TENSOR_TYPES
                 or type(p) not in _PLAIN_TENSOR_TYPES
+                or p.dtype not in param_dtypes
+                or not p.is_contiguous()
                 or g.layout != strided
                 or g.dtype not in dtypes
                 or g.shape != p.shape
@@ -690,6 +699,10 @@ class AdamWSR(torch.optim.Optimizer):
 
     @staticmethod
     def _check_grad(p: torch.Tensor) -> None:
+        # the param itself again: ``p.data`` may have been replaced since the optimizer was built
+        problem = AdamWSR._param_problem(p)
+        if problem:
+            raise (TypeError if "dtype" in problem else ValueError)(f"AdamWSR: {problem}")
         g = p.grad
         if g.is_sparse or g.layout != torch.strided:
             raise RuntimeError("AdamWSR does not support sparse gradients; use torch.optim.SparseAdam")
