@@ -57,6 +57,11 @@ class DeterministicAllreduceState:
         average: divide the sum by the world size (DDP's default semantics, for a loss that is a
             per-rank mean). Use ``average=False`` with ``cross_entropy(..., num_global_tokens=N)``,
             whose gradients are already scaled by 1 / (global tokens).
+
+    **Determinism:** configuration only. With ``average=True`` the division by the world size is
+    one elementwise fp32 operation after the fixed rank-order tree, so it is run-to-run
+    deterministic but makes the result depend on the DP degree; ``average=False`` keeps the
+    DP-degree invariance described in ``deterministic_allreduce_hook``.
     """
 
     group: object = None

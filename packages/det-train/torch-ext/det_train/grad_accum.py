@@ -30,7 +30,15 @@ _ACTIVE: list[CanonicalGradAccumulator] = []
 
 
 def current_accumulator() -> CanonicalGradAccumulator | None:
-    """The accumulator whose ``micro_batch`` context is active, or None outside every context."""
+    """The accumulator whose ``micro_batch`` context is active, or None outside every context.
+
+    Returns:
+        The innermost active ``CanonicalGradAccumulator`` (contexts nest per thread of Python
+        execution; the last entered wins), or None. Raises nothing.
+
+    **Determinism:** a lookup only; ops that find an accumulator deposit leaf sums into it instead
+    of returning a gradient, which is what makes their weight gradients micro-batch invariant.
+    """
     return _ACTIVE[-1] if _ACTIVE else None
 
 
