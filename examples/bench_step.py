@@ -79,12 +79,43 @@ def _sdpa_backend():
     raise RuntimeError("neither the cuDNN nor the flash SDPA backend runs on this GPU")
 
 
+def profile_step(step, steps: int = 3, top: int = 30) -> str:
+    """Host wall time per step against device busy time, and the ops with the most device time."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    host_ms = (time.perf_counter() - t0) / steps * 1e3  # python returns before the GPU finishes...
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) / steps * 1e3  # ...so launch-bound when host_ms ~ wall_ms
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    device_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps
+    table = events.table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=60)
+    by_cpu = events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60)
+    return (
+        f"host {host_ms:.1f} ms/step to enqueue, wall {wall_ms:.1f} ms/step, "
+        f"device busy {device_ms:.1f} ms/step (sum of kernel times)\n{table}\n{by_cpu}"
+    )
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="folder for main-job_train_step.md/.json")
     p.add_argument("--batch", type=int, default=16, help="global batch in sequences of 1024 tokens")
     p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--layers", type=int, default=None, help="override n_layer (default: the gpu preset's 12)")
+    p.add_argument(
+        "--profile", action="store_true", help="also print where the det step spends device and host time"
+    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_step.py needs a CUDA GPU (the interpreter path is for correctness, not speed)")
@@ -110,6 +141,9 @@ def main(argv=None) -> int:
         with sdpa_kernel([backend]) if cfg.kernels == "torch" else contextlib.nullcontext():
             ms = triton.testing.do_bench(step, warmup=3, rep=30, return_mode="median")
         rows.append({"impl": name, "ms_per_step": ms, "tokens_per_s": n_tokens / ms * 1e3})
+        if args.profile:
+            with sdpa_kernel([backend]) if cfg.kernels == "torch" else contextlib.nullcontext():
+                print(f"\n## profile: {name}\n{profile_step(step)}\n")
         torch.cuda.empty_cache()
     det_ms, torch_ms = rows[0]["ms_per_step"], rows[1]["ms_per_step"]
     ratio = det_ms / torch_ms
