@@ -98,12 +98,26 @@ def profile_step(step, steps: int = 3, top: int = 30) -> str:
             step()
         torch.cuda.synchronize()
     events = prof.key_averages()
-    device_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    device_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
+    import cProfile
+    import io
+    import pstats
+
+    host = cProfile.Profile()
+    host.enable()
+    for _ in range(steps):
+        step()
+    host.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(35)
     table = events.table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=60)
     by_cpu = events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60)
     return (
         f"host {host_ms:.1f} ms/step to enqueue, wall {wall_ms:.1f} ms/step, "
-        f"device busy {device_ms:.1f} ms/step (sum of kernel times)\n{table}\n{by_cpu}"
+        f"device busy {device_ms:.1f} ms/step (sum of kernel times)\n{table}\n{by_cpu}\n"
+        f"python functions by own time ({steps} steps):\n{text.getvalue()}"
     )
 
 

@@ -36,9 +36,49 @@ for _p in (_ROOT / "packages/det-train/torch-ext", _ROOT / "shared/det-core"):
 import torch  # noqa: E402
 
 SHAPES = [(8192, 4096, 4096), (8192, 4096, 14336), (1024, 4096, 4096)]
+# --gpt: the main job's ~100 M GPT (d_model 768, d_ff 2560, byte vocab) at a micro-batch of 16 x 1024
+# tokens: qkv, attn_out, gate_up, down, lm_head. Few output tiles: occupancy, not the K loop, decides.
+GPT_SHAPES = [(16384, 768, 2304), (16384, 768, 768), (16384, 768, 5120), (16384, 2560, 768)]
+GPT_SHAPES += [(16384, 768, 256)]
 LEAF_TOKENS = 1024
 DEVICE = "cuda"  # a CPU dry run of the plumbing (Triton interpreter, tiny SHAPES) patches this
 TARGETS = {"fwd": 0.85, "dW": 0.80}
+
+
+def _gpt_candidates():
+    """Candidates for the main job's small-N/K layers (every one keeps block_k 64 / block_t 64)."""
+    from det_train.configs import MatmulConfig, WeightGradConfig
+
+    M = MatmulConfig
+    fwd = {
+        "ptr 128x256 g8 s3 (old table)": M(128, 256, 64, 8, 8, 3),
+        "tma 128x256 g8 s4": M(128, 256, 64, 8, 8, 4, tma=True),
+        "tma 128x128 g8 s4": M(128, 128, 64, 8, 8, 4, tma=True),
+        "tma 128x128 g8 s4 w4": M(128, 128, 64, 8, 4, 4, tma=True),
+        "tma persistent 128x128 g8 s4": M(128, 128, 64, 8, 8, 4, tma=True, persistent=True),
+        "tma persistent 128x256 g8 s4": M(128, 256, 64, 8, 8, 4, tma=True, persistent=True),
+        "ptr 128x128 g8 s4": M(128, 128, 64, 8, 8, 4),
+    }
+    dx = {
+        "ptr 128x256 g8 s4 (table)": M(128, 256, 64, 8, 8, 4),
+        "ptr 128x128 g8 s4": M(128, 128, 64, 8, 8, 4),
+        "ptr 128x128 g8 s4 w4": M(128, 128, 64, 8, 4, 4),
+        "ptr 64x256 g8 s4 w4": M(64, 256, 64, 8, 4, 4),
+        "ptr 256x128 g8 s3": M(256, 128, 64, 8, 8, 3),
+    }
+    W = WeightGradConfig
+    r = dataclasses.replace
+    table = W(128, 128, 64, 8, 8, 4, 8, lean=True, pairs=True, programs_per_sm=1, tma=True)
+    dw = {
+        "lean tma pairs s4 lpp8 (table)": table,
+        "lean tma pairs s4 lpp4": r(table, leaves_per_program=4),
+        "lean tma pairs s4 lpp2": r(table, leaves_per_program=2),
+        "lean tma pairs s4 lpp8 2/SM": r(table, programs_per_sm=2),
+        "plain lpp1 s4": W(128, 128, 64, 8, 8, 4, 1),
+        "plain lpp2 s4": W(128, 128, 64, 8, 8, 4, 2),
+        "plain lpp1 s3 64x128 w4": W(64, 128, 64, 8, 4, 3, 1),
+    }
+    return fwd, dx, dw
 
 
 def _candidates():
@@ -91,7 +131,7 @@ def _same(fn, ref: torch.Tensor) -> str:
         return f"error: {type(exc).__name__}"
 
 
-def _run_shape(m, k, n, fwd_cands, dw_cands, table_fwd, table_dw, rows: list[dict]) -> None:
+def _run_shape(m, k, n, fwd_cands, dw_cands, table_fwd, table_dw, rows: list[dict], dx_cands=None) -> None:
     """Time and bit-check every candidate on one (M, K, N); append one row per candidate."""
     from det_train import configs
     from det_train.linear import weight_grad_partial
@@ -122,6 +162,17 @@ def _run_shape(m, k, n, fwd_cands, dw_cands, table_fwd, table_dw, rows: list[dic
         ms = _bench(lambda cfg=cfg: launch_matmul(x, w.t(), y, config=cfg))
         bits = _same(lambda cfg=cfg: launch_matmul(x, w.t(), torch.empty_like(y), config=cfg), ref)
         add("fwd", name, ms, bits, cublas, "*" if cfg == table_fwd else "")
+    # dX = dY W ("nn"): bits against the table entry
+    if dx_cands:
+        cublas = _bench(lambda: torch.matmul(dy, w))
+        add("dX", "cuBLAS", cublas, "—", cublas)
+        dx = torch.empty_like(x)
+        table_dx = configs.matmul_config(torch.bfloat16, "nn", k, n, rows=m)
+        ref = launch_matmul(dy, w, torch.empty_like(x), config=table_dx).clone()
+        for name, cfg in dx_cands.items():
+            ms = _bench(lambda cfg=cfg: launch_matmul(dy, w, dx, config=cfg))
+            bits = _same(lambda cfg=cfg: launch_matmul(dy, w, torch.empty_like(x), config=cfg), ref)
+            add("dX", name, ms, bits, cublas, "*" if cfg == table_dx else "")
     # dW: bits (fp32 root) against one leaf per program + the tree in torch
     cublas = _bench(lambda: torch.matmul(dy.t(), x))
     add("dW", "cuBLAS", cublas, "—", cublas)
@@ -145,6 +196,7 @@ def _run_shape(m, k, n, fwd_cands, dw_cands, table_fwd, table_dw, rows: list[dic
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--gpt", action="store_true", help="the main job's GPT layer shapes and candidates")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("ablate_matmul: needs a CUDA GPU")
@@ -164,17 +216,20 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     fwd_cands, dw_cands = _candidates()
+    dx_cands = None
+    if args.gpt:
+        fwd_cands, dx_cands, dw_cands = _gpt_candidates()
     table_fwd = configs.matmul_config(torch.bfloat16, "nt", 4096, 4096)
     table_dw = configs.weight_grad_config(torch.bfloat16, 4096, 4096)
     t0 = time.time()
     rows: list[dict] = []
-    for m, k, n in SHAPES:
-        _run_shape(m, k, n, fwd_cands, dw_cands, table_fwd, table_dw, rows)
+    for m, k, n in GPT_SHAPES if args.gpt else SHAPES:
+        _run_shape(m, k, n, fwd_cands, dw_cands, table_fwd, table_dw, rows, dx_cands)
         torch.cuda.empty_cache()
 
     print(f"\nelapsed {time.time() - t0:.0f} s (compiles included)\n")
     summary = {}
-    for op, cands in (("fwd", fwd_cands), ("dW", dw_cands)):
+    for op, cands in (("fwd", fwd_cands), ("dX", dx_cands or {}), ("dW", dw_cands)):
         best, best_worst = None, -1.0
         for name in cands:
             mine = [r for r in rows if r["op"] == op and r["name"] == name]
@@ -187,16 +242,20 @@ def main(argv: list[str] | None = None) -> int:
         if best is None:
             print(f"{op}: no candidate ran with identical bits")
             continue
-        ok = "meets" if best_worst >= TARGETS[op] else "MISSES"
-        key = '("half", "nt", "large", "many" / "few")' if op == "fwd" else '("half", "large")'
-        table = "_MATMUL_TABLE" if op == "fwd" else "_WEIGHT_GRAD_TABLE"
+        ok = "meets" if best_worst >= TARGETS.get(op, 0.80) else "MISSES"
+        key = {
+            "fwd": '("half", "nt", "large", "many" / "few")',
+            "dX": '("half", "nn", "large", "any")',
+            "dW": '("half", "large")',
+        }[op]
+        table = "_WEIGHT_GRAD_TABLE" if op == "dW" else "_MATMUL_TABLE"
         print(
             f"{op}: best = {best!r}, worst ratio {best_worst:.2f}x over the shapes ({ok} the "
-            f"{TARGETS[op]:.2f}x target)\n  configs.py {table}[{key}] = {cands[best]!r}"
+            f"{TARGETS.get(op, 0.80):.2f}x target)\n  configs.py {table}[{key}] = {cands[best]!r}"
         )
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "det-train_ablate_matmul.json").write_text(
+        (args.out / f"det-train_ablate_matmul{'_gpt' if args.gpt else ''}.json").write_text(
             json.dumps({"rows": rows, "summary": summary}, indent=1, default=str)
         )
     return 0
