@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from adamw_sr import AdamWSR, adamw_sr_step, adamw_sr_step_reference, default_base_indices
@@ -557,6 +558,9 @@ def test_bad_params_rejected_at_construction():
         (dict(differentiable=True), "differentiable"),
         (dict(stochastic_rounding="yes"), "stochastic_rounding"),
         (dict(lr=torch.tensor([1e-3, 1e-3])), "1 element"),
+        (dict(lr=torch.tensor(math.nan)), "learning rate"),
+        (dict(betas=(0.9, 1.0)), "betas"),
+        (dict(eps=math.nan), "epsilon"),
     ],
 )
 def test_bad_hyperparameters(kwargs, match):
@@ -751,10 +755,117 @@ def test_cpu_step_without_interpreter_is_rejected_before_state(monkeypatch):
     assert torch.equal(p.detach(), torch.ones(8)) and len(opt.state[p]) == 0
 
 
-@pytest.mark.parametrize("seed", [-1, 2**64, True, 1.5])
-def test_functional_step_rejects_a_seed_outside_the_contract(seed):
+@pytest.mark.parametrize(
+    "seed,error,match",
+    [
+        (-1, ValueError, r"seed must be in \[0, 2\*\*64\)"),
+        (2**64, ValueError, r"seed must be in \[0, 2\*\*64\)"),
+        (True, TypeError, "seed must be an integer, got the bool"),
+        (1.5, TypeError, "seed must be an integer"),
+    ],
+)
+def test_functional_step_rejects_a_seed_outside_the_contract(seed, error, match):
     p, g = torch.ones(8), torch.ones(8)
     m, v = torch.zeros(8), torch.zeros(8)
-    with pytest.raises(ValueError, match="seed"):
+    with pytest.raises(error, match=match):
         adamw_sr_step([p], [g], [m], [v], None, torch.ones(1), lr=0.1, seed=seed)
     assert torch.equal(p, torch.ones(8)) and torch.equal(m, torch.zeros(8))
+
+
+# found by a new-user check: step 0 gave NaN (bias correction 1 - beta**0 = 0), a step past fp32's
+# exact integers was accepted, and out-of-range hyperparameters ran silently in the functional step
+@pytest.mark.parametrize(
+    "step,kwargs,match",
+    [
+        (0.0, {}, r"steps must be integers in \[1, 2\*\*24 - 1\]"),
+        (-3.0, {}, r"steps must be integers in \[1, 2\*\*24 - 1\]"),
+        (2.0**24, {}, r"steps must be integers in \[1, 2\*\*24 - 1\]"),
+        (2.0**30, {}, r"steps must be integers in \[1, 2\*\*24 - 1\]"),
+        (1.5, {}, r"steps must be integers"),
+        (math.nan, {}, r"steps must be integers"),
+        (1.0, dict(lr=-1e-3), "Invalid learning rate"),
+        (1.0, dict(lr=math.nan), "Invalid learning rate"),
+        (1.0, dict(lr=torch.tensor([-1e-3])), "Invalid learning rate"),
+        (1.0, dict(lr=torch.tensor([1e-3, 1e-3])), "1 element"),
+        (1.0, dict(beta1=1.0), r"betas .* each must be in \[0, 1\)"),
+        (1.0, dict(beta1=-0.1), r"betas .* each must be in \[0, 1\)"),
+        (1.0, dict(beta2=1.0), r"betas .* each must be in \[0, 1\)"),
+        (1.0, dict(beta2=math.nan), r"betas .* each must be in \[0, 1\)"),
+        (1.0, dict(eps=-1e-8), "Invalid epsilon value"),
+        (1.0, dict(weight_decay=-0.01), "Invalid weight_decay value"),
+    ],
+)
+def test_functional_step_rejects_bad_steps_and_hyperparameters_untouched(step, kwargs, match):
+    p = torch.randn(2, 6, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    g = torch.randn(2, 6, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    m = torch.randn(2, 6, generator=torch.Generator().manual_seed(2))
+    v = torch.rand(2, 6, generator=torch.Generator().manual_seed(3))
+    # a second, valid tensor of the launch, listed first
+    q, mq, vq = torch.ones(5, dtype=torch.bfloat16), torch.zeros(5), torch.zeros(5)
+    before = digest([p, m, v, q, mq, vq])
+    steps = torch.tensor([1.0, step])  # the bad step, if any, is the second tensor's
+    call = {"lr": 1e-2, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        adamw_sr_step([q, p], [torch.ones(5, dtype=torch.bfloat16), g], [mq, m], [vq, v], None, steps, **call)
+    assert digest([p, m, v, q, mq, vq]) == before
+
+
+def test_functional_step_at_the_largest_step_equals_reference():
+    # 2**24 - 1 is the last accepted step: fp32 holds it exactly and the kernel's Philox counter and
+    # bias-correction exponent take it as is
+    p = torch.randn(300, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    g = torch.randn(300, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    m = torch.randn(300, generator=torch.Generator().manual_seed(2)) * 1e-2
+    v = torch.rand(300, generator=torch.Generator().manual_seed(3)) * 1e-4
+    r, rm, rv = p.clone(), m.clone(), v.clone()
+    step = 2**24 - 1
+    adamw_sr_step([p], [g], [m], [v], None, torch.tensor([float(step)]), lr=1e-2, seed=8)
+    adamw_sr_step_reference(r, g, rm, rv, step=step, lr=1e-2, seed=8)
+    assert_bitwise_equal(p, r)
+    assert_bitwise_equal(m, rm)
+    # a different step gives other rounding bits: the step reached the kernel unchanged
+    other = p.clone()
+    adamw_sr_step_reference(other, g, m.clone(), v.clone(), step=step - 1, lr=1e-2, seed=8)
+    assert not torch.equal(other, p)
+
+
+def test_numpy_integer_seeds_are_accepted_and_equal_int_seeds():
+    def functional(seed):
+        p = torch.randn(64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        adamw_sr_step([p], [torch.ones(64)], [torch.zeros(64)], [torch.zeros(64)], None, torch.ones(1),
+                      lr=1e-3, seed=seed)  # fmt: skip
+        return p
+
+    assert_bitwise_equal(functional(np.int64(2**40 + 3)), functional(2**40 + 3))
+    assert_bitwise_equal(functional(np.uint64(2**63 + 5)), functional(2**63 + 5))
+
+    def optimizer(seed):
+        p = torch.randn(64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        opt = AdamWSR([p], lr=1e-3, seed=seed)
+        p.grad = torch.ones(64, dtype=torch.bfloat16)
+        opt.step()
+        return p, opt
+
+    (a, opt), (b, _) = optimizer(np.int64(7)), optimizer(7)
+    assert_bitwise_equal(a, b)
+    assert type(opt.param_groups[0]["seed"]) is int  # stored as a plain int: state_dicts stay portable
+
+
+@pytest.mark.parametrize(
+    "seed,error,match",
+    [
+        (True, TypeError, "AdamWSR: seed must be an integer, got the bool"),
+        (np.True_, TypeError, "AdamWSR: seed must be an integer"),
+        (1.5, TypeError, "AdamWSR: seed must be an integer"),
+        ("7", TypeError, "AdamWSR: seed must be an integer"),
+        (np.int64(-1), ValueError, r"AdamWSR: seed must be in \[0, 2\*\*64\)"),
+    ],
+)
+def test_optimizer_rejects_non_integer_seeds(seed, error, match):
+    with pytest.raises(error, match=match):
+        AdamWSR([torch.zeros(3)], seed=seed)
+    # a group's own seed too; the rejected group is not added
+    opt = AdamWSR([torch.zeros(3)])
+    with pytest.raises(error, match=match):
+        opt.add_param_group({"params": [torch.zeros(2)], "seed": seed})
+    assert len(opt.param_groups) == 1

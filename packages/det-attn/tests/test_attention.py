@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from det_attn import attention, attention_varlen, scaled_dot_product_attention
@@ -463,6 +464,18 @@ def _bad_cases():
         (ValueError, "device", lambda: attention(q, k.to("meta"), v.to("meta"))),
         (TypeError, "int32", lambda: attention_varlen(*flat, cu.long(), cu, 8, 8)),
         (
+            TypeError,
+            "max_seqlen_q must be an integer, got the bool",
+            lambda: attention_varlen(*flat, cu, cu, True, 8),
+        ),
+        (TypeError, "max_seqlen_k must be an integer", lambda: attention_varlen(*flat, cu, cu, 8, 8.0)),
+        (
+            TypeError,
+            "max_seqlen_q must be an integer",
+            lambda: attention_varlen(*flat, cu, cu, np.float64(8), 8),
+        ),
+        (ValueError, "below the longest", lambda: attention_varlen(*flat, cu, cu, np.int64(4), 8)),
+        (
             ValueError,
             "monotone",
             lambda: attention_varlen(
@@ -509,6 +522,17 @@ def test_bad_input_raises_clear_error(case):
     error, match, call = _bad_cases()[case]
     with pytest.raises(error, match=match):
         call()
+
+
+def test_varlen_accepts_numpy_and_tensor_integer_max_seqlen():
+    # found by a new-user check: max_seqlen from numpy (np.int64, e.g. np.diff(cu).max()) was
+    # rejected; any integral type is accepted and gives the same bits as a Python int
+    q, k, v = _qkv(1, 8, 8, 2, 2)
+    flat = (q[0], k[0], v[0])
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    expected = attention_varlen(*flat, cu, cu, 5, 5, causal=True)
+    for max_q, max_k in ((np.int64(5), np.int32(5)), (np.uint16(6), torch.tensor(5))):
+        assert_bitwise_equal(attention_varlen(*flat, cu, cu, max_q, max_k, causal=True), expected)
 
 
 def test_too_long_sequence_raises():

@@ -246,6 +246,17 @@ def test_bad_input_raises_clearly():
         matmul_partial(a, _randn(8, 5), bias=_randn(5))
 
 
+def test_batch_dims_that_do_not_broadcast_raise_the_documented_value_error():
+    # found by a new-user check: torch.broadcast_shapes' RuntimeError leaked out
+    with pytest.raises(ValueError, match=r"batch dims do not broadcast: a is \(2, 4, 8\), b is \(3, 8, 5\)"):
+        matmul(_randn(2, 4, 8), _randn(3, 8, 5))
+    with pytest.raises(ValueError, match=r"batch \(2, 3\) vs \(4, 1\)"):
+        matmul(_randn(2, 3, 4, 8), _randn(4, 1, 8, 5))
+    # sizes of 1 and missing dims still broadcast, as in torch.matmul
+    out = matmul(_randn(2, 1, 4, 8), _randn(3, 8, 5))
+    assert out.shape == (2, 3, 4, 5)
+
+
 # ----------------------------------------------------------------------------- GPU, real sizes
 @pytest.mark.gpu
 @pytest.mark.parametrize("transposed_b", [False, True])

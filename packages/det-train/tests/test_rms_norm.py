@@ -161,6 +161,24 @@ def test_bad_input():
         det_train.rms_norm(torch.randn(1, 65537))
 
 
+# found by a new-user check: a negative, NaN or infinite eps gave NaN (or zero) rows silently
+@pytest.mark.parametrize("eps", [-1e-6, -1.0, float("nan"), float("inf"), float("-inf")])
+def test_bad_eps_raises(eps):
+    x = torch.randn(3, 8, dtype=torch.float32)
+    x[0] = 0.0  # mean square 0: a negative eps would give sqrt(-eps) = NaN
+    with pytest.raises(ValueError, match=r"eps must be a finite number >= 0"):
+        det_train.rms_norm(x, torch.ones(8), eps)
+    with pytest.raises(ValueError, match=r"det_train.RMSNorm: eps must be a finite number >= 0"):
+        det_train.RMSNorm(8, eps=eps)
+
+
+def test_zero_and_default_eps_accepted():
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    y0 = det_train.rms_norm(x, None, 0.0)
+    torch.testing.assert_close(y0, x / x.square().mean(-1, keepdim=True).sqrt(), rtol=2e-6, atol=0)
+    assert det_train.RMSNorm(8, eps=0).eps == 0.0 and det_train.RMSNorm(8).eps is None
+
+
 # ---------------------------------------------------------------- GPU, real sizes
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -8,6 +8,7 @@ Reading order: the global element index (plain tensors and DTensor shards), the 
 from __future__ import annotations
 
 import math
+import operator
 from collections import OrderedDict
 
 import torch
@@ -21,6 +22,10 @@ __all__ = ["AdamWSR", "adamw_sr_step", "default_base_indices", "local_segments"]
 _SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16)
 _SUPPORTED_GRAD_DTYPES = (torch.float32, torch.bfloat16)
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+# Steps travel as fp32 (torch's layout of ``state["step"]``), exact for integers up to 2**24; the
+# next increment (2**24 + 1) rounds back to 2**24, so a step count at or past it would repeat its
+# stochastic-rounding bits. The kernel's own counters (Philox word, 32-bit exponent) hold 2**32.
+MAX_STEP = 2**24 - 1
 # Default base indices start every parameter on a multiple of 8: its windows are then 4-aligned in the
 # global index (one Philox call per 4 elements) and 8-aligned in memory (vectorized loads) at once.
 BASE_INDEX_ALIGNMENT = 8
@@ -41,6 +46,41 @@ def default_base_indices(numels) -> list[int]:
         out.append(offset)
         offset = -(-(offset + int(n)) // BASE_INDEX_ALIGNMENT) * BASE_INDEX_ALIGNMENT
     return out
+
+
+def _as_seed(seed, op: str) -> int:
+    """``seed`` as a Python int in ``[0, 2**64)``: any integer type (``operator.index``: int, numpy
+    integers), never a bool or a float."""
+    if isinstance(seed, bool) or getattr(seed, "dtype", None) == torch.bool:
+        raise TypeError(f"{op}: seed must be an integer, got the bool {seed!r}; pass an int such as 0")
+    try:
+        value = operator.index(seed)
+    except TypeError:
+        raise TypeError(
+            f"{op}: seed must be an integer (int or numpy integer), got {type(seed).__name__} {seed!r}"
+        ) from None
+    if not 0 <= value < 2**64:
+        raise ValueError(f"{op}: seed must be in [0, 2**64), got {value}")
+    return value
+
+
+def _check_hyperparameters(lr, betas, eps, weight_decay, op: str) -> None:
+    """``torch.optim.AdamW``'s ranges: ``lr >= 0``, ``0 <= beta < 1``, ``eps >= 0``,
+    ``weight_decay >= 0`` (NaN fails every one). A tensor ``lr`` must have one element; its value
+    is checked only where reading it needs no device sync (a CPU tensor)."""
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"{op}: lr as a tensor must have 1 element, got shape {tuple(lr.shape)}")
+        if lr.device.type == "cpu" and not torch.compiler.is_compiling() and not 0.0 <= float(lr):
+            raise ValueError(f"{op}: Invalid learning rate: {float(lr)}; it must be >= 0")
+    elif not 0.0 <= lr:
+        raise ValueError(f"{op}: Invalid learning rate: {lr}; it must be >= 0")
+    if not 0.0 <= eps:
+        raise ValueError(f"{op}: Invalid epsilon value: {eps}; it must be >= 0")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"{op}: Invalid betas {tuple(betas)}: each must be in [0, 1)")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"{op}: Invalid weight_decay value: {weight_decay}; it must be >= 0")
 
 
 # --------------------------------------------------------------------------- global element index
@@ -269,19 +309,28 @@ def adamw_sr_step(
         exp_avgs, exp_avg_sqs: contiguous fp32 tensors of the params' shapes; updated in place.
         max_exp_avg_sqs: as above when ``amsgrad``, else ``None`` or ``[]``.
         steps: fp32 tensor ``[len(params)]`` on the params' device: each tensor's step number
-            *after* incrementing (1 on the first step); integers below ``2**24``.
-        lr: learning rate, a float or a 1-element tensor (on the device for CUDA-graph capture).
-        beta1, beta2, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW``.
+            *after* incrementing (1 on the first step); integers in ``[1, 2**24 - 1]``
+            (``MAX_STEP``): fp32 holds every integer up to ``2**24``, but ``2**24 + 1`` rounds back
+            to ``2**24``, so a count past it would repeat a step and its rounding bits. Checked on
+            the host (one device sync on CUDA), except during CUDA-graph capture or
+            ``torch.compile`` tracing, where keeping them in range is the caller's job.
+        lr: learning rate ``>= 0``, a float or a 1-element tensor (on the device for CUDA-graph
+            capture; the value of a device tensor is not checked, reading it would sync).
+        beta1, beta2: in ``[0, 1)``. eps, weight_decay: ``>= 0``. amsgrad, maximize: as
+            ``torch.optim.AdamW`` (whose constructor checks the same ranges).
         stochastic_rounding: bf16 params: ``None``/``True`` stochastic, ``False`` nearest.
-        seed: Philox seed, ``0 <= seed < 2**64``.
+        seed: Philox seed, an integer (int or numpy integer, not bool) with ``0 <= seed < 2**64``.
         base_indices: global index of each param's first element (default: ``default_base_indices``,
             the running offset with each param starting on a multiple of 8).
         segments: advanced: int64 CPU ``[S, 4]`` rows ``(slot, local_start, length, global_start)``
             mapping local elements to global indices (overrides ``base_indices``; see ``local_segments``).
 
     Raises:
-        TypeError: unsupported dtypes.
-        ValueError: mismatched lengths, shapes, devices or layouts; a seed outside ``[0, 2**64)``.
+        TypeError: unsupported dtypes; a seed that is not an integer (a bool, a float).
+        ValueError: mismatched lengths, shapes, devices or layouts; a seed outside ``[0, 2**64)``;
+            a step outside ``[1, 2**24 - 1]`` or not an integer; ``lr < 0``, a beta outside
+            ``[0, 1)``, ``eps < 0`` or ``weight_decay < 0`` (NaN included). Every check runs before
+            anything is written: a rejected call leaves params and states untouched.
 
     **Determinism:** each element's result is a pure function of its inputs, the hyperparameters,
     ``(seed, step)`` and its global index: identical run to run, for any grouping of tensors into
@@ -289,8 +338,8 @@ def adamw_sr_step(
     ``reference.adamw_sr_step_reference``. Not guaranteed across Triton versions or GPU models.
     """
     max_exp_avg_sqs = list(max_exp_avg_sqs or [])
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
-        raise ValueError(f"adamw_sr_step: seed must be an int in [0, 2**64), got {seed!r}")
+    seed = _as_seed(seed, "adamw_sr_step")
+    _check_hyperparameters(lr, (beta1, beta2), eps, weight_decay, "adamw_sr_step")
     n = len(params)
     lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
     if amsgrad:
@@ -326,6 +375,7 @@ def adamw_sr_step(
             raise ValueError(f"adamw_sr_step: params[{i}] is not contiguous")
     if steps.shape != (n,) or steps.dtype != torch.float32 or steps.device != device:
         raise ValueError(f"adamw_sr_step: steps must be float32 of shape ({n},) on {device}")
+    _check_steps(steps)
     if segments is None:
         if base_indices is None:
             base_indices = default_base_indices(p.numel() for p in params)
@@ -340,6 +390,28 @@ def adamw_sr_step(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else [], steps, hyper, segments,
         str(int(seed)), amsgrad, maximize, stochastic_rounding is not False,
     )  # fmt: skip
+
+
+def _check_steps(steps: torch.Tensor) -> None:
+    """Every step an integer in ``[1, MAX_STEP]``: step 0 divides by a zero bias correction (NaN),
+    a fraction is truncated by the kernel, and fp32 holds consecutive integers only below 2**24.
+
+    Reads the values on the host: free for CPU tensors, one device sync on CUDA; skipped while a
+    CUDA graph is captured or torch.compile traces (no value exists then), where the caller keeps
+    the steps in range.
+    """
+    if torch.compiler.is_compiling():
+        return
+    if steps.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return
+    valid = (steps >= 1) & (steps <= MAX_STEP) & (steps == torch.trunc(steps))
+    if not bool(valid.all()):
+        bad = steps[~valid]
+        raise ValueError(
+            f"adamw_sr_step: steps must be integers in [1, 2**24 - 1] (the step number after "
+            f"incrementing, 1 on the first step; fp32 counts exactly only below 2**24), got "
+            f"{bad[:4].tolist()} at positions {torch.nonzero(~valid).flatten()[:4].tolist()}"
+        )
 
 
 def _hyper_tensor(lr, beta1, beta2, eps, weight_decay, device) -> torch.Tensor:
@@ -379,20 +451,25 @@ class AdamWSR(torch.optim.Optimizer):
             ``False`` raises.
         capturable: keep ``step`` on the device so ``step()`` can be captured in a CUDA graph.
         differentiable: must be ``False``.
-        seed: Philox seed of the rounding, ``0 <= seed < 2**64``; saved in the param groups.
+        seed: Philox seed of the rounding, an integer (int or numpy integer, not bool) with
+            ``0 <= seed < 2**64``; saved in the param groups (a group may give its own).
         stochastic_rounding: ``None`` (default: on for bf16 params), ``True`` or ``False``
             (round to nearest). Has no effect on fp32 params.
 
     Raises:
-        ValueError: an out-of-range hyperparameter, an unsupported flag, an empty or non-contiguous
-            param, params on several devices.
-        TypeError: fp16, complex or integer params.
+        ValueError: an out-of-range hyperparameter (as ``torch.optim.AdamW``: ``lr < 0``, a beta
+            outside ``[0, 1)``, ``eps < 0``, ``weight_decay < 0``, NaN; a seed outside
+            ``[0, 2**64)``), an unsupported flag, an empty or non-contiguous param, params on
+            several devices.
+        TypeError: fp16, complex or integer params; a seed that is a bool or not an integer.
         RuntimeError: from ``step``: sparse gradients, or a step captured in a CUDA graph with
             ``capturable=False``.
 
     Gradients with NaN or Inf are not rejected: as in ``torch.optim.AdamW`` they propagate into
     the moments and the weights (``amsgrad``'s maximum propagates NaN like ``torch.maximum``).
     Params whose ``grad`` is ``None`` are skipped and their ``step`` does not advance, as in torch.
+    ``step`` is fp32 (torch's layout), which counts exactly up to ``2**24`` (16.7M steps); past it
+    the count stops advancing, as in ``torch.optim.AdamW``, and the rounding bits of a step repeat.
     fp16 params are rejected: without a loss-scaled master copy their 5-bit exponent range makes
     updates underflow, and det-core's rounding contract covers fp32 -> bf16 only.
 
@@ -427,21 +504,11 @@ class AdamWSR(torch.optim.Optimizer):
         seed: int = 0,
         stochastic_rounding: bool | None = None,
     ):
-        if isinstance(lr, torch.Tensor):
-            if lr.numel() != 1:
-                raise ValueError(f"lr as a tensor must have 1 element, got shape {tuple(lr.shape)}")
-            if float(lr) < 0:
-                raise ValueError(f"Invalid learning rate: {float(lr)}")
-        elif not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not 0.0 <= eps:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"Invalid betas {betas}: each must be in [0, 1)")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if not isinstance(seed, int) or not 0 <= seed < 2**64:
-            raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+        if isinstance(lr, torch.Tensor) and lr.numel() == 1 and not 0.0 <= float(lr):
+            # torch.optim.AdamW reads a tensor lr here too (a one-off sync at construction)
+            raise ValueError(f"AdamWSR: Invalid learning rate: {float(lr)}; it must be >= 0")
+        _check_hyperparameters(lr, betas, eps, weight_decay, "AdamWSR")
+        seed = _as_seed(seed, "AdamWSR")
         if stochastic_rounding not in (None, True, False):
             raise ValueError(f"stochastic_rounding must be None, True or False, got {stochastic_rounding!r}")
         for name, value in (("foreach", foreach), ("fused", fused)):
@@ -472,9 +539,10 @@ class AdamWSR(torch.optim.Optimizer):
         """Add a group (as ``torch.optim.Optimizer.add_param_group``), validating its params.
 
         Raises:
-            TypeError: a param is fp16, complex or not floating point.
-            ValueError: a param is empty or non-contiguous, on another device than the others, or
-                ``base_index`` does not give one entry per param.
+            TypeError: a param is fp16, complex or not floating point; the group's ``seed`` is not
+                an integer (a bool or a float).
+            ValueError: a param is empty or non-contiguous, on another device than the others,
+                ``base_index`` does not give one entry per param, or ``seed`` is outside ``[0, 2**64)``.
         """
         super().add_param_group(param_group)
         group = self.param_groups[-1]
@@ -490,6 +558,11 @@ class AdamWSR(torch.optim.Optimizer):
             if problem:
                 self.param_groups.pop()
                 raise (TypeError if "dtype" in problem else ValueError)(f"AdamWSR: {problem}")
+        try:
+            group["seed"] = _as_seed(group["seed"], "AdamWSR")
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
         base = group.get("base_index")
         if base is not None:
             if isinstance(base, int):

@@ -8,6 +8,7 @@ The kernels are in ``_kernels.py``; a plain-torch reference is in ``reference.py
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -149,6 +150,20 @@ def _check_dropout(
         raise ValueError(
             f"{op}: head_offset + heads must be in [0, {_MAX_HEADS}], got {head_offset} + {heads}"
         )
+
+
+def _as_int(value, name: str, op: str) -> int:
+    """``value`` as a Python int: any integral type (``operator.index``: int, numpy and 0-dim
+    integer tensors), never a bool or a float."""
+    if isinstance(value, bool) or getattr(value, "dtype", None) == torch.bool:
+        raise TypeError(f"{op}: {name} must be an integer, got the bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"{op}: {name} must be an integer (int or numpy integer), got {type(value).__name__} {value!r}; "
+            "pass the longest sequence length, e.g. int(seqlens.max())"
+        ) from None
 
 
 def _check_cu_seqlens(cu: torch.Tensor, total: int, device: torch.device, name: str, op: str) -> torch.Tensor:
@@ -576,8 +591,9 @@ def attention_varlen(
         v: ``(total_k, H_kv, D)``.
         cu_seqlens_q: ``(B + 1,)`` int32, non-decreasing, from 0 to ``total_q``.
         cu_seqlens_k: ``(B + 1,)`` int32, non-decreasing, from 0 to ``total_k``.
-        max_seqlen_q: an int >= the longest query sequence (sets the launch grid).
-        max_seqlen_k: an int >= the longest key sequence.
+        max_seqlen_q: an integer (int, numpy integer; not bool or float) >= the longest query
+            sequence (sets the launch grid).
+        max_seqlen_k: an integer >= the longest key sequence.
         causal, softmax_scale, dropout_p, seed, sequence_offset, head_offset: as in ``attention``;
             the dropout key's sequence index is ``sequence_offset + b`` and query/key positions
             count from the start of the sequence.
@@ -587,7 +603,8 @@ def attention_varlen(
         ``o`` of shape ``(total_q, H_q, D)``; with ``return_lse``, ``(o, lse)``.
 
     Raises:
-        TypeError: as in ``attention``; cu_seqlens not int32 tensors.
+        TypeError: as in ``attention``; cu_seqlens not int32 tensors; a max_seqlen that is a bool
+            or not an integer.
         ValueError: as in ``attention``; cu_seqlens not 1-D, of different lengths, not monotone,
             not from 0 to the token count, on another device; a max_seqlen below the longest
             sequence or above ``MAX_SEQLEN``; a sequence with queries but no keys; causal with a
@@ -619,8 +636,7 @@ def attention_varlen(
         ("max_seqlen_q", max_seqlen_q, len_q),
         ("max_seqlen_k", max_seqlen_k, len_k),
     ):
-        if not isinstance(given, int) or isinstance(given, bool):
-            raise TypeError(f"{op}: {name} must be an int, got {type(given).__name__}")
+        given = _as_int(given, name, op)
         longest = int(lengths.max())
         if given < longest:
             raise ValueError(f"{op}: {name}={given} is below the longest sequence ({longest})")
@@ -639,8 +655,8 @@ def attention_varlen(
         cu_seqlens_q,
         cu_seqlens_k,
         None,
-        max(int(max_seqlen_q), 1),
-        max(int(max_seqlen_k), 1),
+        max(operator.index(max_seqlen_q), 1),
+        max(operator.index(max_seqlen_k), 1),
         scale,
         bool(causal),
         float(dropout_p),

@@ -253,10 +253,32 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class Embedding(torch.nn.Embedding):
-    """Drop-in for ``torch.nn.Embedding`` (plain lookups) running ``det_train.embedding``.
+    """Drop-in for ``torch.nn.Embedding`` (plain lookups) running ``det_train.embedding`` (same
+    constructor, init and state_dict).
 
-    ``padding_idx`` (its row gets no gradient), ``max_norm`` and ``sparse=True`` are not supported
-    and raise ``ValueError``. **Determinism:** as ``embedding``.
+    Args:
+        num_embeddings: ``V``, the number of rows of ``weight`` ``(V, D)``.
+        embedding_dim: ``D``, the size of each row.
+        padding_idx, max_norm, scale_grad_by_freq, sparse: must keep their defaults (None, None,
+            False, False); see Raises.
+        norm_type, _weight, _freeze, device, dtype: as ``torch.nn.Embedding``; ``weight`` is floating point
+            (float32 by default), on CUDA (or CPU under ``TRITON_INTERPRET=1``).
+
+    Forward: ``ids`` int32 / int64 of any shape ``(...)`` with values in ``[0, V)`` gives
+    ``(..., D)`` in ``weight.dtype``.
+
+    Raises:
+        ValueError: at construction, ``padding_idx`` (its row would get no gradient), ``max_norm``,
+            ``scale_grad_by_freq`` or ``sparse=True`` (mask padded tokens in the loss instead). At
+            forward, as ``embedding``: an id outside ``[0, V)`` (checked on the host: one device
+            sync). TypeError: ids not int32 / int64, weight not floating point.
+            RuntimeError: device problems.
+
+    **Determinism:** the forward is an exact copy of rows (row invariant, the same bits on every
+    device). The weight gradient sums ``dy`` over the tokens of each id in the canonical order:
+    bitwise run to run, equal to ``reference_norms.embedding_weight_grad_reference``, and invariant
+    to leaf-aligned micro-batch and data-parallel splits under a ``CanonicalGradAccumulator``;
+    details in ``embedding``.
     """
 
     def __init__(self, *args, **kwargs) -> None:

@@ -784,10 +784,33 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(torch.nn.Linear):
-    """Drop-in ``torch.nn.Linear`` computing with ``det_train.linear`` (same parameters, init and
-    state_dict; ``Linear.from_torch(m)`` shares an existing module's parameters).
+    """Drop-in ``torch.nn.Linear`` computing ``y = x @ weight.T + bias`` with ``det_train.linear``
+    (same constructor, parameters, init and state_dict; ``Linear.from_torch(m)`` shares an existing
+    module's parameters).
 
-    Shapes / dtypes / errors / determinism: as ``linear``.
+    Args:
+        in_features, out_features: sizes of the input and output rows; ``weight`` is
+            ``(out_features, in_features)``, ``bias`` ``(out_features,)``.
+        bias: learn an additive bias (default True).
+        device, dtype: of the parameters: bfloat16, float16 or float32 (float32 by default, as
+            torch), on CUDA (or CPU under ``TRITON_INTERPRET=1``).
+
+    Forward: ``input (*, in_features)`` in the parameters' dtype gives ``(*, out_features)`` in that
+    dtype; fp32 accumulation, one rounding.
+
+    Raises:
+        TypeError: at forward, a dtype outside bfloat16 / float16 / float32 or ``input`` of another
+            dtype than ``weight`` (cast one of them first); from ``from_torch``, a module that is not
+            a ``torch.nn.Linear``.
+        ValueError: at forward, ``input``'s last dim other than ``in_features``, or tensors on
+            different devices. RuntimeError: CPU tensors without the Triton interpreter.
+
+    **Determinism:** bitwise run to run; each output row and its input gradient are row invariant
+    (independent of the number of tokens, the row's position and the other rows). ``weight`` and
+    ``bias`` gradients are sums over tokens in the canonical order: equal bits for any leaf-aligned
+    split into micro-batches / data-parallel ranks under a ``CanonicalGradAccumulator``. Not equal
+    to ``torch.nn.Linear``'s bits, nor guaranteed across GPU models or Triton versions; details in
+    ``linear``.
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:

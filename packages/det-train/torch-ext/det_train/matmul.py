@@ -323,7 +323,14 @@ def _broadcast(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     """Bring a and b to (M, K)/(K, N) or (Z, M, K)/(Z, K, N) views; returns the batch shape."""
     if a.dim() == 2 and b.dim() == 2:
         return a, b, ()
-    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    try:
+        batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    except RuntimeError:
+        raise ValueError(
+            f"det_train.matmul: batch dims do not broadcast: a is {tuple(a.shape)}, b is "
+            f"{tuple(b.shape)} (batch {tuple(a.shape[:-2])} vs {tuple(b.shape[:-2])}); each pair of "
+            "batch sizes, aligned from the right, must be equal or 1, as in torch.matmul"
+        ) from None
     if b.dim() == 2:  # (..., M, K) @ (K, N): one 3-D launch with B shared (batch stride 0)
         a3 = a.reshape(-1, *a.shape[-2:])
         return a3, b, batch

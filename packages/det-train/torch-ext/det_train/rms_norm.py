@@ -15,6 +15,7 @@ Reduction orders (fixed; the table below names what changes bits):
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -105,6 +106,20 @@ def _rms_norm_bwd_kernel(
         tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=lmask)
     if HAS_WEIGHT:
         tl.store(dw_partial_ptr + chunk.to(tl.int64) * D + cols, dw_acc, mask=mask)
+
+
+def _check_eps(eps, op: str) -> float | None:
+    """``eps`` as a float, finite and ``>= 0`` (or None): a negative eps can make
+    ``mean(x**2) + eps`` negative (NaN rows), a NaN or infinite one makes every row NaN or zero."""
+    if eps is None:
+        return None
+    value = float(eps)
+    if not (math.isfinite(value) and value >= 0.0):
+        raise ValueError(
+            f"{op}: eps must be a finite number >= 0, got {eps!r}; pass e.g. 1e-6, or None for "
+            "torch.finfo(x.dtype).eps"
+        )
+    return value
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor | None, d: int) -> None:
@@ -208,7 +223,8 @@ def rms_norm(
         x: ``(..., *normalized_shape)`` float32 / bfloat16 / float16, on CUDA (or CPU under
             ``TRITON_INTERPRET=1``). Rows may be strided; a non-unit last stride is copied.
         weight: ``normalized_shape`` (any of the three dtypes) or None (no affine scale).
-        eps: added to the mean square; None means ``torch.finfo(x.dtype).eps`` (as torch.nn.RMSNorm).
+        eps: added to the mean square, finite and ``>= 0``; None means ``torch.finfo(x.dtype).eps``
+            (as torch.nn.RMSNorm).
         normalized_shape: trailing dims normalised together; default ``weight.shape`` or ``x.shape[-1:]``.
 
     Returns:
@@ -227,7 +243,8 @@ def rms_norm(
 
     Raises:
         TypeError: non-float or unsupported dtypes. ValueError: weight size mismatch, trailing shape
-        mismatch, normalized size over 65536. RuntimeError / ValueError: device problems.
+        mismatch, normalized size over 65536, ``eps`` negative, NaN or infinite. RuntimeError /
+        ValueError: device problems.
     """
     if normalized_shape is None:
         normalized_shape = tuple(weight.shape) if weight is not None else tuple(x.shape[-1:])
@@ -243,6 +260,7 @@ def rms_norm(
     for s in normalized_shape:
         d *= s
     _check(x, weight, d)
+    eps = _check_eps(eps, "rms_norm")
     if eps is None:
         eps = torch.finfo(x.dtype).eps
     if weight is not None and not weight.is_contiguous():
@@ -251,10 +269,45 @@ def rms_norm(
 
 
 class RMSNorm(torch.nn.RMSNorm):
-    """Drop-in for ``torch.nn.RMSNorm`` running ``det_train.rms_norm`` (same arguments and state_dict).
+    """Drop-in for ``torch.nn.RMSNorm`` running ``det_train.rms_norm`` (same arguments, init and
+    state_dict): ``y = x / sqrt(mean(x**2) + eps) * weight`` over the trailing ``normalized_shape``.
 
-    **Determinism:** as ``rms_norm``: row-invariant forward and dX; canonical-order weight gradient.
+    Args:
+        normalized_shape: int or tuple, the trailing dims normalized together; their product ``D``
+            is at most 65536.
+        eps: finite and ``>= 0``; None (default) means ``torch.finfo(x.dtype).eps`` at each call.
+        elementwise_affine: learn a ``weight`` of shape ``normalized_shape`` (initialised to ones).
+        device, dtype: of ``weight``: float32, bfloat16 or float16, on CUDA (or CPU under
+            ``TRITON_INTERPRET=1``).
+
+    Forward: ``x`` of shape ``(..., *normalized_shape)`` (float32 / bfloat16 / float16) gives ``y``
+    of ``x``'s shape in ``promote_types(x.dtype, weight.dtype)``; fp32 math.
+
+    Raises:
+        ValueError: at construction, ``eps`` negative, NaN or infinite. At forward, as
+            ``rms_norm``: TypeError for unsupported dtypes; ValueError for a trailing shape other
+            than ``normalized_shape`` or ``D`` over 65536; RuntimeError / ValueError for device
+            problems.
+
+    **Determinism:** bitwise run to run; each row's output and input gradient do not depend on
+    the number of rows, its position or the other rows. The weight gradient is a sum over tokens in
+    the canonical order: invariant to leaf-aligned micro-batch and data-parallel splits under a
+    ``CanonicalGradAccumulator``. Not guaranteed across GPU models, Triton versions or the CPU
+    interpreter; details in ``rms_norm``.
+
+    Method: Zhang & Sennrich, "Root Mean Square Layer Normalization" (NeurIPS 2019).
     """
+
+    def __init__(
+        self,
+        normalized_shape: int | tuple[int, ...],
+        eps: float | None = None,
+        elementwise_affine: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
+        eps = _check_eps(eps, "det_train.RMSNorm")
+        super().__init__(normalized_shape, eps, elementwise_affine, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, tuple(self.normalized_shape))
