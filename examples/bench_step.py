@@ -1,6 +1,7 @@
 """Benchmark (GPU): one training step of the main job's GPT, deterministic vs torch's fastest parts.
 
     python examples/bench_step.py --out docs/benchmarks
+    python examples/bench_step.py --no-graph        # eager rows only (the earlier two-row table)
 
 Both models have the same architecture, shapes and bf16 weights (the "gpu" preset of
 train_gpt.py, ~100 M params, sequence 1024):
@@ -13,17 +14,38 @@ train_gpt.py, ~100 M params, sequence 1024):
   deterministic (atomics in attention backward, cuBLAS algorithm choice per shape).
 
 A step is forward + backward over the global batch (in ``--micro-batches`` micro-batches) plus the
-optimizer step. Timed with ``triton.testing.do_bench`` (median, both in this process, side by side).
-Target: det step time <= 1.2x the torch step. Writes ``DIR/main-job_train_step.md`` and ``.json``.
+optimizer step. Each implementation is timed twice:
+
+* **eager**: the step's Python runs every time (det launches ~600 Triton kernels per step, so it
+  is bound by the host's launch rate; torch eager partly so too).
+* **CUDA graph** (``--graph``, the default): the whole step (forward and backward of every
+  micro-batch, ``acc.reduce``, ``opt.step``, ``zero_grad``) captured once in one
+  ``torch.cuda.CUDAGraph`` and replayed, the "whole-network capture" recipe of the PyTorch docs
+  (https://pytorch.org/docs/stable/notes/cuda.html#whole-network-capture): static input tensors
+  (the batch is copied into them before each replay, inside the timed call), warm-up steps on a
+  side stream before capture, optimizers built with ``capturable=True`` (step counts on the
+  device), a constant learning rate. The det graph also copies the gradients written by
+  ``acc.reduce`` into static buffers before ``AdamWSR.step`` (one multi-tensor copy, included in
+  the time): AdamWSR's launch tables are keyed by the gradients' addresses and cannot be built
+  during capture, and ``reduce`` allocates new gradients, whose addresses in the graph's memory
+  pool differ from the warm-up's.
+
+Timed with ``triton.testing.do_bench`` (median, all in this process, side by side). A graph
+whose capture fails is reported in its row ("capture failed: <type>: <msg>", the traceback is
+printed above the table); the other rows are still measured. Target: det step time <= 1.2x the
+torch step. Writes ``DIR/main-job_train_step.md`` and ``.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,11 +53,30 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_gpt as tg  # noqa: E402  (puts the monorepo's package sources on sys.path)
 
+EAGER, GRAPH = "eager", "CUDA graph"
+_REPO = Path(__file__).resolve().parent.parent
 
-def make_step(cfg: tg.TrainConfig, micro_batches: int, device):
-    """A closure running one full training step of ``cfg`` (det or torch), and its tokens per step."""
+
+@dataclasses.dataclass
+class Step:
+    """One training step of a model (``run``) and what the benchmark needs around it."""
+
+    run: Callable[[], None]
+    n_tokens: int
+    x: torch.Tensor  # the batch the step reads (static inputs of a captured step)
+    y: torch.Tensor
+    model: torch.nn.Module
+
+
+def make_step(cfg: tg.TrainConfig, micro_batches: int, device, *, graph: bool = False) -> Step:
+    """A closure running one full training step of ``cfg`` (det or torch), and its tokens per step.
+
+    ``graph`` prepares the step for CUDA-graph capture: capturable optimizers, and (det) static
+    gradient buffers that ``AdamWSR.step`` reads, so its launch tables built in the warm-up
+    (keyed by tensor addresses) are valid during capture. Gradient values are unchanged.
+    """
     model = tg.build_model(cfg, device)
-    opt = tg.build_optimizer(cfg, model)
+    opt = tg.build_optimizer(cfg, model, capturable=graph)
     acc = None
     if cfg.kernels == "det":
         import det_train
@@ -46,6 +87,8 @@ def make_step(cfg: tg.TrainConfig, micro_batches: int, device):
     x, y = tg.get_batch(train, starts, cfg.seq_len, device)
     per = cfg.batch_seqs // micro_batches
     n_tokens = cfg.batch_seqs * cfg.seq_len
+    params = list(model.parameters())
+    grad_buffers = [torch.empty_like(p) for p in params] if graph and acc is not None else None
 
     def step():
         for m in range(micro_batches):
@@ -57,10 +100,88 @@ def make_step(cfg: tg.TrainConfig, micro_batches: int, device):
                     model(xs, ys, num_global_tokens=n_tokens)[1].backward()
         if acc is not None:
             acc.reduce(total_tokens=n_tokens)
+            if grad_buffers is not None:
+                torch._foreach_copy_(grad_buffers, [p.grad for p in params])
+                for p, g in zip(params, grad_buffers, strict=True):
+                    p.grad = g
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return step, n_tokens
+    return Step(step, n_tokens, x, y, model)
+
+
+class GraphStepError(RuntimeError):
+    """A step that could not be run as a CUDA graph; the message starts with the failed phase
+    ("warm-up failed", "capture failed", "replay failed") and names the first error."""
+
+
+def graphed(s: Step, warmup: int = 3) -> Callable[[], None]:
+    """``s`` captured in one CUDA graph; returns the replay: copy a batch into the static inputs, replay.
+
+    ``warmup`` eager steps on a side stream first compile the Triton kernels, create the optimizer
+    states and fill the host-side caches (launch plans, configs) that capture cannot build; the
+    captured step then runs the same Python on the same shapes. One replay runs here to check that
+    the graph updates the weights. So the weights have taken ``warmup + 1`` steps on return.
+
+    Raises:
+        GraphStepError: naming the phase that failed, the original error chained.
+    """
+    batch_x, batch_y = s.x.clone(), s.y.clone()  # "the next batch" (the same tokens: timing only)
+    phase = "warm-up"
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                s.run()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        phase = "capture"
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            s.run()
+        phase = "replay"
+
+        def replay():
+            s.x.copy_(batch_x, non_blocking=True)
+            s.y.copy_(batch_y, non_blocking=True)
+            graph.replay()
+
+        weight = next(p for p in s.model.parameters() if p.dim() == 2)
+        before = weight.detach().clone()
+        replay()
+        torch.cuda.synchronize()
+        if torch.equal(before, weight.detach()):
+            raise RuntimeError("a replay left the weights unchanged: the captured step does not update them")
+    except Exception as exc:
+        raise GraphStepError(f"{phase} failed: {_describe(exc)}") from exc
+    return replay
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: first line of the message at file:line (function)`` of the error that started the
+    chain (a failed capture often raises again when the capture is ended: the first error is the
+    informative one), located at its innermost frame in this repository."""
+    chain = [exc]
+    while True:
+        last = chain[-1]
+        nxt = last.__cause__ or (None if last.__suppress_context__ else last.__context__)
+        if nxt is None or nxt in chain:
+            break
+        chain.append(nxt)
+    first = chain[-1]
+    lines = str(first).strip().splitlines()
+    text = f"{type(first).__name__}: {lines[0] if lines else ''}"
+    frames = traceback.extract_tb(first.__traceback__)
+    ours = [f for f in frames if Path(f.filename).resolve().is_relative_to(_REPO)]
+    if frames:
+        frame = (ours or frames)[-1]
+        where = Path(frame.filename).resolve().relative_to(_REPO) if ours else Path(frame.filename).name
+        text += f" at {where}:{frame.lineno} ({frame.name})"
+    if first is not exc:
+        outer = str(exc).strip().splitlines()
+        text += f" (then {type(exc).__name__}: {outer[0] if outer else ''})"
+    return text
 
 
 def _sdpa_backend():
@@ -121,6 +242,44 @@ def profile_step(step, steps: int = 3, top: int = 30) -> str:
     )
 
 
+def measure(name: str, cfg: tg.TrainConfig, mode: str, args, backend) -> dict:
+    """One row: the median step time of ``cfg`` in ``mode`` (eager or CUDA graph), or the error.
+
+    An eager step that fails raises; a graph that fails gives a row with ``error`` set.
+    """
+    row = {"impl": name, "mode": mode, "ms_per_step": None, "tokens_per_s": None, "error": None}
+    try:
+        row.update(_time_step(name, cfg, mode, args, backend))
+    except Exception as exc:  # a benchmark: report the failure in its row, measure the others
+        if mode == EAGER:
+            raise
+        row["error"] = str(exc) if isinstance(exc, GraphStepError) else f"failed: {_describe(exc)}"
+        print(f"\n## {name}, {mode}: {row['error']}\n{traceback.format_exc()}", flush=True)
+    # the step, its graph and the graph's memory pool are gone with _time_step's frame
+    with contextlib.suppress(Exception):  # after a failed capture the device may refuse work
+        torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return row
+
+
+def _time_step(name: str, cfg: tg.TrainConfig, mode: str, args, backend) -> dict:
+    import triton.testing
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel([backend]) if cfg.kernels == "torch" else contextlib.nullcontext():
+        s = make_step(cfg, args.micro_batches, torch.device("cuda"), graph=mode == GRAPH)
+        fn = s.run if mode == EAGER else graphed(s)
+        ms = triton.testing.do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
+        if args.profile:
+            print(f"\n## profile: {name}, {mode}\n{profile_step(fn)}\n", flush=True)
+    return {"ms_per_step": ms, "tokens_per_s": s.n_tokens / ms * 1e3}
+
+
+def _cell(text: str, limit: int = 300) -> str:
+    text = " ".join(text.split()).replace("|", "\\|")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="folder for main-job_train_step.md/.json")
@@ -128,13 +287,20 @@ def main(argv=None) -> int:
     p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--layers", type=int, default=None, help="override n_layer (default: the gpu preset's 12)")
     p.add_argument(
-        "--profile", action="store_true", help="also print where the det step spends device and host time"
+        "--graph",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time both steps captured in one CUDA graph each (default: on)",
+    )
+    p.add_argument("--warmup-ms", type=float, default=300, help="do_bench warm-up time (ms)")
+    p.add_argument("--rep-ms", type=float, default=1500, help="do_bench timed repetitions (ms of steps)")
+    p.add_argument(
+        "--profile", action="store_true", help="also print where each step spends device and host time"
     )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_step.py needs a CUDA GPU (the interpreter path is for correctness, not speed)")
         return 1
-    import triton.testing
 
     overrides = dict(batch_seqs=args.batch, micro_batch_seqs=args.batch // args.micro_batches)
     if args.layers:
@@ -143,24 +309,21 @@ def main(argv=None) -> int:
     torch_cfg = tg.make_config(
         "gpu", kernels="torch", optimizer="torch_adamw", rounding="nearest", **overrides
     )
-    device = torch.device("cuda")
     n_params = sum(p.numel() for p in tg.GPT(det_cfg.model_config(), kernels="torch").parameters())
 
-    rows = []
-    from torch.nn.attention import sdpa_kernel
-
     backend = _sdpa_backend()
-    for name, cfg in (("det (ours)", det_cfg), (f"torch ({backend.name}, cuBLAS, fused AdamW)", torch_cfg)):
-        step, n_tokens = make_step(cfg, args.micro_batches, device)
-        with sdpa_kernel([backend]) if cfg.kernels == "torch" else contextlib.nullcontext():
-            ms = triton.testing.do_bench(step, warmup=3, rep=30, return_mode="median")
-        rows.append({"impl": name, "ms_per_step": ms, "tokens_per_s": n_tokens / ms * 1e3})
-        if args.profile:
-            with sdpa_kernel([backend]) if cfg.kernels == "torch" else contextlib.nullcontext():
-                print(f"\n## profile: {name}\n{profile_step(step)}\n")
-        torch.cuda.empty_cache()
-    det_ms, torch_ms = rows[0]["ms_per_step"], rows[1]["ms_per_step"]
-    ratio = det_ms / torch_ms
+    det_name, torch_name = "det (ours)", f"torch ({backend.name}, cuBLAS, fused AdamW)"
+    plan = [(det_name, det_cfg, EAGER), (torch_name, torch_cfg, EAGER)]
+    if args.graph:
+        # torch's graph first: a det capture that fails cannot disturb its measurement
+        plan += [(torch_name, torch_cfg, GRAPH), (det_name, det_cfg, GRAPH)]
+    measured = {(name, mode): measure(name, cfg, mode, args, backend) for name, cfg, mode in plan}
+    modes = [EAGER, GRAPH] if args.graph else [EAGER]
+    rows = [measured[(name, mode)] for mode in modes for name in (det_name, torch_name)]
+
+    def ratio(mode: str) -> float | None:
+        det, ref = measured[(det_name, mode)]["ms_per_step"], measured[(torch_name, mode)]["ms_per_step"]
+        return det / ref if det is not None and ref is not None else None
 
     title = (
         f"GPT train step, {n_params / 1e6:.0f} M params "
@@ -171,18 +334,36 @@ def main(argv=None) -> int:
     lines = [
         f"**{title}**",
         "",
-        "| implementation | ms / step | tokens / s | time vs torch |",
-        "|---|---|---|---|",
+        "| implementation | mode | ms / step | tokens / s | time vs torch (same mode) |",
+        "|---|---|---|---|---|",
     ]
     for r in rows:
+        if r["error"] is not None:
+            lines.append(f"| {r['impl']} | {r['mode']} | {_cell(r['error'])} | - | - |")
+            continue
+        ref = measured[(torch_name, r["mode"])]["ms_per_step"]
+        vs = f"{r['ms_per_step'] / ref:.2f}x" if ref is not None else "-"
         lines.append(
-            f"| {r['impl']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} "
-            f"| {r['ms_per_step'] / torch_ms:.2f}x |"
+            f"| {r['impl']} | {r['mode']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {vs} |"
         )
-    lines += [
-        "",
-        f"det / torch step time: **{ratio:.2f}x** (target <= 1.2x: {'met' if ratio <= 1.2 else 'NOT met'})",
-    ]
+    lines.append("")
+    for mode, label in ((EAGER, "eager / eager"), (GRAPH, "CUDA graph / CUDA graph")):
+        if mode not in modes:
+            continue
+        value = ratio(mode)
+        if value is None:
+            lines.append(f"det / torch step time, {label}: not available (a row failed)")
+        else:
+            met = "met" if value <= 1.2 else "NOT met"
+            lines.append(f"det / torch step time, {label}: **{value:.2f}x** (target <= 1.2x: {met})")
+    if args.graph:
+        lines += [
+            "",
+            "CUDA graph: the whole step (forward + backward of every micro-batch, gradient reduction, "
+            "optimizer step, zero_grad) in one captured graph, replayed after copying the batch into its "
+            "static inputs; optimizers with capturable=True; det also copies its gradients into static "
+            "buffers before AdamWSR (one multi-tensor copy, included).",
+        ]
     table = "\n".join(lines)
     print(table)
     if args.out:
@@ -192,12 +373,15 @@ def main(argv=None) -> int:
         meta = {
             "title": title,
             "rows": rows,
-            "ratio_det_over_torch": ratio,
+            "ratio_det_over_torch": ratio(EAGER),
+            "ratio_det_over_torch_graph": ratio(GRAPH) if args.graph else None,
+            "graph": args.graph,
             "n_params": n_params,
             "torch": torch.__version__,
             "device": torch.cuda.get_device_name(),
             "config": vars(det_cfg),
             "sdpa_backend": backend.name,
+            "do_bench_ms": {"warmup": args.warmup_ms, "rep": args.rep_ms},
             "cwd": os.getcwd(),
         }
         (out / "main-job_train_step.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")

@@ -196,21 +196,27 @@ def build_model(cfg: TrainConfig, device) -> GPT:
     return model.to(device)
 
 
-def build_optimizer(cfg: TrainConfig, model: GPT) -> torch.optim.Optimizer:
-    """AdamWSR over the bf16 weights (or, for the reference, torch's fused AdamW)."""
+def build_optimizer(cfg: TrainConfig, model: GPT, *, capturable: bool = False) -> torch.optim.Optimizer:
+    """AdamWSR over the bf16 weights (or, for the reference, torch's fused AdamW).
+
+    ``capturable`` keeps the step counts on the device so ``opt.step()`` can be captured in a CUDA
+    graph (both optimizers' flag of that name); the default is the eager setup of the main job.
+    """
     hyper = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
     if cfg.optimizer == "adamw_sr":
         import adamw_sr
 
         sr = cfg.rounding == "stochastic"
-        return adamw_sr.AdamWSR(model.parameters(), **hyper, seed=cfg.seed, stochastic_rounding=sr)
+        return adamw_sr.AdamWSR(
+            model.parameters(), **hyper, seed=cfg.seed, stochastic_rounding=sr, capturable=capturable
+        )
     if cfg.optimizer != "torch_adamw":
         raise ValueError(f"optimizer must be 'adamw_sr' or 'torch_adamw', got {cfg.optimizer!r}")
     # reference: torch's AdamW, round-to-nearest into bf16; not deterministic across splits
     if cfg.rounding != "nearest":
         raise ValueError("the torch reference optimizer rounds to nearest: pass --rounding nearest")
     fused = next(model.parameters()).device.type == "cuda"
-    return torch.optim.AdamW(model.parameters(), **hyper, fused=fused)
+    return torch.optim.AdamW(model.parameters(), **hyper, fused=fused, capturable=capturable)
 
 
 class FSDPGradients:

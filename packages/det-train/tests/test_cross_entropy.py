@@ -153,6 +153,22 @@ def test_bad_input():
         det_train.cross_entropy(logits, targets, num_global_tokens=0)
 
 
+@pytest.mark.parametrize(
+    "kw", [{}, {"num_global_tokens": 8}, {"reduction": "sum"}, {"reduction": "none"}], ids=repr
+)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_target_range_checked_outside_graph_capture(kw, dtype):
+    """The host-side range check (skipped only while a CUDA graph is captured) runs on every
+    reduction path: a target of V or a negative one that is not ignore_index raises, an
+    ignore_index target does not."""
+    logits, _ = _inputs(4, 6)
+    for bad, first in (([0, 1, 6, 2], 6), ([0, -1, 2, 7], -1)):
+        with pytest.raises(ValueError, match=rf"target {first} is outside \[0, 6\)"):
+            det_train.cross_entropy(logits, torch.tensor(bad, dtype=dtype), **kw)
+    ok = det_train.cross_entropy(logits, torch.tensor([0, -100, 5, 2], dtype=dtype), **kw)
+    assert torch.isfinite(ok).all()
+
+
 # ---------------------------------------------------------------- GPU, real sizes
 @pytest.mark.gpu
 def test_gpu_row_invariance_real_vocab():
@@ -173,3 +189,39 @@ def test_gpu_accuracy_and_micro_batches(v):
             for a, b in contiguous_splits(n, parts)
         ]
         assert_bitwise_equal(torch.cat(grads), grad, f"dlogits, {parts} micro-batches")
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture_equals_eager():
+    """Forward and backward captured in a CUDA graph (no host sync inside) replay with new targets
+    to the eager bits; a mean without num_global_tokens (a host-side count) refuses capture."""
+    n, v = 4096, 32000
+    logits, _ = _inputs(n, v, seed=3, device="cuda")
+    static_x = logits.detach().clone().requires_grad_()
+    static_t = torch.zeros(n, dtype=torch.int64, device="cuda")
+
+    def step():
+        static_x.grad = None
+        loss = det_train.cross_entropy(static_x, static_t, num_global_tokens=2 * n)
+        loss.backward()
+        return loss
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compiles the kernels
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = step()
+    static_grad = static_x.grad
+    for seed in (4, 5):
+        _, targets = _inputs(n, v, seed=seed, device="cuda")
+        targets[::7] = -100  # ignored tokens
+        static_t.copy_(targets)
+        graph.replay()
+        loss, grad = _loss_and_grad(logits, targets, num_global_tokens=2 * n)
+        assert_bitwise_equal(static_loss, loss, f"loss, replay with targets {seed}")
+        assert_bitwise_equal(static_grad, grad, f"dlogits, replay with targets {seed}")
+    with pytest.raises(RuntimeError, match="num_global_tokens"), torch.cuda.graph(torch.cuda.CUDAGraph()):
+        det_train.cross_entropy(static_x, static_t.clone())  # (the clone: not an empty graph)

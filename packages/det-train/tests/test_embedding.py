@@ -146,6 +146,19 @@ def test_bad_input_and_empty():
     assert out.shape == (0, 3) and torch.equal(w.grad, torch.zeros(5, 3))
 
 
+@pytest.mark.parametrize("lo, hi", [(0, 1), (0, 8), (3, 4), (3, 11), (5, 21), (16, 48)])
+def test_node_of_leaf_maps_each_leaf_to_its_subtree(lo, hi):
+    """The leaf -> subtree table, filled on the device (no host copy, so capturable), is the
+    subtree order of dyadic_nodes expanded leaf by leaf."""
+    from det_train._leaf_sums import dyadic_nodes
+    from det_train.embedding import _node_of_leaf
+
+    nodes = dyadic_nodes(lo, hi)
+    expected = [q for q, (level, _) in enumerate(nodes) for _ in range(1 << level)]
+    got = _node_of_leaf(nodes, lo, torch.device("cpu"))
+    assert got.dtype == torch.int32 and got.tolist() == expected
+
+
 # ---------------------------------------------------------------- GPU, real sizes
 @pytest.mark.gpu
 @pytest.mark.parametrize("v", [32000, 50257])
@@ -191,3 +204,40 @@ def test_gpu_grad_equals_canonical_definition(hot):
     acc.reduce(total_tokens=tokens)
     ref = embedding_weight_grad_reference(ids, dy, v, leaf).to(w.dtype)
     assert_bitwise_equal(wa.grad, ref, "GPU dW through the accumulator vs definition")
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture_with_accumulator_equals_eager():
+    """Lookup, backward in 3 micro-batches (subtrees at unaligned leaves) and reduce, captured in
+    one CUDA graph (no host sync or host copy inside), replay with new ids to the eager bits."""
+    tokens, v, d, leaf = 3 * 1024 + 512, 8192, 768, 256
+    splits = [(0, 1280), (1280, 2560), (2560, tokens)]  # leaves 0-4, 5-9, 10-13: several subtrees each
+    _, w0, dy = _inputs(tokens, v, d, seed=7, device="cuda")
+
+    def make():
+        w = w0.clone().requires_grad_()
+        return w, CanonicalGradAccumulator([w], leaf_tokens=leaf)
+
+    def step(w, acc, ids):
+        w.grad = None
+        for start, end in splits:
+            with acc.micro_batch(token_offset=start):
+                det_train.embedding(ids[start:end], w).backward(dy[start:end])
+        acc.reduce(total_tokens=tokens)
+        return w.grad
+
+    w, acc = make()
+    static_ids = torch.zeros(tokens, dtype=torch.int64, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compiles the kernels
+        step(w, acc, static_ids)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_grad = step(w, acc, static_ids)
+    for seed, hot in ((8, None), (9, 13)):
+        ids, _, _ = _inputs(tokens, v, d, seed=seed, device="cuda", hot=hot)
+        static_ids.copy_(ids)
+        graph.replay()
+        assert_bitwise_equal(static_grad, step(*make(), ids), f"replayed dW vs eager, ids {seed}")

@@ -220,8 +220,14 @@ def cross_entropy(
         TypeError: bad dtypes.
         ValueError: shape mismatch, unknown reduction, ``num_global_tokens`` not positive or given
             with a reduction other than ``"mean"``, a target out of range (checked on the host:
-            one device sync).
-        RuntimeError: device problems.
+            one device sync). The range check is skipped while a CUDA graph is being captured
+            (``torch.cuda.is_current_stream_capturing()``): no device value can be read then,
+            as for torch's own ops that cannot check device values during capture; keeping the
+            targets in ``[0, V)`` or ``ignore_index`` is then the caller's job (an out-of-range
+            target reads outside its logits row: undefined loss and gradient).
+        RuntimeError: device problems; ``reduction="mean"`` without ``num_global_tokens`` while a
+            CUDA graph is being captured (the token count is read on the host: pass
+            ``num_global_tokens``).
 
     Reference: the softmax cross-entropy gradient ``softmax - onehot``; kernel layout after
     Liger-Kernel ``ops/cross_entropy.py`` (which computes the gradient in the forward instead).
@@ -254,9 +260,17 @@ def cross_entropy(
     if logits2.stride(-1) != 1:
         logits2 = logits2.contiguous()
     targets1 = targets.reshape(-1).to(torch.int64).contiguous()
-    valid = targets1 != ignore_index
     count = None
-    if targets1.numel():
+    if logits2.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # CUDA graph capture: reading a device value (the range check, the token count) is
+        # impossible here; the graph replays the kernels on whatever targets the buffer holds
+        if reduction == "mean" and num_global_tokens is None and targets1.numel():
+            raise RuntimeError(
+                "cross_entropy: reduction='mean' without num_global_tokens counts the non-ignored tokens "
+                "on the host, which CUDA graph capture cannot do; pass num_global_tokens"
+            )
+    elif targets1.numel():
+        valid = targets1 != ignore_index
         # one host sync for the range check and (mean without num_global_tokens) the token count
         bad = (valid & ((targets1 < 0) | (targets1 >= v))).any()
         if reduction == "mean" and num_global_tokens is None:

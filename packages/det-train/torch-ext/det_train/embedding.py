@@ -137,6 +137,22 @@ def _segments(ids: torch.Tensor, leaf: int, first_leaf: int):
     return sorted_ids, perm, seg_first, seg_leaf
 
 
+def _node_of_leaf(nodes: list[tuple[int, int]], lo: int, device: torch.device) -> torch.Tensor:
+    """int32 ``(n_leaves,)``: the position in ``nodes`` of the subtree holding leaf ``lo + i``.
+
+    Filled on the device, one fill per subtree (few: at most ``2 log2(n_leaves)``), never copied
+    from host memory: a host-to-device copy cannot be captured in a CUDA graph.
+    """
+    n = sum(1 << level for level, _ in nodes)
+    if len(nodes) == 1:
+        return torch.zeros((n,), dtype=torch.int32, device=device)
+    out = torch.empty((n,), dtype=torch.int32, device=device)
+    for q, (level, index) in enumerate(nodes):
+        start = (index << level) - lo
+        out[start : start + (1 << level)].fill_(q)
+    return out
+
+
 def _weight_grad(ids, dy, v: int, leaf: int, first_leaf: int, out_dtype, node_tables: bool):
     """Canonical-order weight gradient: ``(V, D)`` in ``out_dtype`` (the whole tree over the call's
     leaves, numbered from 0), or with ``node_tables`` a ``TreePartial`` of dense fp32 tables, one per
@@ -151,8 +167,7 @@ def _weight_grad(ids, dy, v: int, leaf: int, first_leaf: int, out_dtype, node_ta
         lo, hi = first_leaf, first_leaf + n_leaves
         nodes = dyadic_nodes(lo, hi)
         levels = max(level for level, _ in nodes)
-        node_of = [q for q, (level, _) in enumerate(nodes) for _ in range(1 << level)]
-        node_of_leaf = torch.tensor(node_of, dtype=torch.int32).to(dy.device, non_blocking=True)
+        node_of_leaf = _node_of_leaf(nodes, lo, dy.device)
         out = torch.zeros((len(nodes), v, d), dtype=torch.float32, device=dy.device)
     else:
         lo, levels = 0, max(n_leaves - 1, 0).bit_length()
@@ -237,6 +252,11 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     Raises:
         TypeError: ids not integer or weight not floating point. ValueError: weight not 2-D, an id
         out of range (checked on the host: one device sync). RuntimeError: device problems.
+        The id range check is skipped while a CUDA graph is being captured
+        (``torch.cuda.is_current_stream_capturing()``): no device value can be read then, as for
+        torch's own ops that cannot check device values during capture; keeping ids in ``[0, V)``
+        is then the caller's job (an id outside gives a device-side assert in the row lookup or,
+        for a negative id, a wrapped-around row and an undefined gradient).
     """
     if ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"embedding: ids must be int32 or int64, got {ids.dtype}")
@@ -245,7 +265,9 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.dim() != 2:
         raise ValueError(f"embedding: weight must be (V, D), got shape {tuple(weight.shape)}")
     check_kernel_device(ids, weight, op="embedding")
-    if ids.numel():
+    # no device value can be read during CUDA graph capture: the range check is skipped there
+    capturing = ids.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if ids.numel() and not capturing:
         lo, hi = (int(v) for v in torch.aminmax(ids))
         if lo < 0 or hi >= weight.shape[0]:
             raise ValueError(f"embedding: ids must lie in [0, {weight.shape[0]}), got min {lo}, max {hi}")
@@ -271,8 +293,8 @@ class Embedding(torch.nn.Embedding):
         ValueError: at construction, ``padding_idx`` (its row would get no gradient), ``max_norm``,
             ``scale_grad_by_freq`` or ``sparse=True`` (mask padded tokens in the loss instead). At
             forward, as ``embedding``: an id outside ``[0, V)`` (checked on the host: one device
-            sync). TypeError: ids not int32 / int64, weight not floating point.
-            RuntimeError: device problems.
+            sync; skipped during CUDA graph capture). TypeError: ids not int32 / int64, weight not
+            floating point. RuntimeError: device problems.
 
     **Determinism:** the forward is an exact copy of rows (row invariant, the same bits on every
     device). The weight gradient sums ``dy`` over the tokens of each id in the canonical order:
