@@ -38,6 +38,7 @@ registers of accumulator — under ``maxnreg=128`` failed with ptxas C7602 "Insu
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -218,6 +219,7 @@ def live_accumulator_registers(config: WeightGradConfig) -> int:
     return tiles * config.block_n * config.block_k // (32 * config.num_warps)
 
 
+@functools.lru_cache(maxsize=256)  # configs are frozen (hashable); checked once each, not per launch
 def check_weight_grad_config(config: WeightGradConfig) -> None:
     """Raise ValueError for a dW config outside the supported variants (before any compile).
 

@@ -22,7 +22,7 @@ import triton.language as tl
 from ._vendor.det_core import runtime
 from ._vendor.det_core.reduce import TreePartial, num_leaves
 from .configs import BIAS_GRAD_BLOCK_T, WeightGradConfig, check_weight_grad_config, weight_grad_config
-from .matmul import _check_bias, _dot_precision, bf16_by_bits, launch_matmul, store_rounded
+from .matmul import _check_bias, _dot_precision, bf16_by_bits, launch_matmul, runtime_programs, store_rounded
 
 __all__ = ["Linear", "bias_grad_partial", "linear", "weight_grad_partial"]
 
@@ -607,9 +607,7 @@ def dw_scratch_shape(
 
 def _resident_programs(device: torch.device, per_sm: int = 2) -> int:
     """Programs of the persistent dW tree kernels: ``per_sm`` per SM (their scratch is sized by this)."""
-    if device.type != "cuda":
-        return 4
-    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+    return per_sm * runtime_programs(device)
 
 
 def _single_node(level: int, index: int, value: torch.Tensor) -> TreePartial:

@@ -15,6 +15,8 @@ accumulators reproduces the unsplit result bit for bit (see docs/det-train.md, t
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -231,7 +233,13 @@ def runtime_programs(device: torch.device) -> int:
     """Programs of a persistent matmul: one per SM (4 under the interpreter)."""
     if device.type != "cuda":
         return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    # cached: a property lookup per launch is measurable host time at ~600 launches per step
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _dot_precision(dtype: torch.dtype) -> str | None:
