@@ -67,4 +67,8 @@ def test_gpu_captured_torch_reference_step_trains():
         torch.cuda.synchronize()
     for name, value in captured.model.state_dict().items():
         assert math.isfinite(float(value.float().abs().max())), name
+        if name.endswith("norm.weight"):
+            # bf16 weights at 1.0 with round-to-nearest: an update of ~lr = 1e-3 is below half a
+            # bf16 ULP (2**-8) and rounds away, the very loss stochastic rounding fixes
+            continue
         assert not torch.equal(value, initial[name]), f"{name} did not change"

@@ -618,12 +618,14 @@ class AdamWSR(torch.optim.Optimizer):
         rest = (*group["betas"], group["eps"], group["weight_decay"])
         lr = group["lr"]
         if isinstance(lr, torch.Tensor):
-            key = (id(group), device, rest, "tensor")
+            # keyed by values only: groups with equal hyperparameters share the read-only tensor, and
+            # no id(group) (torch 2.11's dynamo cannot trace id() of a dict: a graph break)
+            key = (device, rest, "tensor")
             const = self._hyper_cache.get(key)
             if const is None:
                 const = self._hyper_cache[key] = torch.tensor(rest, dtype=torch.float64).to(device)
             return torch.cat([lr.detach().reshape(1).to(device=device, dtype=torch.float64), const])
-        key = (id(group), device, rest, float(lr))
+        key = (device, rest, float(lr))
         hyper = self._hyper_cache.get(key)
         if hyper is None:
             if len(self._hyper_cache) > 256:
