@@ -104,8 +104,9 @@ class TreePartial:
             self.nodes[key] = value
 
     def _covered(self, level: int, index: int) -> bool:
-        # an ancestor already present means these leaves were counted
-        return any((lv, index >> (lv - level)) in self.nodes for lv in range(level + 1, level + 64))
+        # an ancestor already present means these leaves were counted (a partial holds few nodes:
+        # scanning them is cheaper than probing every level above)
+        return any(lv > level and i == index >> (lv - level) for lv, i in self.nodes)
 
     def result(self, total_leaves: int) -> torch.Tensor:
         """Finish the tree for a global axis of ``total_leaves`` leaves and return the root.
