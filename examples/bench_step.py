@@ -283,8 +283,11 @@ def _cell(text: str, limit: int = 300) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="folder for main-job_train_step.md/.json")
-    p.add_argument("--batch", type=int, default=16, help="global batch in sequences of 1024 tokens")
-    p.add_argument("--micro-batches", type=int, default=2)
+    gpu = tg.PRESETS["gpu"]  # default: the main job's GPU preset (32 sequences in micro-batches of 16)
+    p.add_argument(
+        "--batch", type=int, default=gpu["batch_seqs"], help="global batch in sequences of 1024 tokens"
+    )
+    p.add_argument("--micro-batches", type=int, default=gpu["batch_seqs"] // gpu["micro_batch_seqs"])
     p.add_argument("--layers", type=int, default=None, help="override n_layer (default: the gpu preset's 12)")
     p.add_argument(
         "--graph",
