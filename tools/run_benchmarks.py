@@ -44,6 +44,7 @@ def run_one(script: Path, out: Path) -> str | None:
     """Import ``script`` and call its ``main(["--out", out])``; return an error text or None."""
     spec = importlib.util.spec_from_file_location(f"bench_{script.parent.parent.name}_{script.stem}", script)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses (and pickling) look their module up there
     try:
         spec.loader.exec_module(module)
         module.main(["--out", str(out)])
