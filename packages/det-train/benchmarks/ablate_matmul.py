@@ -134,8 +134,8 @@ def _same(fn, ref: torch.Tensor) -> str:
 def _run_shape(m, k, n, fwd_cands, dw_cands, table_fwd, table_dw, rows: list[dict], dx_cands=None) -> None:
     """Time and bit-check every candidate on one (M, K, N); append one row per candidate."""
     from det_train import configs
-    from det_train.linear import weight_grad_partial
     from det_train.matmul import launch_matmul
+    from det_train.weight_grad import weight_grad_partial
 
     table_fwd = configs.matmul_config(torch.bfloat16, "nt", n, k, rows=m)  # M picks TMA or pointer
     g = torch.Generator(device=DEVICE).manual_seed(0)

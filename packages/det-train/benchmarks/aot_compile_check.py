@@ -29,9 +29,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 importlib.import_module("det_train.matmul")
-importlib.import_module("det_train.linear")
+importlib.import_module("det_train.weight_grad")
 mm = sys.modules["det_train.matmul"]
-lin = sys.modules["det_train.linear"]
+lin = sys.modules["det_train.weight_grad"]
 cfgs = (
     sys.modules["det_train.configs"]
     if "det_train.configs" in sys.modules

@@ -69,7 +69,7 @@ def _workspace_bytes(m: int, k: int, n: int) -> dict:
     """Extra memory of the canonical dW order for one layer (plain backward, leaves of 1024 tokens):
     the kernel's fp32 scratch stack and the fp32 (N, K) nodes it leaves for the torch tree."""
     from det_train.configs import weight_grad_config
-    from det_train.linear import _aligned_runs, dw_scratch_shape
+    from det_train.weight_grad import _aligned_runs, dw_scratch_shape
 
     cfg = weight_grad_config(torch.bfloat16, n, k)
     runs = _aligned_runs(0, -(-m // LEAF_TOKENS), cfg.leaves_per_program)
@@ -85,8 +85,8 @@ def _workspace_bytes(m: int, k: int, n: int) -> dict:
 
 def _cases(m, k, n):
     """name -> {impl -> callable} for one shape, inputs built once (random normal bf16)."""
-    from det_train.linear import weight_grad_partial
     from det_train.matmul import launch_matmul
+    from det_train.weight_grad import weight_grad_partial
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -121,8 +121,8 @@ def _cases(m, k, n):
 def _sweep(m, k, n, tensors) -> list[dict]:
     """Time candidate configs (forward "nt", dX "nn", dW leaves per program) for the table."""
     from det_train import configs
-    from det_train.linear import weight_grad_partial
     from det_train.matmul import launch_matmul
+    from det_train.weight_grad import weight_grad_partial
 
     x, w, dy, y, dx = tensors
     flops = 2.0 * m * n * k

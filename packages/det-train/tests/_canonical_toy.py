@@ -1,7 +1,7 @@
 """A tiny canonical-order-aware op for accumulator tests: y = x * w (w of shape (D,)).
 
 dW = sum over tokens of dy * x, with per-leaf sums by det_core's reference left fold. It follows
-the ops' contract from notes/CANONICAL_GRADS.md, so the accumulator is tested independently of kernels.
+the ops' deposit contract (grad_accum.py), so the accumulator is tested independently of kernels.
 """
 
 import torch

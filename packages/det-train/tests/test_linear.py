@@ -16,8 +16,8 @@ from det_core.testing import (
 )
 from det_train import CanonicalGradAccumulator, Linear, configs, linear
 from det_train.configs import WeightGradConfig, check_weight_grad_config, weight_grad_config
-from det_train.linear import _aligned_runs, _dw_tma_operands, bias_grad_partial, weight_grad_partial
 from det_train.reference import linear_fp64, weight_grad_canonical, weight_grad_fp64
+from det_train.weight_grad import _aligned_runs, _dw_tma_operands, bias_grad_partial, weight_grad_partial
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CPU_ROWS = [1, 2, 3, 17, 64, 65, 129]

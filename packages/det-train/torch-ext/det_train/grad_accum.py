@@ -7,7 +7,8 @@ by the op, and the leaves are combined by the fixed pairwise tree over global le
 (``TreePartial``). Ops deposit their per-leaf sums here while a ``micro_batch`` is active; ``reduce``
 merges the partial trees of every micro-batch and every data-parallel rank and writes ``p.grad``.
 
-Interface: notes/CANONICAL_GRADS.md (shared with the matmul/linear ops and the end-to-end job).
+Interface: ``deposit`` / ``deposit_partial`` below (used by the linear, RMSNorm and embedding
+backward passes).
 """
 
 from __future__ import annotations

@@ -1,0 +1,627 @@
+"""Weight and bias gradients of ``linear`` in the canonical token order: dW = dY^T X, db = sum of dY.
+
+The token axis is cut into leaves of ``leaf_tokens`` tokens aligned to the global token index; a leaf
+is a sequential fp32 fold in steps of ``block_t`` tokens (the only field of ``WeightGradConfig``
+that changes bits); leaves are combined by det_core's fixed tree (``TreePartial``). The kernels
+compute whole aligned subtrees of up to ``leaves_per_program`` leaves:
+
+- ``_weight_grad_lean_kernel`` (the table's entry for large layers): the two leaves of each
+  level-1 node summed in registers, higher levels merged through a per-program fp32 scratch stack
+  that stays in L2, TMA loads, one program per SM;
+- ``_weight_grad_kernel``: up to 4 leaves in registers (the table's entry for small layers);
+- ``_weight_grad_stack_kernel`` / ``_weight_grad_flat_kernel``: earlier scratch-stack variants,
+  kept for ``benchmarks/ablate_matmul.py`` and the tests that every variant gives the same bits.
+
+What a launch leaves unfinished (subtrees of several runs) is merged by ``TreePartial`` in torch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._vendor.det_core import runtime
+from ._vendor.det_core.reduce import TreePartial, num_leaves
+from .configs import BIAS_GRAD_BLOCK_T, WeightGradConfig, check_weight_grad_config, weight_grad_config
+from .matmul import _dot_precision, bf16_by_bits, runtime_programs, store_rounded
+
+__all__ = ["bias_grad_leaves", "bias_grad_partial", "dw_scratch_shape", "weight_grad_partial"]
+
+
+# ----------------------------------------------------------------------------- kernels
+@triton.jit
+def _leaf_sum(
+    dy_ptr, x_ptr, tok_start, tok_end, offs_n, offs_k,
+    stride_dyt, stride_dyn, stride_xt, stride_xk, dy_t_step, x_t_step,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+    EVEN_T: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """fp32 (BLOCK_N, BLOCK_K) tile of sum_t dY[t, n] X[t, k] over one leaf, folded in BLOCK_T steps."""
+    offs_t = tl.arange(0, BLOCK_T)
+    tok = (tok_start + offs_t).to(tl.int64)
+    a_ptrs = dy_ptr + tok[None, :] * stride_dyt + offs_n[:, None] * stride_dyn  # dY^T tile (BLOCK_N, BLOCK_T)
+    b_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xk  # X tile (BLOCK_T, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for t in range(tok_start, tok_end, BLOCK_T):
+        if EVEN_T:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            left = tok_end - t
+            a = tl.load(a_ptrs, mask=offs_t[None, :] < left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_t[:, None] < left, other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += dy_t_step
+        b_ptrs += x_t_step
+    return acc
+
+
+@triton.jit
+def _leaf_sum_tma(
+    dy_desc, x_desc, tok_start, tok_end, off_n, off_k,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``_leaf_sum`` with TMA tile loads (tokens past T zero-filled; leaf ends are BLOCK_T-aligned)."""
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for t in range(tok_start, tok_end, BLOCK_T):
+        a = tl.trans(dy_desc.load([t, off_n]))  # dY^T tile (BLOCK_N, BLOCK_T)
+        b = x_desc.load([t, off_k])  # X tile (BLOCK_T, BLOCK_K)
+        if UPCAST:  # interpreter: fp32 dot of a row-major copy, as matmul's TMA kernel
+            a = tl.reshape(tl.reshape(a.to(tl.float32), (BLOCK_N * BLOCK_T,)), (BLOCK_N, BLOCK_T))
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit(do_not_specialize=["T", "run_start"])
+def _weight_grad_kernel(
+    # pointers: dY (T, N), X (T, K), out (blocks, N, K)
+    dy_ptr, x_ptr, out_ptr,
+    # sizes: tokens, out rows, out cols, first token of the run, tokens per leaf
+    T, N, K, run_start, LEAF_TOKENS,
+    stride_dyt, stride_dyn, stride_xt, stride_xk, stride_ob, stride_on, stride_ok,
+    dy_t_step, x_t_step,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr,
+    LEAVES: tl.constexpr, EVEN_T: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BF16_BY_BITS: tl.constexpr,
+):  # fmt: skip
+    """One aligned subtree of LEAVES leaves (1, 2 or 4) of one dW tile: the node of the canonical tree."""
+    pid = tl.program_id(0)
+    block = tl.program_id(1)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_k = tl.cdiv(K, BLOCK_K)
+    num_pid_in_group = GROUP_N * num_pid_k
+    group_id = pid // num_pid_in_group
+    first_pid_n = group_id * GROUP_N
+    group_size_n = tl.minimum(num_pid_n - first_pid_n, GROUP_N)
+    pid_n = first_pid_n + ((pid % num_pid_in_group) % group_size_n)
+    pid_k = (pid % num_pid_in_group) // group_size_n
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = (rows % N).to(tl.int64)
+    offs_k = (cols % K).to(tl.int64)
+
+    s0 = run_start + block * (LEAVES * LEAF_TOKENS)
+    e0 = tl.minimum(s0 + LEAF_TOKENS, T)
+    node = _leaf_sum(
+        dy_ptr, x_ptr, s0, e0, offs_n, offs_k, stride_dyt, stride_dyn, stride_xt, stride_xk,
+        dy_t_step, x_t_step, BLOCK_N, BLOCK_K, BLOCK_T, EVEN_T, UPCAST, DOT_PRECISION,
+    )  # fmt: skip
+    if LEAVES >= 2:  # node(1) = leaf 0 + leaf 1
+        s1 = s0 + LEAF_TOKENS
+        e1 = tl.minimum(s1 + LEAF_TOKENS, T)
+        node = node + _leaf_sum(
+            dy_ptr, x_ptr, s1, e1, offs_n, offs_k, stride_dyt, stride_dyn, stride_xt, stride_xk,
+            dy_t_step, x_t_step, BLOCK_N, BLOCK_K, BLOCK_T, EVEN_T, UPCAST, DOT_PRECISION,
+        )  # fmt: skip
+    if LEAVES == 4:  # node(2) = node(1, left) + (leaf 2 + leaf 3)
+        s2 = s0 + 2 * LEAF_TOKENS
+        e2 = tl.minimum(s2 + LEAF_TOKENS, T)
+        s3 = s0 + 3 * LEAF_TOKENS
+        e3 = tl.minimum(s3 + LEAF_TOKENS, T)
+        right = _leaf_sum(
+            dy_ptr, x_ptr, s2, e2, offs_n, offs_k, stride_dyt, stride_dyn, stride_xt, stride_xk,
+            dy_t_step, x_t_step, BLOCK_N, BLOCK_K, BLOCK_T, EVEN_T, UPCAST, DOT_PRECISION,
+        )  # fmt: skip
+        right = right + _leaf_sum(
+            dy_ptr, x_ptr, s3, e3, offs_n, offs_k, stride_dyt, stride_dyn, stride_xt, stride_xk,
+            dy_t_step, x_t_step, BLOCK_N, BLOCK_K, BLOCK_T, EVEN_T, UPCAST, DOT_PRECISION,
+        )  # fmt: skip
+        node = node + right
+    out_ptrs = (
+        out_ptr + block.to(tl.int64) * stride_ob + rows.to(tl.int64)[:, None] * stride_on
+        + cols.to(tl.int64)[None, :] * stride_ok
+    )  # fmt: skip
+    mask = (rows[:, None] < N) & (cols[None, :] < K)
+    store_rounded(out_ptrs, node, mask, BF16_BY_BITS)
+
+
+@triton.jit(do_not_specialize=["T", "run_start", "leaves", "num_programs"])
+def _weight_grad_stack_kernel(
+    # pointers: dY (T, N), X (T, K), out (blocks, N, K), scratch (programs, MAX_LEVELS, BLOCK_N * BLOCK_K)
+    dy_ptr, x_ptr, out_ptr, scratch_ptr,
+    T, N, K, run_start, LEAF_TOKENS, leaves, blocks, num_programs,
+    stride_dyt, stride_dyn, stride_xt, stride_xk, stride_ob, stride_on, stride_ok,
+    dy_t_step, x_t_step,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr,
+    MAX_LEVELS: tl.constexpr, EVEN_T: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BF16_BY_BITS: tl.constexpr,
+):  # fmt: skip
+    """Aligned subtrees of ``leaves`` (a power of 2, <= 2**MAX_LEVELS) leaves of dW tiles (persistent).
+
+    Each program walks tiles ``program, program + num_programs, ...`` (tile = one output tile of one
+    subtree). Leaves are summed in order; finished left siblings wait in the program's fp32 scratch
+    stack (one tile per level, written and read back by the same program, so it stays in L2) and
+    are combined as ``left + right`` the moment the right sibling is done: exactly the canonical tree.
+    """
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_k = tl.cdiv(K, BLOCK_K)
+    tiles_per_block = num_pid_n * num_pid_k
+    num_pid_in_group = GROUP_N * num_pid_k
+    program = tl.program_id(0)
+    tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+    stack = scratch_ptr + program.to(tl.int64) * (MAX_LEVELS * BLOCK_N * BLOCK_K) + tile
+    for tile_id in range(program, blocks * tiles_per_block, num_programs):
+        block = tile_id // tiles_per_block
+        pid = tile_id % tiles_per_block
+        group_id = pid // num_pid_in_group
+        first_pid_n = group_id * GROUP_N
+        group_size_n = tl.minimum(num_pid_n - first_pid_n, GROUP_N)
+        pid_n = first_pid_n + ((pid % num_pid_in_group) % group_size_n)
+        pid_k = (pid % num_pid_in_group) // group_size_n
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        offs_n = (rows % N).to(tl.int64)
+        offs_k = (cols % K).to(tl.int64)
+        s0 = run_start + block * (leaves * LEAF_TOKENS)
+        node = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for j in range(0, leaves):
+            start = s0 + j * LEAF_TOKENS
+            node = _leaf_sum(
+                dy_ptr, x_ptr, start, tl.minimum(start + LEAF_TOKENS, T), offs_n, offs_k,
+                stride_dyt, stride_dyn, stride_xt, stride_xk, dy_t_step, x_t_step,
+                BLOCK_N, BLOCK_K, BLOCK_T, EVEN_T, UPCAST, DOT_PRECISION,
+            )  # fmt: skip
+            # leaf j closes the subtrees of level lv + 1 for which (j + 1) is a multiple of 2**(lv + 1)
+            depth = j * 0
+            for lv in tl.static_range(MAX_LEVELS):
+                closes = (j + 1) % (2 << lv) == 0
+                if closes:
+                    tl.debug_barrier()  # the left sibling was stored by other threads of this program
+                    node = tl.load(stack + lv * (BLOCK_N * BLOCK_K)) + node
+                depth += tl.where(closes, 1, 0)
+            if j + 1 < leaves:  # push; the root (after the last leaf) goes to the output instead
+                tl.debug_barrier()  # every thread is done reading the slot being overwritten
+                tl.store(stack + depth * (BLOCK_N * BLOCK_K), node)
+                tl.debug_barrier()
+        out_ptrs = (
+            out_ptr + block.to(tl.int64) * stride_ob + rows.to(tl.int64)[:, None] * stride_on
+            + cols.to(tl.int64)[None, :] * stride_ok
+        )  # fmt: skip
+        mask = (rows[:, None] < N) & (cols[None, :] < K)
+        store_rounded(out_ptrs, node, mask, BF16_BY_BITS)
+
+
+@triton.jit(do_not_specialize=["T", "run_start", "leaves", "num_programs"])
+def _weight_grad_flat_kernel(
+    dy_ptr, x_ptr, out_ptr, scratch_ptr,
+    T, N, K, run_start, LEAF_TOKENS, leaves, blocks, num_programs,
+    stride_dyt, stride_dyn, stride_xt, stride_xk, stride_ob, stride_on, stride_ok,
+    dy_t_step, x_t_step,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr,
+    MAX_LEVELS: tl.constexpr, EVEN_T: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BF16_BY_BITS: tl.constexpr,
+):  # fmt: skip
+    """``_weight_grad_stack_kernel`` with one flat, software-pipelined loop over all token steps of
+    the subtree (the loads of leaf j + 1 are in flight while leaf j is merged): same bits."""
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_k = tl.cdiv(K, BLOCK_K)
+    tiles_per_block = num_pid_n * num_pid_k
+    num_pid_in_group = GROUP_N * num_pid_k
+    program = tl.program_id(0)
+    tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+    stack = scratch_ptr + program.to(tl.int64) * (MAX_LEVELS * BLOCK_N * BLOCK_K) + tile
+    offs_t = tl.arange(0, BLOCK_T)
+    steps = tl.cdiv(LEAF_TOKENS, BLOCK_T)
+    for tile_id in range(program, blocks * tiles_per_block, num_programs):
+        block = tile_id // tiles_per_block
+        pid = tile_id % tiles_per_block
+        group_id = pid // num_pid_in_group
+        first_pid_n = group_id * GROUP_N
+        group_size_n = tl.minimum(num_pid_n - first_pid_n, GROUP_N)
+        pid_n = first_pid_n + ((pid % num_pid_in_group) % group_size_n)
+        pid_k = (pid % num_pid_in_group) // group_size_n
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        offs_n = (rows % N).to(tl.int64)
+        offs_k = (cols % K).to(tl.int64)
+        out_ptrs = (
+            out_ptr + block.to(tl.int64) * stride_ob + rows.to(tl.int64)[:, None] * stride_on
+            + cols.to(tl.int64)[None, :] * stride_ok
+        )  # fmt: skip
+        out_mask = (rows[:, None] < N) & (cols[None, :] < K)
+        s0 = run_start + block * (leaves * LEAF_TOKENS)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for i in range(0, leaves * steps):
+            j = i // steps
+            leaf_start = s0 + j * LEAF_TOKENS
+            t0 = leaf_start + (i - j * steps) * BLOCK_T
+            tok = (t0 + offs_t).to(tl.int64)
+            a_ptrs = dy_ptr + tok[None, :] * stride_dyt + offs_n[:, None] * stride_dyn
+            b_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xk
+            if EVEN_T:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                left = tl.minimum(leaf_start + LEAF_TOKENS, T) - t0
+                a = tl.load(a_ptrs, mask=offs_t[None, :] < left, other=0.0)
+                b = tl.load(b_ptrs, mask=offs_t[:, None] < left, other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            if (i + 1) % steps == 0:  # leaf j is complete: merge it into the tree
+                node = acc
+                depth = j * 0
+                for lv in tl.static_range(MAX_LEVELS):
+                    closes = (j + 1) % (2 << lv) == 0
+                    if closes:
+                        tl.debug_barrier()
+                        node = tl.load(stack + lv * (BLOCK_N * BLOCK_K)) + node
+                    depth += tl.where(closes, 1, 0)
+                if j + 1 < leaves:
+                    tl.debug_barrier()
+                    tl.store(stack + depth * (BLOCK_N * BLOCK_K), node)
+                    tl.debug_barrier()
+                else:
+                    store_rounded(out_ptrs, node, out_mask, BF16_BY_BITS)
+                acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+
+
+@triton.jit(do_not_specialize=["T", "run_start", "leaves", "num_programs"])
+def _weight_grad_lean_kernel(
+    dy_ptr, x_ptr, out_ptr, scratch_ptr, stride_scratch,
+    T, N, K, run_start, LEAF_TOKENS, leaves, blocks, num_programs,
+    stride_dyt, stride_dyn, stride_xt, stride_xk, stride_ob, stride_on, stride_ok,
+    dy_t_step, x_t_step,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr,
+    MAX_LEVELS: tl.constexpr, PAIRS: tl.constexpr, MERGE_ROWS: tl.constexpr, TMA: tl.constexpr,
+    EVEN_T: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BF16_BY_BITS: tl.constexpr,
+):  # fmt: skip
+    """``_weight_grad_stack_kernel`` with one accumulator tile live during the token loop (same bits).
+
+    The root is stored inside the leaf loop and the scratch / output addresses are rebuilt after
+    each leaf (from a value the compiler cannot prove loop invariant), so no node and no 128x128
+    pointer tensor stays in registers across the token loop: ~half the registers, two programs per
+    SM, and one program's tree merge overlaps the other's tensor-core work. With ``PAIRS`` the two
+    leaves of each level-1 node are summed in registers (two tiles live, one program per SM, half
+    the scratch traffic); the stack then holds levels >= 1 (``MAX_LEVELS`` counts those levels).
+    With ``TMA`` ``dy_ptr`` / ``x_ptr`` are host tensor descriptors of dY and X (tiles by TMA).
+    ``MERGE_ROWS == 0``: left siblings are loaded whole and added in registers (less scratch
+    traffic, more registers); else the merge runs on row chunks of ``MERGE_ROWS`` in memory.
+    """
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_k = tl.cdiv(K, BLOCK_K)
+    tiles_per_block = num_pid_n * num_pid_k
+    num_pid_in_group = GROUP_N * num_pid_k
+    program = tl.program_id(0)
+    group_leaves: tl.constexpr = 2 if PAIRS else 1
+    nodes = leaves // group_leaves
+    for tile_id in range(program, blocks * tiles_per_block, num_programs):
+        block = tile_id // tiles_per_block
+        pid = tile_id % tiles_per_block
+        group_id = pid // num_pid_in_group
+        first_pid_n = group_id * GROUP_N
+        group_size_n = tl.minimum(num_pid_n - first_pid_n, GROUP_N)
+        pid_n = first_pid_n + ((pid % num_pid_in_group) % group_size_n)
+        pid_k = (pid % num_pid_in_group) // group_size_n
+        offs_n = ((pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N).to(tl.int64)
+        offs_k = ((pid_k * BLOCK_K + tl.arange(0, BLOCK_K)) % K).to(tl.int64)
+        s0 = run_start + block * (leaves * LEAF_TOKENS)
+        for j in range(0, nodes):
+            start = s0 + j * (group_leaves * LEAF_TOKENS)
+            if TMA:
+                node = _leaf_sum_tma(
+                    dy_ptr, x_ptr, start, tl.minimum(start + LEAF_TOKENS, T), pid_n * BLOCK_N,
+                    pid_k * BLOCK_K, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST, DOT_PRECISION,
+                )  # fmt: skip
+            else:
+                node = _leaf_sum(
+                    dy_ptr, x_ptr, start, tl.minimum(start + LEAF_TOKENS, T), offs_n, offs_k,
+                    stride_dyt, stride_dyn, stride_xt, stride_xk, dy_t_step, x_t_step,
+                    BLOCK_N, BLOCK_K, BLOCK_T, EVEN_T, UPCAST, DOT_PRECISION,
+                )  # fmt: skip
+            if PAIRS:  # node(1) = leaf 2j + leaf 2j + 1, in registers
+                start1 = start + LEAF_TOKENS
+                if TMA:
+                    node = node + _leaf_sum_tma(
+                        dy_ptr, x_ptr, start1, tl.minimum(start1 + LEAF_TOKENS, T), pid_n * BLOCK_N,
+                        pid_k * BLOCK_K, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST, DOT_PRECISION,
+                    )  # fmt: skip
+                else:
+                    node = node + _leaf_sum(
+                        dy_ptr, x_ptr, start1, tl.minimum(start1 + LEAF_TOKENS, T), offs_n, offs_k,
+                        stride_dyt, stride_dyn, stride_xt, stride_xk, dy_t_step, x_t_step,
+                        BLOCK_N, BLOCK_K, BLOCK_T, EVEN_T, UPCAST, DOT_PRECISION,
+                    )  # fmt: skip
+            # the tree merge runs in memory on row chunks: few registers live beside the token loop
+            slot = scratch_ptr + program.to(tl.int64) * stride_scratch
+            closing = 0  # levels this node closes; the node it makes waits in slot `closing`
+            for lv in tl.static_range(MAX_LEVELS):
+                closing += tl.where((j + 1) % (2 << lv) == 0, 1, 0)
+            zero = j >> 30  # 0, but depends on j: keeps the offsets below out of LICM's reach
+            tile = (zero + tl.arange(0, BLOCK_N))[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+            if (closing == 0) & (j + 1 < nodes):  # a left sibling: straight to its slot
+                tl.debug_barrier()  # every thread is done reading the slot being overwritten
+                tl.store(slot + tile, node)
+                tl.debug_barrier()
+            elif MERGE_ROWS == 0:  # merge in registers: (left + node) level by level, whole tiles
+                for lv in tl.static_range(MAX_LEVELS):
+                    if lv < closing:
+                        tl.debug_barrier()  # the left sibling was stored by other threads
+                        node = tl.load(slot + lv * (BLOCK_N * BLOCK_K) + tile) + node
+                if j + 1 < nodes:
+                    tl.debug_barrier()
+                    tl.store(slot + closing * (BLOCK_N * BLOCK_K) + tile, node)
+                    tl.debug_barrier()
+                else:  # the root: rounded into the output
+                    rows = pid_n * BLOCK_N + zero + tl.arange(0, BLOCK_N)
+                    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+                    out_ptrs = (
+                        out_ptr + block.to(tl.int64) * stride_ob
+                        + rows.to(tl.int64)[:, None] * stride_on + cols.to(tl.int64)[None, :] * stride_ok
+                    )  # fmt: skip
+                    store_rounded(out_ptrs, node, (rows[:, None] < N) & (cols[None, :] < K), BF16_BY_BITS)
+            else:  # node -> slot MAX_LEVELS, then (left + node) level by level, chunk by chunk
+                tl.store(slot + MAX_LEVELS * (BLOCK_N * BLOCK_K) + tile, node)
+                tl.debug_barrier()
+                for c in tl.static_range(BLOCK_N // MERGE_ROWS):
+                    part = (c * MERGE_ROWS + zero + tl.arange(0, MERGE_ROWS))[:, None] * BLOCK_K
+                    part += tl.arange(0, BLOCK_K)[None, :]
+                    value = tl.load(slot + MAX_LEVELS * (BLOCK_N * BLOCK_K) + part)
+                    for lv in tl.static_range(MAX_LEVELS):
+                        if lv < closing:
+                            value = tl.load(slot + lv * (BLOCK_N * BLOCK_K) + part) + value
+                    if j + 1 < nodes:
+                        tl.store(slot + closing * (BLOCK_N * BLOCK_K) + part, value)
+                    else:  # the root: rounded into the output
+                        rows = pid_n * BLOCK_N + c * MERGE_ROWS + zero + tl.arange(0, MERGE_ROWS)
+                        cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+                        out_ptrs = (
+                            out_ptr + block.to(tl.int64) * stride_ob
+                            + rows.to(tl.int64)[:, None] * stride_on + cols.to(tl.int64)[None, :] * stride_ok
+                        )  # fmt: skip
+                        mask = (rows[:, None] < N) & (cols[None, :] < K)
+                        store_rounded(out_ptrs, value, mask, BF16_BY_BITS)
+                tl.debug_barrier()
+
+
+@triton.jit(do_not_specialize=["T"])
+def _bias_grad_kernel(
+    dy_ptr, out_ptr, T, N, LEAF_TOKENS, stride_dyt, stride_dyn,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Leaf sums of dY over tokens: out[leaf, n], each a fold of BLOCK_T-token column sums."""
+    pid_n = tl.program_id(0)
+    leaf = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_t = tl.arange(0, BLOCK_T)
+    start = leaf * LEAF_TOKENS
+    end = tl.minimum(start + LEAF_TOKENS, T)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for t in range(start, end, BLOCK_T):
+        tok = (t + offs_t).to(tl.int64)
+        mask = (tok[:, None] < end) & (cols[None, :] < N)
+        tile = tl.load(dy_ptr + tok[:, None] * stride_dyt + cols[None, :] * stride_dyn, mask=mask, other=0.0)
+        acc += tl.sum(tile.to(tl.float32), axis=0)
+    tl.store(out_ptr + leaf.to(tl.int64) * N + cols, acc, mask=cols < N)
+
+
+# ----------------------------------------------------------------------------- host launchers
+def _aligned_runs(first_leaf: int, n_leaves: int, max_leaves: int) -> list[tuple[int, int, int]]:
+    """Cut global leaves ``[first_leaf, first_leaf + n_leaves)`` into runs of aligned subtrees.
+
+    Returns ``(level, first_node_index, node_count)`` runs: greedily the largest subtree of at most
+    ``max_leaves`` leaves that starts at the current leaf, is aligned (start divisible by its size)
+    and lies inside the range; equal consecutive levels form one run (one kernel launch).
+    """
+    runs: list[tuple[int, int, int]] = []
+    pos, end = first_leaf, first_leaf + n_leaves
+    while pos < end:
+        size = max_leaves
+        while size > 1 and (pos % size or pos + size > end):
+            size //= 2
+        level = size.bit_length() - 1
+        if runs and runs[-1][0] == level and (runs[-1][1] + runs[-1][2]) * size == pos:
+            runs[-1] = (level, runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((level, pos // size, 1))
+        pos += size
+    return runs
+
+
+def weight_grad_partial(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    *,
+    leaf_tokens: int,
+    first_leaf: int = 0,
+    config: WeightGradConfig | None = None,
+    finish_dtype: torch.dtype | None = None,
+) -> TreePartial | torch.Tensor:
+    """The canonical-order dW = dY^T X of one contiguous run of tokens, as a ``TreePartial``.
+
+    Args:
+        dy: ``(T, N)`` output gradient, any strides; bf16 / fp16 / fp32.
+        x: ``(T, K)`` layer input, same dtype and device.
+        leaf_tokens: tokens per leaf; local token ``t`` belongs to global leaf
+            ``first_leaf + t // leaf_tokens`` (the run starts on a leaf boundary).
+        first_leaf: global index of the run's first leaf.
+        config: override of the config table (benchmarks / tests of configs).
+        finish_dtype: when given (and ``first_leaf == 0``, the run being the whole token axis),
+            return the finished gradient ``(N, K)`` in this dtype instead of the partial.
+
+    Returns:
+        ``TreePartial`` with fp32 ``(N, K)`` nodes (the maximal aligned subtrees of at most
+        ``leaves_per_program`` leaves, merged), or the finished tensor.
+
+    Workspace: one fp32 ``(N, K)`` tile per aligned subtree left unfinished by the kernel (none
+    when the run is one subtree, finished and rounded in-kernel), plus, with ``scratch_tree`` /
+    ``lean``, a stack of fp32 tiles per resident program (``dw_scratch_shape``): with the default
+    table (lean, pairs, one program per SM) 132 programs x (2 levels + 1 merge slot) x 64 KiB =
+    24.75 MiB on a 132-SM H200, whatever the layer's size.
+
+    Raises:
+        ValueError: an unsupported ``config`` (``configs.check_weight_grad_config``: e.g. a
+            ``maxnreg`` cap below the live accumulator's registers, which ptxas cannot compile).
+        RuntimeError: ptxas rejected a lean-kernel variant on this Triton version.
+
+    **Determinism:** leaf sums are fixed by ``block_t`` (config table) and the leaf's tokens; the
+    tree by global leaf indices: any leaf-aligned split of the tokens merges to the same bits, and
+    ``leaves_per_program`` does not change them.
+    """
+    T, N = dy.shape
+    K = x.shape[1]
+    if config is None:
+        config = weight_grad_config(dy.dtype, N, K)
+    check_weight_grad_config(config)  # unsupported variants fail here, not inside ptxas
+    leaves = num_leaves(T, leaf_tokens)
+    runs = _aligned_runs(first_leaf, leaves, config.leaves_per_program)
+    fused = finish_dtype is not None and first_leaf == 0 and len(runs) == 1 and runs[0][2] == 1
+    partial = TreePartial()
+    token = 0
+    for level, first_node, count in runs:
+        size = 1 << level
+        out_dtype = finish_dtype if fused else torch.float32
+        out = torch.empty((count, N, K), dtype=out_dtype, device=dy.device)
+        run_tokens = min(count * size * leaf_tokens, T - token)
+        grid = (triton.cdiv(N, config.block_n) * triton.cdiv(K, config.block_k), count)
+        even_t = leaf_tokens % config.block_t == 0 and run_tokens == count * size * leaf_tokens
+        common = dict(
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_T=config.block_t, GROUP_N=config.group_n,
+            EVEN_T=even_t, UPCAST=runtime.interpreter_active() and dy.dtype != torch.float32,
+            DOT_PRECISION=_dot_precision(dy.dtype), BF16_BY_BITS=bf16_by_bits(out_dtype),
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
+        args = (
+            T, N, K, token, leaf_tokens,
+        )  # fmt: skip
+        strides = (
+            dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), out.stride(0), out.stride(1), out.stride(2),
+            config.block_t * dy.stride(0), config.block_t * x.stride(0),
+        )  # fmt: skip
+        if config.lean and size > 1:
+            levels = level - 1 if config.pairs else level  # levels that wait in the stack
+            scratch = torch.empty(
+                dw_scratch_shape(config, level, grid[0] * grid[1], dy.device),
+                dtype=torch.float32,
+                device=dy.device,
+            )
+            programs = scratch.shape[0]
+            descs = _dw_tma_operands(dy, x, config, leaf_tokens) if config.tma else None
+            try:
+                _weight_grad_lean_kernel[(programs,)](
+                    *(descs or (dy, x)), out, scratch, scratch.stride(0), *args, size, count, programs,
+                    *strides, MAX_LEVELS=levels, PAIRS=config.pairs, TMA=descs is not None,
+                    maxnreg=config.maxnreg, **common,
+                    MERGE_ROWS=0 if config.merge_in_registers else min(32, config.block_n),
+                )  # fmt: skip
+            except Exception as exc:  # a variant check_weight_grad_config did not foresee
+                if type(exc).__name__ != "PTXASError":
+                    raise
+                raise RuntimeError(
+                    f"ptxas could not compile the lean dW kernel for {config} on this Triton version; "
+                    "this variant is unsupported here: use the table's config (weight_grad_config) or "
+                    "raise maxnreg / set maxnreg=None"
+                ) from exc
+        elif config.scratch_tree and size > 1:
+            levels = level  # a subtree of 2**level leaves keeps at most `level` left siblings waiting
+            scratch = torch.empty(
+                dw_scratch_shape(config, level, grid[0] * grid[1], dy.device),
+                dtype=torch.float32,
+                device=dy.device,
+            )
+            programs = scratch.shape[0]
+            stack_kernel = _weight_grad_flat_kernel if config.flat_loop else _weight_grad_stack_kernel
+            stack_kernel[(programs,)](
+                dy, x, out, scratch, *args, size, count, programs, *strides, MAX_LEVELS=levels, **common
+            )
+        else:
+            _weight_grad_kernel[grid](dy, x, out, *args, *strides, LEAVES=size, **common)
+        if fused:
+            return out[0]
+        for i in range(count):
+            partial.merge(_single_node(level, first_node + i, out[i]))
+        token += run_tokens
+    if finish_dtype is not None:
+        return partial.result(first_leaf + leaves).to(finish_dtype)
+    return partial
+
+
+def _dw_tma_operands(dy: torch.Tensor, x: torch.Tensor, config: WeightGradConfig, leaf_tokens: int):
+    """TMA descriptors of dY (T, N) and X (T, K), or None when not applicable (leaf ends not on
+    ``block_t`` steps, fp32, rows or addresses not 16-byte aligned, Triton < 3.4)."""
+    if leaf_tokens % config.block_t or dy.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if dy.stride(1) != 1 or x.stride(1) != 1 or dy.stride(0) % 8 or x.stride(0) % 8:
+        return None
+    if dy.data_ptr() % 16 or x.data_ptr() % 16:
+        return None
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    T, N = dy.shape
+    K = x.shape[1]
+    return (
+        TensorDescriptor(dy, [T, N], [dy.stride(0), 1], [config.block_t, config.block_n]),
+        TensorDescriptor(x, [T, K], [x.stride(0), 1], [config.block_t, config.block_k]),
+    )
+
+
+def dw_scratch_shape(
+    config: WeightGradConfig, level: int, programs_needed: int, device: torch.device
+) -> tuple[int, int, int] | None:
+    """Shape of the fp32 scratch stack of the dW tree kernels for subtrees of ``2**level`` leaves:
+    (programs, slots, block_n * block_k), or None when the config uses no scratch."""
+    if level == 0 or not (config.lean or config.scratch_tree):
+        return None
+    programs = min(programs_needed, _resident_programs(device, config.programs_per_sm))
+    if config.lean:
+        slots = (level - 1 if config.pairs else level) + (0 if config.merge_in_registers else 1)
+    else:
+        slots = level
+    return programs, max(slots, 1), config.block_n * config.block_k
+
+
+def _resident_programs(device: torch.device, per_sm: int = 2) -> int:
+    """Programs of the persistent dW tree kernels: ``per_sm`` per SM (their scratch is sized by this)."""
+    return per_sm * runtime_programs(device)
+
+
+def _single_node(level: int, index: int, value: torch.Tensor) -> TreePartial:
+    node = TreePartial()
+    node.nodes[(level, index)] = value
+    return node
+
+
+def bias_grad_leaves(dy: torch.Tensor, leaf_tokens: int) -> torch.Tensor:
+    """fp32 leaf sums ``(n_leaves, N)`` of ``dy (T, N)`` over tokens (folds of 64-token column sums)."""
+    T, N = dy.shape
+    leaves = num_leaves(T, leaf_tokens)
+    out = torch.empty((leaves, N), dtype=torch.float32, device=dy.device)
+    block_n = 128
+    _bias_grad_kernel[(triton.cdiv(N, block_n), leaves)](
+        dy, out, T, N, leaf_tokens, dy.stride(0), dy.stride(1), BLOCK_T=BIAS_GRAD_BLOCK_T, BLOCK_N=block_n
+    )
+    return out
+
+
+def bias_grad_partial(dy: torch.Tensor, *, leaf_tokens: int, first_leaf: int = 0) -> TreePartial:
+    """The canonical-order db = sum of dY over tokens of one run, as a ``TreePartial`` of (N,) nodes."""
+    return TreePartial().add_leaves(first_leaf, bias_grad_leaves(dy, leaf_tokens))
