@@ -869,3 +869,71 @@ def test_optimizer_rejects_non_integer_seeds(seed, error, match):
     with pytest.raises(error, match=match):
         opt.add_param_group({"params": [torch.zeros(2)], "seed": seed})
     assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize(
+    "key, value, error, match",
+    [
+        ("seed", True, TypeError, "seed must be an integer"),
+        ("seed", -3, ValueError, r"seed must be in \[0, 2\*\*64\)"),
+        ("seed", 1.5, TypeError, "seed must be an integer"),
+        ("lr", -1.0, ValueError, "Invalid learning rate"),
+        ("lr", math.nan, ValueError, "Invalid learning rate"),
+        ("lr", "1e-3", TypeError, "lr must be a real number"),
+        ("betas", (1.0, 0.9), ValueError, r"each must be in \[0, 1\)"),
+        ("betas", (0.9,), ValueError, r"betas must be a pair"),
+        ("eps", -1.0, ValueError, "Invalid epsilon value"),
+        ("weight_decay", -1.0, ValueError, "Invalid weight_decay value"),
+    ],
+)
+def test_group_values_edited_after_construction_are_rejected_before_the_step_counter_moves(
+    key, value, error, match
+):
+    # param_groups are user-editable (LR schedulers write "lr"): step() re-checks them first
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(40).to(torch.bfloat16)) for _ in range(2)]
+    opt = AdamWSR(params, lr=1e-3, seed=5)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    # params and per-param state (the groups hold the bad value on purpose)
+    before = digest({"params": [p.detach() for p in params], "state": opt.state_dict()["state"]})
+    good = opt.param_groups[0][key]
+    opt.param_groups[0][key] = value
+    with pytest.raises(error, match=match):
+        opt.step()
+    assert digest({"params": [p.detach() for p in params], "state": opt.state_dict()["state"]}) == before
+    assert all(float(opt.state[p]["step"]) == 1.0 for p in params)
+    opt.param_groups[0][key] = good  # fixed: the next step runs as step 2
+    opt.step()
+    assert all(float(opt.state[p]["step"]) == 2.0 for p in params)
+
+
+def test_numpy_seed_written_into_a_group_is_stored_as_an_int():
+    p = torch.nn.Parameter(torch.randn(16).to(torch.bfloat16))
+    opt = AdamWSR([p], lr=1e-3)
+    p.grad = torch.ones_like(p)
+    opt.param_groups[0]["seed"] = np.uint64(7)
+    opt.step()
+    assert type(opt.param_groups[0]["seed"]) is int and opt.param_groups[0]["seed"] == 7
+
+
+@pytest.mark.parametrize(
+    "base_indices, match",
+    [([0, 8], "base_indices has 2 entries but params has 1"), ([-8], r"must be an int in \[0, 2\*\*62\)"),
+     ([2**70], r"must be an int in \[0, 2\*\*62\)"), ([1.5], r"must be an int in \[0, 2\*\*62\)")],
+)  # fmt: skip
+def test_functional_step_rejects_bad_base_indices_untouched(base_indices, match):
+    p = torch.randn(8).to(torch.bfloat16)
+    m, v = torch.zeros(8), torch.zeros(8)
+    before = digest([p, m, v])
+    with pytest.raises(ValueError, match=match):
+        adamw_sr_step([p], [torch.ones(8)], [m], [v], None, torch.ones(1), lr=1e-3, base_indices=base_indices)
+    assert digest([p, m, v]) == before
+
+
+def test_functional_step_names_a_sparse_gradient():
+    p = torch.randn(8).to(torch.bfloat16)
+    g = torch.ones(8).to_sparse()
+    with pytest.raises(RuntimeError, match="SparseAdam"):
+        adamw_sr_step([p], [g], [torch.zeros(8)], [torch.zeros(8)], None, torch.ones(1), lr=1e-3)

@@ -8,6 +8,7 @@ Reading order: the global element index (plain tensors and DTensor shards), the 
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from collections import OrderedDict
 
@@ -68,6 +69,15 @@ def _check_hyperparameters(lr, betas, eps, weight_decay, op: str) -> None:
     """``torch.optim.AdamW``'s ranges: ``lr >= 0``, ``0 <= beta < 1``, ``eps >= 0``,
     ``weight_decay >= 0`` (NaN fails every one). A tensor ``lr`` must have one element; its value
     is checked only where reading it needs no device sync (a CPU tensor)."""
+    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+        if name == "lr" and isinstance(value, torch.Tensor):
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{op}: {name} must be a real number, got {type(value).__name__} {value!r}")
+    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+        raise ValueError(f"{op}: betas must be a pair (beta1, beta2), got {betas!r}")
+    if any(isinstance(b, bool) or not isinstance(b, numbers.Real) for b in betas):
+        raise TypeError(f"{op}: betas must be two real numbers, got {betas!r}")
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1:
             raise ValueError(f"{op}: lr as a tensor must have 1 element, got shape {tuple(lr.shape)}")
@@ -77,7 +87,7 @@ def _check_hyperparameters(lr, betas, eps, weight_decay, op: str) -> None:
         raise ValueError(f"{op}: Invalid learning rate: {lr}; it must be >= 0")
     if not 0.0 <= eps:
         raise ValueError(f"{op}: Invalid epsilon value: {eps}; it must be >= 0")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+    if not all(0.0 <= b < 1.0 for b in betas):
         raise ValueError(f"{op}: Invalid betas {tuple(betas)}: each must be in [0, 1)")
     if not 0.0 <= weight_decay:
         raise ValueError(f"{op}: Invalid weight_decay value: {weight_decay}; it must be >= 0")
@@ -346,7 +356,9 @@ def adamw_sr_step(
         lists["max_exp_avg_sqs"] = max_exp_avg_sqs
     for name, values in lists.items():
         if len(values) != n:
-            raise ValueError(f"adamw_sr_step: {len(values)} {name} for {n} params")
+            raise ValueError(
+                f"adamw_sr_step: {name} has {len(values)} entries but params has {n}; give one per param"
+            )
     if n == 0:
         return
     device = runtime.check_kernel_device(
@@ -367,6 +379,11 @@ def adamw_sr_step(
                 )
             if name != "grads" and t.dtype != torch.float32:
                 raise TypeError(f"adamw_sr_step: {name}[{i}] must be float32, got {t.dtype}")
+            if t.layout != torch.strided:
+                raise RuntimeError(
+                    f"adamw_sr_step: {name}[{i}] has layout {t.layout}; only dense (strided) tensors are "
+                    "supported (for sparse gradients use torch.optim.SparseAdam)"
+                )
             if not t.is_contiguous():
                 raise ValueError(
                     f"adamw_sr_step: {name}[{i}] is not contiguous; call .contiguous() on it first"
@@ -379,6 +396,18 @@ def adamw_sr_step(
     if segments is None:
         if base_indices is None:
             base_indices = default_base_indices(p.numel() for p in params)
+        base_indices = list(base_indices)
+        if len(base_indices) != n:
+            raise ValueError(
+                f"adamw_sr_step: base_indices has {len(base_indices)} entries but params has {n}; "
+                "give one global start index per param"
+            )
+        for i, b in enumerate(base_indices):
+            if isinstance(b, bool) or not isinstance(b, numbers.Integral) or not 0 <= b < 2**62:
+                raise ValueError(
+                    f"adamw_sr_step: base_indices[{i}] = {b!r} must be an int in [0, 2**62) "
+                    "(the global index of the param's first element)"
+                )
         rows = [
             (i, 0, p.numel(), int(b))
             for i, (p, b) in enumerate(zip(params, base_indices, strict=True))
@@ -717,8 +746,14 @@ class AdamWSR(torch.optim.Optimizer):
 
         Raises:
             RuntimeError: a sparse gradient; capture with ``capturable=False``; a malformed loaded state.
-            ValueError: a gradient of another shape, device or layout than its param.
-            TypeError: a gradient dtype other than fp32/bf16.
+            ValueError: a gradient of another shape, device or layout than its param; a group's
+                ``seed`` outside ``[0, 2**64)`` or ``lr``, ``betas``, ``eps``, ``weight_decay``
+                outside torch.optim.AdamW's ranges (param_groups are re-checked at each eager step).
+            TypeError: a gradient dtype other than fp32/bf16; a group's ``seed`` not an integer, a
+                hyperparameter not a real number.
+
+        Every check runs before any state changes: a rejected step leaves params and state
+        (the step counters included) untouched.
         """
         loss = None
         if closure is not None:
@@ -734,6 +769,17 @@ class AdamWSR(torch.optim.Optimizer):
         for group in self.param_groups:
             if capturing and not group["capturable"]:
                 raise RuntimeError("AdamWSR: step() is being captured in a CUDA graph; pass capturable=True")
+            if not torch.compiler.is_compiling():
+                # param_groups are user-editable (schedulers write lr): re-check the values the
+                # kernel reads before any state (the step counters) changes. Not while tracing:
+                # the compiled step guards on these values, checked by the eager calls before it.
+                if type(group["seed"]) is not int:
+                    group["seed"] = _as_seed(group["seed"], "AdamWSR.step")
+                elif not 0 <= group["seed"] < 2**64:
+                    _as_seed(group["seed"], "AdamWSR.step")
+                _check_hyperparameters(
+                    group["lr"], group["betas"], group["eps"], group["weight_decay"], "AdamWSR.step"
+                )
             with_grad = [p for p in group["params"] if p.grad is not None]
             self._check_grads(with_grad)
             if with_grad:  # CPU params need the Triton interpreter: say so before any state is touched
