@@ -2,6 +2,7 @@
 invariance of dlogits with num_global_tokens, accuracy against fp64, ignore_index, bad input."""
 
 import det_train
+import numpy as np
 import pytest
 import torch
 from det_core.reduce import TreePartial, leaf_sums_reference
@@ -151,6 +152,38 @@ def test_bad_input():
         det_train.cross_entropy(logits, targets, reduction="sum", num_global_tokens=4)
     with pytest.raises(ValueError, match="positive"):
         det_train.cross_entropy(logits, targets, num_global_tokens=0)
+
+
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        (2.5, TypeError, "num_global_tokens must be an integer .*got float 2.5"),
+        (4.0, TypeError, "num_global_tokens must be an integer .*got float 4.0"),
+        ("8", TypeError, "num_global_tokens must be an integer .*got str '8'"),
+        (True, TypeError, "num_global_tokens must be an integer, got the bool True"),
+        (-3, ValueError, "num_global_tokens must be a positive int, got -3"),
+        (np.int64(0), ValueError, "num_global_tokens must be a positive int, got 0"),
+    ],
+    ids=repr,
+)
+def test_num_global_tokens_must_be_a_positive_integer(bad, error, match):
+    # found by a new-user check: 2.5 was truncated to 2 and "8" accepted (int() semantics)
+    logits, targets = _inputs(4, 6)
+    with pytest.raises(error, match=match):
+        det_train.cross_entropy(logits, targets, num_global_tokens=bad)
+
+
+def test_num_global_tokens_accepts_any_integer_type():
+    logits, targets = _inputs(4, 6)
+    expected = _loss_and_grad(logits, targets, num_global_tokens=8)
+    for n in (np.int64(8), np.int32(8), torch.tensor(8)):
+        for got, want in zip(_loss_and_grad(logits, targets, num_global_tokens=n), expected, strict=True):
+            assert_bitwise_equal(got, want, f"num_global_tokens={n!r}")
+
+
+def test_zero_dim_logits_name_the_class_dim():
+    with pytest.raises(ValueError, match="logits must have at least 1 dim, the class dim"):
+        det_train.cross_entropy(torch.tensor(1.0), torch.tensor(0))
 
 
 @pytest.mark.parametrize(

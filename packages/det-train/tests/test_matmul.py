@@ -246,6 +246,26 @@ def test_bad_input_raises_clearly():
         matmul_partial(a, _randn(8, 5), bias=_randn(5))
 
 
+@pytest.mark.parametrize("which", ["a", "b", "both"])
+def test_operand_requiring_grad_raises_instead_of_dropping_the_graph(which):
+    # found by a new-user check: there is no backward, yet the result silently had grad_fn=None
+    a, b = _randn(4, 8), _randn(8, 5)
+    a_g = a.clone().requires_grad_(which in ("a", "both"))
+    b_g = b.clone().requires_grad_(which in ("b", "both"))
+    with pytest.raises(RuntimeError, match=r"det_train.matmul has no backward: use det_train.linear"):
+        matmul(a_g, b_g)
+    with pytest.raises(RuntimeError, match=r"or call it under torch.no_grad\(\)"):
+        matmul(a_g[None], b_g)  # batched too
+    # forward-only use is unchanged: under no_grad / inference_mode, or with grad mode on and
+    # no operand requiring grad, the bits are those of the plain call
+    expected = matmul(a, b)
+    with torch.no_grad():
+        assert_bitwise_equal(matmul(a_g, b_g), expected, "no_grad")
+    with torch.inference_mode():
+        assert_bitwise_equal(matmul(a_g, b_g), expected, "inference_mode")
+    assert_bitwise_equal(matmul(a_g.detach(), b_g.detach()), expected, "detached")
+
+
 def test_batch_dims_that_do_not_broadcast_raise_the_documented_value_error():
     # found by a new-user check: torch.broadcast_shapes' RuntimeError leaked out
     with pytest.raises(ValueError, match=r"batch dims do not broadcast: a is \(2, 4, 8\), b is \(3, 8, 5\)"):

@@ -150,7 +150,7 @@ def test_strided_rows_and_empty():
 
 def test_bad_input():
     with pytest.raises(ValueError, match="does not end with"):
-        det_train.rms_norm(torch.randn(4, 8), torch.randn(7))
+        det_train.rms_norm(torch.randn(4, 8), None, None, (7,))
     with pytest.raises(TypeError, match="floating-point"):
         det_train.rms_norm(torch.ones(4, 8, dtype=torch.int64))
     with pytest.raises(TypeError, match="not supported"):
@@ -159,6 +159,35 @@ def test_bad_input():
         det_train.rms_norm(torch.randn(4, 8), torch.randn(8, 2)[:, 0])
     with pytest.raises(ValueError, match="exceeds"):
         det_train.rms_norm(torch.randn(1, 65537))
+
+
+def test_weight_shape_mismatch_names_the_weight():
+    # found by a new-user check: the message said "x ... does not end with (7,)", not naming the weight
+    with pytest.raises(ValueError, match=r"weight of shape \(7,\) does not match x's trailing dims \(8,\)"):
+        det_train.rms_norm(torch.randn(3, 8), torch.ones(7))
+    with pytest.raises(
+        ValueError, match=r"weight of shape \(2, 4\) does not match x's trailing dims \(3, 8\)"
+    ):
+        det_train.rms_norm(torch.randn(3, 8), torch.ones(2, 4))
+
+
+def test_empty_normalized_size_raises():
+    # found by a new-user check: D == 0 gave torch's raw "cannot reshape tensor of 0 elements"
+    for x, w in ((torch.randn(3, 0), None), (torch.randn(3, 0), torch.ones(0)), (torch.randn(0, 0), None)):
+        with pytest.raises(
+            ValueError, match=r"rms_norm: normalized size must be >= 1, got normalized_shape \(0,\)"
+        ):
+            det_train.rms_norm(x, w)
+    with pytest.raises(ValueError, match="normalized size must be >= 1"):
+        det_train.RMSNorm(0)(torch.randn(2, 0))
+
+
+def test_non_tensor_input_raises_type_error():
+    # found by a new-user check: a list gave AttributeError ('list' object has no attribute 'shape')
+    with pytest.raises(TypeError, match=r"rms_norm: x must be a torch.Tensor, got list"):
+        det_train.rms_norm([[1.0, 2.0]])
+    with pytest.raises(TypeError, match=r"rms_norm: weight must be a torch.Tensor, got list"):
+        det_train.rms_norm(torch.randn(3, 2), [1.0, 1.0])
 
 
 # found by a new-user check: a negative, NaN or infinite eps gave NaN (or zero) rows silently

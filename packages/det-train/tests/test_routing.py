@@ -62,6 +62,34 @@ def test_nn_linear_forward_and_grads_equal_det_train_linear():
     assert_bitwise_equal(m.bias.grad, bb.grad, "db")
 
 
+def test_routed_ops_keep_autograd_with_operands_requiring_grad():
+    # the routed mm / bmm / mv / dot run below autograd, where grad mode is on and the operands
+    # require grad: they must not hit det_train.matmul's "no backward" error, and autograd records
+    # torch's own backward; the forward bits are det_train.matmul's
+    a, b = _randn(5, 16, seed=20), _randn(16, 6, seed=21)
+    a_g, b_g = a.clone().requires_grad_(), b.clone().requires_grad_()
+    with deterministic_mode():
+        outs = {
+            "mm": a_g @ b_g,
+            "bmm": torch.bmm(a_g[None], b_g[None])[0],
+            "mv": torch.mv(a_g, b_g[:, 0]),
+            "dot": torch.dot(a_g[0], b_g[:, 0]),
+        }
+        sum(o.float().sum() for o in outs.values()).backward()
+    with torch.no_grad():
+        expected = {
+            "mm": matmul(a, b),
+            "bmm": matmul(a[None], b[None])[0],
+            "mv": matmul(a, b[:, :1])[:, 0],
+            "dot": matmul(a[:1], b[:, :1]).reshape(()),
+        }
+    for name, out in outs.items():
+        assert out.grad_fn is not None, name
+        assert_bitwise_equal(out.detach(), expected[name], name)
+    assert a_g.grad is not None and b_g.grad is not None
+    assert bool(a_g.grad.abs().sum() > 0) and bool(b_g.grad.abs().sum() > 0)
+
+
 def test_unsupported_dtype_raises_inside_and_torch_is_restored_on_exit():
     a = _randn(4, 8, dtype=torch.float64)
     with deterministic_mode():

@@ -11,6 +11,8 @@ elementwise: ``dlogits = (softmax(x) - onehot(t)) * scale_i``.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import triton
 import triton.language as tl
@@ -184,6 +186,26 @@ def _canonical_token_sum(loss: torch.Tensor) -> torch.Tensor:
     return tree_in_place(sums.view(n_leaves, 1), 0, torch.float32).view(())
 
 
+def _as_token_count(value) -> int:
+    """``num_global_tokens`` as a positive Python int: any integer type (``operator.index``: int,
+    numpy integers, 1-element integer tensors), never a bool, float or str (no silent truncation)."""
+    if isinstance(value, bool) or getattr(value, "dtype", None) == torch.bool:
+        raise TypeError(
+            f"cross_entropy: num_global_tokens must be an integer, got the bool {value!r}; "
+            "pass the global batch's token count"
+        )
+    try:
+        count = operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"cross_entropy: num_global_tokens must be an integer (int or numpy integer), got "
+            f"{type(value).__name__} {value!r}; pass the global batch's token count, e.g. int(n)"
+        ) from None
+    if count <= 0:
+        raise ValueError(f"cross_entropy: num_global_tokens must be a positive int, got {count}")
+    return count
+
+
 def cross_entropy(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -217,9 +239,11 @@ def cross_entropy(
     invariant to micro-batching. Not across GPU models / Triton versions (exp/log lowering).
 
     Raises:
-        TypeError: bad dtypes.
-        ValueError: shape mismatch, unknown reduction, ``num_global_tokens`` not positive or given
-            with a reduction other than ``"mean"``, a target out of range (checked on the host:
+        TypeError: bad dtypes; ``num_global_tokens`` not an integer (a bool, float or str; any
+            ``operator.index`` type such as int or a numpy integer is accepted, never truncated).
+        ValueError: 0-d logits (no class dim), shape mismatch, unknown reduction,
+            ``num_global_tokens`` not positive or given with a reduction other than ``"mean"``,
+            a target out of range (checked on the host:
             one device sync). The range check is skipped while a CUDA graph is being captured
             (``torch.cuda.is_current_stream_capturing()``): no device value can be read then,
             as for torch's own ops that cannot check device values during capture; keeping the
@@ -238,7 +262,12 @@ def cross_entropy(
         )
     if targets.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"cross_entropy: targets must be int64 or int32, got {targets.dtype}")
-    if logits.dim() < 1 or tuple(targets.shape) != tuple(logits.shape[:-1]):
+    if logits.dim() < 1:
+        raise ValueError(
+            "cross_entropy: logits must have at least 1 dim, the class dim (last), got a 0-d tensor; "
+            "pass (..., V) logits"
+        )
+    if tuple(targets.shape) != tuple(logits.shape[:-1]):
         raise ValueError(
             f"cross_entropy: targets shape {tuple(targets.shape)} must equal logits shape without the "
             f"class dim, {tuple(logits.shape[:-1])} (classes are on the last dim)"
@@ -248,10 +277,7 @@ def cross_entropy(
     if num_global_tokens is not None:
         if reduction != "mean":
             raise ValueError("cross_entropy: num_global_tokens applies to reduction='mean' only")
-        if isinstance(num_global_tokens, bool) or int(num_global_tokens) <= 0:
-            raise ValueError(
-                f"cross_entropy: num_global_tokens must be a positive int, got {num_global_tokens!r}"
-            )
+        num_global_tokens = _as_token_count(num_global_tokens)
     check_kernel_device(logits, targets, op="cross_entropy")
     v = logits.shape[-1]
     if v == 0:
@@ -282,6 +308,6 @@ def cross_entropy(
             raise ValueError(f"cross_entropy: target {first} is outside [0, {v}) and is not ignore_index")
     denominator = None
     if reduction == "mean":
-        denominator = int(num_global_tokens) if num_global_tokens is not None else int(count or 0)
+        denominator = num_global_tokens if num_global_tokens is not None else int(count or 0)
     out = _CrossEntropyFunction.apply(logits2, targets1, int(ignore_index), reduction, denominator)
     return out.view(targets.shape) if reduction == "none" else out

@@ -348,7 +348,13 @@ def _broadcast(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Batch-invariant ``a @ b`` with fp32 accumulation.
+    """Batch-invariant ``a @ b`` with fp32 accumulation. **No autograd** (forward only).
+
+    ``det_train.matmul`` has no backward: with grad mode on and ``a`` or ``b`` requiring grad
+    it raises instead of returning a result that silently has no ``grad_fn``. For trainable
+    weights use ``det_train.linear`` (canonical-order dW); for whole models
+    ``det_train.deterministic_mode()`` (its routed ``mm`` / ``bmm`` keep autograd's formulas);
+    for inference call it under ``torch.no_grad()`` / ``torch.inference_mode()``.
 
     Args:
         a: ``(M, K)`` or batched ``(*batch, M, K)``; bfloat16, float16 or float32; any strides.
@@ -362,7 +368,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         TypeError: non-tensor, unsupported or mismatched dtypes.
         ValueError: fewer than 2 dims, inner dims that differ, batch dims that do not broadcast,
             tensors on different devices.
-        RuntimeError: CPU tensors without the Triton interpreter (``TRITON_INTERPRET=1``).
+        RuntimeError: ``a`` or ``b`` requires grad while grad mode is on (there is no backward:
+            see above); CPU tensors without the Triton interpreter (``TRITON_INTERPRET=1``).
 
     Empty dims: ``M == 0`` or ``N == 0`` gives an empty result, ``K == 0`` gives zeros. Tensors over
     2^31 elements are indexed in 64 bits.
@@ -378,6 +385,18 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     K loop of every tile in one fixed order, as the batch-invariant kernels of He et al.,
     "Defeating Nondeterminism in LLM Inference" (Thinking Machines Lab, 2025).
     """
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (a, b)):
+        raise RuntimeError(
+            "det_train.matmul has no backward: use det_train.linear (canonical-order dW) for trainable "
+            "weights, det_train.deterministic_mode() for whole models, or call it under torch.no_grad()"
+        )
+    return _forward_matmul(a, b)
+
+
+def _forward_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``matmul`` without the autograd check, for kernels registered below autograd
+    (``deterministic_mode``'s routed ``mm`` / ``bmm``: autograd records the op's own backward
+    there, and the operands still report ``requires_grad``)."""
     _check_operands(a, b, "det_train.matmul")
     a_v, b_v, batch = _broadcast(a, b)
     M, K = a_v.shape[-2:]

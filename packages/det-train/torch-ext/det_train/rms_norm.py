@@ -242,23 +242,39 @@ def rms_norm(
     and the CPU interpreter (``tl.sum``'s tree and ``sqrt`` lowering).
 
     Raises:
-        TypeError: non-float or unsupported dtypes. ValueError: weight size mismatch, trailing shape
-        mismatch, normalized size over 65536, ``eps`` negative, NaN or infinite. RuntimeError /
-        ValueError: device problems.
+        TypeError: ``x`` or ``weight`` not a tensor; non-float or unsupported dtypes. ValueError:
+        weight shape or size mismatch (a weight whose shape is not ``x``'s trailing dims),
+        trailing shape mismatch, normalized size 0 (must be >= 1) or over 65536, ``eps``
+        negative, NaN or infinite. RuntimeError / ValueError: device problems.
     """
+    for name, t in (("x", x), ("weight", weight)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"rms_norm: {name} must be a torch.Tensor, got {type(t).__name__}; "
+                "convert it with torch.as_tensor(...)"
+            )
+    from_weight = normalized_shape is None and weight is not None
     if normalized_shape is None:
         normalized_shape = tuple(weight.shape) if weight is not None else tuple(x.shape[-1:])
     if isinstance(normalized_shape, numbers.Integral):
         normalized_shape = (int(normalized_shape),)
     normalized_shape = tuple(normalized_shape)
-    if (
-        x.dim() < len(normalized_shape)
-        or tuple(x.shape[x.dim() - len(normalized_shape) :]) != normalized_shape
-    ):
+    trailing = tuple(x.shape[max(x.dim() - len(normalized_shape), 0) :])
+    if x.dim() < len(normalized_shape) or trailing != normalized_shape:
+        if from_weight:  # the normalized shape was taken from the weight: name the weight
+            raise ValueError(
+                f"rms_norm: weight of shape {normalized_shape} does not match x's trailing dims {trailing} "
+                f"(x has shape {tuple(x.shape)}); the weight must have the shape of the normalized dims"
+            )
         raise ValueError(f"rms_norm: x of shape {tuple(x.shape)} does not end with {normalized_shape}")
     d = 1
     for s in normalized_shape:
         d *= s
+    if d == 0:
+        raise ValueError(
+            f"rms_norm: normalized size must be >= 1, got normalized_shape {normalized_shape} "
+            f"(x of shape {tuple(x.shape)}): an empty row has no mean square; normalize non-empty dims"
+        )
     _check(x, weight, d)
     eps = _check_eps(eps, "rms_norm")
     if eps is None:

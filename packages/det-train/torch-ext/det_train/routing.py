@@ -19,7 +19,7 @@ import torch
 
 from ._vendor.det_core import runtime
 from .linear import linear
-from .matmul import _check_operands, launch_matmul, matmul
+from .matmul import _check_operands, _forward_matmul, launch_matmul
 
 __all__ = ["deterministic_mode", "routed_ops"]
 
@@ -47,7 +47,7 @@ def _scaled(inp: torch.Tensor, acc: torch.Tensor, beta, alpha, dtype: torch.dtyp
 
 
 def _mm(a, b):
-    return matmul(a, b)
+    return _forward_matmul(a, b)
 
 
 def _addmm(inp, mat1, mat2, *, beta=1, alpha=1):
@@ -71,7 +71,7 @@ def _bmm(a, b):
         raise ValueError(f"bmm: expected 3-D tensors, got {tuple(a.shape)} and {tuple(b.shape)}")
     if a.shape[0] != b.shape[0]:
         raise ValueError(f"bmm: batch sizes differ: {a.shape[0]} and {b.shape[0]}")
-    return matmul(a, b)
+    return _forward_matmul(a, b)
 
 
 def _baddbmm(inp, batch1, batch2, *, beta=1, alpha=1):
@@ -79,13 +79,13 @@ def _baddbmm(inp, batch1, batch2, *, beta=1, alpha=1):
 
 
 def _mv(mat, vec):
-    return matmul(mat, vec.unsqueeze(1)).squeeze(1)
+    return _forward_matmul(mat, vec.unsqueeze(1)).squeeze(1)
 
 
 def _dot(a, b):
     if a.dim() != 1 or b.dim() != 1:
         raise ValueError(f"dot: expected 1-D tensors, got {tuple(a.shape)} and {tuple(b.shape)}")
-    return matmul(a.unsqueeze(0), b.unsqueeze(1)).reshape(())
+    return _forward_matmul(a.unsqueeze(0), b.unsqueeze(1)).reshape(())
 
 
 def _linear(x, weight, bias=None):
