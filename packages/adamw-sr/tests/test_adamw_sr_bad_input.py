@@ -1,0 +1,337 @@
+"""CPU tests of adamw_sr's bad-input contract: every bad param, gradient, hyperparameter, seed, step
+or index gets a clear error (what was wrong, what to do), and a rejected step leaves params and
+state untouched (checked by digest); NaN/Inf gradients and params without grad behave like torch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from adamw_sr import AdamWSR, adamw_sr_step, adamw_sr_step_reference
+from det_core.testing import assert_bitwise_equal, digest
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _bad_step_leaves_everything_untouched(opt, params):
+    before = digest({"params": [p.detach() for p in params], "state": opt.state_dict()})
+    return lambda: digest({"params": [p.detach() for p in params], "state": opt.state_dict()}) == before
+
+
+def test_bad_params_rejected_at_construction():
+    with pytest.raises(TypeError, match="float16"):
+        AdamWSR([torch.zeros(3, dtype=torch.float16)])
+    with pytest.raises(TypeError, match="complex"):
+        AdamWSR([torch.zeros(3, dtype=torch.complex64)])
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        AdamWSR([torch.zeros(3, dtype=torch.float64)])
+    with pytest.raises(ValueError, match="zero-size"):
+        AdamWSR([torch.zeros(0)])
+    with pytest.raises(ValueError, match="not contiguous"):
+        AdamWSR([torch.zeros(4, 3).t()])
+    with pytest.raises(ValueError, match="one device"):
+        AdamWSR([torch.zeros(3), torch.zeros(3, device="meta")])
+    with pytest.raises(ValueError, match="base_index"):
+        AdamWSR([{"params": [torch.zeros(3), torch.zeros(2)], "base_index": [0]}])
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(lr=-1.0), "learning rate"),
+        (dict(betas=(1.0, 0.9)), "betas"),
+        (dict(eps=-1e-8), "epsilon"),
+        (dict(weight_decay=-0.1), "weight_decay"),
+        (dict(seed=-1), "seed"),
+        (dict(seed=2**64), "seed"),
+        (dict(fused=False), "fused"),
+        (dict(foreach=False), "foreach"),
+        (dict(differentiable=True), "differentiable"),
+        (dict(stochastic_rounding="yes"), "stochastic_rounding"),
+        (dict(lr=torch.tensor([1e-3, 1e-3])), "1 element"),
+        (dict(lr=torch.tensor(math.nan)), "learning rate"),
+        (dict(betas=(0.9, 1.0)), "betas"),
+        (dict(eps=math.nan), "epsilon"),
+    ],
+)
+def test_bad_hyperparameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AdamWSR([torch.zeros(3)], **kwargs)
+
+
+@pytest.mark.parametrize(
+    "make_grad,error,match",
+    [
+        (lambda p: torch.zeros(p.shape, dtype=p.dtype).to_sparse(), RuntimeError, "sparse"),
+        (lambda p: torch.zeros(p.shape, dtype=torch.float64), TypeError, "float32 or bfloat16"),
+        (lambda p: torch.zeros(p.shape[1], p.shape[0], dtype=p.dtype).t(), ValueError, "contiguous"),
+    ],
+)
+def test_bad_grad_rejected_and_step_leaves_params_and_state_untouched(make_grad, error, match):
+    good, bad = torch.randn(4, 3).to(torch.bfloat16), torch.randn(4, 3).to(torch.bfloat16)
+    opt = AdamWSR([good, bad], lr=1e-2)
+    good.grad, bad.grad = torch.randn(4, 3).to(torch.bfloat16), torch.randn(4, 3).to(torch.bfloat16)
+    opt.step()  # states exist
+    unchanged = _bad_step_leaves_everything_untouched(opt, [good, bad])
+    good.grad = torch.randn(4, 3).to(torch.bfloat16)  # the good param comes first: still untouched
+    bad.grad_dtype = None  # let torch accept a gradient of another dtype, so that AdamWSR sees it
+    bad.grad = make_grad(bad)
+    with pytest.raises(error, match=match):
+        opt.step()
+    assert unchanged()
+
+
+def test_param_without_grad_is_skipped_like_torch():
+    a, b = torch.ones(3), torch.ones(3)
+    opt = AdamWSR([a, b], lr=1e-2)
+    a.grad = torch.ones(3)
+    opt.step()
+    assert b.tolist() == [1.0, 1.0, 1.0] and len(opt.state[b]) == 0 and opt.state[a]["step"].item() == 1
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_nan_and_inf_gradients_propagate_like_torch():
+    init = torch.randn(6)
+    grad = torch.tensor([math.nan, math.inf, -math.inf, 1.0, 0.0, -2.0])
+    ours, theirs = init.clone(), init.clone()
+    oa, ob = AdamWSR([ours], lr=1e-2, amsgrad=True), torch.optim.AdamW([theirs], lr=1e-2, amsgrad=True)
+    for _ in range(2):
+        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        oa.step()
+        ob.step()
+    assert torch.equal(ours.isnan(), theirs.isnan()) and torch.equal(ours.isinf(), theirs.isinf())
+    finite = ours.isfinite()
+    assert torch.allclose(ours[finite], theirs[finite], rtol=0, atol=1e-6)
+    assert ours.isnan()[:3].all()  # NaN / Inf gradients make NaN weights, as in torch
+
+
+def test_mixed_dtypes_one_optimizer_and_add_param_group():
+    a = torch.randn(5)
+    b = torch.randn(6).to(torch.bfloat16)
+    opt = AdamWSR([a], lr=1e-2, seed=4)
+    opt.add_param_group({"params": [b], "weight_decay": 0.0})
+    ra, rb = a.clone(), b.clone()
+    a.grad, b.grad = torch.randn(5), torch.randn(6).to(torch.bfloat16)
+    opt.step()
+    adamw_sr_step_reference(ra, a.grad, torch.zeros(5), torch.zeros(5), step=1, lr=1e-2, seed=4)
+    adamw_sr_step_reference(
+        rb, b.grad, torch.zeros(6), torch.zeros(6), step=1, lr=1e-2, weight_decay=0.0, seed=4, base_index=8
+    )
+    assert_bitwise_equal(a, ra)
+    assert_bitwise_equal(b, rb)
+
+
+def test_param_replaced_after_construction_is_rejected_and_untouched():
+    # found by a new-user check: p.data swapped for a transposed view or an fp16 tensor after the
+    # optimizer was built must be rejected at step(), not updated through the wrong layout
+    for replacement, error in (
+        (torch.zeros(4, 4).t(), ValueError),
+        (torch.zeros(4, 4, dtype=torch.float16), TypeError),
+    ):
+        p = torch.nn.Parameter(torch.zeros(4, 4))
+        opt = AdamWSR([p], lr=0.1, weight_decay=0.0)
+        p.data = replacement
+        p.grad = torch.ones(
+            4, 4, dtype=torch.float32 if replacement.dtype == torch.float32 else torch.float16
+        )
+        before = p.detach().clone()
+        with pytest.raises(error):
+            opt.step()
+        assert torch.equal(p.detach(), before) and len(opt.state[p]) == 0
+
+
+def test_cpu_step_without_interpreter_is_rejected_before_state(monkeypatch):
+    p = torch.nn.Parameter(torch.ones(8))
+    opt = AdamWSR([p], lr=0.1)
+    p.grad = torch.ones(8)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.ones(8)) and len(opt.state[p]) == 0
+
+
+@pytest.mark.parametrize(
+    "seed,error,match",
+    [
+        (-1, ValueError, r"seed must be in \[0, 2\*\*64\)"),
+        (2**64, ValueError, r"seed must be in \[0, 2\*\*64\)"),
+        (True, TypeError, "seed must be an integer, got the bool"),
+        (1.5, TypeError, "seed must be an integer"),
+    ],
+)
+def test_functional_step_rejects_a_seed_outside_the_contract(seed, error, match):
+    p, g = torch.ones(8), torch.ones(8)
+    m, v = torch.zeros(8), torch.zeros(8)
+    with pytest.raises(error, match=match):
+        adamw_sr_step([p], [g], [m], [v], None, torch.ones(1), lr=0.1, seed=seed)
+    assert torch.equal(p, torch.ones(8)) and torch.equal(m, torch.zeros(8))
+
+
+# found by a new-user check: step 0 gave NaN (bias correction 1 - beta**0 = 0), a step past fp32's
+# exact integers was accepted, and out-of-range hyperparameters ran silently in the functional step
+@pytest.mark.parametrize(
+    "step,kwargs,match",
+    [
+        (0.0, {}, r"steps must be integers in \[1, 2\*\*24 - 1\]"),
+        (-3.0, {}, r"steps must be integers in \[1, 2\*\*24 - 1\]"),
+        (2.0**24, {}, r"steps must be integers in \[1, 2\*\*24 - 1\]"),
+        (2.0**30, {}, r"steps must be integers in \[1, 2\*\*24 - 1\]"),
+        (1.5, {}, r"steps must be integers"),
+        (math.nan, {}, r"steps must be integers"),
+        (1.0, dict(lr=-1e-3), "Invalid learning rate"),
+        (1.0, dict(lr=math.nan), "Invalid learning rate"),
+        (1.0, dict(lr=torch.tensor([-1e-3])), "Invalid learning rate"),
+        (1.0, dict(lr=torch.tensor([1e-3, 1e-3])), "1 element"),
+        (1.0, dict(beta1=1.0), r"betas .* each must be in \[0, 1\)"),
+        (1.0, dict(beta1=-0.1), r"betas .* each must be in \[0, 1\)"),
+        (1.0, dict(beta2=1.0), r"betas .* each must be in \[0, 1\)"),
+        (1.0, dict(beta2=math.nan), r"betas .* each must be in \[0, 1\)"),
+        (1.0, dict(eps=-1e-8), "Invalid epsilon value"),
+        (1.0, dict(weight_decay=-0.01), "Invalid weight_decay value"),
+    ],
+)
+def test_functional_step_rejects_bad_steps_and_hyperparameters_untouched(step, kwargs, match):
+    p = torch.randn(2, 6, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    g = torch.randn(2, 6, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    m = torch.randn(2, 6, generator=torch.Generator().manual_seed(2))
+    v = torch.rand(2, 6, generator=torch.Generator().manual_seed(3))
+    # a second, valid tensor of the launch, listed first
+    q, mq, vq = torch.ones(5, dtype=torch.bfloat16), torch.zeros(5), torch.zeros(5)
+    before = digest([p, m, v, q, mq, vq])
+    steps = torch.tensor([1.0, step])  # the bad step, if any, is the second tensor's
+    call = {"lr": 1e-2, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        adamw_sr_step([q, p], [torch.ones(5, dtype=torch.bfloat16), g], [mq, m], [vq, v], None, steps, **call)
+    assert digest([p, m, v, q, mq, vq]) == before
+
+
+def test_functional_step_at_the_largest_step_equals_reference():
+    # 2**24 - 1 is the last accepted step: fp32 holds it exactly and the kernel's Philox counter and
+    # bias-correction exponent take it as is
+    p = torch.randn(300, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    g = torch.randn(300, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    m = torch.randn(300, generator=torch.Generator().manual_seed(2)) * 1e-2
+    v = torch.rand(300, generator=torch.Generator().manual_seed(3)) * 1e-4
+    r, rm, rv = p.clone(), m.clone(), v.clone()
+    step = 2**24 - 1
+    adamw_sr_step([p], [g], [m], [v], None, torch.tensor([float(step)]), lr=1e-2, seed=8)
+    adamw_sr_step_reference(r, g, rm, rv, step=step, lr=1e-2, seed=8)
+    assert_bitwise_equal(p, r)
+    assert_bitwise_equal(m, rm)
+    # a different step gives other rounding bits: the step reached the kernel unchanged
+    other = p.clone()
+    adamw_sr_step_reference(other, g, m.clone(), v.clone(), step=step - 1, lr=1e-2, seed=8)
+    assert not torch.equal(other, p)
+
+
+def test_numpy_integer_seeds_are_accepted_and_equal_int_seeds():
+    def functional(seed):
+        p = torch.randn(64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        adamw_sr_step([p], [torch.ones(64)], [torch.zeros(64)], [torch.zeros(64)], None, torch.ones(1),
+                      lr=1e-3, seed=seed)  # fmt: skip
+        return p
+
+    assert_bitwise_equal(functional(np.int64(2**40 + 3)), functional(2**40 + 3))
+    assert_bitwise_equal(functional(np.uint64(2**63 + 5)), functional(2**63 + 5))
+
+    def optimizer(seed):
+        p = torch.randn(64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        opt = AdamWSR([p], lr=1e-3, seed=seed)
+        p.grad = torch.ones(64, dtype=torch.bfloat16)
+        opt.step()
+        return p, opt
+
+    (a, opt), (b, _) = optimizer(np.int64(7)), optimizer(7)
+    assert_bitwise_equal(a, b)
+    assert type(opt.param_groups[0]["seed"]) is int  # stored as a plain int: state_dicts stay portable
+
+
+@pytest.mark.parametrize(
+    "seed,error,match",
+    [
+        (True, TypeError, "AdamWSR: seed must be an integer, got the bool"),
+        (np.True_, TypeError, "AdamWSR: seed must be an integer"),
+        (1.5, TypeError, "AdamWSR: seed must be an integer"),
+        ("7", TypeError, "AdamWSR: seed must be an integer"),
+        (np.int64(-1), ValueError, r"AdamWSR: seed must be in \[0, 2\*\*64\)"),
+    ],
+)
+def test_optimizer_rejects_non_integer_seeds(seed, error, match):
+    with pytest.raises(error, match=match):
+        AdamWSR([torch.zeros(3)], seed=seed)
+    # a group's own seed too; the rejected group is not added
+    opt = AdamWSR([torch.zeros(3)])
+    with pytest.raises(error, match=match):
+        opt.add_param_group({"params": [torch.zeros(2)], "seed": seed})
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize(
+    "key, value, error, match",
+    [
+        ("seed", True, TypeError, "seed must be an integer"),
+        ("seed", -3, ValueError, r"seed must be in \[0, 2\*\*64\)"),
+        ("seed", 1.5, TypeError, "seed must be an integer"),
+        ("lr", -1.0, ValueError, "Invalid learning rate"),
+        ("lr", math.nan, ValueError, "Invalid learning rate"),
+        ("lr", "1e-3", TypeError, "lr must be a real number"),
+        ("betas", (1.0, 0.9), ValueError, r"each must be in \[0, 1\)"),
+        ("betas", (0.9,), ValueError, r"betas must be a pair"),
+        ("eps", -1.0, ValueError, "Invalid epsilon value"),
+        ("weight_decay", -1.0, ValueError, "Invalid weight_decay value"),
+    ],
+)
+def test_group_values_edited_after_construction_are_rejected_before_the_step_counter_moves(
+    key, value, error, match
+):
+    # param_groups are user-editable (LR schedulers write "lr"): step() re-checks them first
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(40).to(torch.bfloat16)) for _ in range(2)]
+    opt = AdamWSR(params, lr=1e-3, seed=5)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    # params and per-param state (the groups hold the bad value on purpose)
+    before = digest({"params": [p.detach() for p in params], "state": opt.state_dict()["state"]})
+    good = opt.param_groups[0][key]
+    opt.param_groups[0][key] = value
+    with pytest.raises(error, match=match):
+        opt.step()
+    assert digest({"params": [p.detach() for p in params], "state": opt.state_dict()["state"]}) == before
+    assert all(float(opt.state[p]["step"]) == 1.0 for p in params)
+    opt.param_groups[0][key] = good  # fixed: the next step runs as step 2
+    opt.step()
+    assert all(float(opt.state[p]["step"]) == 2.0 for p in params)
+
+
+def test_numpy_seed_written_into_a_group_is_stored_as_an_int():
+    p = torch.nn.Parameter(torch.randn(16).to(torch.bfloat16))
+    opt = AdamWSR([p], lr=1e-3)
+    p.grad = torch.ones_like(p)
+    opt.param_groups[0]["seed"] = np.uint64(7)
+    opt.step()
+    assert type(opt.param_groups[0]["seed"]) is int and opt.param_groups[0]["seed"] == 7
+
+
+@pytest.mark.parametrize(
+    "base_indices, match",
+    [([0, 8], "base_indices has 2 entries but params has 1"), ([-8], r"must be an int in \[0, 2\*\*62\)"),
+     ([2**70], r"must be an int in \[0, 2\*\*62\)"), ([1.5], r"must be an int in \[0, 2\*\*62\)")],
+)  # fmt: skip
+def test_functional_step_rejects_bad_base_indices_untouched(base_indices, match):
+    p = torch.randn(8).to(torch.bfloat16)
+    m, v = torch.zeros(8), torch.zeros(8)
+    before = digest([p, m, v])
+    with pytest.raises(ValueError, match=match):
+        adamw_sr_step([p], [torch.ones(8)], [m], [v], None, torch.ones(1), lr=1e-3, base_indices=base_indices)
+    assert digest([p, m, v]) == before
+
+
+def test_functional_step_names_a_sparse_gradient():
+    p = torch.randn(8).to(torch.bfloat16)
+    g = torch.ones(8).to_sparse()
+    with pytest.raises(RuntimeError, match="SparseAdam"):
+        adamw_sr_step([p], [g], [torch.zeros(8)], [torch.zeros(8)], None, torch.ones(1), lr=1e-3)
