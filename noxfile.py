@@ -96,6 +96,9 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """All benchmarks on the GPU, side by side with the peers; writes docs/benchmarks/*.md."""
+    """All benchmarks on the GPU, side by side with the peers: tables, JSON and figures in bench-results/."""
     _install(session, "test")
-    session.run("python", "tools/run_benchmarks.py", *session.posargs, env=_source_env())
+    args = session.posargs or ["--out", "bench-results"]  # raw tables + JSON + figures; docs/ is curated
+    session.run("python", "tools/run_benchmarks.py", *args, env=_source_env())
+    out = args[args.index("--out") + 1] if "--out" in args else "bench-results"
+    session.run("python", "tools/plot_benchmarks.py", f"{out}/benchmarks.json", "--out", out)
