@@ -524,6 +524,86 @@ def test_bad_input_raises_clear_error(case):
         call()
 
 
+def _bad_dropout_cases():
+    # found by a new-user check: seed=True / 3.0 were accepted (int()), offsets of 1.5 truncated,
+    # dropout_p="0.1" gave a raw comparison error
+    q, k, v = _qkv(1, 8, 8, 2, 2)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    flat = (q[0], k[0], v[0])
+    calls = {
+        "attention": lambda **kw: attention(q, k, v, **kw),
+        "attention_varlen": lambda **kw: attention_varlen(*flat, cu, cu, 8, 8, **kw),
+    }
+    cases = [
+        ({"dropout_p": 0.1, "seed": True}, TypeError, "seed must be an integer, got the bool True"),
+        (
+            {"dropout_p": 0.1, "seed": 3.0},
+            TypeError,
+            r"seed must be an integer \(int or numpy integer\), got float 3.0",
+        ),
+        ({"dropout_p": 0.1, "seed": "3"}, TypeError, "seed must be an integer .*got str '3'"),
+        ({"seed": 2.5}, TypeError, "seed must be an integer .*got float 2.5"),  # checked even without dropout
+        ({"dropout_p": 0.1, "seed": -1}, ValueError, r"seed must be in \[0, 2\*\*64\), got -1"),
+        ({"dropout_p": 0.1, "seed": 2**64}, ValueError, r"seed must be in \[0, 2\*\*64\)"),
+        ({"sequence_offset": 1.5}, TypeError, "sequence_offset must be an integer .*got float 1.5"),
+        ({"sequence_offset": True}, TypeError, "sequence_offset must be an integer, got the bool"),
+        ({"head_offset": 1.5}, TypeError, "head_offset must be an integer .*got float 1.5"),
+        ({"head_offset": "1"}, TypeError, "head_offset must be an integer .*got str '1'"),
+        ({"head_offset": -1}, ValueError, r"head_offset \+ heads must be in"),
+        (
+            {"dropout_p": "0.1", "seed": 0},
+            TypeError,
+            r"dropout_p must be a real number in \[0, 1\), got str '0.1'",
+        ),
+        ({"dropout_p": True, "seed": 0}, TypeError, "dropout_p must be a real number .*got bool True"),
+        (
+            {"dropout_p": torch.tensor(0.1), "seed": 0},
+            TypeError,
+            "dropout_p must be a real number .*got Tensor",
+        ),
+        ({"dropout_p": float("nan"), "seed": 0}, ValueError, r"dropout_p must be in \[0, 1\), got nan"),
+    ]
+    return [(name, call, *case) for name, call in calls.items() for case in cases]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_dropout_cases())))
+def test_bad_dropout_arguments_raise_clear_errors(case):
+    name, call, kwargs, error, match = _bad_dropout_cases()[case]
+    with pytest.raises(error, match=f"det_attn.{name}: {match}"):
+        call(**kwargs)
+
+
+def test_sdpa_and_transformers_reject_bad_dropout_arguments():
+    from det_attn.transformers_integration import det_attn_transformers_forward
+
+    q, k, v = (t.transpose(1, 2) for t in _qkv(1, 8, 8, 2, 2))  # (B, H, T, D)
+    with pytest.raises(TypeError, match="seed must be an integer, got the bool True"):
+        scaled_dot_product_attention(q, k, v, dropout_p=0.1, seed=True)
+    with pytest.raises(TypeError, match="dropout_p must be a real number .*got str '0.1'"):
+        scaled_dot_product_attention(q, k, v, dropout_p="0.1", seed=0)
+    module = torch.nn.Module()
+    with pytest.raises(
+        TypeError, match=r"det_attn \(transformers\): dropout must be a real number .*got str"
+    ):
+        det_attn_transformers_forward(module, q, k, v, None, dropout="0.1", det_attn_seed=0)
+    with pytest.raises(
+        TypeError, match=r"det_attn \(transformers\): det_attn_seed must be an integer .*float 3.0"
+    ):
+        det_attn_transformers_forward(module, q, k, v, None, dropout=0.1, det_attn_seed=3.0)
+    with pytest.raises(ValueError, match=r"det_attn \(transformers\): dropout must be in \[0, 1\)"):
+        det_attn_transformers_forward(module, q, k, v, None, dropout=1.5, det_attn_seed=0)
+
+
+def test_dropout_arguments_accept_numpy_integers_and_floats():
+    # numpy integer seeds / offsets and numpy float probabilities give the Python values' bits
+    q, k, v = _qkv(2, 16, 16, 2, 2)
+    kw = {"causal": True, "dropout_p": 0.25, "seed": 2**40 + 3, "sequence_offset": 5, "head_offset": 4}
+    expected = attention(q, k, v, **kw)
+    given = {"dropout_p": np.float64(0.25), "seed": np.uint64(2**40 + 3), "sequence_offset": np.int32(5)}
+    assert_bitwise_equal(attention(q, k, v, **{**kw, **given, "head_offset": np.int64(4)}), expected)
+    assert_bitwise_equal(attention(q, k, v, **{**kw, "dropout_p": np.float32(0.25)}), expected)
+
+
 def test_varlen_accepts_numpy_and_tensor_integer_max_seqlen():
     # found by a new-user check: max_seqlen from numpy (np.int64, e.g. np.diff(cu).max()) was
     # rejected; any integral type is accepted and gives the same bits as a Python int

@@ -8,6 +8,7 @@ The kernels are in ``_kernels.py``; a plain-torch reference is in ``reference.py
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from dataclasses import dataclass
 
@@ -133,36 +134,62 @@ def _check_dropout(
     heads: int,
     batch: int,
     op: str,
-) -> None:
-    if not 0.0 <= float(dropout_p) < 1.0:
-        raise ValueError(f"{op}: dropout_p must be in [0, 1), got {dropout_p}")
-    if dropout_p > 0.0:
-        if seed is None:
-            raise ValueError(
-                f"{op}: dropout_p > 0 needs an explicit integer seed (there is no global generator)"
-            )
-        rng.check_key(seed, 0, rng.STREAM_ATTN_DROPOUT)
-    if not 0 <= int(sequence_offset) or int(sequence_offset) + batch > 2**32:
+) -> tuple[float, int | None, int, int]:
+    """Validate the dropout arguments; returns them as (float, int or None, int, int)."""
+    dropout_p = _as_dropout_p(dropout_p, "dropout_p", op)
+    if seed is not None:
+        seed = _as_seed(seed, "seed", op)
+    elif dropout_p > 0.0:
+        raise ValueError(f"{op}: dropout_p > 0 needs an explicit integer seed (there is no global generator)")
+    sequence_offset = _as_int(
+        sequence_offset, "sequence_offset", op, "; pass the global index of the batch's first sequence"
+    )
+    head_offset = _as_int(head_offset, "head_offset", op, "; pass the global index of the first query head")
+    if not 0 <= sequence_offset or sequence_offset + batch > 2**32:
         raise ValueError(
             f"{op}: sequence_offset + sequences must be in [0, 2**32], got {sequence_offset} + {batch}"
         )
-    if not 0 <= int(head_offset) or int(head_offset) + heads > _MAX_HEADS:
+    if not 0 <= head_offset or head_offset + heads > _MAX_HEADS:
         raise ValueError(
             f"{op}: head_offset + heads must be in [0, {_MAX_HEADS}], got {head_offset} + {heads}"
         )
+    return dropout_p, seed, sequence_offset, head_offset
 
 
-def _as_int(value, name: str, op: str) -> int:
+def _as_dropout_p(value, name: str, op: str) -> float:
+    """``value`` as a float in ``[0, 1)``: any real number (int, float, numpy scalar), never a bool,
+    str or tensor."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{op}: {name} must be a real number in [0, 1), got {type(value).__name__} {value!r}; "
+            "pass a Python float such as 0.1"
+        )
+    p = float(value)
+    if not 0.0 <= p < 1.0:  # NaN fails too
+        raise ValueError(f"{op}: {name} must be in [0, 1), got {value}")
+    return p
+
+
+def _as_seed(value, name: str, op: str) -> int:
+    """``value`` as a Philox seed, a Python int in ``[0, 2**64)``: any integral type
+    (``operator.index``: int, numpy integers), never a bool, float or str."""
+    seed = _as_int(value, name, op, "; pass an int such as 0, a new one per training step")
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"{op}: {name} must be in [0, 2**64), got {seed}")
+    return seed
+
+
+def _as_int(value, name: str, op: str, hint: str = "") -> int:
     """``value`` as a Python int: any integral type (``operator.index``: int, numpy and 0-dim
-    integer tensors), never a bool or a float."""
+    integer tensors), never a bool or a float. ``hint`` (what to pass instead) ends the message."""
     if isinstance(value, bool) or getattr(value, "dtype", None) == torch.bool:
-        raise TypeError(f"{op}: {name} must be an integer, got the bool {value!r}")
+        raise TypeError(f"{op}: {name} must be an integer, got the bool {value!r}{hint}")
     try:
         return operator.index(value)
     except TypeError:
         raise TypeError(
-            f"{op}: {name} must be an integer (int or numpy integer), got {type(value).__name__} {value!r}; "
-            "pass the longest sequence length, e.g. int(seqlens.max())"
+            f"{op}: {name} must be an integer (int or numpy integer), "
+            f"got {type(value).__name__} {value!r}{hint}"
         ) from None
 
 
@@ -487,23 +514,30 @@ def attention(
             ``i`` sees keys ``j <= i + T_k - T_q``; needs ``T_k >= T_q``.
         softmax_scale: multiplier of ``q k^T``; default ``1 / sqrt(D)``.
         dropout_p: probability of zeroing an attention probability (kept ones scale by
-            ``1 / (1 - dropout_p)``); in ``[0, 1)``.
-        seed: Philox seed (``0 <= seed < 2**64``), required when ``dropout_p > 0``. Use a new seed
-            per training step.
+            ``1 / (1 - dropout_p)``); a real number (int, float, numpy scalar; not a bool, str or
+            tensor) in ``[0, 1)``.
+        seed: Philox seed, an integer (int or numpy integer; not a bool, float or str) with
+            ``0 <= seed < 2**64``; required when ``dropout_p > 0``, checked whenever given. Use a
+            new seed per training step.
         return_lse: also return the natural log-sum-exp of the scaled scores, ``(B, H_q, T_q)``
             fp32 (no gradient flows through it).
         sequence_offset: global index of this batch's first sequence in the dropout key (data
-            parallelism: give each rank its global offset to draw the undivided batch's mask).
-        head_offset: global index of the first query head in the dropout key (tensor parallelism).
+            parallelism: give each rank its global offset to draw the undivided batch's mask); an
+            integer (int or numpy integer; a float is rejected, never truncated).
+        head_offset: global index of the first query head in the dropout key (tensor
+            parallelism); an integer, as ``sequence_offset``.
 
     Returns:
         ``o`` of shape ``(B, T_q, H_q, D)`` in q's dtype; with ``return_lse``, ``(o, lse)``.
 
     Raises:
-        TypeError: a non-tensor input, dtype other than bf16/fp16, or mixed dtypes.
+        TypeError: a non-tensor input, dtype other than bf16/fp16, or mixed dtypes; ``dropout_p``
+            not a real number (a bool, str or tensor); ``seed``, ``sequence_offset`` or
+            ``head_offset`` not an integer (a bool, float or str).
         ValueError: wrong ranks or shapes, head dim not 64 or 128, ``T = 0``, ``T > MAX_SEQLEN``
-            (``2**22``), ``H_q`` not a multiple of ``H_kv``, causal with ``T_k < T_q``, a bad
-            dropout probability or seed, tensors on different devices.
+            (``2**22``), ``H_q`` not a multiple of ``H_kv``, causal with ``T_k < T_q``,
+            ``dropout_p`` outside ``[0, 1)``, a seed outside ``[0, 2**64)`` or missing with
+            dropout, offsets out of range, tensors on different devices.
         RuntimeError: CPU tensors without the Triton interpreter.
 
     **Determinism:** bitwise identical run to run (O, LSE, dq, dk, dv; no atomics: each gradient
@@ -538,7 +572,9 @@ def attention(
         raise ValueError(
             f"{op}: causal attention needs T_k >= T_q (bottom-right alignment), got {t_k} < {t_q}"
         )
-    _check_dropout(dropout_p, seed, sequence_offset, head_offset, heads, batch, op)
+    dropout_p, seed, sequence_offset, head_offset = _check_dropout(
+        dropout_p, seed, sequence_offset, head_offset, heads, batch, op
+    )
     scale = _scale(softmax_scale, head_dim, op)
     # padded batch: sequence b starts at token b * T (no cu_seqlens tensors, no host sync)
     o, lse2 = _AttentionFunction.apply(
@@ -552,10 +588,10 @@ def attention(
         t_k,
         scale,
         bool(causal),
-        float(dropout_p),
+        dropout_p,
         seed,
-        int(sequence_offset),
-        int(head_offset),
+        sequence_offset,
+        head_offset,
     )
     o = o.view(batch, t_q, heads, head_dim)
     if not return_lse:
@@ -636,7 +672,7 @@ def attention_varlen(
         ("max_seqlen_q", max_seqlen_q, len_q),
         ("max_seqlen_k", max_seqlen_k, len_k),
     ):
-        given = _as_int(given, name, op)
+        given = _as_int(given, name, op, "; pass the longest sequence length, e.g. int(seqlens.max())")
         longest = int(lengths.max())
         if given < longest:
             raise ValueError(f"{op}: {name}={given} is below the longest sequence ({longest})")
@@ -646,7 +682,9 @@ def attention_varlen(
         raise ValueError(f"{op}: a sequence has queries but no keys (its attention is undefined)")
     if causal and bool((len_k < len_q).any()):
         raise ValueError(f"{op}: causal attention needs every key length >= its query length (bottom-right)")
-    _check_dropout(dropout_p, seed, sequence_offset, head_offset, heads, len_q.numel(), op)
+    dropout_p, seed, sequence_offset, head_offset = _check_dropout(
+        dropout_p, seed, sequence_offset, head_offset, heads, len_q.numel(), op
+    )
     scale = _scale(softmax_scale, head_dim, op)
     o, lse2 = _AttentionFunction.apply(
         q,
@@ -659,10 +697,10 @@ def attention_varlen(
         max(operator.index(max_seqlen_k), 1),
         scale,
         bool(causal),
-        float(dropout_p),
+        dropout_p,
         seed,
-        int(sequence_offset),
-        int(head_offset),
+        sequence_offset,
+        head_offset,
     )
     if not return_lse:
         return o

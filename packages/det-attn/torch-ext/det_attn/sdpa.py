@@ -29,18 +29,20 @@ def scaled_dot_product_attention(
         value: ``(B, H_kv, S, E)``.
         attn_mask: must be ``None``: arbitrary masks are not supported (use ``is_causal`` or
             ``det_attn.attention_varlen`` for padding/packing).
-        dropout_p: dropout probability; needs ``seed``.
+        dropout_p: dropout probability, a real number in ``[0, 1)``; needs ``seed``.
         is_causal: causal mask; torch aligns it top-left, so ``L == S`` is required here.
         scale: softmax scale, default ``1 / sqrt(E)``.
         enable_gqa: must be ``True`` when ``H_q != H_kv`` (as in torch).
-        seed: Philox seed for dropout (keyword only; torch's global generator is never used).
+        seed: Philox seed for dropout, an integer in ``[0, 2**64)`` (keyword only; torch's global
+            generator is never used).
 
     Returns:
         ``(B, H_q, L, E)``, a transposed view of ``attention``'s ``(B, L, H_q, E)`` output.
 
     Raises:
         ValueError: ``attn_mask`` given, ``H_q != H_kv`` without ``enable_gqa``, ``is_causal``
-            with ``L != S``, or anything ``det_attn.attention`` rejects (TypeError for dtypes).
+            with ``L != S``, or anything ``det_attn.attention`` rejects (TypeError for dtypes, a
+            ``dropout_p`` that is not a real number, a ``seed`` that is not an integer).
 
     **Determinism:** as ``det_attn.attention`` (run to run, batch invariant, no atomics).
 

@@ -10,7 +10,7 @@ import importlib
 
 import torch
 
-from .flash_attention import attention, attention_varlen
+from .flash_attention import _as_dropout_p, _as_seed, attention, attention_varlen
 
 __all__ = ["det_attn_transformers_forward", "register_transformers_attention"]
 
@@ -38,8 +38,11 @@ def det_attn_transformers_forward(
         ``(attn_output (B, T_q, H_q, D), None)``: no attention weights.
 
     Raises:
-        ValueError: a padding mask, sliding window or softcap (not supported), dropout without a
-            seed, or anything ``det_attn.attention`` rejects.
+        TypeError: ``dropout`` not a real number, ``det_attn_seed`` not an integer (a bool, float
+            or str), or anything ``det_attn.attention`` rejects as a type.
+        ValueError: a padding mask, sliding window or softcap (not supported), dropout outside
+            ``[0, 1)`` or without a seed, a seed outside ``[0, 2**64)``, or anything
+            ``det_attn.attention`` rejects.
 
     **Determinism:** as ``det_attn.attention`` / ``attention_varlen``; causal masks are
     bottom-right aligned, which is what KV-cache decoding needs.
@@ -57,8 +60,11 @@ def det_attn_transformers_forward(
     for name in ("sliding_window", "softcap"):
         if kwargs.get(name) is not None:
             raise ValueError(f"{op}: {name} is not supported")
+    dropout = _as_dropout_p(dropout, "dropout", op)
     seed = kwargs.get("det_attn_seed")
-    if dropout > 0.0 and seed is None:
+    if seed is not None:
+        seed = _as_seed(seed, "det_attn_seed", op)
+    elif dropout > 0.0:
         raise ValueError(
             f"{op}: attention dropout needs a seed: pass det_attn_seed=<int> through the model call"
         )
