@@ -250,13 +250,14 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     interpreter). It depends on which tokens share a leaf (as every canonical-order sum does).
 
     Raises:
-        TypeError: ids not integer or weight not floating point. ValueError: weight not 2-D, an id
-        out of range (checked on the host: one device sync). RuntimeError: device problems.
-        The id range check is skipped while a CUDA graph is being captured
-        (``torch.cuda.is_current_stream_capturing()``): no device value can be read then, as for
-        torch's own ops that cannot check device values during capture; keeping ids in ``[0, V)``
-        is then the caller's job (an id outside gives a device-side assert in the row lookup or,
-        for a negative id, a wrapped-around row and an undefined gradient).
+        TypeError: ids not integer or weight not floating point.
+        ValueError: weight not 2-D, an id out of range (checked on the host: one device sync).
+            The id range check is skipped while a CUDA graph is being captured
+            (``torch.cuda.is_current_stream_capturing()``): no device value can be read then, as
+            for torch's own ops that cannot check device values during capture; keeping ids in
+            ``[0, V)`` is then the caller's job (an id outside gives a device-side assert in the
+            row lookup or, for a negative id, a wrapped-around row and an undefined gradient).
+        RuntimeError: device problems.
     """
     if ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"embedding: ids must be int32 or int64, got {ids.dtype}")

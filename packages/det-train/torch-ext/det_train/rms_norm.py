@@ -242,10 +242,11 @@ def rms_norm(
     and the CPU interpreter (``tl.sum``'s tree and ``sqrt`` lowering).
 
     Raises:
-        TypeError: ``x`` or ``weight`` not a tensor; non-float or unsupported dtypes. ValueError:
-        weight shape or size mismatch (a weight whose shape is not ``x``'s trailing dims),
-        trailing shape mismatch, normalized size 0 (must be >= 1) or over 65536, ``eps``
-        negative, NaN or infinite. RuntimeError / ValueError: device problems.
+        TypeError: ``x`` or ``weight`` not a tensor; non-float or unsupported dtypes.
+        ValueError: weight shape or size mismatch (a weight whose shape is not ``x``'s trailing
+            dims), trailing shape mismatch, normalized size 0 (must be >= 1) or over 65536,
+            ``eps`` negative, NaN or infinite; tensors on different devices.
+        RuntimeError: CPU tensors without the Triton interpreter, or another unsupported device.
     """
     for name, t in (("x", x), ("weight", weight)):
         if t is not None and not isinstance(t, torch.Tensor):
