@@ -319,7 +319,7 @@ def test_numpy_seed_written_into_a_group_is_stored_as_an_int():
 @pytest.mark.parametrize(
     "base_indices, match",
     [([0, 8], "base_indices has 2 entries but params has 1"), ([-8], r"must be an int in \[0, 2\*\*62\)"),
-     ([2**70], r"must be an int in \[0, 2\*\*62\)"), ([1.5], r"must be an int in \[0, 2\*\*62\)")],
+     ([2**70], r"must be an int in \[0, 2\*\*62\)")],
 )  # fmt: skip
 def test_functional_step_rejects_bad_base_indices_untouched(base_indices, match):
     p = torch.randn(8).to(torch.bfloat16)
@@ -335,3 +335,41 @@ def test_functional_step_names_a_sparse_gradient():
     g = torch.ones(8).to_sparse()
     with pytest.raises(RuntimeError, match="SparseAdam"):
         adamw_sr_step([p], [g], [torch.zeros(8)], [torch.zeros(8)], None, torch.ones(1), lr=1e-3)
+
+
+def test_functional_step_base_indices_must_be_integers_any_integer_type_works():
+    p = torch.randn(8).to(torch.bfloat16)
+    m, v = torch.zeros(8), torch.zeros(8)
+    with pytest.raises(TypeError, match=r"base_indices\[0\] must be an integer"):
+        adamw_sr_step([p], [torch.ones(8)], [m], [v], None, torch.ones(1), lr=1e-3, base_indices=[1.5])
+    want = p.clone()
+    adamw_sr_step(
+        [want], [torch.ones(8)], [m.clone()], [v.clone()], None, torch.ones(1), lr=1e-3, base_indices=[64]
+    )
+    for index in (np.int64(64), torch.tensor(64)):
+        got = p.clone()
+        adamw_sr_step([got], [torch.ones(8)], [m.clone()], [v.clone()], None, torch.ones(1), lr=1e-3,
+                      base_indices=[index])  # fmt: skip
+        assert_bitwise_equal(got, want)
+
+
+def test_tensor_hyperparameters_are_accepted_like_torch_adamw():
+    # torch.optim.AdamW takes tensor betas / eps / weight_decay; so does AdamWSR, with the same bits
+    def run(**kw):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(32).to(torch.bfloat16))
+        opt = AdamWSR([p], lr=1e-3, seed=2, **kw)
+        for _ in range(2):
+            p.grad = torch.ones_like(p)
+            opt.step()
+        return p.detach()
+
+    want = run(betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+    got = run(
+        betas=(torch.tensor(0.9), torch.tensor(0.99)), eps=torch.tensor(1e-8), weight_decay=torch.tensor(0.01)
+    )
+    assert_bitwise_equal(got, want)
+    with pytest.raises(ValueError, match=r"Invalid betas"):
+        AdamWSR([torch.nn.Parameter(torch.ones(4))], betas=(torch.tensor(1.0), 0.9))
+    with pytest.raises(ValueError, match="eps as a tensor must have 1 element"):
+        AdamWSR([torch.nn.Parameter(torch.ones(4))], eps=torch.ones(2))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import operator
 from collections import OrderedDict
 
 import torch
@@ -50,16 +49,9 @@ def default_base_indices(numels) -> list[int]:
 
 
 def _as_seed(seed, op: str) -> int:
-    """``seed`` as a Python int in ``[0, 2**64)``: any integer type (``operator.index``: int, numpy
+    """``seed`` as an int in ``[0, 2**64)``: any integer type (``operator.index``: int, numpy
     integers), never a bool or a float."""
-    if isinstance(seed, bool) or getattr(seed, "dtype", None) == torch.bool:
-        raise TypeError(f"{op}: seed must be an integer, got the bool {seed!r}; pass an int such as 0")
-    try:
-        value = operator.index(seed)
-    except TypeError:
-        raise TypeError(
-            f"{op}: seed must be an integer (int or numpy integer), got {type(seed).__name__} {seed!r}"
-        ) from None
+    value = runtime.as_index(seed, "seed", op, "; pass an int such as 0")
     if not 0 <= value < 2**64:
         raise ValueError(f"{op}: seed must be in [0, 2**64), got {value}")
     return value
@@ -67,30 +59,32 @@ def _as_seed(seed, op: str) -> int:
 
 def _check_hyperparameters(lr, betas, eps, weight_decay, op: str) -> None:
     """``torch.optim.AdamW``'s ranges: ``lr >= 0``, ``0 <= beta < 1``, ``eps >= 0``,
-    ``weight_decay >= 0`` (NaN fails every one). A tensor ``lr`` must have one element; its value
-    is checked only where reading it needs no device sync (a CPU tensor)."""
-    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
-        if name == "lr" and isinstance(value, torch.Tensor):
+    ``weight_decay >= 0`` (NaN fails every one). Each may be a real number or, as in torch, a
+    1-element tensor, whose value is checked only where reading it needs no device sync (a CPU
+    tensor, outside torch.compile)."""
+    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+        raise ValueError(f"{op}: betas must be a pair (beta1, beta2), got {betas!r}")
+    checks = (
+        ("lr", lr, lambda x: 0.0 <= x, "Invalid learning rate: {}; it must be >= 0"),
+        ("betas[0]", betas[0], lambda x: 0.0 <= x < 1.0, "Invalid betas {}: each must be in [0, 1)"),
+        ("betas[1]", betas[1], lambda x: 0.0 <= x < 1.0, "Invalid betas {}: each must be in [0, 1)"),
+        ("eps", eps, lambda x: 0.0 <= x, "Invalid epsilon value: {}; it must be >= 0"),
+        ("weight_decay", weight_decay, lambda x: 0.0 <= x, "Invalid weight_decay value: {}; it must be >= 0"),
+    )
+    for name, value, ok, message in checks:
+        shown = tuple(betas) if name.startswith("betas") else value
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise ValueError(
+                    f"{op}: {name} as a tensor must have 1 element, got shape {tuple(value.shape)}"
+                )
+            if value.device.type == "cpu" and not torch.compiler.is_compiling() and not ok(float(value)):
+                raise ValueError(f"{op}: " + message.format(shown))
             continue
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(f"{op}: {name} must be a real number, got {type(value).__name__} {value!r}")
-    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
-        raise ValueError(f"{op}: betas must be a pair (beta1, beta2), got {betas!r}")
-    if any(isinstance(b, bool) or not isinstance(b, numbers.Real) for b in betas):
-        raise TypeError(f"{op}: betas must be two real numbers, got {betas!r}")
-    if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"{op}: lr as a tensor must have 1 element, got shape {tuple(lr.shape)}")
-        if lr.device.type == "cpu" and not torch.compiler.is_compiling() and not 0.0 <= float(lr):
-            raise ValueError(f"{op}: Invalid learning rate: {float(lr)}; it must be >= 0")
-    elif not 0.0 <= lr:
-        raise ValueError(f"{op}: Invalid learning rate: {lr}; it must be >= 0")
-    if not 0.0 <= eps:
-        raise ValueError(f"{op}: Invalid epsilon value: {eps}; it must be >= 0")
-    if not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"{op}: Invalid betas {tuple(betas)}: each must be in [0, 1)")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"{op}: Invalid weight_decay value: {weight_decay}; it must be >= 0")
+        if not ok(value):
+            raise ValueError(f"{op}: " + message.format(shown))
 
 
 # --------------------------------------------------------------------------- global element index
@@ -403,7 +397,8 @@ def adamw_sr_step(
                 "give one global start index per param"
             )
         for i, b in enumerate(base_indices):
-            if isinstance(b, bool) or not isinstance(b, numbers.Integral) or not 0 <= b < 2**62:
+            b = base_indices[i] = runtime.as_index(b, f"base_indices[{i}]", "adamw_sr_step")
+            if not 0 <= b < 2**62:
                 raise ValueError(
                     f"adamw_sr_step: base_indices[{i}] = {b!r} must be an int in [0, 2**62) "
                     "(the global index of the param's first element)"

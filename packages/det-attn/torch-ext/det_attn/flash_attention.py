@@ -180,17 +180,9 @@ def _as_seed(value, name: str, op: str) -> int:
 
 
 def _as_int(value, name: str, op: str, hint: str = "") -> int:
-    """``value`` as a Python int: any integral type (``operator.index``: int, numpy and 0-dim
-    integer tensors), never a bool or a float. ``hint`` (what to pass instead) ends the message."""
-    if isinstance(value, bool) or getattr(value, "dtype", None) == torch.bool:
-        raise TypeError(f"{op}: {name} must be an integer, got the bool {value!r}{hint}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(
-            f"{op}: {name} must be an integer (int or numpy integer), "
-            f"got {type(value).__name__} {value!r}{hint}"
-        ) from None
+    """``value`` as an int: any integral type (int, numpy and 0-dim integer tensors), never a bool
+    or a float (det_core's ``runtime.as_index``). ``hint`` (what to pass instead) ends the message."""
+    return runtime.as_index(value, name, op, hint)
 
 
 def _check_cu_seqlens(cu: torch.Tensor, total: int, device: torch.device, name: str, op: str) -> torch.Tensor:

@@ -11,14 +11,12 @@ elementwise: ``dlogits = (softmax(x) - onehot(t)) * scale_i``.
 
 from __future__ import annotations
 
-import operator
-
 import torch
 import triton
 import triton.language as tl
 
 from ._leaf_sums import leaf_layout, tree_in_place
-from ._vendor.det_core.runtime import check_kernel_device
+from ._vendor.det_core.runtime import as_index, check_kernel_device
 
 __all__ = ["cross_entropy"]
 
@@ -187,20 +185,9 @@ def _canonical_token_sum(loss: torch.Tensor) -> torch.Tensor:
 
 
 def _as_token_count(value) -> int:
-    """``num_global_tokens`` as a positive Python int: any integer type (``operator.index``: int,
-    numpy integers, 1-element integer tensors), never a bool, float or str (no silent truncation)."""
-    if isinstance(value, bool) or getattr(value, "dtype", None) == torch.bool:
-        raise TypeError(
-            f"cross_entropy: num_global_tokens must be an integer, got the bool {value!r}; "
-            "pass the global batch's token count"
-        )
-    try:
-        count = operator.index(value)
-    except TypeError:
-        raise TypeError(
-            f"cross_entropy: num_global_tokens must be an integer (int or numpy integer), got "
-            f"{type(value).__name__} {value!r}; pass the global batch's token count, e.g. int(n)"
-        ) from None
+    """``num_global_tokens`` as a positive int: any integer type (``operator.index``: int, numpy
+    integers, 1-element integer tensors), never a bool, float or str (no silent truncation)."""
+    count = as_index(value, "num_global_tokens", "cross_entropy", "; pass the global batch's token count")
     if count <= 0:
         raise ValueError(f"cross_entropy: num_global_tokens must be a positive int, got {count}")
     return count

@@ -9,11 +9,12 @@ when a kernel is decorated). Under the interpreter bf16 ``tl.dot`` is not suppor
 
 from __future__ import annotations
 
+import operator
 import os
 
 import torch
 
-__all__ = ["check_kernel_device", "interpreter_active"]
+__all__ = ["as_index", "check_kernel_device", "interpreter_active"]
 
 
 def interpreter_active() -> bool:
@@ -41,3 +42,27 @@ def check_kernel_device(*tensors: torch.Tensor, op: str = "kernel") -> torch.dev
     if device.type not in ("cpu", "cuda"):
         raise RuntimeError(f"{op}: device {device} is not supported (CUDA, or CPU with TRITON_INTERPRET=1)")
     return device
+
+
+def as_index(value, name: str, op: str, hint: str = ""):
+    """``value`` as an integer: any integral type (``operator.index``: int, numpy integers, 0-dim
+    integer tensors), never a bool, a float or a string (no silent truncation).
+
+    A plain ``int`` (and a ``torch.SymInt`` while torch.compile traces a value that changes from
+    call to call, such as a per-step seed) is returned as it is, before any other test: dynamo
+    cannot trace ``hasattr`` on a SymInt. ``hint`` (what to pass instead) ends the message.
+
+    Raises:
+        TypeError: a bool (Python, numpy or torch), a float, a string or another non-integral value.
+    """
+    if type(value) is int or isinstance(value, torch.SymInt):
+        return value
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise TypeError(f"{op}: {name} must be an integer, got the bool {value!r}{hint}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        kind = type(value).__name__
+        raise TypeError(
+            f"{op}: {name} must be an integer (int or numpy integer), got {kind} {value!r}{hint}"
+        ) from None
