@@ -100,5 +100,10 @@ def bench(session: nox.Session) -> None:
     _install(session, "test")
     args = session.posargs or ["--out", "bench-results"]  # raw tables + JSON + figures; docs/ is curated
     session.run("python", "tools/run_benchmarks.py", *args, env=_source_env())
-    out = args[args.index("--out") + 1] if "--out" in args else "bench-results"
+    out = "bench-results"
+    for i, arg in enumerate(args):  # --out DIR or --out=DIR
+        if arg == "--out" and i + 1 < len(args):
+            out = args[i + 1]
+        elif arg.startswith("--out="):
+            out = arg.split("=", 1)[1]
     session.run("python", "tools/plot_benchmarks.py", f"{out}/benchmarks.json", "--out", out)
