@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .runtime import as_index
+
 RNG_CONTRACT_VERSION = 1
 
 # Registered streams. A new user takes a new number; an existing number never changes meaning.
@@ -38,6 +40,22 @@ PHILOX_W1 = 0xBB67AE85
 PHILOX_ROUNDS = 10
 
 _MASK32 = 0xFFFFFFFF
+
+
+def as_seed(value, op: str, name: str = "seed", hint: str = "; pass an int such as 0") -> int:
+    """A user's Philox seed as an int in ``[0, 2**64)``: any integer type (int, numpy integers, 0-dim
+    integer tensors; ``runtime.as_index``), never a bool, a float or a string.
+
+    Raises:
+        TypeError: not an integer.
+        ValueError: outside ``[0, 2**64)``.
+
+    **Determinism:** a pure function of ``value`` (no device read, no global state).
+    """
+    seed = as_index(value, name, op, hint)
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"{op}: {name} must be in [0, 2**64), got {seed}")
+    return seed
 
 
 def check_key(seed: int, step: int, stream: int) -> None:

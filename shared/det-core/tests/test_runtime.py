@@ -19,3 +19,13 @@ def test_as_index_accepts_every_integer_type(value):
 def test_as_index_rejects_bools_floats_and_strings_with_the_name_and_hint(value):
     with pytest.raises(TypeError, match=r"op: n must be an integer.*; pass 7"):
         runtime.as_index(value, "n", "op", "; pass 7")
+
+
+def test_as_seed_checks_type_and_the_64_bit_range():
+    from det_core import rng
+
+    assert rng.as_seed(np.uint64(2**64 - 1), "op") == 2**64 - 1
+    with pytest.raises(ValueError, match=r"op: seed must be in \[0, 2\*\*64\)"):
+        rng.as_seed(-1, "op")
+    with pytest.raises(TypeError, match="op: seed must be an integer"):
+        rng.as_seed(True, "op")

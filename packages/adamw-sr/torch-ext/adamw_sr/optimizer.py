@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import kernel
-from ._vendor.det_core import runtime
+from ._vendor.det_core import rng, runtime
 
 __all__ = ["AdamWSR", "adamw_sr_step", "default_base_indices", "local_segments"]
 
@@ -46,15 +46,6 @@ def default_base_indices(numels) -> list[int]:
         out.append(offset)
         offset = -(-(offset + int(n)) // BASE_INDEX_ALIGNMENT) * BASE_INDEX_ALIGNMENT
     return out
-
-
-def _as_seed(seed, op: str) -> int:
-    """``seed`` as an int in ``[0, 2**64)``: any integer type (``operator.index``: int, numpy
-    integers), never a bool or a float."""
-    value = runtime.as_index(seed, "seed", op, "; pass an int such as 0")
-    if not 0 <= value < 2**64:
-        raise ValueError(f"{op}: seed must be in [0, 2**64), got {value}")
-    return value
 
 
 def _check_hyperparameters(lr, betas, eps, weight_decay, op: str) -> None:
@@ -342,7 +333,7 @@ def adamw_sr_step(
     ``reference.adamw_sr_step_reference``. Not guaranteed across Triton versions or GPU models.
     """
     max_exp_avg_sqs = list(max_exp_avg_sqs or [])
-    seed = _as_seed(seed, "adamw_sr_step")
+    seed = rng.as_seed(seed, "adamw_sr_step")
     _check_hyperparameters(lr, (beta1, beta2), eps, weight_decay, "adamw_sr_step")
     n = len(params)
     lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
@@ -532,7 +523,7 @@ class AdamWSR(torch.optim.Optimizer):
             # torch.optim.AdamW reads a tensor lr here too (a one-off sync at construction)
             raise ValueError(f"AdamWSR: Invalid learning rate: {float(lr)}; it must be >= 0")
         _check_hyperparameters(lr, betas, eps, weight_decay, "AdamWSR")
-        seed = _as_seed(seed, "AdamWSR")
+        seed = rng.as_seed(seed, "AdamWSR")
         if stochastic_rounding not in (None, True, False):
             raise ValueError(f"stochastic_rounding must be None, True or False, got {stochastic_rounding!r}")
         for name, value in (("foreach", foreach), ("fused", fused)):
@@ -583,7 +574,7 @@ class AdamWSR(torch.optim.Optimizer):
                 self.param_groups.pop()
                 raise (TypeError if "dtype" in problem else ValueError)(f"AdamWSR: {problem}")
         try:
-            group["seed"] = _as_seed(group["seed"], "AdamWSR")
+            group["seed"] = rng.as_seed(group["seed"], "AdamWSR")
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
@@ -768,10 +759,7 @@ class AdamWSR(torch.optim.Optimizer):
                 # param_groups are user-editable (schedulers write lr): re-check the values the
                 # kernel reads before any state (the step counters) changes. Not while tracing:
                 # the compiled step guards on these values, checked by the eager calls before it.
-                if type(group["seed"]) is not int:
-                    group["seed"] = _as_seed(group["seed"], "AdamWSR.step")
-                elif not 0 <= group["seed"] < 2**64:
-                    _as_seed(group["seed"], "AdamWSR.step")
+                group["seed"] = rng.as_seed(group["seed"], "AdamWSR.step")
                 _check_hyperparameters(
                     group["lr"], group["betas"], group["eps"], group["weight_decay"], "AdamWSR.step"
                 )

@@ -141,10 +141,12 @@ def _check_dropout(
         seed = _as_seed(seed, "seed", op)
     elif dropout_p > 0.0:
         raise ValueError(f"{op}: dropout_p > 0 needs an explicit integer seed (there is no global generator)")
-    sequence_offset = _as_int(
+    sequence_offset = runtime.as_index(
         sequence_offset, "sequence_offset", op, "; pass the global index of the batch's first sequence"
     )
-    head_offset = _as_int(head_offset, "head_offset", op, "; pass the global index of the first query head")
+    head_offset = runtime.as_index(
+        head_offset, "head_offset", op, "; pass the global index of the first query head"
+    )
     if not 0 <= sequence_offset or sequence_offset + batch > 2**32:
         raise ValueError(
             f"{op}: sequence_offset + sequences must be in [0, 2**32], got {sequence_offset} + {batch}"
@@ -171,18 +173,7 @@ def _as_dropout_p(value, name: str, op: str) -> float:
 
 
 def _as_seed(value, name: str, op: str) -> int:
-    """``value`` as a Philox seed, a Python int in ``[0, 2**64)``: any integral type
-    (``operator.index``: int, numpy integers), never a bool, float or str."""
-    seed = _as_int(value, name, op, "; pass an int such as 0, a new one per training step")
-    if not 0 <= seed < 2**64:
-        raise ValueError(f"{op}: {name} must be in [0, 2**64), got {seed}")
-    return seed
-
-
-def _as_int(value, name: str, op: str, hint: str = "") -> int:
-    """``value`` as an int: any integral type (int, numpy and 0-dim integer tensors), never a bool
-    or a float (det_core's ``runtime.as_index``). ``hint`` (what to pass instead) ends the message."""
-    return runtime.as_index(value, name, op, hint)
+    return rng.as_seed(value, op, name, "; pass an int such as 0, a new one per training step")
 
 
 def _check_cu_seqlens(cu: torch.Tensor, total: int, device: torch.device, name: str, op: str) -> torch.Tensor:
@@ -664,7 +655,9 @@ def attention_varlen(
         ("max_seqlen_q", max_seqlen_q, len_q),
         ("max_seqlen_k", max_seqlen_k, len_k),
     ):
-        given = _as_int(given, name, op, "; pass the longest sequence length, e.g. int(seqlens.max())")
+        given = runtime.as_index(
+            given, name, op, "; pass the longest sequence length, e.g. int(seqlens.max())"
+        )
         longest = int(lengths.max())
         if given < longest:
             raise ValueError(f"{op}: {name}={given} is below the longest sequence ({longest})")

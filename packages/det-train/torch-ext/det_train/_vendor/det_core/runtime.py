@@ -54,6 +54,8 @@ def as_index(value, name: str, op: str, hint: str = ""):
 
     Raises:
         TypeError: a bool (Python, numpy or torch), a float, a string or another non-integral value.
+
+    **Determinism:** a pure function of ``value`` (no device read, no global state).
     """
     if type(value) is int or isinstance(value, torch.SymInt):
         return value
