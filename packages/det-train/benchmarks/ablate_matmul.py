@@ -131,13 +131,14 @@ def _same(fn, ref: torch.Tensor) -> str:
         return f"error: {type(exc).__name__}"
 
 
-def _run_shape(m, k, n, fwd_cands, dw_cands, table_fwd, table_dw, rows: list[dict], dx_cands=None) -> None:
+def _run_shape(m, k, n, fwd_cands, dw_cands, rows: list[dict], dx_cands=None) -> None:
     """Time and bit-check every candidate on one (M, K, N); append one row per candidate."""
     from det_train import configs
     from det_train.matmul import launch_matmul
     from det_train.weight_grad import weight_grad_partial
 
     table_fwd = configs.matmul_config(torch.bfloat16, "nt", n, k, rows=m)  # M picks TMA or pointer
+    table_dw = configs.weight_grad_config(torch.bfloat16, n, k)
     g = torch.Generator(device=DEVICE).manual_seed(0)
     x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16, generator=g)
     w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16, generator=g)
@@ -202,7 +203,6 @@ def main(argv: list[str] | None = None) -> int:
         print("ablate_matmul: needs a CUDA GPU")
         return 1
     import triton
-    from det_train import configs
 
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
@@ -219,12 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     dx_cands = None
     if args.gpt:
         fwd_cands, dx_cands, dw_cands = _gpt_candidates()
-    table_fwd = configs.matmul_config(torch.bfloat16, "nt", 4096, 4096)
-    table_dw = configs.weight_grad_config(torch.bfloat16, 4096, 4096)
     t0 = time.time()
     rows: list[dict] = []
     for m, k, n in GPT_SHAPES if args.gpt else SHAPES:
-        _run_shape(m, k, n, fwd_cands, dw_cands, table_fwd, table_dw, rows, dx_cands)
+        _run_shape(m, k, n, fwd_cands, dw_cands, rows, dx_cands)
         torch.cuda.empty_cache()
 
     print(f"\nelapsed {time.time() - t0:.0f} s (compiles included)\n")
