@@ -139,6 +139,10 @@ def test_row_invariance_of_y_and_dx(bias):
         (4, dict(lean=True, pairs=True, tma=True)),
         (8, dict(lean=True, merge_in_registers=True)),
         (8, dict(lean=True, pairs=True, tma=True, merge_in_registers=True)),
+        (2, dict(lean=True, pairs=True, tma=True, interleave=True)),
+        (8, dict(lean=True, pairs=True, tma=True, interleave=True)),
+        (4, dict(lean=True, pairs=True, tma=True, quads=True)),
+        (8, dict(lean=True, pairs=True, tma=True, quads=True, interleave=True, merge_in_registers=True)),
     ],
 )
 def test_leaves_per_program_does_not_change_bits(leaves_per_program, kernel):
@@ -174,8 +178,8 @@ def test_leaves_per_program_does_not_change_bits(leaves_per_program, kernel):
 
 
 # dW variants of the large shape class that compile on Triton 3.6 (H200) and must give the table's bits.
-_LEAN = dict(lean=True, tma=True, scratch_tree=False, flat_loop=False, merge_in_registers=False)
-_OLD = dict(lean=False, tma=False, pairs=False, maxnreg=None, programs_per_sm=2)  # pre-lean kernels
+_LEAN = dict(lean=True, tma=True, scratch_tree=False, flat_loop=False, merge_in_registers=False, quads=False)
+_OLD = dict(lean=False, tma=False, pairs=False, quads=False, maxnreg=None, programs_per_sm=2)  # pre-lean kernels
 SUPPORTED_DW_VARIANTS = [  # the first 9 ran bit-exact on an H200, Triton 3.6 (tests, sweep, ablation)
     dict(_OLD, leaves_per_program=1, scratch_tree=False, num_stages=3),
     dict(_OLD, leaves_per_program=2, scratch_tree=False, num_stages=3),
@@ -194,6 +198,14 @@ SUPPORTED_DW_VARIANTS = [  # the first 9 ran bit-exact on an H200, Triton 3.6 (t
          block_n=64, block_k=128, num_warps=4),
     dict(_LEAN, leaves_per_program=8, pairs=False, maxnreg=None, programs_per_sm=1, num_stages=3,
          block_k=256),
+    dict(_LEAN, leaves_per_program=8, pairs=True, maxnreg=None, programs_per_sm=1, num_stages=3,
+         interleave=True),
+    dict(_LEAN, leaves_per_program=2, pairs=True, maxnreg=None, programs_per_sm=1, num_stages=3,
+         interleave=True),
+    dict(_LEAN, leaves_per_program=8, pairs=True, maxnreg=None, programs_per_sm=1, num_stages=4,
+         merge_in_registers=True),
+    dict(_LEAN, leaves_per_program=8, pairs=True, maxnreg=None, programs_per_sm=1, num_stages=3,
+         quads=True),
 ]  # fmt: skip
 # ptxas (Triton 3.6) failed on this one: "Insufficient registers (128) ... register target of 154"
 PTXAS_FAILED_DW_VARIANT = dict(
@@ -211,10 +223,14 @@ def test_dw_config_check_rejects_what_ptxas_cannot_compile():
     assert configs.live_accumulator_registers(bad) == 128  # 128 x 256 fp32 over 256 threads
     with pytest.raises(ValueError, match=r"maxnreg=128 .* Use maxnreg >= 160"):
         check_weight_grad_config(bad)
-    with pytest.raises(ValueError, match="two tiles live"):  # pairs: 2 x 64 registers under 128
-        check_weight_grad_config(dataclasses.replace(base, maxnreg=128))
+    with pytest.raises(ValueError, match="2 tiles live"):  # pairs: 2 x 64 registers under 128
+        check_weight_grad_config(dataclasses.replace(base, quads=False, maxnreg=128))
+    with pytest.raises(ValueError, match="3 tiles live"):  # quads: 3 x 64 registers under 192
+        check_weight_grad_config(dataclasses.replace(base, maxnreg=192))
+    with pytest.raises(ValueError, match="need lean, pairs and tma"):
+        check_weight_grad_config(dataclasses.replace(base, tma=False))
     with pytest.raises(ValueError, match="lean dW kernel only"):
-        check_weight_grad_config(dataclasses.replace(base, lean=False, maxnreg=128, scratch_tree=True))
+        check_weight_grad_config(dataclasses.replace(base, lean=False, quads=False, maxnreg=128, scratch_tree=True))
     with pytest.raises(ValueError, match="leaves_per_program"):
         check_weight_grad_config(WeightGradConfig(64, 64, 64, 8, 4, 3, 3))
     # weight_grad_partial checks before compiling: the error, not a ptxas failure

@@ -25,7 +25,7 @@ steps of ``block_k`` (each step one ``tl.dot``, i.e. a fixed tensor-core instruc
 only tile the output, load the tiles and schedule the work: every entry of one dtype uses the same
 ``block_k``, so every entry gives the same bits (checked by a ``gpu`` test). For the weight gradient
 the token step ``block_t`` changes bits (it is the fold step inside a leaf); ``leaves_per_program``,
-``scratch_tree``, ``flat_loop``, ``lean``, ``pairs``, ``merge_in_registers``, ``tma``,
+``scratch_tree``, ``flat_loop``, ``lean``, ``pairs``, ``interleave``, ``quads``, ``merge_in_registers``, ``tma``,
 ``programs_per_sm`` and ``maxnreg`` do not (they choose how much of the fixed leaf tree one program
 computes, where it keeps waiting nodes, how it loads tiles and how many programs share an SM).
 
@@ -95,6 +95,8 @@ class WeightGradConfig:
     maxnreg: int | None = None  # register cap per thread (ptxas .maxnreg), None: the compiler's choice
     tma: bool = False  # with lean: dY / X tiles loaded by TMA (when leaves are block_t-aligned)
     merge_in_registers: bool = False  # with lean: add whole left-sibling tiles in registers
+    interleave: bool = False  # with lean, pairs, tma: both leaves of a pair folded in one loop
+    quads: bool = False  # with lean, pairs, tma: four leaves (two pairs) summed in registers
 
 
 # The K step of each dtype: part of the reduction order (changing it changes bits).
@@ -134,11 +136,12 @@ _MATMUL_TABLE: dict[tuple[str, str, str, str], MatmulConfig] = {
 # dW = dY^T X: A = dY read transposed (tokens contiguous per column), B = X row-major.
 # Large: 128x128 output tile; up to 8 leaves per program, so a micro-batch of <= 8 leaves (8192
 # tokens at 1024 per leaf) is finished in-kernel with no fp32 node written to HBM. The lean kernel
-# with pairs (the two leaves of a level-1 node summed in registers: two tiles live, one program per
-# SM, no register cap, half the scratch traffic) and TMA loads, 4 stages, measured best on an H200
-# (torch 2.11, Triton 3.6, benchmarks/ablate_matmul.py): 0.60x / 0.61x cuBLAS at 8192 tokens
-# (K = 4096, N = 4096 / 14336), 0.79x at 1024 tokens; the previous entry (lean, TMA, maxnreg 128,
-# 2 programs / SM, 3 stages) 0.53x / 0.49x / 0.57x; the first scratch-stack kernel 0.48x / 0.47x.
+# with quads (the four leaves of a level-2 node summed in registers: three tiles live, one program
+# per SM; levels >= 2 merged through the L2 scratch stack) and TMA loads, 4 stages. Measured on an
+# H200 (torch 2.11, Triton 3.6, 2026-11-29, device time in a CUDA graph, cuBLAS alongside): 0.71x
+# cuBLAS at 8192x4096x4096, 0.55-0.64x at the main job's 16384-token layers; the previous entry
+# (pairs: two leaves in registers, every level-1 node merged in memory) 0.63x / 0.51-0.58x. The
+# merges are what cost: the same kernel with 4096-token leaves (other bits) ran at 0.82-0.84x.
 _WEIGHT_GRAD_TABLE: dict[tuple[str, str], WeightGradConfig] = {
     ("half", "large"): WeightGradConfig(
         block_n=128,
@@ -150,6 +153,7 @@ _WEIGHT_GRAD_TABLE: dict[tuple[str, str], WeightGradConfig] = {
         leaves_per_program=8,
         lean=True,
         pairs=True,
+        quads=True,
         programs_per_sm=1,
         maxnreg=None,
         tma=True,
@@ -213,9 +217,11 @@ def weight_grad_config(dtype: torch.dtype, n: int, k: int) -> WeightGradConfig:
 
 
 def live_accumulator_registers(config: WeightGradConfig) -> int:
-    """fp32 registers per thread held by the dW kernel's live accumulator tiles (two with ``pairs``
-    or ``merge_in_registers`` in the lean kernel, else one)."""
+    """fp32 registers per thread held by the dW kernel's live accumulator tiles (three with
+    ``quads``, two with ``pairs`` or ``merge_in_registers`` in the lean kernel, else one)."""
     tiles = 2 if config.lean and (config.pairs or config.merge_in_registers) else 1
+    if config.lean and config.quads:
+        tiles = 3
     return tiles * config.block_n * config.block_k // (32 * config.num_warps)
 
 
@@ -224,7 +230,8 @@ def check_weight_grad_config(config: WeightGradConfig) -> None:
     """Raise ValueError for a dW config outside the supported variants (before any compile).
 
     Rejected: ``leaves_per_program`` not a power of 2 (or above 4 without ``scratch_tree`` /
-    ``lean``); ``maxnreg`` on a kernel other than the lean one (it would be ignored); a ``maxnreg``
+    ``lean``); ``interleave`` or ``quads`` without ``lean``, ``pairs`` and ``tma``; ``maxnreg`` on
+    a kernel other than the lean one (it would be ignored); a ``maxnreg``
     below ``live_accumulator_registers(config) + MAXNREG_HEADROOM`` (ptxas fails with "Insufficient
     registers", e.g. a 128x256 tile at 8 warps under ``maxnreg=128`` on Triton 3.6 and 3.9, or
     spills: ``pairs`` with two 128x128 tiles under ``maxnreg=128`` spills ~1 KB per thread).
@@ -234,6 +241,8 @@ def check_weight_grad_config(config: WeightGradConfig) -> None:
         raise ValueError(
             f"leaves_per_program must be 1, 2 or 4 (any power of 2 with scratch_tree or lean), got {lpp}"
         )
+    if (config.interleave or config.quads) and not (config.lean and config.pairs and config.tma):
+        raise ValueError("interleave and quads are TMA variants of the pairs kernel: they need lean, pairs and tma")
     if config.maxnreg is None:
         return
     if not config.lean:
@@ -241,12 +250,14 @@ def check_weight_grad_config(config: WeightGradConfig) -> None:
             f"maxnreg={config.maxnreg} applies to the lean dW kernel only; set lean=True or maxnreg=None"
         )
     need = live_accumulator_registers(config) + MAXNREG_HEADROOM
+    tiles = live_accumulator_registers(config) * 32 * config.num_warps // (config.block_n * config.block_k)
+    tiles_note = f", {tiles} tiles live" if tiles > 1 else ""
     if config.maxnreg < need:
         raise ValueError(
             f"unsupported dW config: maxnreg={config.maxnreg} leaves no room for the live fp32 accumulator "
             f"({live_accumulator_registers(config)} registers per thread for "
             f"{config.block_n}x{config.block_k} at {config.num_warps} warps"
-            f"{', two tiles live' if config.lean and (config.pairs or config.merge_in_registers) else ''}); "
+            f"{tiles_note}); "
             f"ptxas cannot compile it or must spill. Use maxnreg >= {need}, maxnreg=None, "
             "or a smaller tile / more warps."
         )

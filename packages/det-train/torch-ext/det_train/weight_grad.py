@@ -5,9 +5,9 @@ is a sequential fp32 fold in steps of ``block_t`` tokens (the only field of ``We
 that changes bits); leaves are combined by det_core's fixed tree (``TreePartial``). The kernels
 compute whole aligned subtrees of up to ``leaves_per_program`` leaves:
 
-- ``_weight_grad_lean_kernel`` (the table's entry for large layers): the two leaves of each
-  level-1 node summed in registers, higher levels merged through a per-program fp32 scratch stack
-  that stays in L2, TMA loads, one program per SM;
+- ``_weight_grad_lean_kernel`` (the table's entry for large layers): the four leaves of each
+  level-2 node summed in registers (``quads``; ``pairs``: two leaves), higher levels merged
+  through a per-program fp32 scratch stack that stays in L2, TMA loads, one program per SM;
 - ``_weight_grad_kernel``: up to 4 leaves in registers (the table's entry for small layers);
 - ``_weight_grad_stack_kernel`` / ``_weight_grad_flat_kernel``: earlier scratch-stack variants,
   kept for ``benchmarks/ablate_matmul.py`` and the tests that every variant gives the same bits.
@@ -23,6 +23,7 @@ import triton.language as tl
 
 from ._vendor.det_core import runtime
 from ._vendor.det_core.reduce import TreePartial, num_leaves
+from ._leaf_sums import tree_in_place
 from .configs import BIAS_GRAD_BLOCK_T, WeightGradConfig, check_weight_grad_config, weight_grad_config
 from .matmul import _dot_precision, bf16_by_bits, runtime_programs, store_rounded
 
@@ -76,6 +77,58 @@ def _leaf_sum_tma(
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     return acc
+
+
+@triton.jit
+def _leaf_pair_sum_tma(
+    dy_desc, x_desc, left_start, LEAF_TOKENS, off_n, off_k,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Two full adjacent leaves folded in one loop (step i of both per iteration), then added:
+    each leaf is still its own fold from zero in token order, so the bits are those of two
+    ``_leaf_sum_tma`` calls; one pipeline fill per pair instead of one per leaf."""
+    right_start = left_start + LEAF_TOKENS
+    left = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    right = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for t in range(0, LEAF_TOKENS, BLOCK_T):
+        a0 = tl.trans(dy_desc.load([left_start + t, off_n]))
+        b0 = x_desc.load([left_start + t, off_k])
+        a1 = tl.trans(dy_desc.load([right_start + t, off_n]))
+        b1 = x_desc.load([right_start + t, off_k])
+        if UPCAST:  # interpreter: fp32 dot of row-major copies, as _leaf_sum_tma
+            a0 = tl.reshape(tl.reshape(a0.to(tl.float32), (BLOCK_N * BLOCK_T,)), (BLOCK_N, BLOCK_T))
+            a1 = tl.reshape(tl.reshape(a1.to(tl.float32), (BLOCK_N * BLOCK_T,)), (BLOCK_N, BLOCK_T))
+            b0 = b0.to(tl.float32)
+            b1 = b1.to(tl.float32)
+        left = tl.dot(a0, b0, left, input_precision=DOT_PRECISION)
+        right = tl.dot(a1, b1, right, input_precision=DOT_PRECISION)
+    return left + right
+
+
+@triton.jit
+def _pair_node_tma(
+    dy_desc, x_desc, start, T, LEAF_TOKENS, off_n, off_k,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERLEAVE: tl.constexpr,
+):  # fmt: skip
+    """node(1) = leaf + next leaf: interleaved when both are full (and ``INTERLEAVE``), else one leaf
+    after the other (same bits either way)."""
+    if INTERLEAVE and start + 2 * LEAF_TOKENS <= T:
+        node = _leaf_pair_sum_tma(
+            dy_desc, x_desc, start, LEAF_TOKENS, off_n, off_k, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST, DOT_PRECISION
+        )
+    else:
+        start1 = start + LEAF_TOKENS
+        node = _leaf_sum_tma(
+            dy_desc, x_desc, start, tl.minimum(start1, T), off_n, off_k, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST,
+            DOT_PRECISION,
+        )  # fmt: skip
+        node = node + _leaf_sum_tma(
+            dy_desc, x_desc, start1, tl.minimum(start1 + LEAF_TOKENS, T), off_n, off_k, BLOCK_N, BLOCK_K,
+            BLOCK_T, UPCAST, DOT_PRECISION,
+        )  # fmt: skip
+    return node
 
 
 @triton.jit(do_not_specialize=["T", "run_start"])
@@ -292,6 +345,7 @@ def _weight_grad_lean_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr,
     MAX_LEVELS: tl.constexpr, PAIRS: tl.constexpr, MERGE_ROWS: tl.constexpr, TMA: tl.constexpr,
     EVEN_T: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BF16_BY_BITS: tl.constexpr,
+    INTERLEAVE: tl.constexpr = False, QUADS: tl.constexpr = False,
 ):  # fmt: skip
     """``_weight_grad_stack_kernel`` with one accumulator tile live during the token loop (same bits).
 
@@ -301,7 +355,9 @@ def _weight_grad_lean_kernel(
     SM, and one program's tree merge overlaps the other's tensor-core work. With ``PAIRS`` the two
     leaves of each level-1 node are summed in registers (two tiles live, one program per SM, half
     the scratch traffic); the stack then holds levels >= 1 (``MAX_LEVELS`` counts those levels).
-    With ``TMA`` ``dy_ptr`` / ``x_ptr`` are host tensor descriptors of dY and X (tiles by TMA).
+    With ``TMA`` ``dy_ptr`` / ``x_ptr`` are host tensor descriptors of dY and X (tiles by TMA);
+    with ``INTERLEAVE`` (and ``PAIRS``, ``TMA``) a pair of full leaves is folded in one loop
+    (``_leaf_pair_sum_tma``, same bits).
     ``MERGE_ROWS == 0``: left siblings are loaded whole and added in registers (less scratch
     traffic, more registers); else the merge runs on row chunks of ``MERGE_ROWS`` in memory.
     """
@@ -310,7 +366,7 @@ def _weight_grad_lean_kernel(
     tiles_per_block = num_pid_n * num_pid_k
     num_pid_in_group = GROUP_N * num_pid_k
     program = tl.program_id(0)
-    group_leaves: tl.constexpr = 2 if PAIRS else 1
+    group_leaves: tl.constexpr = 4 if QUADS else (2 if PAIRS else 1)
     nodes = leaves // group_leaves
     for tile_id in range(program, blocks * tiles_per_block, num_programs):
         block = tile_id // tiles_per_block
@@ -325,30 +381,45 @@ def _weight_grad_lean_kernel(
         s0 = run_start + block * (leaves * LEAF_TOKENS)
         for j in range(0, nodes):
             start = s0 + j * (group_leaves * LEAF_TOKENS)
-            if TMA:
-                node = _leaf_sum_tma(
-                    dy_ptr, x_ptr, start, tl.minimum(start + LEAF_TOKENS, T), pid_n * BLOCK_N,
-                    pid_k * BLOCK_K, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST, DOT_PRECISION,
+            if QUADS:  # TMA: node(2) = node(1) + node(1), all in registers (three tiles live)
+                node = _pair_node_tma(
+                    dy_ptr, x_ptr, start, T, LEAF_TOKENS, pid_n * BLOCK_N, pid_k * BLOCK_K,
+                    BLOCK_N, BLOCK_K, BLOCK_T, UPCAST, DOT_PRECISION, INTERLEAVE,
+                )  # fmt: skip
+                node = node + _pair_node_tma(
+                    dy_ptr, x_ptr, start + 2 * LEAF_TOKENS, T, LEAF_TOKENS, pid_n * BLOCK_N, pid_k * BLOCK_K,
+                    BLOCK_N, BLOCK_K, BLOCK_T, UPCAST, DOT_PRECISION, INTERLEAVE,
+                )  # fmt: skip
+            elif INTERLEAVE:  # PAIRS and TMA: node(1) of two full leaves in one loop
+                node = _pair_node_tma(
+                    dy_ptr, x_ptr, start, T, LEAF_TOKENS, pid_n * BLOCK_N, pid_k * BLOCK_K,
+                    BLOCK_N, BLOCK_K, BLOCK_T, UPCAST, DOT_PRECISION, True,
                 )  # fmt: skip
             else:
-                node = _leaf_sum(
-                    dy_ptr, x_ptr, start, tl.minimum(start + LEAF_TOKENS, T), offs_n, offs_k,
-                    stride_dyt, stride_dyn, stride_xt, stride_xk, dy_t_step, x_t_step,
-                    BLOCK_N, BLOCK_K, BLOCK_T, EVEN_T, UPCAST, DOT_PRECISION,
-                )  # fmt: skip
-            if PAIRS:  # node(1) = leaf 2j + leaf 2j + 1, in registers
-                start1 = start + LEAF_TOKENS
                 if TMA:
-                    node = node + _leaf_sum_tma(
-                        dy_ptr, x_ptr, start1, tl.minimum(start1 + LEAF_TOKENS, T), pid_n * BLOCK_N,
+                    node = _leaf_sum_tma(
+                        dy_ptr, x_ptr, start, tl.minimum(start + LEAF_TOKENS, T), pid_n * BLOCK_N,
                         pid_k * BLOCK_K, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST, DOT_PRECISION,
                     )  # fmt: skip
                 else:
-                    node = node + _leaf_sum(
-                        dy_ptr, x_ptr, start1, tl.minimum(start1 + LEAF_TOKENS, T), offs_n, offs_k,
+                    node = _leaf_sum(
+                        dy_ptr, x_ptr, start, tl.minimum(start + LEAF_TOKENS, T), offs_n, offs_k,
                         stride_dyt, stride_dyn, stride_xt, stride_xk, dy_t_step, x_t_step,
                         BLOCK_N, BLOCK_K, BLOCK_T, EVEN_T, UPCAST, DOT_PRECISION,
                     )  # fmt: skip
+                if PAIRS:  # node(1) = leaf 2j + leaf 2j + 1, in registers
+                    start1 = start + LEAF_TOKENS
+                    if TMA:
+                        node = node + _leaf_sum_tma(
+                            dy_ptr, x_ptr, start1, tl.minimum(start1 + LEAF_TOKENS, T), pid_n * BLOCK_N,
+                            pid_k * BLOCK_K, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST, DOT_PRECISION,
+                        )  # fmt: skip
+                    else:
+                        node = node + _leaf_sum(
+                            dy_ptr, x_ptr, start1, tl.minimum(start1 + LEAF_TOKENS, T), offs_n, offs_k,
+                            stride_dyt, stride_dyn, stride_xt, stride_xk, dy_t_step, x_t_step,
+                            BLOCK_N, BLOCK_K, BLOCK_T, EVEN_T, UPCAST, DOT_PRECISION,
+                        )  # fmt: skip
             # the tree merge runs in memory on row chunks: few registers live beside the token loop
             slot = scratch_ptr + program.to(tl.int64) * stride_scratch
             closing = 0  # levels this node closes; the node it makes waits in slot `closing`
@@ -473,7 +544,8 @@ def weight_grad_partial(
     Workspace: one fp32 ``(N, K)`` tile per aligned subtree left unfinished by the kernel (none
     when the run is one subtree, finished and rounded in-kernel), plus, with ``scratch_tree`` /
     ``lean``, a stack of fp32 tiles per resident program (``dw_scratch_shape``): with the default
-    table (lean, pairs, one program per SM) 132 programs x (2 levels + 1 merge slot) x 64 KiB =
+    table (lean, quads, one program per SM; sized for pairs, its fallback without TMA) 132 programs x
+    (2 levels + 1 merge slot) x 64 KiB =
     24.75 MiB on a 132-SM H200, whatever the layer's size.
 
     Raises:
@@ -487,17 +559,18 @@ def weight_grad_partial(
     """
     T, N = dy.shape
     K = x.shape[1]
+    leaves = num_leaves(T, leaf_tokens)
     if config is None:
         config = weight_grad_config(dy.dtype, N, K)
     check_weight_grad_config(config)  # unsupported variants fail here, not inside ptxas
-    leaves = num_leaves(T, leaf_tokens)
     runs = _aligned_runs(first_leaf, leaves, config.leaves_per_program)
-    fused = finish_dtype is not None and first_leaf == 0 and len(runs) == 1 and runs[0][2] == 1
+    # the whole axis as one run: finished here (by the kernel when it is one subtree, else by the tree)
+    fused = finish_dtype is not None and first_leaf == 0 and len(runs) == 1
     partial = TreePartial()
     token = 0
     for level, first_node, count in runs:
         size = 1 << level
-        out_dtype = finish_dtype if fused else torch.float32
+        out_dtype = finish_dtype if fused and count == 1 else torch.float32
         out = torch.empty((count, N, K), dtype=out_dtype, device=dy.device)
         run_tokens = min(count * size * leaf_tokens, T - token)
         grid = (triton.cdiv(N, config.block_n) * triton.cdiv(K, config.block_k), count)
@@ -516,18 +589,20 @@ def weight_grad_partial(
             config.block_t * dy.stride(0), config.block_t * x.stride(0),
         )  # fmt: skip
         if config.lean and size > 1:
-            levels = level - 1 if config.pairs else level  # levels that wait in the stack
+            descs = _dw_tma_operands(dy, x, config, leaf_tokens) if config.tma else None
+            quads = config.quads and descs is not None and level >= 2
+            levels = level - (2 if quads else 1 if config.pairs else 0)  # levels that wait in the stack
             scratch = torch.empty(
                 dw_scratch_shape(config, level, grid[0] * grid[1], dy.device),
                 dtype=torch.float32,
                 device=dy.device,
             )
             programs = scratch.shape[0]
-            descs = _dw_tma_operands(dy, x, config, leaf_tokens) if config.tma else None
             try:
                 _weight_grad_lean_kernel[(programs,)](
                     *(descs or (dy, x)), out, scratch, scratch.stride(0), *args, size, count, programs,
                     *strides, MAX_LEVELS=levels, PAIRS=config.pairs, TMA=descs is not None,
+                    INTERLEAVE=config.interleave and descs is not None, QUADS=quads,
                     maxnreg=config.maxnreg, **common,
                     MERGE_ROWS=0 if config.merge_in_registers else min(32, config.block_n),
                 )  # fmt: skip
@@ -554,9 +629,13 @@ def weight_grad_partial(
         else:
             _weight_grad_kernel[grid](dy, x, out, *args, *strides, LEAVES=size, **common)
         if fused:
-            return out[0]
-        for i in range(count):
-            partial.merge(_single_node(level, first_node + i, out[i]))
+            # count whole subtrees of one level from leaf 0: the canonical tree over them is the root
+            return out[0] if count == 1 else tree_in_place(out.view(count, -1), 0, finish_dtype).view(N, K)
+        if count == 1:
+            partial.merge(_single_node(level, first_node, out[0]))
+        else:  # the run's maximal aligned subtrees, combined on the GPU (one launch, same bits)
+            for (up, index), value in tree_in_place(out.view(count, -1), first_node).items():
+                partial.merge(_single_node(level + up, index, value.view(N, K)))
         token += run_tokens
     if finish_dtype is not None:
         return partial.result(first_leaf + leaves).to(finish_dtype)
