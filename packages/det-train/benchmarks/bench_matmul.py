@@ -161,8 +161,8 @@ def _sweep(m, k, n, tensors) -> list[dict]:
             # the pre-lean kernels; benchmarks/ablate_matmul.py compares the lean ones
             cfg = dataclasses.replace(
                 base, leaves_per_program=lpp, scratch_tree=scratch, flat_loop=flat, block_n=bn, block_k=bk,
-                num_warps=warps, num_stages=stages, lean=False, tma=False, maxnreg=None, pairs=False, quads=False,
-                programs_per_sm=2,
+                num_warps=warps, num_stages=stages, lean=False, tma=False, maxnreg=None, pairs=False,
+                quads=False, programs_per_sm=2,
             )  # fmt: skip
             ms = _bench(
                 lambda cfg=cfg: weight_grad_partial(

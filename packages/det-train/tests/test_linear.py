@@ -179,7 +179,9 @@ def test_leaves_per_program_does_not_change_bits(leaves_per_program, kernel):
 
 # dW variants of the large shape class that compile on Triton 3.6 (H200) and must give the table's bits.
 _LEAN = dict(lean=True, tma=True, scratch_tree=False, flat_loop=False, merge_in_registers=False, quads=False)
-_OLD = dict(lean=False, tma=False, pairs=False, quads=False, maxnreg=None, programs_per_sm=2)  # pre-lean kernels
+_OLD = dict(
+    lean=False, tma=False, pairs=False, quads=False, maxnreg=None, programs_per_sm=2
+)  # pre-lean kernels
 SUPPORTED_DW_VARIANTS = [  # the first 9 ran bit-exact on an H200, Triton 3.6 (tests, sweep, ablation)
     dict(_OLD, leaves_per_program=1, scratch_tree=False, num_stages=3),
     dict(_OLD, leaves_per_program=2, scratch_tree=False, num_stages=3),
@@ -230,7 +232,9 @@ def test_dw_config_check_rejects_what_ptxas_cannot_compile():
     with pytest.raises(ValueError, match="need lean, pairs and tma"):
         check_weight_grad_config(dataclasses.replace(base, tma=False))
     with pytest.raises(ValueError, match="lean dW kernel only"):
-        check_weight_grad_config(dataclasses.replace(base, lean=False, quads=False, maxnreg=128, scratch_tree=True))
+        check_weight_grad_config(
+            dataclasses.replace(base, lean=False, quads=False, maxnreg=128, scratch_tree=True)
+        )
     with pytest.raises(ValueError, match="leaves_per_program"):
         check_weight_grad_config(WeightGradConfig(64, 64, 64, 8, 4, 3, 3))
     # weight_grad_partial checks before compiling: the error, not a ptxas failure

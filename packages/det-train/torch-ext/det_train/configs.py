@@ -25,9 +25,10 @@ steps of ``block_k`` (each step one ``tl.dot``, i.e. a fixed tensor-core instruc
 only tile the output, load the tiles and schedule the work: every entry of one dtype uses the same
 ``block_k``, so every entry gives the same bits (checked by a ``gpu`` test). For the weight gradient
 the token step ``block_t`` changes bits (it is the fold step inside a leaf); ``leaves_per_program``,
-``scratch_tree``, ``flat_loop``, ``lean``, ``pairs``, ``interleave``, ``quads``, ``merge_in_registers``, ``tma``,
-``programs_per_sm`` and ``maxnreg`` do not (they choose how much of the fixed leaf tree one program
-computes, where it keeps waiting nodes, how it loads tiles and how many programs share an SM).
+``scratch_tree``, ``flat_loop``, ``lean``, ``pairs``, ``interleave``, ``quads``,
+``merge_in_registers``, ``tma``, ``programs_per_sm`` and ``maxnreg`` do not (they choose how much
+of the fixed leaf tree one program computes, where it keeps waiting nodes, how it loads tiles and
+how many programs share an SM).
 
 **Supported dW variants.** ``check_weight_grad_config`` rejects, with a ValueError, combinations
 that ptxas cannot compile: a ``maxnreg`` cap below the fp32 accumulator tiles the lean kernel keeps
@@ -242,7 +243,9 @@ def check_weight_grad_config(config: WeightGradConfig) -> None:
             f"leaves_per_program must be 1, 2 or 4 (any power of 2 with scratch_tree or lean), got {lpp}"
         )
     if (config.interleave or config.quads) and not (config.lean and config.pairs and config.tma):
-        raise ValueError("interleave and quads are TMA variants of the pairs kernel: they need lean, pairs and tma")
+        raise ValueError(
+            "interleave and quads are TMA variants of the pairs kernel: they need lean, pairs and tma"
+        )
     if config.maxnreg is None:
         return
     if not config.lean:

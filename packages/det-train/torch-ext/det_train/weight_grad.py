@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ._leaf_sums import tree_in_place
 from ._vendor.det_core import runtime
 from ._vendor.det_core.reduce import TreePartial, num_leaves
-from ._leaf_sums import tree_in_place
 from .configs import BIAS_GRAD_BLOCK_T, WeightGradConfig, check_weight_grad_config, weight_grad_config
 from .matmul import _dot_precision, bf16_by_bits, runtime_programs, store_rounded
 
@@ -116,7 +116,17 @@ def _pair_node_tma(
     after the other (same bits either way)."""
     if INTERLEAVE and start + 2 * LEAF_TOKENS <= T:
         node = _leaf_pair_sum_tma(
-            dy_desc, x_desc, start, LEAF_TOKENS, off_n, off_k, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST, DOT_PRECISION
+            dy_desc,
+            x_desc,
+            start,
+            LEAF_TOKENS,
+            off_n,
+            off_k,
+            BLOCK_N,
+            BLOCK_K,
+            BLOCK_T,
+            UPCAST,
+            DOT_PRECISION,
         )
     else:
         start1 = start + LEAF_TOKENS
