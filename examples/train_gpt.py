@@ -292,18 +292,21 @@ def train_step(
     lo, hi = split_range(cfg.batch_seqs, world)[rank]
     for group in opt.param_groups:
         group["lr"] = lr_at(cfg, step)
-    loss_sum = 0.0
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)  # read once per step (one sync)
     for mb_lo in range(lo, hi, cfg.micro_batch_seqs):
         mb_hi = min(mb_lo + cfg.micro_batch_seqs, hi)
         x, y = get_batch(data, starts[mb_lo:mb_hi], cfg.seq_len, device)
-        if acc is None:  # reference mode: torch's own accumulation in .grad
-            _, loss = model(x, y, num_global_tokens=global_tokens)
-            loss.backward()
-        else:
-            with acc.micro_batch(token_offset=mb_lo * cfg.seq_len):
+        # backward on this thread: autograd's CUDA device thread multiplied the host time of the
+        # det ops' Python backward (see examples/bench_step.py); the results are the same
+        with torch.autograd.set_multithreading_enabled(False):
+            if acc is None:  # reference mode: torch's own accumulation in .grad
                 _, loss = model(x, y, num_global_tokens=global_tokens)
                 loss.backward()
-        loss_sum += float(loss.detach())
+            else:
+                with acc.micro_batch(token_offset=mb_lo * cfg.seq_len):
+                    _, loss = model(x, y, num_global_tokens=global_tokens)
+                    loss.backward()
+        loss_sum += loss.detach().float()
     if acc is not None:
         acc.reduce(total_tokens=global_tokens, group=dist.group.WORLD if world > 1 else None)
         if fsdp is not None:
@@ -313,7 +316,7 @@ def train_step(
             dist.all_reduce(p.grad)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return loss_sum
+    return float(loss_sum)
 
 
 @torch.no_grad()

@@ -5,7 +5,9 @@ in one process, median time of ``triton.testing.do_bench`` (which flushes L2 bet
 inputs, 32-256 MiB each, are larger than L2 anyway) on real random data:
 
 - forward: ``o = attn(q, k, v)`` without autograd;
-- forward+backward: ``attn(q, k, v).backward(do)``;
+- forward+backward: ``attn(q, k, v).backward(do)``; also with the backward on the calling thread
+  (``torch.autograd.set_multithreading_enabled(False)``, every method alike: autograd's CUDA
+  device thread adds host time to a backward written in Python);
 - "bitwise repeat": whether dq, dk, dv come out with the same bits in 3 runs (only det_attn and
   SDPA's efficient backend are expected to).
 
@@ -102,14 +104,23 @@ def _bitwise_repeat(fn, q, k, v, do) -> bool | str:
         return f"error: {type(exc).__name__}"
 
 
+def _fwd_bwd_calling_thread(fn, q, k, v, do):
+    # autograd runs a CUDA backward in its device thread by default; a backward written in Python
+    # (ours: it launches Triton kernels) paid ~0.8 ms more host time per call there (H200 machine,
+    # torch 2.11) than on the calling thread. Same setting for every method.
+    with torch.autograd.set_multithreading_enabled(False):
+        fn(q, k, v).backward(do)
+
+
 def _measure_method(fn, layout, b, h, t, d) -> tuple:
     q, k, v, do = _inputs(b, h, t, d, layout)
     with torch.no_grad():
         fwd = _bench(lambda: fn(q, k, v))
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     both = _bench(lambda: fn(q, k, v).backward(do), grad_to_none=[q, k, v])
+    one_thread = _bench(lambda: _fwd_bwd_calling_thread(fn, q, k, v, do), grad_to_none=[q, k, v])
     repeat = _bitwise_repeat(fn, q, k, v, do) if isinstance(both, float) else "n/a"
-    return fwd, both, repeat
+    return fwd, both, one_thread, repeat
 
 
 def measure(shape) -> list[dict]:
@@ -117,7 +128,7 @@ def measure(shape) -> list[dict]:
     fwd_flops = 4.0 * b * h * t * t * d * (0.5 if causal else 1.0)
     rows = []
     for name, (layout, fn) in _methods(causal).items():
-        fwd, both, repeat = _measure_method(fn, layout, b, h, t, d)
+        fwd, both, one_thread, repeat = _measure_method(fn, layout, b, h, t, d)
         torch.cuda.empty_cache()
         rows.append(
             {
@@ -127,6 +138,8 @@ def measure(shape) -> list[dict]:
                 "fwd_tflops": _tflops(fwd_flops, fwd),
                 "fwdbwd_ms": both,
                 "fwdbwd_tflops": _tflops(3.5 * fwd_flops, both),
+                "fwdbwd_1t_ms": one_thread,
+                "fwdbwd_1t_tflops": _tflops(3.5 * fwd_flops, one_thread),
                 "bitwise_repeat": repeat,
             }
         )
@@ -152,19 +165,21 @@ def _fmt(x, digits=1):
 def table(all_rows: list[dict]) -> str:
     lines = [
         "| shape (bf16) | method | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s "
-        "| grads bitwise on repeat |",
-        "|---|---|---:|---:|---:|---:|---|",
+        "| fwd+bwd ms, backward on the calling thread | grads bitwise on repeat |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in all_rows:
         lines.append(
             f"| {r['shape']} | {r['method']} | {_fmt(r['fwd_ms'], 3)} | {_fmt(r['fwd_tflops'])} | "
-            f"{_fmt(r['fwdbwd_ms'], 3)} | {_fmt(r['fwdbwd_tflops'])} | {_fmt(r['bitwise_repeat'])} |"
+            f"{_fmt(r['fwdbwd_ms'], 3)} | {_fmt(r['fwdbwd_tflops'])} | {_fmt(r.get('fwdbwd_1t_ms'), 3)} | "
+            f"{_fmt(r['bitwise_repeat'])} |"
         )
     lines += [
         "",
         "| shape | fwd / cuDNN (>= 0.80) | fwd+bwd / cuDNN (>= 0.60) | fwd+bwd / efficient (>= 2) "
-        "| fwd / flash | fwd+bwd / flash |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| fwd / flash | fwd+bwd / flash | fwd+bwd / cuDNN, calling-thread backward "
+        "| fwd+bwd / efficient, calling-thread backward |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for shape in dict.fromkeys(r["shape"] for r in all_rows):
         rows = [r for r in all_rows if r["shape"] == shape]
@@ -174,6 +189,8 @@ def table(all_rows: list[dict]) -> str:
             _ratio(rows, "det_attn", "sdpa efficient", "fwdbwd_tflops"),
             _ratio(rows, "det_attn", "sdpa flash", "fwd_tflops"),
             _ratio(rows, "det_attn", "sdpa flash", "fwdbwd_tflops"),
+            _ratio(rows, "det_attn", "sdpa cuDNN", "fwdbwd_1t_tflops"),
+            _ratio(rows, "det_attn", "sdpa efficient", "fwdbwd_1t_tflops"),
         ]
         lines.append(f"| {shape} | " + " | ".join(_fmt(x, 2) for x in ratios) + " |")
     return "\n".join(lines)
