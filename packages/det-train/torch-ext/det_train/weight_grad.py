@@ -21,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ._leaf_sums import tree_in_place
 from ._vendor.det_core import runtime
 from ._vendor.det_core.reduce import TreePartial, num_leaves
 from .configs import BIAS_GRAD_BLOCK_T, WeightGradConfig, check_weight_grad_config, weight_grad_config
@@ -574,13 +573,12 @@ def weight_grad_partial(
         config = weight_grad_config(dy.dtype, N, K)
     check_weight_grad_config(config)  # unsupported variants fail here, not inside ptxas
     runs = _aligned_runs(first_leaf, leaves, config.leaves_per_program)
-    # the whole axis as one run: finished here (by the kernel when it is one subtree, else by the tree)
-    fused = finish_dtype is not None and first_leaf == 0 and len(runs) == 1
+    fused = finish_dtype is not None and first_leaf == 0 and len(runs) == 1 and runs[0][2] == 1
     partial = TreePartial()
     token = 0
     for level, first_node, count in runs:
         size = 1 << level
-        out_dtype = finish_dtype if fused and count == 1 else torch.float32
+        out_dtype = finish_dtype if fused else torch.float32
         out = torch.empty((count, N, K), dtype=out_dtype, device=dy.device)
         run_tokens = min(count * size * leaf_tokens, T - token)
         grid = (triton.cdiv(N, config.block_n) * triton.cdiv(K, config.block_k), count)
@@ -639,13 +637,11 @@ def weight_grad_partial(
         else:
             _weight_grad_kernel[grid](dy, x, out, *args, *strides, LEAVES=size, **common)
         if fused:
-            # count whole subtrees of one level from leaf 0: the canonical tree over them is the root
-            return out[0] if count == 1 else tree_in_place(out.view(count, -1), 0, finish_dtype).view(N, K)
-        if count == 1:
-            partial.merge(_single_node(level, first_node, out[0]))
-        else:  # the run's maximal aligned subtrees, combined on the GPU (one launch, same bits)
-            for (up, index), value in tree_in_place(out.view(count, -1), first_node).items():
-                partial.merge(_single_node(level + up, index, value.view(N, K)))
+            return out[0]
+        # a few fp32 adds in torch (a micro-batch of 16 leaves: one); a tree_in_place launch
+        # instead cost more host time per call than it saved (H200 machine, Triton 3.6)
+        for i in range(count):
+            partial.merge(_single_node(level, first_node + i, out[i]))
         token += run_tokens
     if finish_dtype is not None:
         return partial.result(first_leaf + leaves).to(finish_dtype)
