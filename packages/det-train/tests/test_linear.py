@@ -143,8 +143,6 @@ def test_row_invariance_of_y_and_dx(bias):
         (8, dict(lean=True, pairs=True, tma=True, interleave=True)),
         (4, dict(lean=True, pairs=True, tma=True, quads=True)),
         (8, dict(lean=True, pairs=True, tma=True, quads=True, interleave=True, merge_in_registers=True)),
-        (8, dict(lean=True, pairs=True, tma=True, flat_loop=True)),
-        (8, dict(lean=True, pairs=True, tma=True, quads=True, flat_loop=True)),
     ],
 )
 def test_leaves_per_program_does_not_change_bits(leaves_per_program, kernel):
@@ -179,24 +177,6 @@ def test_leaves_per_program_does_not_change_bits(leaves_per_program, kernel):
     assert_bitwise_equal(fused, plain.result(4).to(torch.bfloat16), "in-kernel finish")
 
 
-@pytest.mark.parametrize(
-    "kernel", [dict(quads=True, flat_loop=True), dict(flat_loop=True), dict(interleave=True)]
-)
-def test_flat_and_interleaved_leaf_loops_keep_each_leaf_fold(kernel):
-    # three token steps per leaf: the flat loop must close a leaf after its last step only
-    dy, x = _randn(8 * 96 + 40, 40, seed=18), _randn(8 * 96 + 40, 72, seed=19)  # 9 leaves, last short
-    base = dataclasses.replace(weight_grad_config(dy.dtype, 40, 72), block_t=32)
-    ref = weight_grad_partial(dy, x, leaf_tokens=96, config=dataclasses.replace(base, leaves_per_program=1))
-    cfg = dataclasses.replace(
-        base, leaves_per_program=8, lean=True, pairs=True, tma=True, **{"quads": False, **kernel}
-    )  # fmt: skip
-    assert _dw_tma_operands(dy, x, cfg, 96) is not None
-    got = weight_grad_partial(dy, x, leaf_tokens=96, config=cfg)
-    assert sorted(got.nodes) == sorted(ref.nodes)
-    for key in got.nodes:
-        assert_bitwise_equal(got.nodes[key], ref.nodes[key], f"{kernel} node {key}")
-
-
 # dW variants of the large shape class that compile on Triton 3.6 (H200) and must give the table's bits.
 _LEAN = dict(lean=True, tma=True, scratch_tree=False, flat_loop=False, merge_in_registers=False, quads=False)
 _OLD = dict(
@@ -228,10 +208,6 @@ SUPPORTED_DW_VARIANTS = [  # the first 9 ran bit-exact on an H200, Triton 3.6 (t
          merge_in_registers=True),
     dict(_LEAN, leaves_per_program=8, pairs=True, maxnreg=None, programs_per_sm=1, num_stages=3,
          quads=True),
-    dict(_LEAN, leaves_per_program=8, pairs=True, maxnreg=None, programs_per_sm=1, num_stages=4,
-         quads=True, flat_loop=True),
-    dict(_LEAN, leaves_per_program=8, pairs=True, maxnreg=None, programs_per_sm=1, num_stages=4,
-         flat_loop=True),
 ]  # fmt: skip
 # ptxas (Triton 3.6) failed on this one: "Insufficient registers (128) ... register target of 154"
 PTXAS_FAILED_DW_VARIANT = dict(

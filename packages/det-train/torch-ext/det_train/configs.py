@@ -88,8 +88,7 @@ class WeightGradConfig:
     leaves_per_program: int  # leaves of the canonical tree one program combines (a power of 2)
     scratch_tree: bool = False  # combine them through a per-program fp32 scratch stack (any power
     # of 2) instead of registers (1, 2 or 4 leaves); neither choice changes bits
-    flat_loop: bool = False  # with scratch_tree: one pipelined loop over all token steps of the subtree;
-    # with lean, pairs, tma: one loop over all token steps of each pair / quad of leaves
+    flat_loop: bool = False  # with scratch_tree: one pipelined loop over all token steps of the subtree
     lean: bool = False  # the scratch-stack tree kernel with one tile live in the token loop (merges
     # in memory, row chunk by row chunk); with maxnreg=128 two programs fit on an SM
     pairs: bool = False  # with lean: the two leaves of each level-1 node summed in registers
@@ -232,8 +231,7 @@ def check_weight_grad_config(config: WeightGradConfig) -> None:
     """Raise ValueError for a dW config outside the supported variants (before any compile).
 
     Rejected: ``leaves_per_program`` not a power of 2 (or above 4 without ``scratch_tree`` /
-    ``lean``); ``interleave``, ``quads`` or a lean ``flat_loop`` without ``lean``, ``pairs`` and
-    ``tma``; ``maxnreg`` on
+    ``lean``); ``interleave`` or ``quads`` without ``lean``, ``pairs`` and ``tma``; ``maxnreg`` on
     a kernel other than the lean one (it would be ignored); a ``maxnreg``
     below ``live_accumulator_registers(config) + MAXNREG_HEADROOM`` (ptxas fails with "Insufficient
     registers", e.g. a 128x256 tile at 8 warps under ``maxnreg=128`` on Triton 3.6 and 3.9, or
@@ -244,12 +242,9 @@ def check_weight_grad_config(config: WeightGradConfig) -> None:
         raise ValueError(
             f"leaves_per_program must be 1, 2 or 4 (any power of 2 with scratch_tree or lean), got {lpp}"
         )
-    if (config.interleave or config.quads or (config.flat_loop and config.lean)) and not (
-        config.lean and config.pairs and config.tma
-    ):
+    if (config.interleave or config.quads) and not (config.lean and config.pairs and config.tma):
         raise ValueError(
-            "interleave, quads and flat_loop (lean) are TMA variants of the pairs kernel: they need lean, "
-            "pairs and tma"
+            "interleave and quads are TMA variants of the pairs kernel: they need lean, pairs and tma"
         )
     if config.maxnreg is None:
         return

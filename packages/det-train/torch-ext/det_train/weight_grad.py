@@ -140,42 +140,6 @@ def _pair_node_tma(
     return node
 
 
-@triton.jit
-def _group_node_flat_tma(
-    dy_desc, x_desc, start, LEAF_TOKENS, off_n, off_k,
-    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """node(log2 GROUP) of GROUP (2 or 4) full leaves in one flat, software-pipelined loop over all
-    their token steps: the loads of leaf j + 1 are in flight while leaf j closes. Each leaf is its
-    own fold from zero in token order, pairs are ``leaf + leaf`` and a quad ``pair + pair``: the
-    bits of the nested loops."""
-    steps = LEAF_TOKENS // BLOCK_T
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    pair = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    node = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for i in range(0, GROUP * steps):
-        t = start + i * BLOCK_T
-        a = tl.trans(dy_desc.load([t, off_n]))
-        b = x_desc.load([t, off_k])
-        if UPCAST:  # interpreter: fp32 dot of a row-major copy, as _leaf_sum_tma
-            a = tl.reshape(tl.reshape(a.to(tl.float32), (BLOCK_N * BLOCK_T,)), (BLOCK_N, BLOCK_T))
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        if i % steps == steps - 1:  # leaf i // steps is complete
-            leaf = i // steps
-            if leaf % 2 == 0:
-                pair = acc
-            else:
-                pair = pair + acc
-                if leaf == 1:
-                    node = pair
-                else:
-                    node = node + pair
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    return node
-
-
 @triton.jit(do_not_specialize=["T", "run_start"])
 def _weight_grad_kernel(
     # pointers: dY (T, N), X (T, K), out (blocks, N, K)
@@ -390,7 +354,7 @@ def _weight_grad_lean_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr,
     MAX_LEVELS: tl.constexpr, PAIRS: tl.constexpr, MERGE_ROWS: tl.constexpr, TMA: tl.constexpr,
     EVEN_T: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BF16_BY_BITS: tl.constexpr,
-    INTERLEAVE: tl.constexpr = False, QUADS: tl.constexpr = False, FLAT: tl.constexpr = False,
+    INTERLEAVE: tl.constexpr = False, QUADS: tl.constexpr = False,
 ):  # fmt: skip
     """``_weight_grad_stack_kernel`` with one accumulator tile live during the token loop (same bits).
 
@@ -426,12 +390,7 @@ def _weight_grad_lean_kernel(
         s0 = run_start + block * (leaves * LEAF_TOKENS)
         for j in range(0, nodes):
             start = s0 + j * (group_leaves * LEAF_TOKENS)
-            if FLAT and start + group_leaves * LEAF_TOKENS <= T:  # TMA, PAIRS/QUADS, full leaves
-                node = _group_node_flat_tma(
-                    dy_ptr, x_ptr, start, LEAF_TOKENS, pid_n * BLOCK_N, pid_k * BLOCK_K,
-                    group_leaves, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST, DOT_PRECISION,
-                )  # fmt: skip
-            elif QUADS:  # TMA: node(2) = node(1) + node(1), all in registers (three tiles live)
+            if QUADS:  # TMA: node(2) = node(1) + node(1), all in registers (three tiles live)
                 node = _pair_node_tma(
                     dy_ptr, x_ptr, start, T, LEAF_TOKENS, pid_n * BLOCK_N, pid_k * BLOCK_K,
                     BLOCK_N, BLOCK_K, BLOCK_T, UPCAST, DOT_PRECISION, INTERLEAVE,
@@ -652,7 +611,6 @@ def weight_grad_partial(
                     *(descs or (dy, x)), out, scratch, scratch.stride(0), *args, size, count, programs,
                     *strides, MAX_LEVELS=levels, PAIRS=config.pairs, TMA=descs is not None,
                     INTERLEAVE=config.interleave and descs is not None, QUADS=quads,
-                    FLAT=config.flat_loop and descs is not None,
                     maxnreg=config.maxnreg, **common,
                     MERGE_ROWS=0 if config.merge_in_registers else min(32, config.block_n),
                 )  # fmt: skip
