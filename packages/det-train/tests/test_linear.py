@@ -177,6 +177,24 @@ def test_leaves_per_program_does_not_change_bits(leaves_per_program, kernel):
     assert_bitwise_equal(fused, plain.result(4).to(torch.bfloat16), "in-kernel finish")
 
 
+@pytest.mark.parametrize(
+    "kernel", [dict(quads=True), dict(interleave=True), dict(quads=True, interleave=True)]
+)
+def test_register_subtrees_keep_each_leaf_fold(kernel):
+    # three token steps per leaf: a leaf closes after its last step only, in every loop shape
+    dy, x = _randn(8 * 96 + 40, 40, seed=18), _randn(8 * 96 + 40, 72, seed=19)  # 9 leaves, last short
+    base = dataclasses.replace(weight_grad_config(dy.dtype, 40, 72), block_t=32)
+    ref = weight_grad_partial(dy, x, leaf_tokens=96, config=dataclasses.replace(base, leaves_per_program=1))
+    cfg = dataclasses.replace(
+        base, leaves_per_program=8, lean=True, pairs=True, tma=True, **{"quads": False, **kernel}
+    )  # fmt: skip
+    assert _dw_tma_operands(dy, x, cfg, 96) is not None
+    got = weight_grad_partial(dy, x, leaf_tokens=96, config=cfg)
+    assert sorted(got.nodes) == sorted(ref.nodes)
+    for key in got.nodes:
+        assert_bitwise_equal(got.nodes[key], ref.nodes[key], f"{kernel} node {key}")
+
+
 # dW variants of the large shape class that compile on Triton 3.6 (H200) and must give the table's bits.
 _LEAN = dict(lean=True, tma=True, scratch_tree=False, flat_loop=False, merge_in_registers=False, quads=False)
 _OLD = dict(
