@@ -317,7 +317,9 @@ def _forward(
     lse2 = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     if dense is not None:  # a padded batch: no cu_seqlens tensors (any pointer will do)
         cu_q = cu_k = lse2
-    _kernels.attn_fwd_kernel[plan.fwd_grid](
+    runtime.launch(
+        _kernels.attn_fwd_kernel,
+        plan.fwd_grid,
         q,
         k,
         v,
@@ -357,14 +359,18 @@ def _backward(
     if not do.is_contiguous():
         do = do.contiguous()
     delta = torch.empty_like(lse2)
-    _kernels.attn_bwd_preprocess_kernel[plan.pre_grid](o, do, delta, *plan.pre_args, **plan.pre_meta)
+    runtime.launch(
+        _kernels.attn_bwd_preprocess_kernel, plan.pre_grid, o, do, delta, *plan.pre_args, **plan.pre_meta
+    )
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     drop = _dropout_args(dropout_p, seed, sequence_offset, head_offset)
     if dense is not None:
         cu_q = cu_k = delta
-    _kernels.attn_bwd_dkdv_kernel[plan.dkdv_grid](
+    runtime.launch(
+        _kernels.attn_bwd_dkdv_kernel,
+        plan.dkdv_grid,
         q,
         k,
         v,
@@ -380,7 +386,9 @@ def _backward(
         *plan.dkdv_strides,
         **plan.dkdv_meta,
     )
-    _kernels.attn_bwd_dq_kernel[plan.dq_grid](
+    runtime.launch(
+        _kernels.attn_bwd_dq_kernel,
+        plan.dq_grid,
         q,
         k,
         v,

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._vendor.det_core import runtime
 from ._vendor.det_core.reduce import TreePartial, num_leaves
 from ._vendor.det_core.sr import round_nearest_bf16
 from .grad_accum import DEFAULT_LEAF_TOKENS, current_accumulator
@@ -148,8 +149,18 @@ def tree_in_place(leaf_sums: torch.Tensor, lo: int = 0, out_dtype: torch.dtype |
     out = torch.empty((width,), dtype=out_dtype or torch.float32, device=leaf_sums.device)
     block = min(_TREE_BLOCK, max(16, triton.next_power_of_2(width)))
     if n and width:
-        _dense_tree_kernel[(triton.cdiv(width, block),)](
-            leaf_sums, out, n, width, lo, hi, LEVELS=levels, WRITE_ROOT=out_dtype is not None, BLOCK=block
+        runtime.launch(
+            _dense_tree_kernel,
+            (triton.cdiv(width, block),),
+            leaf_sums,
+            out,
+            n,
+            width,
+            lo,
+            hi,
+            LEVELS=levels,
+            WRITE_ROOT=out_dtype is not None,
+            BLOCK=block,
         )
     if out_dtype is not None:
         return out
@@ -167,7 +178,9 @@ def fold_chunks(partials: torch.Tensor, chunks_per_leaf: int) -> torch.Tensor:
     out = torch.empty((n_leaves, n), dtype=torch.float32, device=partials.device)
     block = min(_FOLD_BLOCK, max(16, triton.next_power_of_2(n)))
     grid = (n_leaves, triton.cdiv(n, block))
-    _fold_chunks_kernel[grid](partials, out, n_chunks, n, CHUNKS_PER_LEAF=chunks_per_leaf, BLOCK=block)
+    runtime.launch(
+        _fold_chunks_kernel, grid, partials, out, n_chunks, n, CHUNKS_PER_LEAF=chunks_per_leaf, BLOCK=block
+    )
     return out
 
 

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ._leaf_sums import leaf_layout, tree_in_place
+from ._vendor.det_core import runtime
 from ._vendor.det_core.runtime import as_index, check_kernel_device
 
 __all__ = ["cross_entropy"]
@@ -114,7 +115,9 @@ class _CrossEntropyFunction(torch.autograd.Function):
         loss = torch.empty((n,), dtype=torch.float32, device=logits2.device)
         lse = torch.empty((n,), dtype=torch.float32, device=logits2.device)
         if n:
-            _ce_fwd_kernel[(n,)](
+            runtime.launch(
+                _ce_fwd_kernel,
+                (n,),
                 logits2,
                 targets1,
                 loss,
@@ -147,7 +150,9 @@ class _CrossEntropyFunction(torch.autograd.Function):
         if n:
             block = min(MAX_BWD_BLOCK_V, triton.next_power_of_2(v))
             grid = (n, triton.cdiv(v, block))
-            _ce_bwd_kernel[grid](
+            runtime.launch(
+                _ce_bwd_kernel,
+                grid,
                 logits2,
                 targets1,
                 lse,
@@ -179,7 +184,7 @@ def _canonical_token_sum(loss: torch.Tensor) -> torch.Tensor:
     leaf = acc.leaf_tokens if acc is not None else leaf_layout(n, 1, "cross_entropy")[1]
     n_leaves = -(-n // leaf)
     sums = torch.empty((n_leaves,), dtype=torch.float32, device=loss.device)
-    _token_leaf_sum_kernel[(n_leaves,)](loss, sums, n, LEAF=leaf, LANES=_LANES, num_warps=4)
+    runtime.launch(_token_leaf_sum_kernel, (n_leaves,), loss, sums, n, LEAF=leaf, LANES=_LANES, num_warps=4)
     # the pairwise tree over the leaves in one kernel (TreePartial's bits, no host round-trip)
     return tree_in_place(sums.view(n_leaves, 1), 0, torch.float32).view(())
 

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ._leaf_sums import cast_out, dyadic_nodes, leaf_layout, tree_combine
+from ._vendor.det_core import runtime
 from ._vendor.det_core.reduce import TreePartial, num_leaves
 from ._vendor.det_core.runtime import check_kernel_device
 
@@ -162,7 +163,9 @@ def _weight_grad(ids, dy, v: int, leaf: int, first_leaf: int, out_dtype, node_ta
     sorted_ids, perm, seg_first, seg_leaf = _segments(ids, leaf, first_leaf)
     sums = torch.empty((m, d), dtype=torch.float32, device=dy.device)
     grid = (m, triton.cdiv(d, _BLOCK_D))
-    _segment_fold_kernel[grid](dy, perm, seg_first, sums, m, d, dy.stride(0), BLOCK_D=_BLOCK_D)
+    runtime.launch(
+        _segment_fold_kernel, grid, dy, perm, seg_first, sums, m, d, dy.stride(0), BLOCK_D=_BLOCK_D
+    )
     if node_tables:
         lo, hi = first_leaf, first_leaf + n_leaves
         nodes = dyadic_nodes(lo, hi)
@@ -174,7 +177,9 @@ def _weight_grad(ids, dy, v: int, leaf: int, first_leaf: int, out_dtype, node_ta
         hi = 1 << levels  # the whole tree: lone children promote
         node_of_leaf = seg_first  # unused
         out = torch.zeros((v, d), dtype=out_dtype, device=dy.device)  # untouched rows: exact zeros
-    _id_tree_kernel[grid](
+    runtime.launch(
+        _id_tree_kernel,
+        grid,
         sums,
         seg_first,
         seg_leaf,

@@ -218,7 +218,8 @@ def _launch_tma(a, b, out, bias, config: MatmulConfig, descs) -> torch.Tensor:
     N = b.shape[1]
     tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
     programs = min(tiles, runtime_programs(a.device)) if config.persistent else tiles
-    _matmul_tma_kernel[(programs,)](
+    runtime.launch(
+        _matmul_tma_kernel, (programs,),
         a_desc, b_desc, out, bias if bias is not None else out, M, N, K,
         out.stride(0), out.stride(1), programs,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
@@ -288,7 +289,8 @@ def launch_matmul(
     else:
         carry3, carry_strides = out, (0, 0, 0)
     grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n), z)
-    _matmul_kernel[grid](
+    runtime.launch(
+        _matmul_kernel, grid,
         a3, b3, c3, carry3, bias.contiguous() if bias is not None else out,
         M, N, K,
         saz, a3.stride(1), a3.stride(2),

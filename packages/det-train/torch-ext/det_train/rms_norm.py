@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ._leaf_sums import finish_param_grad, fold_chunks, leaf_layout
+from ._vendor.det_core import runtime
 from ._vendor.det_core.runtime import check_kernel_device
 
 __all__ = ["RMSNorm", "rms_norm"]
@@ -151,7 +152,9 @@ class _RMSNormFunction(torch.autograd.Function):
         rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
         block_d = triton.next_power_of_2(d)
         if m > 0:
-            _rms_norm_fwd_kernel[(m,)](
+            runtime.launch(
+                _rms_norm_fwd_kernel,
+                (m,),
                 x2,
                 weight if weight is not None else x2,
                 y,
@@ -189,7 +192,9 @@ class _RMSNormFunction(torch.autograd.Function):
         n_chunks = triton.cdiv(m, rows)
         partial = torch.empty((n_chunks, d) if has_w else (1,), dtype=torch.float32, device=x2.device)
         block_d = triton.next_power_of_2(d)
-        _rms_norm_bwd_kernel[(n_chunks,)](
+        runtime.launch(
+            _rms_norm_bwd_kernel,
+            (n_chunks,),
             dy2,
             x2,
             weight if has_w else x2,

@@ -607,7 +607,8 @@ def weight_grad_partial(
             )
             programs = scratch.shape[0]
             try:
-                _weight_grad_lean_kernel[(programs,)](
+                runtime.launch(
+                    _weight_grad_lean_kernel, (programs,),
                     *(descs or (dy, x)), out, scratch, scratch.stride(0), *args, size, count, programs,
                     *strides, MAX_LEVELS=levels, PAIRS=config.pairs, TMA=descs is not None,
                     INTERLEAVE=config.interleave and descs is not None, QUADS=quads,
@@ -635,7 +636,7 @@ def weight_grad_partial(
                 dy, x, out, scratch, *args, size, count, programs, *strides, MAX_LEVELS=levels, **common
             )
         else:
-            _weight_grad_kernel[grid](dy, x, out, *args, *strides, LEAVES=size, **common)
+            runtime.launch(_weight_grad_kernel, grid, dy, x, out, *args, *strides, LEAVES=size, **common)
         if fused:
             return out[0]
         # a few fp32 adds in torch (a micro-batch of 16 leaves: one); a tree_in_place launch
