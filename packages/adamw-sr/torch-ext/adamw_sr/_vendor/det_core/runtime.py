@@ -100,6 +100,11 @@ def _arg_key(value):
     raise _NoKey
 
 
+def _hook_set(hook) -> bool:
+    # Triton 3.6 keeps launch hooks in a HookChain (never None): set when it holds a callable
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def _direct_launch_enabled() -> bool:
     global _direct_launch
     if _direct_launch is None:
@@ -138,7 +143,7 @@ def launch(kernel, grid: tuple, *args, **kwargs):
         return kernel[grid](*args, **kwargs)
     from triton import knobs
 
-    hooks = knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+    hooks = _hook_set(knobs.runtime.launch_enter_hook) or _hook_set(knobs.runtime.launch_exit_hook)
     if entry is None or hooks:
         compiled = kernel[grid](*args, **kwargs)  # compiles or finds the kernel: Triton's path
         if entry is None and not hooks and hasattr(compiled, "run"):
