@@ -20,10 +20,11 @@ optimizer step. Each implementation is timed three ways:
   is bound by the host's launch rate; torch eager partly so too).
 * **eager, backward on the calling thread**: the same, with every ``backward()`` run under
   ``torch.autograd.set_multithreading_enabled(False)``. By default autograd runs a CUDA
-  backward in a device thread of its own; there a backward written in Python (det's autograd
-  Functions, which launch Triton kernels) cost several times the host time it costs on the calling
-  thread (det_attn forward+backward at B4 H32 T1024: 1.24 ms vs 0.44 ms of host time per call, H200
-  machine, torch 2.11). Both implementations are timed this way too.
+  backward in a device thread of its own; in one probe a backward written in Python (det's
+  autograd Functions, which launch Triton kernels) cost several times the host time there
+  (det_attn forward+backward at B4 H32 T1024: 1.24 ms vs 0.44 ms of host time per call, H200
+  machine, torch 2.11), in later runs the two modes swapped places: host-bound timings on these
+  machines moved by up to 1.6x between runs. Both implementations are timed this way too.
 * **CUDA graph** (``--graph``, the default): the whole step (forward and backward of every
   micro-batch, ``acc.reduce``, ``opt.step``, ``zero_grad``) captured once in one
   ``torch.cuda.CUDAGraph`` and replayed, the "whole-network capture" recipe of the PyTorch docs

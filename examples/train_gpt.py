@@ -296,16 +296,13 @@ def train_step(
     for mb_lo in range(lo, hi, cfg.micro_batch_seqs):
         mb_hi = min(mb_lo + cfg.micro_batch_seqs, hi)
         x, y = get_batch(data, starts[mb_lo:mb_hi], cfg.seq_len, device)
-        # backward on this thread: autograd's CUDA device thread multiplied the host time of the
-        # det ops' Python backward (see examples/bench_step.py); the results are the same
-        with torch.autograd.set_multithreading_enabled(False):
-            if acc is None:  # reference mode: torch's own accumulation in .grad
+        if acc is None:  # reference mode: torch's own accumulation in .grad
+            _, loss = model(x, y, num_global_tokens=global_tokens)
+            loss.backward()
+        else:
+            with acc.micro_batch(token_offset=mb_lo * cfg.seq_len):
                 _, loss = model(x, y, num_global_tokens=global_tokens)
                 loss.backward()
-            else:
-                with acc.micro_batch(token_offset=mb_lo * cfg.seq_len):
-                    _, loss = model(x, y, num_global_tokens=global_tokens)
-                    loss.backward()
         loss_sum += loss.detach().float()
     if acc is not None:
         acc.reduce(total_tokens=global_tokens, group=dist.group.WORLD if world > 1 else None)

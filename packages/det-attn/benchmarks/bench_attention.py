@@ -106,8 +106,8 @@ def _bitwise_repeat(fn, q, k, v, do) -> bool | str:
 
 def _fwd_bwd_calling_thread(fn, q, k, v, do):
     # autograd runs a CUDA backward in its device thread by default; a backward written in Python
-    # (ours: it launches Triton kernels) paid ~0.8 ms more host time per call there (H200 machine,
-    # torch 2.11) than on the calling thread. Same setting for every method.
+    # (ours: it launches Triton kernels) paid ~0.8 ms more host time per call there in one probe
+    # (H200 machine, torch 2.11), not in later runs. Same setting for every method.
     with torch.autograd.set_multithreading_enabled(False):
         fn(q, k, v).backward(do)
 
