@@ -130,6 +130,20 @@ def launch(kernel, grid: tuple, *args, **kwargs):
     ``DET_DIRECT_LAUNCH=0`` and Triton versions other than those in ``_DIRECT_LAUNCH_TRITON`` take
     Triton's own path.
 
+    Args:
+        kernel: a ``triton.jit`` function.
+        grid: launch grid, a tuple of 1 to 3 ints (programs per axis).
+        *args: the kernel's leading arguments, positionally (tensors, scalars, tensor descriptors).
+        **kwargs: the remaining arguments by name (constexprs) and launch options (``num_warps``,
+            ``num_stages``, ...), as for ``kernel[grid]``.
+
+    Returns:
+        The compiled kernel (``triton.compiler.CompiledKernel``), as ``kernel[grid](...)`` does.
+
+    Raises:
+        Exception: whatever ``kernel[grid](...)`` raises for these arguments (compile errors,
+            missing arguments); the first launch of every key goes through it.
+
     **Determinism:** the same compiled kernel with the same arguments as ``kernel[grid]``: the
     same bits (a GPU test compares both paths).
     """
