@@ -21,8 +21,8 @@ from det_train.weight_grad import _aligned_runs, _dw_tma_operands, bias_grad_par
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CPU_ROWS = [1, 2, 3, 17, 64, 65, 129]
-# 4095 / 4096 / 8192 straddle configs.TMA_MIN_ROWS: the forward switches kernel there (same bits)
-GPU_ROWS = [1, 2, 3, 17, 64, 65, 127, 128, 129, 1000, 4095, 4096, 8192]
+# 1023 / 1024 straddle configs.TMA_MIN_ROWS: the forward switches kernel there (same bits)
+GPU_ROWS = [1, 2, 3, 17, 64, 65, 127, 128, 129, 1000, 1023, 1024, 4095, 4096, 8192]
 
 
 def _randn(*shape, dtype=torch.bfloat16, seed=0, device=DEVICE, requires_grad=False):

@@ -23,8 +23,8 @@ from det_train.reference import matmul_fp64
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HALF = [torch.bfloat16, torch.float16]
 CPU_ROWS = [1, 2, 3, 17, 64, 65, 129]
-# 4095 / 4096 / 8192 straddle configs.TMA_MIN_ROWS: the forward ("nt") switches kernel there
-GPU_ROWS = [1, 2, 3, 17, 64, 65, 127, 128, 129, 1000, 4095, 4096, 8192]
+# 1023 / 1024 straddle configs.TMA_MIN_ROWS: the forward ("nt") switches kernel there
+GPU_ROWS = [1, 2, 3, 17, 64, 65, 127, 128, 129, 1000, 1023, 1024, 4095, 4096, 8192]
 
 
 def _randn(*shape, dtype=torch.bfloat16, seed=0, device=DEVICE):

@@ -3,10 +3,10 @@
 A config is looked up by **dtype, operand layout and the shape class of N and K**. The number of
 rows M (tokens) takes part in exactly one place, and never in the reduction order: for the
 forward layout ``"nt"`` in the large class, **M selects between two kernels whose bits are
-identical** — the TMA kernel when ``M >= TMA_MIN_ROWS`` (4096; tiles loaded through host tensor
-descriptors, 0.95x / 0.86x cuBLAS at 8192 rows on an H200) and the pointer kernel below it (at
-1024 rows the TMA kernel ran at 0.49x, the pointer kernel at 0.62x: the TMA launch's host-side
-cost is not hidden by a ~50 us kernel). Both entries fold K in steps of the same ``block_k`` with
+identical** — the TMA kernel when ``M >= TMA_MIN_ROWS`` (1024; tiles loaded through host tensor
+descriptors, 0.95x / 0.86x cuBLAS at 8192 rows on an H200, 0.96x at 1024 x 4096 x 4096) and the
+pointer kernel below it (0.72x at 1024 rows; in run 4, before launches went through
+``det_core.runtime.launch``, the TMA kernel's host cost made it the slower one there). Both entries fold K in steps of the same ``block_k`` with
 the same ``tl.dot``, so a row's bits do not depend on which kernel ran (checked on the GPU by
 ``test_gpu_tma_and_pointer_kernels_agree_across_the_row_threshold``,
 ``test_gpu_row_invariance_real_sizes`` — M from 1 to 8192 across the threshold — and
@@ -111,14 +111,16 @@ _HALF = (torch.bfloat16, torch.float16)
 
 # Rows (M) from which the large "nt" forward uses the TMA kernel; below, the pointer kernel. Both have
 # the same block_k and dot, hence the same bits: the threshold only picks the faster kernel.
-TMA_MIN_ROWS = 4096
+TMA_MIN_ROWS = 1024
 
 # (dtype group, layout, shape class of N and K, rows class) -> config. Shape class "large": N >= 256
 # and K >= 256. Rows class "any" except for the large forward ("nt"): "many" (M >= TMA_MIN_ROWS) and
 # "few" (M < TMA_MIN_ROWS) — two kernels with one block_k, so the same bits (module docstring).
 # Measured on an H200 (torch 2.11, Triton 3.6, bf16, 2026-11-29, benchmarks/ablate_matmul.py):
 #   nt, M = 8192, K = 4096, N = 4096 / 14336: TMA 128x256 g8 s4 0.95x / 0.86x cuBLAS, pointer
-#   128x256 g8 s3 0.71x / 0.65x; M = 1024, K = N = 4096: TMA 0.49x, pointer 0.62x.
+#   128x256 g8 s3 0.71x / 0.65x; M = 1024, K = N = 4096: TMA 0.96x, pointer 0.72x (device time in
+#   a CUDA graph and plain do_bench alike, 2026-11-30; M = 2048: 0.95x / 0.73x; N = 14336: 0.87x /
+#   0.72x). Run 4 had TMA 0.49x there: host-bound, before det_core.runtime.launch.
 #   nn (dX) pointer 128x256 s4: 0.92-0.98x cuBLAS (benchmarks/bench_matmul.py).
 _MATMUL_TABLE: dict[tuple[str, str, str, str], MatmulConfig] = {
     ("half", "nn", "large", "any"): MatmulConfig(128, 256, 64, 8, 8, 4),
