@@ -82,3 +82,96 @@ def test_gpu_direct_launch_equals_the_jit_path():
             assert torch.equal(got, want), (x.data_ptr() % 16, n, square)
     if runtime._direct_launch_enabled():
         assert any(key[0] is _axpb_kernel for key in runtime._LAUNCHES)
+
+
+class _FakeParam:
+    def __init__(self, name, constexpr=False, specialize=True):
+        self.name, self.is_constexpr, self.do_not_specialize = name, constexpr, not specialize
+
+
+class _FakeCompiled:
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self, kernel, tag):
+        self.kernel, self.tag = kernel, tag
+
+    def run(self, *launch):
+        self.kernel.direct.append((self.tag, launch[9:]))
+
+
+class _FakeKernel:
+    """Stands in for a JITFunction: ``kernel[grid](...)`` records a slow-path launch and returns
+    a compiled kernel whose ``run`` records the direct launches with their arguments."""
+
+    def __init__(self):
+        import inspect
+
+        def fn(x, n, m, scale, SCALE=2, FLAG=False):
+            pass
+
+        self.signature = inspect.signature(fn)
+        self.params = [_FakeParam("x"), _FakeParam("n"), _FakeParam("m", specialize=False),
+                       _FakeParam("scale"), _FakeParam("SCALE", True), _FakeParam("FLAG", True)]  # fmt: skip
+        self.used_global_vals, self.pre_run_hooks = {}, []
+        self.slow, self.direct = [], []
+
+    def __hash__(self):
+        return id(self)
+
+    def __getitem__(self, grid):
+        def runner(*args, **kwargs):
+            self.slow.append((args, kwargs))
+            return _FakeCompiled(self, len(self.slow))
+
+        return runner
+
+
+@pytest.fixture
+def direct_launch(monkeypatch):
+    import types
+
+    knobs = types.SimpleNamespace(
+        runtime=types.SimpleNamespace(debug=False, launch_enter_hook=None, launch_exit_hook=None),
+        compilation=types.SimpleNamespace(instrumentation_mode=""),
+    )
+    monkeypatch.setattr(runtime, "_direct_launch", True)
+    monkeypatch.setattr(runtime, "_knobs", knobs)
+    monkeypatch.setattr(runtime, "_LAUNCHES", runtime.collections.OrderedDict())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
+    return knobs
+
+
+def test_launch_key_follows_triton_36_specialization(direct_launch):
+    k = _FakeKernel()
+    x = torch.zeros(64)
+    runtime.launch(k, (1,), x, 32, 5, 1.5)  # first of its key: Triton's path
+    assert len(k.slow) == 1 and not k.direct
+    y = torch.zeros(64)
+    runtime.launch(k, (1,), y, 48, 1000, -0.0)  # same classes: direct, with the live arguments
+    assert len(k.slow) == 1 and k.direct[-1] == (1, (y, 48, 1000, -0.0, 2, False))
+    runtime.launch(k, (1,), y, 1, 5, 1.5)  # n == 1 is a constexpr in Triton 3.6: another kernel
+    runtime.launch(k, (1,), y, 17, 5, 1.5)  # 17 is not divisible by 16: another kernel
+    runtime.launch(k, (1,), y, 2**31, 5, 1.5)  # i64: another kernel
+    runtime.launch(k, (1,), x[1:], 32, 5, 1.5)  # an unaligned pointer: another kernel
+    runtime.launch(k, (1,), y.double(), 32, 5, 1.5)  # another dtype: another kernel
+    assert len(k.slow) == 6
+    runtime.launch(k, (1,), y, 32, 1, 2.5)  # m is do_not_specialize: its value does not matter
+    assert len(k.slow) == 6 and k.direct[-1] == (1, (y, 32, 1, 2.5, 2, False))
+
+
+def test_launch_keys_keyword_values_by_type_and_bits(direct_launch):
+    k = _FakeKernel()
+    x = torch.zeros(64)
+    runtime.launch(k, (1,), x, 32, 5, 1.5, SCALE=2)
+    runtime.launch(k, (1,), x, 32, 5, 1.5, SCALE=2.0)  # equal to 2, another constexpr
+    runtime.launch(k, (1,), x, 32, 5, 1.5, SCALE=0.0)
+    runtime.launch(k, (1,), x, 32, 5, 1.5, SCALE=-0.0)  # equal to 0.0, other bits
+    runtime.launch(k, (1,), x, 32, 5, 1.5, FLAG=1)
+    runtime.launch(k, (1,), x, 32, 5, 1.5, FLAG=True)  # equal to 1, another type
+    assert len(k.slow) == 6 and not k.direct
+    runtime.launch(k, (1,), x, 32, 5, 1.5, SCALE=-0.0)
+    assert k.direct[-1] == (4, (x, 32, 5, 1.5, -0.0, False))
+    direct_launch.runtime.launch_enter_hook = lambda meta: None  # a hook: Triton's path again
+    runtime.launch(k, (1,), x, 32, 5, 1.5, SCALE=-0.0)
+    assert len(k.slow) == 7

@@ -9,6 +9,7 @@ when a kernel is decorated). Under the interpreter bf16 ``tl.dot`` is not suppor
 
 from __future__ import annotations
 
+import collections
 import operator
 import os
 
@@ -75,8 +76,10 @@ def as_index(value, name: str, op: str, hint: str = ""):
 # bitwise-equal outputs, ~11 us instead of ~38 us of host time per launch). Elsewhere ``launch``
 # is ``kernel[grid](...)`` itself.
 _DIRECT_LAUNCH_TRITON = ("3.6.",)
-_LAUNCHES: dict = {}
+_LAUNCHES: collections.OrderedDict = collections.OrderedDict()  # least recently used first
 _MAX_LAUNCHES = 4096
+_KERNEL_PARAMS: dict = {}  # kernel -> (positional flags, (name, default) per parameter)
+_knobs = None  # triton.knobs once the direct path is on
 _direct_launch: bool | None = None
 
 
@@ -84,14 +87,34 @@ class _NoKey(Exception):
     pass
 
 
-def _arg_key(value):
-    # everything Triton specializes a kernel on is a function of this key: tensors by dtype and
-    # 16-byte alignment, scalars by type and exact value, descriptors by all their fields
+def _int_class(value: int) -> int:
+    # Triton 3.6 types an int argument i32, i64 or u64 by its range (native_specialize_impl)
+    if -(2**31) <= value < 2**31:
+        return 0
+    return 1 if -(2**63) <= value < 2**63 else 2
+
+
+def _arg_key(value, exact: bool = True, specialize: bool = True):
+    """The part of ``value`` that Triton 3.6 compiles a kernel for: tensors by dtype and 16-byte
+    alignment; ints by type range, ``== 1`` and divisibility by 16 (range only when the parameter
+    is ``do_not_specialize``); floats and bools by type only; ``exact`` (constexprs, keyword
+    values): the type and the exact value (floats by their bits, so 0.0 and -0.0 differ)."""
+    kind = type(value)
     if isinstance(value, torch.Tensor):
         return value.dtype, value.data_ptr() % 16 == 0
-    if value is None or type(value) in (int, float, bool, str):
-        return type(value), value
-    if type(value).__name__ == "TensorDescriptor":
+    if kind is int:
+        if exact:
+            return int, value
+        if not specialize:
+            return int, _int_class(value)
+        return int, _int_class(value), value == 1, value % 16 == 0
+    if kind is float:
+        return (float, value.hex()) if exact else float
+    if kind is bool:
+        return (bool, value) if exact else bool
+    if value is None or kind is str:
+        return kind, value
+    if kind.__name__ == "TensorDescriptor":
         base = value.base
         return (
             "desc", base.dtype, base.data_ptr() % 16 == 0, tuple(value.shape), tuple(value.strides),
@@ -100,13 +123,22 @@ def _arg_key(value):
     raise _NoKey
 
 
+def _params(kernel):
+    params = _KERNEL_PARAMS.get(kernel)
+    if params is None:
+        flags = tuple((p.is_constexpr, not p.do_not_specialize) for p in kernel.params)
+        named = tuple((p.name, p.default) for p in kernel.signature.parameters.values())
+        params = _KERNEL_PARAMS[kernel] = (flags, named)
+    return params
+
+
 def _hook_set(hook) -> bool:
     # Triton 3.6 keeps launch hooks in a HookChain (never None): set when it holds a callable
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def _direct_launch_enabled() -> bool:
-    global _direct_launch
+    global _direct_launch, _knobs
     if _direct_launch is None:
         import triton
 
@@ -115,7 +147,17 @@ def _direct_launch_enabled() -> bool:
             and os.environ.get("DET_DIRECT_LAUNCH", "1") != "0"
             and triton.__version__.startswith(_DIRECT_LAUNCH_TRITON)
         )
+        if _direct_launch:
+            from triton import knobs
+
+            _knobs = knobs
     return _direct_launch
+
+
+def _globals_unchanged(kernel) -> bool:
+    # JITFunction.run raises when a global the kernel read at compile time has changed: let it
+    missing = object()
+    return all(g.get(name, missing) == val for (name, _), (val, g) in kernel.used_global_vals.items())
 
 
 def launch(kernel, grid: tuple, *args, **kwargs):
@@ -123,12 +165,14 @@ def launch(kernel, grid: tuple, *args, **kwargs):
 
     Triton's ``JITFunction.run`` binds and specializes every argument on every launch (~38 us of
     host time per launch on the H200 machine with Triton 3.6; a training step launches ~700).
-    Here the compiled kernel is looked up by a key holding every argument's specialization input
-    exactly (tensor dtype and 16-byte alignment, scalar type and value, constexprs and launch
-    options by name and value) and launched through its own ``run``, as ``JITFunction.run`` does.
-    The first launch of each key, any argument of another kind, launch hooks, the interpreter,
-    ``DET_DIRECT_LAUNCH=0`` and Triton versions other than those in ``_DIRECT_LAUNCH_TRITON`` take
-    Triton's own path.
+    Here the compiled kernel is looked up by a key holding what Triton 3.6 specializes on (its
+    ``native_specialize_impl``: tensor dtype and 16-byte alignment; int range, ``== 1`` and
+    divisibility by 16; float and bool types; constexprs, keyword arguments and the debug /
+    instrumentation knobs by exact value) and launched through its own ``run``, with the live
+    arguments, as ``JITFunction.run`` does. The first launch of each key, arguments of another
+    kind, launch or pre-run hooks, a changed global of the kernel, the interpreter, Triton
+    versions other than those in ``_DIRECT_LAUNCH_TRITON`` and ``DET_DIRECT_LAUNCH=0`` (read at
+    the first launch of the process) take Triton's own path.
 
     Args:
         kernel: a ``triton.jit`` function.
@@ -150,24 +194,32 @@ def launch(kernel, grid: tuple, *args, **kwargs):
     if not _direct_launch_enabled():
         return kernel[grid](*args, **kwargs)
     device = torch.cuda.current_device()
+    runtime_knobs = _knobs.runtime
     try:
-        key = (kernel, device, len(grid), tuple(map(_arg_key, args)), tuple(kwargs.items()))
+        flags, named = _params(kernel)
+        arg_keys = tuple(_arg_key(a, *flag) for a, flag in zip(args, flags, strict=False))
+        kw_keys = tuple((name, _arg_key(v)) for name, v in kwargs.items())
+        key = (kernel, device, len(grid), arg_keys, kw_keys, runtime_knobs.debug,
+               _knobs.compilation.instrumentation_mode)  # fmt: skip
         entry = _LAUNCHES.get(key)
-    except (_NoKey, TypeError):  # an argument of another kind, or an unhashable keyword value
+    except (_NoKey, TypeError, AttributeError):  # another kind of argument or kernel
         return kernel[grid](*args, **kwargs)
-    from triton import knobs
-
-    hooks = _hook_set(knobs.runtime.launch_enter_hook) or _hook_set(knobs.runtime.launch_exit_hook)
-    if entry is None or hooks:
+    if (
+        entry is None
+        or _hook_set(runtime_knobs.launch_enter_hook)
+        or _hook_set(runtime_knobs.launch_exit_hook)
+        or kernel.pre_run_hooks
+        or not _globals_unchanged(kernel)
+    ):
         compiled = kernel[grid](*args, **kwargs)  # compiles or finds the kernel: Triton's path
-        if entry is None and not hooks and hasattr(compiled, "run"):
-            names = list(kernel.signature.parameters.values())[len(args) :]
-            tail = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in names)
+        if entry is None and hasattr(compiled, "run"):
             if len(_LAUNCHES) >= _MAX_LAUNCHES:
-                _LAUNCHES.clear()
-            _LAUNCHES[key] = (compiled, tail)
+                _LAUNCHES.popitem(last=False)
+            _LAUNCHES[key] = compiled
         return compiled
-    compiled, tail = entry
+    _LAUNCHES.move_to_end(key)
+    compiled = entry
+    tail = [kwargs[name] if name in kwargs else default for name, default in named[len(args) :]]
     grid_y = grid[1] if len(grid) > 1 else 1
     grid_z = grid[2] if len(grid) > 2 else 1
     stream = torch._C._cuda_getCurrentRawStream(device)
