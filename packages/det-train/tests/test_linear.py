@@ -446,3 +446,15 @@ def test_gpu_fresh_process_cold_cache_real_size():
     y = linear(x, w, b)
     y.backward(torch.ones_like(y))
     assert digest([y, x.grad, w.grad, b.grad]) == first  # and the same as this (warm) process
+
+
+def test_dw_scratch_holds_the_levels_the_kernel_stacks():
+    from det_train.weight_grad import dw_scratch_shape
+
+    table = weight_grad_config(torch.bfloat16, 4096, 4096)  # lean, quads, 1 merge slot
+    cpu = torch.device("cpu")  # 4 resident programs under the interpreter
+    assert dw_scratch_shape(table, 3, 100, cpu) == (4, 2, 128 * 128)  # level 2 in registers, 3 stacked
+    assert dw_scratch_shape(table, 3, 100, cpu, tma=False) == (4, 3, 128 * 128)  # pairs without TMA
+    assert dw_scratch_shape(dataclasses.replace(table, quads=False), 4, 100, cpu) == (4, 4, 128 * 128)
+    assert dw_scratch_shape(table, 1, 100, cpu) == (4, 1, 128 * 128)  # quads need level >= 2
+    assert dw_scratch_shape(table, 0, 100, cpu) is None

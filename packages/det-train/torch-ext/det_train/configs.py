@@ -6,8 +6,9 @@ forward layout ``"nt"`` in the large class, **M selects between two kernels whos
 identical** — the TMA kernel when ``M >= TMA_MIN_ROWS`` (1024; tiles loaded through host tensor
 descriptors, 0.95x / 0.86x cuBLAS at 8192 rows on an H200, 0.96x at 1024 x 4096 x 4096) and the
 pointer kernel below it (0.72x at 1024 rows; in run 4, before launches went through
-``det_core.runtime.launch``, the TMA kernel's host cost made it the slower one there). Both entries fold K in steps of the same ``block_k`` with
-the same ``tl.dot``, so a row's bits do not depend on which kernel ran (checked on the GPU by
+``det_core.runtime.launch``, the TMA kernel's host cost made it the slower one there). Both entries
+fold K in steps of the same ``block_k`` with the same ``tl.dot``, so a row's bits do not depend on
+which kernel ran (checked on the GPU by
 ``test_gpu_tma_and_pointer_kernels_agree_across_the_row_threshold``,
 ``test_gpu_row_invariance_real_sizes`` — M from 1 to 8192 across the threshold — and
 ``test_gpu_every_config_of_a_dtype_gives_the_same_bits``; on CPU by

@@ -364,6 +364,8 @@ def _weight_grad_lean_kernel(
     SM, and one program's tree merge overlaps the other's tensor-core work. With ``PAIRS`` the two
     leaves of each level-1 node are summed in registers (two tiles live, one program per SM, half
     the scratch traffic); the stack then holds levels >= 1 (``MAX_LEVELS`` counts those levels).
+    With ``QUADS`` (and ``TMA``) the four leaves of each level-2 node are summed in registers
+    (three tiles live) and the stack holds levels >= 2 (``MAX_LEVELS = level - 2``).
     With ``TMA`` ``dy_ptr`` / ``x_ptr`` are host tensor descriptors of dY and X (tiles by TMA);
     with ``INTERLEAVE`` (and ``PAIRS``, ``TMA``) a pair of full leaves is folded in one loop
     (``_leaf_pair_sum_tma``, same bits).
@@ -553,9 +555,8 @@ def weight_grad_partial(
     Workspace: one fp32 ``(N, K)`` tile per aligned subtree left unfinished by the kernel (none
     when the run is one subtree, finished and rounded in-kernel), plus, with ``scratch_tree`` /
     ``lean``, a stack of fp32 tiles per resident program (``dw_scratch_shape``): with the default
-    table (lean, quads, one program per SM; sized for pairs, its fallback without TMA) 132 programs x
-    (2 levels + 1 merge slot) x 64 KiB =
-    24.75 MiB on a 132-SM H200, whatever the layer's size.
+    table (lean, quads, one program per SM) at 8 leaves per program 132 programs x (1 level + 1
+    merge slot) x 64 KiB = 16.5 MiB on a 132-SM H200, whatever the layer's size.
 
     Raises:
         ValueError: an unsupported ``config`` (``configs.check_weight_grad_config``: e.g. a
@@ -601,7 +602,7 @@ def weight_grad_partial(
             quads = config.quads and descs is not None and level >= 2
             levels = level - (2 if quads else 1 if config.pairs else 0)  # levels that wait in the stack
             scratch = torch.empty(
-                dw_scratch_shape(config, level, grid[0] * grid[1], dy.device),
+                dw_scratch_shape(config, level, grid[0] * grid[1], dy.device, tma=descs is not None),
                 dtype=torch.float32,
                 device=dy.device,
             )
@@ -671,15 +672,17 @@ def _dw_tma_operands(dy: torch.Tensor, x: torch.Tensor, config: WeightGradConfig
 
 
 def dw_scratch_shape(
-    config: WeightGradConfig, level: int, programs_needed: int, device: torch.device
+    config: WeightGradConfig, level: int, programs_needed: int, device: torch.device, tma: bool = True
 ) -> tuple[int, int, int] | None:
     """Shape of the fp32 scratch stack of the dW tree kernels for subtrees of ``2**level`` leaves:
-    (programs, slots, block_n * block_k), or None when the config uses no scratch."""
+    (programs, slots, block_n * block_k), or None when the config uses no scratch. ``tma``: whether
+    the launch gets TMA descriptors (``quads`` needs them; without, the kernel runs ``pairs``)."""
     if level == 0 or not (config.lean or config.scratch_tree):
         return None
     programs = min(programs_needed, _resident_programs(device, config.programs_per_sm))
     if config.lean:
-        slots = (level - 1 if config.pairs else level) + (0 if config.merge_in_registers else 1)
+        in_registers = 2 if config.quads and tma and level >= 2 else 1 if config.pairs else 0
+        slots = (level - in_registers) + (0 if config.merge_in_registers else 1)
     else:
         slots = level
     return programs, max(slots, 1), config.block_n * config.block_k
