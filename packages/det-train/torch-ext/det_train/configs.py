@@ -143,9 +143,11 @@ _MATMUL_TABLE: dict[tuple[str, str, str, str], MatmulConfig] = {
 # with quads (the four leaves of a level-2 node summed in registers: three tiles live, one program
 # per SM; levels >= 2 merged through the L2 scratch stack) and TMA loads, 4 stages. Measured on an
 # H200 (torch 2.11, Triton 3.6, 2026-11-29, device time in a CUDA graph, cuBLAS alongside): 0.71x
-# cuBLAS at 8192x4096x4096, 0.55-0.64x at the main job's 16384-token layers; the previous entry
-# (pairs: two leaves in registers, every level-1 node merged in memory) 0.63x / 0.51-0.58x. The
-# merges are what cost: the same kernel with 4096-token leaves (other bits) ran at 0.82-0.84x.
+# cuBLAS at 8192x4096x4096 (bench_matmul, run 7: 0.69x), 0.52-0.64x at the main job's 16384-token
+# layers; the previous entry (pairs: two leaves in registers, every level-1 node merged in memory)
+# 0.63x / 0.51-0.58x. The
+# merges are what cost: the same kernel with 4096-token leaves (other bits) ran at 0.82-0.84x at the
+# issue's shapes.
 _WEIGHT_GRAD_TABLE: dict[tuple[str, str], WeightGradConfig] = {
     ("half", "large"): WeightGradConfig(
         block_n=128,
