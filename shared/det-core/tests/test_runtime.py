@@ -148,16 +148,17 @@ def test_launch_key_follows_triton_36_specialization(direct_launch):
     runtime.launch(k, (1,), x, 32, 5, 1.5)  # first of its key: Triton's path
     assert len(k.slow) == 1 and not k.direct
     y = torch.zeros(64)
-    runtime.launch(k, (1,), y, 48, 1000, -0.0)  # same classes: direct, with the live arguments
-    assert len(k.slow) == 1 and k.direct[-1] == (1, (y, 48, 1000, -0.0, 2, False))
+    runtime.launch(k, (1,), y, 32, 1000, -0.0)  # same key: direct, with the live arguments
+    assert len(k.slow) == 1 and k.direct[-1] == (1, (y, 32, 1000, -0.0, 2, False))
     runtime.launch(k, (1,), y, 1, 5, 1.5)  # n == 1 is a constexpr in Triton 3.6: another kernel
-    runtime.launch(k, (1,), y, 17, 5, 1.5)  # 17 is not divisible by 16: another kernel
+    runtime.launch(k, (1,), y, 48, 5, 1.5)  # ints that Triton specializes on: keyed exactly
     runtime.launch(k, (1,), y, 2**31, 5, 1.5)  # i64: another kernel
     runtime.launch(k, (1,), x[1:], 32, 5, 1.5)  # an unaligned pointer: another kernel
     runtime.launch(k, (1,), y.double(), 32, 5, 1.5)  # another dtype: another kernel
-    assert len(k.slow) == 6
-    runtime.launch(k, (1,), y, 32, 1, 2.5)  # m is do_not_specialize: its value does not matter
-    assert len(k.slow) == 6 and k.direct[-1] == (1, (y, 32, 1, 2.5, 2, False))
+    runtime.launch(k, (1,), y, 32, 2**40, 1.5)  # m is do_not_specialize: i64 is another kernel
+    assert len(k.slow) == 7
+    runtime.launch(k, (1,), y, 32, 1, 2.5)  # m is do_not_specialize: its i32 value does not matter
+    assert len(k.slow) == 7 and k.direct[-1] == (1, (y, 32, 1, 2.5, 2, False))
 
 
 def test_launch_keys_keyword_values_by_type_and_bits(direct_launch):

@@ -95,19 +95,18 @@ def _int_class(value: int) -> int:
 
 
 def _arg_key(value, exact: bool = True, specialize: bool = True):
-    """The part of ``value`` that Triton 3.6 compiles a kernel for: tensors by dtype and 16-byte
-    alignment; ints by type range, ``== 1`` and divisibility by 16 (range only when the parameter
-    is ``do_not_specialize``); floats and bools by type only; ``exact`` (constexprs, keyword
-    values): the type and the exact value (floats by their bits, so 0.0 and -0.0 differ)."""
+    """A key for what Triton 3.6 compiles a kernel for: tensors by dtype and 16-byte alignment; ints
+    by exact value (Triton specializes on their range, ``== 1`` and divisibility by 16), by range
+    only when the parameter is ``do_not_specialize``; floats and bools by type only; ``exact``
+    (constexprs, keyword values): the type and the exact value (floats by their bits, so 0.0 and
+    -0.0 differ)."""
     kind = type(value)
     if isinstance(value, torch.Tensor):
         return value.dtype, value.data_ptr() % 16 == 0
     if kind is int:
-        if exact:
-            return int, value
-        if not specialize:
-            return int, _int_class(value)
-        return int, _int_class(value), value == 1, value % 16 == 0
+        if specialize or exact:  # exact: stricter than Triton's classes (range, == 1, % 16), the
+            return int, value  # behaviour the GPU suite ran; a varying int argument only misses
+        return int, _int_class(value)
     if kind is float:
         return (float, value.hex()) if exact else float
     if kind is bool:
@@ -164,15 +163,16 @@ def launch(kernel, grid: tuple, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)`` with less host time per launch on known Triton versions.
 
     Triton's ``JITFunction.run`` binds and specializes every argument on every launch (~38 us of
-    host time per launch on the H200 machine with Triton 3.6; a training step launches ~700).
-    Here the compiled kernel is looked up by a key holding what Triton 3.6 specializes on (its
-    ``native_specialize_impl``: tensor dtype and 16-byte alignment; int range, ``== 1`` and
-    divisibility by 16; float and bool types; constexprs, keyword arguments and the debug /
-    instrumentation knobs by exact value) and launched through its own ``run``, with the live
-    arguments, as ``JITFunction.run`` does. The first launch of each key, arguments of another
-    kind, launch or pre-run hooks, a changed global of the kernel, the interpreter, Triton
-    versions other than those in ``_DIRECT_LAUNCH_TRITON`` and ``DET_DIRECT_LAUNCH=0`` (read at
-    the first launch of the process) take Triton's own path.
+    host time per launch on the H200 machine with Triton 3.6; a training step launches ~700). Here
+    the compiled kernel is looked up by a key that determines what Triton 3.6 specializes on (its
+    ``native_specialize_impl``): tensor dtype and 16-byte alignment; ints by exact value
+    (``do_not_specialize`` ones by their i32 / i64 / u64 range); float and bool types; constexprs,
+    keyword arguments and the debug / instrumentation knobs by exact value. It is launched through
+    its own ``run``, with the live arguments, as ``JITFunction.run`` does. An int argument that
+    changes every call (a per-step dropout seed) misses every time: Triton's path, as before. The
+    first launch of each key, arguments of another kind, launch or pre-run hooks, a changed global
+    of the kernel, the interpreter, Triton versions other than those in ``_DIRECT_LAUNCH_TRITON``
+    and ``DET_DIRECT_LAUNCH=0`` (read at the first launch of the process) take Triton's own path.
 
     Args:
         kernel: a ``triton.jit`` function.
