@@ -70,7 +70,7 @@ def compile_one(name, fn, types, constexprs, num_warps, num_stages, maxnreg=None
             src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages, "maxnreg": maxnreg}
         )
     except Exception as exc:  # report every entry
-        print(f"{name}: COMPILE FAILED: {type(exc).__name__}: {str(exc)[:500]}")
+        print(f"{name}: COMPILE FAILED: {type(exc).__name__}: {str(exc)[-1500:]}")
         return False
     ptx = kernel.asm.get("ptx", "")
     info = f"shared={kernel.metadata.shared} wgmma={'wgmma' in ptx}"
@@ -145,13 +145,15 @@ def main() -> int:
             if w.tma:
                 ltypes["dy_ptr"] = f"tensordesc<{tname[1:]}[{w.block_t}, {w.block_n}]>"
                 ltypes["x_ptr"] = f"tensordesc<{tname[1:]}[{w.block_t}, {w.block_k}]>"
+            quads = w.quads and w.tma and levels >= 2
             lean = dict(
-                common, MAX_LEVELS=levels - 1 if w.pairs else levels, PAIRS=w.pairs, TMA=w.tma,
-                MERGE_ROWS=0 if w.merge_in_registers else min(32, w.block_n),
+                common, MAX_LEVELS=levels - (2 if quads else 1 if w.pairs else 0), PAIRS=w.pairs,
+                TMA=w.tma, MERGE_ROWS=0 if w.merge_in_registers else min(32, w.block_n),
+                INTERLEAVE=w.interleave and w.tma, QUADS=quads,
             )  # fmt: skip
             bad += not compile_one(
-                f"dW {dtype} lean tma={w.tma} maxnreg={w.maxnreg}", lin._weight_grad_lean_kernel, ltypes,
-                lean, w.num_warps, w.num_stages, maxnreg=w.maxnreg,
+                f"dW {dtype} lean tma={w.tma} quads={quads} maxnreg={w.maxnreg}",
+                lin._weight_grad_lean_kernel, ltypes, lean, w.num_warps, w.num_stages, maxnreg=w.maxnreg,
             )  # fmt: skip
         bad += not compile_one(
             f"dW {dtype} stack levels={levels}", lin._weight_grad_stack_kernel, wtypes,
