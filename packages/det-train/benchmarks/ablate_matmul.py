@@ -101,8 +101,6 @@ def _candidates():
     base = W(128, 128, 64, 8, 8, 3, 8)
     r = dataclasses.replace
     dw = {
-        "stack s3 (old table)": r(base, scratch_tree=True),
-        "stack s4": r(base, scratch_tree=True, num_stages=4),
         "lean ptr s3 maxnreg128 2/SM": r(base, lean=True, maxnreg=128),
         "lean tma s3 maxnreg128 2/SM": r(base, lean=True, tma=True, maxnreg=128),
         "lean tma s4 1/SM": r(base, lean=True, tma=True, num_stages=4, programs_per_sm=1),
@@ -180,7 +178,7 @@ def _run_shape(m, k, n, fwd_cands, dw_cands, rows: list[dict], dx_cands=None) ->
     cublas = _bench(lambda: torch.matmul(dy.t(), x))
     add("dW", "cuBLAS", cublas, "—", cublas)
     ref_cfg = dataclasses.replace(
-        table_dw, leaves_per_program=1, lean=False, scratch_tree=False, tma=False, pairs=False, quads=False
+        table_dw, leaves_per_program=1, lean=False, tma=False, pairs=False, quads=False
     )
     ref = weight_grad_partial(dy, x, leaf_tokens=LEAF_TOKENS, config=ref_cfg, finish_dtype=torch.float32)
     for name, cfg in dw_cands.items():

@@ -156,14 +156,6 @@ def main() -> int:
                 lin._weight_grad_lean_kernel, ltypes, lean, w.num_warps, w.num_stages, maxnreg=w.maxnreg,
             )  # fmt: skip
         bad += not compile_one(
-            f"dW {dtype} stack levels={levels}", lin._weight_grad_stack_kernel, wtypes,
-            dict(common, MAX_LEVELS=levels), w.num_warps, w.num_stages,
-        )  # fmt: skip
-        bad += not compile_one(
-            f"dW {dtype} flat stack levels={levels}", lin._weight_grad_flat_kernel, wtypes,
-            dict(common, MAX_LEVELS=levels), w.num_warps, w.num_stages,
-        )  # fmt: skip
-        bad += not compile_one(
             f"dW {dtype} one leaf",
             lin._weight_grad_kernel,
             wtypes,

@@ -155,14 +155,12 @@ def _sweep(m, k, n, tensors) -> list[dict]:
                     {"op": op, "config": dataclasses.asdict(cfg), "ms": ms, "tflops": _tflops(flops, ms)}
                 )
     base = configs.weight_grad_config(torch.bfloat16, n, k)
-    dw_variants = [(1, False, False), (2, False, False), (8, True, False), (8, True, True), (4, True, True)]
-    for lpp, scratch, flat in dw_variants:
+    for lpp in (1, 2):
         for bn, bk, warps, stages in [(128, 128, 8, 3), (128, 256, 8, 3), (128, 128, 4, 3), (128, 128, 8, 4)]:
-            # the pre-lean kernels; benchmarks/ablate_matmul.py compares the lean ones
+            # the leaves-in-registers kernel; benchmarks/ablate_matmul.py compares the lean ones
             cfg = dataclasses.replace(
-                base, leaves_per_program=lpp, scratch_tree=scratch, flat_loop=flat, block_n=bn, block_k=bk,
-                num_warps=warps, num_stages=stages, lean=False, tma=False, maxnreg=None, pairs=False,
-                quads=False, programs_per_sm=2,
+                base, leaves_per_program=lpp, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
+                lean=False, tma=False, maxnreg=None, pairs=False, quads=False, programs_per_sm=2,
             )  # fmt: skip
             ms = _bench(
                 lambda cfg=cfg: weight_grad_partial(

@@ -129,9 +129,6 @@ def test_row_invariance_of_y_and_dx(bias):
         (1, {}),
         (2, {}),
         (4, {}),
-        (2, dict(scratch_tree=True)),
-        (8, dict(scratch_tree=True)),
-        (8, dict(scratch_tree=True, flat_loop=True)),
         (8, dict(lean=True)),
         (4, dict(lean=True, pairs=True)),
         (8, dict(lean=True, pairs=True)),
@@ -196,15 +193,13 @@ def test_register_subtrees_keep_each_leaf_fold(kernel):
 
 
 # dW variants of the large shape class that compile on Triton 3.6 (H200) and must give the table's bits.
-_LEAN = dict(lean=True, tma=True, scratch_tree=False, flat_loop=False, merge_in_registers=False, quads=False)
+_LEAN = dict(lean=True, tma=True, merge_in_registers=False, quads=False)
 _OLD = dict(
     lean=False, tma=False, pairs=False, quads=False, maxnreg=None, programs_per_sm=2
 )  # pre-lean kernels
-SUPPORTED_DW_VARIANTS = [  # the first 9 ran bit-exact on an H200, Triton 3.6 (tests, sweep, ablation)
-    dict(_OLD, leaves_per_program=1, scratch_tree=False, num_stages=3),
-    dict(_OLD, leaves_per_program=2, scratch_tree=False, num_stages=3),
-    dict(_OLD, leaves_per_program=4, scratch_tree=True, num_stages=3),
-    dict(_OLD, leaves_per_program=8, scratch_tree=True, num_stages=4),
+SUPPORTED_DW_VARIANTS = [  # each ran bit-exact against the table on an H200, Triton 3.6
+    dict(_OLD, leaves_per_program=1, num_stages=3),
+    dict(_OLD, leaves_per_program=2, num_stages=3),
     dict(_LEAN, leaves_per_program=8, pairs=False, maxnreg=128, programs_per_sm=2, num_stages=3),
     dict(_LEAN, leaves_per_program=8, pairs=False, maxnreg=128, programs_per_sm=2, num_stages=3, tma=False),
     dict(_LEAN, leaves_per_program=8, pairs=False, maxnreg=None, programs_per_sm=1, num_stages=4),
@@ -212,7 +207,6 @@ SUPPORTED_DW_VARIANTS = [  # the first 9 ran bit-exact on an H200, Triton 3.6 (t
          merge_in_registers=True),
     dict(_LEAN, leaves_per_program=8, pairs=True, maxnreg=None, programs_per_sm=1, num_stages=4),
     dict(_LEAN, leaves_per_program=4, pairs=True, maxnreg=None, programs_per_sm=1, num_stages=4),
-    dict(_OLD, leaves_per_program=8, scratch_tree=True, flat_loop=True, num_stages=3),
     dict(_LEAN, leaves_per_program=8, pairs=True, maxnreg=None, programs_per_sm=1, num_stages=3, tma=False),
     dict(_LEAN, leaves_per_program=8, pairs=False, maxnreg=128, programs_per_sm=2, num_stages=3,
          block_n=64, block_k=128, num_warps=4),
@@ -251,7 +245,7 @@ def test_dw_config_check_rejects_what_ptxas_cannot_compile():
         check_weight_grad_config(dataclasses.replace(base, tma=False))
     with pytest.raises(ValueError, match="lean dW kernel only"):
         check_weight_grad_config(
-            dataclasses.replace(base, lean=False, quads=False, maxnreg=128, scratch_tree=True)
+            dataclasses.replace(base, lean=False, quads=False, maxnreg=128, leaves_per_program=4)
         )
     with pytest.raises(ValueError, match="leaves_per_program"):
         check_weight_grad_config(WeightGradConfig(64, 64, 64, 8, 4, 3, 3))

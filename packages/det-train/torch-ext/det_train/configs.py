@@ -26,7 +26,7 @@ steps of ``block_k`` (each step one ``tl.dot``, i.e. a fixed tensor-core instruc
 only tile the output, load the tiles and schedule the work: every entry of one dtype uses the same
 ``block_k``, so every entry gives the same bits (checked by a ``gpu`` test). For the weight gradient
 the token step ``block_t`` changes bits (it is the fold step inside a leaf); ``leaves_per_program``,
-``scratch_tree``, ``flat_loop``, ``lean``, ``pairs``, ``interleave``, ``quads``,
+``lean``, ``pairs``, ``interleave``, ``quads``,
 ``merge_in_registers``, ``tma``, ``programs_per_sm`` and ``maxnreg`` do not (they choose how much
 of the fixed leaf tree one program computes, where it keeps waiting nodes, how it loads tiles and
 how many programs share an SM).
@@ -86,12 +86,10 @@ class WeightGradConfig:
     group_n: int
     num_warps: int
     num_stages: int
-    leaves_per_program: int  # leaves of the canonical tree one program combines (a power of 2)
-    scratch_tree: bool = False  # combine them through a per-program fp32 scratch stack (any power
-    # of 2) instead of registers (1, 2 or 4 leaves); neither choice changes bits
-    flat_loop: bool = False  # with scratch_tree: one pipelined loop over all token steps of the subtree
-    lean: bool = False  # the scratch-stack tree kernel with one tile live in the token loop (merges
-    # in memory, row chunk by row chunk); with maxnreg=128 two programs fit on an SM
+    leaves_per_program: int  # leaves of the canonical tree one program combines (a power of 2; 1, 2
+    # or 4 in registers, any with lean)
+    lean: bool = False  # the persistent tree kernel: waiting nodes in a per-program fp32 scratch
+    # stack (in L2), one tile live in the token loop; with maxnreg=128 two programs fit on an SM
     pairs: bool = False  # with lean: the two leaves of each level-1 node summed in registers
     programs_per_sm: int = 2  # resident programs of the persistent tree kernels (sizes the scratch)
     maxnreg: int | None = None  # register cap per thread (ptxas .maxnreg), None: the compiler's choice
@@ -235,18 +233,16 @@ def live_accumulator_registers(config: WeightGradConfig) -> int:
 def check_weight_grad_config(config: WeightGradConfig) -> None:
     """Raise ValueError for a dW config outside the supported variants (before any compile).
 
-    Rejected: ``leaves_per_program`` not a power of 2 (or above 4 without ``scratch_tree`` /
-    ``lean``); ``interleave`` or ``quads`` without ``lean``, ``pairs`` and ``tma``; ``maxnreg`` on
-    a kernel other than the lean one (it would be ignored); a ``maxnreg``
-    below ``live_accumulator_registers(config) + MAXNREG_HEADROOM`` (ptxas fails with "Insufficient
-    registers", e.g. a 128x256 tile at 8 warps under ``maxnreg=128`` on Triton 3.6 and 3.9, or
-    spills: ``pairs`` with two 128x128 tiles under ``maxnreg=128`` spills ~1 KB per thread).
+    Rejected: ``leaves_per_program`` not a power of 2 (or above 4 without ``lean``); ``interleave`` or
+    ``quads`` without ``lean``, ``pairs`` and ``tma``; ``maxnreg`` on a kernel other than the lean one
+    (it would be ignored); a ``maxnreg`` below ``live_accumulator_registers(config) + MAXNREG_HEADROOM``
+    (ptxas fails with "Insufficient registers", e.g. a 128x256 tile at 8 warps under ``maxnreg=128`` on
+    Triton 3.6 and 3.9, or spills: ``pairs`` with two 128x128 tiles under ``maxnreg=128`` spills ~1 KB
+    per thread).
     """
     lpp = config.leaves_per_program
-    if lpp < 1 or lpp & (lpp - 1) or (lpp > 4 and not (config.scratch_tree or config.lean)):
-        raise ValueError(
-            f"leaves_per_program must be 1, 2 or 4 (any power of 2 with scratch_tree or lean), got {lpp}"
-        )
+    if lpp < 1 or lpp & (lpp - 1) or (lpp > 4 and not config.lean):
+        raise ValueError(f"leaves_per_program must be 1, 2 or 4 (any power of 2 with lean), got {lpp}")
     if (config.interleave or config.quads) and not (config.lean and config.pairs and config.tma):
         raise ValueError(
             "interleave and quads are TMA variants of the pairs kernel: they need lean, pairs and tma"

@@ -8,9 +8,7 @@ compute whole aligned subtrees of up to ``leaves_per_program`` leaves:
 - ``_weight_grad_lean_kernel`` (the table's entry for large layers): the four leaves of each
   level-2 node summed in registers (``quads``; ``pairs``: two leaves), higher levels merged
   through a per-program fp32 scratch stack that stays in L2, TMA loads, one program per SM;
-- ``_weight_grad_kernel``: up to 4 leaves in registers (the table's entry for small layers);
-- ``_weight_grad_stack_kernel`` / ``_weight_grad_flat_kernel``: earlier scratch-stack variants,
-  kept for ``benchmarks/ablate_matmul.py`` and the tests that every variant gives the same bits.
+- ``_weight_grad_kernel``: up to 4 leaves in registers (the table's entry for small layers).
 
 What a launch leaves unfinished (subtrees of several runs) is merged by ``TreePartial`` in torch.
 """
@@ -204,148 +202,6 @@ def _weight_grad_kernel(
 
 
 @triton.jit(do_not_specialize=["T", "run_start", "leaves", "num_programs"])
-def _weight_grad_stack_kernel(
-    # pointers: dY (T, N), X (T, K), out (blocks, N, K), scratch (programs, MAX_LEVELS, BLOCK_N * BLOCK_K)
-    dy_ptr, x_ptr, out_ptr, scratch_ptr,
-    T, N, K, run_start, LEAF_TOKENS, leaves, blocks, num_programs,
-    stride_dyt, stride_dyn, stride_xt, stride_xk, stride_ob, stride_on, stride_ok,
-    dy_t_step, x_t_step,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr,
-    MAX_LEVELS: tl.constexpr, EVEN_T: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BF16_BY_BITS: tl.constexpr,
-):  # fmt: skip
-    """Aligned subtrees of ``leaves`` (a power of 2, <= 2**MAX_LEVELS) leaves of dW tiles (persistent).
-
-    Each program walks tiles ``program, program + num_programs, ...`` (tile = one output tile of one
-    subtree). Leaves are summed in order; finished left siblings wait in the program's fp32 scratch
-    stack (one tile per level, written and read back by the same program, so it stays in L2) and
-    are combined as ``left + right`` the moment the right sibling is done: exactly the canonical tree.
-    """
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_k = tl.cdiv(K, BLOCK_K)
-    tiles_per_block = num_pid_n * num_pid_k
-    num_pid_in_group = GROUP_N * num_pid_k
-    program = tl.program_id(0)
-    tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
-    stack = scratch_ptr + program.to(tl.int64) * (MAX_LEVELS * BLOCK_N * BLOCK_K) + tile
-    for tile_id in range(program, blocks * tiles_per_block, num_programs):
-        block = tile_id // tiles_per_block
-        pid = tile_id % tiles_per_block
-        group_id = pid // num_pid_in_group
-        first_pid_n = group_id * GROUP_N
-        group_size_n = tl.minimum(num_pid_n - first_pid_n, GROUP_N)
-        pid_n = first_pid_n + ((pid % num_pid_in_group) % group_size_n)
-        pid_k = (pid % num_pid_in_group) // group_size_n
-        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-        offs_n = (rows % N).to(tl.int64)
-        offs_k = (cols % K).to(tl.int64)
-        s0 = run_start + block * (leaves * LEAF_TOKENS)
-        node = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for j in range(0, leaves):
-            start = s0 + j * LEAF_TOKENS
-            node = _leaf_sum(
-                dy_ptr, x_ptr, start, tl.minimum(start + LEAF_TOKENS, T), offs_n, offs_k,
-                stride_dyt, stride_dyn, stride_xt, stride_xk, dy_t_step, x_t_step,
-                BLOCK_N, BLOCK_K, BLOCK_T, EVEN_T, UPCAST, DOT_PRECISION,
-            )  # fmt: skip
-            # leaf j closes the subtrees of level lv + 1 for which (j + 1) is a multiple of 2**(lv + 1)
-            depth = j * 0
-            for lv in tl.static_range(MAX_LEVELS):
-                closes = (j + 1) % (2 << lv) == 0
-                if closes:
-                    tl.debug_barrier()  # the left sibling was stored by other threads of this program
-                    node = tl.load(stack + lv * (BLOCK_N * BLOCK_K)) + node
-                depth += tl.where(closes, 1, 0)
-            if j + 1 < leaves:  # push; the root (after the last leaf) goes to the output instead
-                tl.debug_barrier()  # every thread is done reading the slot being overwritten
-                tl.store(stack + depth * (BLOCK_N * BLOCK_K), node)
-                tl.debug_barrier()
-        out_ptrs = (
-            out_ptr + block.to(tl.int64) * stride_ob + rows.to(tl.int64)[:, None] * stride_on
-            + cols.to(tl.int64)[None, :] * stride_ok
-        )  # fmt: skip
-        mask = (rows[:, None] < N) & (cols[None, :] < K)
-        store_rounded(out_ptrs, node, mask, BF16_BY_BITS)
-
-
-@triton.jit(do_not_specialize=["T", "run_start", "leaves", "num_programs"])
-def _weight_grad_flat_kernel(
-    dy_ptr, x_ptr, out_ptr, scratch_ptr,
-    T, N, K, run_start, LEAF_TOKENS, leaves, blocks, num_programs,
-    stride_dyt, stride_dyn, stride_xt, stride_xk, stride_ob, stride_on, stride_ok,
-    dy_t_step, x_t_step,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr,
-    MAX_LEVELS: tl.constexpr, EVEN_T: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BF16_BY_BITS: tl.constexpr,
-):  # fmt: skip
-    """``_weight_grad_stack_kernel`` with one flat, software-pipelined loop over all token steps of
-    the subtree (the loads of leaf j + 1 are in flight while leaf j is merged): same bits."""
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_k = tl.cdiv(K, BLOCK_K)
-    tiles_per_block = num_pid_n * num_pid_k
-    num_pid_in_group = GROUP_N * num_pid_k
-    program = tl.program_id(0)
-    tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
-    stack = scratch_ptr + program.to(tl.int64) * (MAX_LEVELS * BLOCK_N * BLOCK_K) + tile
-    offs_t = tl.arange(0, BLOCK_T)
-    steps = tl.cdiv(LEAF_TOKENS, BLOCK_T)
-    for tile_id in range(program, blocks * tiles_per_block, num_programs):
-        block = tile_id // tiles_per_block
-        pid = tile_id % tiles_per_block
-        group_id = pid // num_pid_in_group
-        first_pid_n = group_id * GROUP_N
-        group_size_n = tl.minimum(num_pid_n - first_pid_n, GROUP_N)
-        pid_n = first_pid_n + ((pid % num_pid_in_group) % group_size_n)
-        pid_k = (pid % num_pid_in_group) // group_size_n
-        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-        offs_n = (rows % N).to(tl.int64)
-        offs_k = (cols % K).to(tl.int64)
-        out_ptrs = (
-            out_ptr + block.to(tl.int64) * stride_ob + rows.to(tl.int64)[:, None] * stride_on
-            + cols.to(tl.int64)[None, :] * stride_ok
-        )  # fmt: skip
-        out_mask = (rows[:, None] < N) & (cols[None, :] < K)
-        s0 = run_start + block * (leaves * LEAF_TOKENS)
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for i in range(0, leaves * steps):
-            j = i // steps
-            leaf_start = s0 + j * LEAF_TOKENS
-            t0 = leaf_start + (i - j * steps) * BLOCK_T
-            tok = (t0 + offs_t).to(tl.int64)
-            a_ptrs = dy_ptr + tok[None, :] * stride_dyt + offs_n[:, None] * stride_dyn
-            b_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xk
-            if EVEN_T:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
-            else:
-                left = tl.minimum(leaf_start + LEAF_TOKENS, T) - t0
-                a = tl.load(a_ptrs, mask=offs_t[None, :] < left, other=0.0)
-                b = tl.load(b_ptrs, mask=offs_t[:, None] < left, other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-            if (i + 1) % steps == 0:  # leaf j is complete: merge it into the tree
-                node = acc
-                depth = j * 0
-                for lv in tl.static_range(MAX_LEVELS):
-                    closes = (j + 1) % (2 << lv) == 0
-                    if closes:
-                        tl.debug_barrier()
-                        node = tl.load(stack + lv * (BLOCK_N * BLOCK_K)) + node
-                    depth += tl.where(closes, 1, 0)
-                if j + 1 < leaves:
-                    tl.debug_barrier()
-                    tl.store(stack + depth * (BLOCK_N * BLOCK_K), node)
-                    tl.debug_barrier()
-                else:
-                    store_rounded(out_ptrs, node, out_mask, BF16_BY_BITS)
-                acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-
-
-@triton.jit(do_not_specialize=["T", "run_start", "leaves", "num_programs"])
 def _weight_grad_lean_kernel(
     dy_ptr, x_ptr, out_ptr, scratch_ptr, stride_scratch,
     T, N, K, run_start, LEAF_TOKENS, leaves, blocks, num_programs,
@@ -356,7 +212,13 @@ def _weight_grad_lean_kernel(
     EVEN_T: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BF16_BY_BITS: tl.constexpr,
     INTERLEAVE: tl.constexpr = False, QUADS: tl.constexpr = False,
 ):  # fmt: skip
-    """``_weight_grad_stack_kernel`` with one accumulator tile live during the token loop (same bits).
+    """Aligned subtrees of ``leaves`` (a power of 2) leaves of dW tiles, persistent, one accumulator
+    tile live during the token loop.
+
+    Each program walks tiles ``program, program + num_programs, ...`` (tile = one output tile of one
+    subtree). Leaves are summed in order; finished left siblings wait in the program's fp32 scratch
+    stack (one tile per level, written and read back by the same program, so it stays in L2) and
+    are combined as ``left + right`` the moment the right sibling is done: exactly the canonical tree.
 
     The root is stored inside the leaf loop and the scratch / output addresses are rebuilt after
     each leaf (from a value the compiler cannot prove loop invariant), so no node and no 128x128
@@ -552,11 +414,11 @@ def weight_grad_partial(
         ``TreePartial`` with fp32 ``(N, K)`` nodes (the maximal aligned subtrees of at most
         ``leaves_per_program`` leaves, merged), or the finished tensor.
 
-    Workspace: one fp32 ``(N, K)`` tile per aligned subtree left unfinished by the kernel (none
-    when the run is one subtree, finished and rounded in-kernel), plus, with ``scratch_tree`` /
-    ``lean``, a stack of fp32 tiles per resident program (``dw_scratch_shape``): with the default
-    table (lean, quads, one program per SM) at 8 leaves per program 132 programs x (1 level + 1
-    merge slot) x 64 KiB = 16.5 MiB on a 132-SM H200, whatever the layer's size.
+    Workspace: one fp32 ``(N, K)`` tile per aligned subtree left unfinished by the kernel (none when the
+    run is one subtree, finished and rounded in-kernel), plus, with ``lean``, a stack of fp32 tiles per
+    resident program (``dw_scratch_shape``): with the default table (lean, quads, one program per SM) at
+    8 leaves per program 132 programs x (1 level + 1 merge slot) x 64 KiB = 16.5 MiB on a 132-SM H200,
+    whatever the layer's size.
 
     Raises:
         ValueError: an unsupported ``config`` (``configs.check_weight_grad_config``: e.g. a
@@ -624,18 +486,6 @@ def weight_grad_partial(
                     "this variant is unsupported here: use the table's config (weight_grad_config) or "
                     "raise maxnreg / set maxnreg=None"
                 ) from exc
-        elif config.scratch_tree and size > 1:
-            levels = level  # a subtree of 2**level leaves keeps at most `level` left siblings waiting
-            scratch = torch.empty(
-                dw_scratch_shape(config, level, grid[0] * grid[1], dy.device),
-                dtype=torch.float32,
-                device=dy.device,
-            )
-            programs = scratch.shape[0]
-            stack_kernel = _weight_grad_flat_kernel if config.flat_loop else _weight_grad_stack_kernel
-            stack_kernel[(programs,)](
-                dy, x, out, scratch, *args, size, count, programs, *strides, MAX_LEVELS=levels, **common
-            )
         else:
             runtime.launch(_weight_grad_kernel, grid, dy, x, out, *args, *strides, LEAVES=size, **common)
         if fused:
@@ -677,14 +527,11 @@ def dw_scratch_shape(
     """Shape of the fp32 scratch stack of the dW tree kernels for subtrees of ``2**level`` leaves:
     (programs, slots, block_n * block_k), or None when the config uses no scratch. ``tma``: whether
     the launch gets TMA descriptors (``quads`` needs them; without, the kernel runs ``pairs``)."""
-    if level == 0 or not (config.lean or config.scratch_tree):
+    if level == 0 or not config.lean:
         return None
     programs = min(programs_needed, _resident_programs(device, config.programs_per_sm))
-    if config.lean:
-        in_registers = 2 if config.quads and tma and level >= 2 else 1 if config.pairs else 0
-        slots = (level - in_registers) + (0 if config.merge_in_registers else 1)
-    else:
-        slots = level
+    in_registers = 2 if config.quads and tma and level >= 2 else 1 if config.pairs else 0
+    slots = (level - in_registers) + (0 if config.merge_in_registers else 1)
     return programs, max(slots, 1), config.block_n * config.block_k
 
 
