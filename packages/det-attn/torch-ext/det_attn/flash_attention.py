@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import operator
 from dataclasses import dataclass
 
 import torch
@@ -170,6 +169,17 @@ def _as_dropout_p(value, name: str, op: str) -> float:
     if not 0.0 <= p < 1.0:  # NaN fails too
         raise ValueError(f"{op}: {name} must be in [0, 1), got {value}")
     return p
+
+
+def _as_max_seqlen(value, name: str, lengths: torch.Tensor, op: str) -> int:
+    """``value`` as an int, at least the longest of ``lengths`` and at most ``MAX_SEQLEN``."""
+    given = runtime.as_index(value, name, op, "; pass the longest sequence length, e.g. int(seqlens.max())")
+    longest = int(lengths.max())
+    if given < longest:
+        raise ValueError(f"{op}: {name}={given} is below the longest sequence ({longest})")
+    if given > MAX_SEQLEN:
+        raise ValueError(f"{op}: {name}={given} exceeds the supported {MAX_SEQLEN}")
+    return given
 
 
 def _as_seed(value, name: str, op: str) -> int:
@@ -659,18 +669,8 @@ def attention_varlen(
         )
     if len_q.numel() > _MAX_GRID_YZ:
         raise ValueError(f"{op}: {len_q.numel()} sequences exceed {_MAX_GRID_YZ}; split into several calls")
-    for name, given, lengths in (
-        ("max_seqlen_q", max_seqlen_q, len_q),
-        ("max_seqlen_k", max_seqlen_k, len_k),
-    ):
-        given = runtime.as_index(
-            given, name, op, "; pass the longest sequence length, e.g. int(seqlens.max())"
-        )
-        longest = int(lengths.max())
-        if given < longest:
-            raise ValueError(f"{op}: {name}={given} is below the longest sequence ({longest})")
-        if given > MAX_SEQLEN:
-            raise ValueError(f"{op}: {name}={given} exceeds the supported {MAX_SEQLEN}")
+    max_seqlen_q = _as_max_seqlen(max_seqlen_q, "max_seqlen_q", len_q, op)
+    max_seqlen_k = _as_max_seqlen(max_seqlen_k, "max_seqlen_k", len_k, op)
     if bool(((len_q > 0) & (len_k == 0)).any()):
         raise ValueError(f"{op}: a sequence has queries but no keys (its attention is undefined)")
     if causal and bool((len_k < len_q).any()):
@@ -686,8 +686,8 @@ def attention_varlen(
         cu_seqlens_q,
         cu_seqlens_k,
         None,
-        max(operator.index(max_seqlen_q), 1),
-        max(operator.index(max_seqlen_k), 1),
+        max(max_seqlen_q, 1),
+        max(max_seqlen_k, 1),
         scale,
         bool(causal),
         dropout_p,

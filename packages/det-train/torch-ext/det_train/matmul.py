@@ -51,6 +51,19 @@ def bf16_by_bits(dtype: torch.dtype) -> bool:
 
 
 @triton.jit
+def grouped_tile(tile, num_pid_a, num_pid_b, GROUP: tl.constexpr):
+    """``(pid_a, pid_b)`` of output tile number ``tile`` in grouped order (Triton tutorial 03):
+    ``GROUP`` consecutive tiles along ``a`` share a ``b`` column, for L2 reuse. Only the schedule,
+    never the values."""
+    num_pid_in_group = GROUP * num_pid_b
+    first_pid_a = (tile // num_pid_in_group) * GROUP
+    group_size_a = tl.minimum(num_pid_a - first_pid_a, GROUP)
+    pid_a = first_pid_a + ((tile % num_pid_in_group) % group_size_a)
+    pid_b = (tile % num_pid_in_group) // group_size_a
+    return pid_a, pid_b
+
+
+@triton.jit
 def _row_major(t, ROWS: tl.constexpr, COLS: tl.constexpr):
     """``t`` itself; under the interpreter a row-major copy of a transposed view (through a reshape)."""
     return tl.reshape(tl.reshape(t, (ROWS * COLS,)), (ROWS, COLS))
@@ -75,15 +88,7 @@ def _matmul_kernel(
 ):  # fmt: skip
     pid = tl.program_id(0)
     batch = tl.program_id(1).to(tl.int64)
-    # grouped ordering (Triton tutorial 03): only the schedule, never the values
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     # rows / columns past the end wrap around: they are computed and never stored, so every load
     # is in bounds without an M or N mask and no other row is touched
@@ -156,18 +161,13 @@ def _matmul_tma_kernel(
     by TMA and never stored. ``PERSISTENT``: ``num_programs`` programs walk the tiles."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
     k_steps = tl.cdiv(K, BLOCK_K)
     if PERSISTENT:
         first, step = tl.program_id(0), num_programs
     else:
         first, step = tl.program_id(0), num_pid_m * num_pid_n
     for tile_id in range(first, num_pid_m * num_pid_n, step):
-        group_id = tile_id // num_pid_in_group
-        first_pid_m = group_id * GROUP_M
-        group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
-        pid_n = (tile_id % num_pid_in_group) // group_size_m
+        pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

@@ -22,7 +22,7 @@ import triton.language as tl
 from ._vendor.det_core import runtime
 from ._vendor.det_core.reduce import TreePartial, num_leaves
 from .configs import BIAS_GRAD_BLOCK_T, WeightGradConfig, check_weight_grad_config, weight_grad_config
-from .matmul import _dot_precision, bf16_by_bits, runtime_programs, store_rounded
+from .matmul import _dot_precision, _row_major, bf16_by_bits, grouped_tile, runtime_programs, store_rounded
 
 __all__ = ["bias_grad_leaves", "bias_grad_partial", "dw_scratch_shape", "weight_grad_partial"]
 
@@ -70,7 +70,7 @@ def _leaf_sum_tma(
         a = tl.trans(dy_desc.load([t, off_n]))  # dY^T tile (BLOCK_N, BLOCK_T)
         b = x_desc.load([t, off_k])  # X tile (BLOCK_T, BLOCK_K)
         if UPCAST:  # interpreter: fp32 dot of a row-major copy, as matmul's TMA kernel
-            a = tl.reshape(tl.reshape(a.to(tl.float32), (BLOCK_N * BLOCK_T,)), (BLOCK_N, BLOCK_T))
+            a = _row_major(a.to(tl.float32), BLOCK_N, BLOCK_T)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     return acc
@@ -94,8 +94,8 @@ def _leaf_pair_sum_tma(
         a1 = tl.trans(dy_desc.load([right_start + t, off_n]))
         b1 = x_desc.load([right_start + t, off_k])
         if UPCAST:  # interpreter: fp32 dot of row-major copies, as _leaf_sum_tma
-            a0 = tl.reshape(tl.reshape(a0.to(tl.float32), (BLOCK_N * BLOCK_T,)), (BLOCK_N, BLOCK_T))
-            a1 = tl.reshape(tl.reshape(a1.to(tl.float32), (BLOCK_N * BLOCK_T,)), (BLOCK_N, BLOCK_T))
+            a0 = _row_major(a0.to(tl.float32), BLOCK_N, BLOCK_T)
+            a1 = _row_major(a1.to(tl.float32), BLOCK_N, BLOCK_T)
             b0 = b0.to(tl.float32)
             b1 = b1.to(tl.float32)
         left = tl.dot(a0, b0, left, input_precision=DOT_PRECISION)
@@ -153,14 +153,7 @@ def _weight_grad_kernel(
     """One aligned subtree of LEAVES leaves (1, 2 or 4) of one dW tile: the node of the canonical tree."""
     pid = tl.program_id(0)
     block = tl.program_id(1)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_k = tl.cdiv(K, BLOCK_K)
-    num_pid_in_group = GROUP_N * num_pid_k
-    group_id = pid // num_pid_in_group
-    first_pid_n = group_id * GROUP_N
-    group_size_n = tl.minimum(num_pid_n - first_pid_n, GROUP_N)
-    pid_n = first_pid_n + ((pid % num_pid_in_group) % group_size_n)
-    pid_k = (pid % num_pid_in_group) // group_size_n
+    pid_n, pid_k = grouped_tile(pid, tl.cdiv(N, BLOCK_N), tl.cdiv(K, BLOCK_K), GROUP_N)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_n = (rows % N).to(tl.int64)
@@ -237,18 +230,12 @@ def _weight_grad_lean_kernel(
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_k = tl.cdiv(K, BLOCK_K)
     tiles_per_block = num_pid_n * num_pid_k
-    num_pid_in_group = GROUP_N * num_pid_k
     program = tl.program_id(0)
     group_leaves: tl.constexpr = 4 if QUADS else (2 if PAIRS else 1)
     nodes = leaves // group_leaves
     for tile_id in range(program, blocks * tiles_per_block, num_programs):
         block = tile_id // tiles_per_block
-        pid = tile_id % tiles_per_block
-        group_id = pid // num_pid_in_group
-        first_pid_n = group_id * GROUP_N
-        group_size_n = tl.minimum(num_pid_n - first_pid_n, GROUP_N)
-        pid_n = first_pid_n + ((pid % num_pid_in_group) % group_size_n)
-        pid_k = (pid % num_pid_in_group) // group_size_n
+        pid_n, pid_k = grouped_tile(tile_id % tiles_per_block, num_pid_n, num_pid_k, GROUP_N)
         offs_n = ((pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N).to(tl.int64)
         offs_k = ((pid_k * BLOCK_K + tl.arange(0, BLOCK_K)) % K).to(tl.int64)
         s0 = run_start + block * (leaves * LEAF_TOKENS)
@@ -263,36 +250,29 @@ def _weight_grad_lean_kernel(
                     dy_ptr, x_ptr, start + 2 * LEAF_TOKENS, T, LEAF_TOKENS, pid_n * BLOCK_N, pid_k * BLOCK_K,
                     BLOCK_N, BLOCK_K, BLOCK_T, UPCAST, DOT_PRECISION, INTERLEAVE,
                 )  # fmt: skip
-            elif INTERLEAVE:  # PAIRS and TMA: node(1) of two full leaves in one loop
+            elif PAIRS and TMA:  # node(1) = leaf 2j + leaf 2j + 1, in registers
                 node = _pair_node_tma(
                     dy_ptr, x_ptr, start, T, LEAF_TOKENS, pid_n * BLOCK_N, pid_k * BLOCK_K,
-                    BLOCK_N, BLOCK_K, BLOCK_T, UPCAST, DOT_PRECISION, True,
+                    BLOCK_N, BLOCK_K, BLOCK_T, UPCAST, DOT_PRECISION, INTERLEAVE,
+                )  # fmt: skip
+            elif TMA:
+                node = _leaf_sum_tma(
+                    dy_ptr, x_ptr, start, tl.minimum(start + LEAF_TOKENS, T), pid_n * BLOCK_N,
+                    pid_k * BLOCK_K, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST, DOT_PRECISION,
                 )  # fmt: skip
             else:
-                if TMA:
-                    node = _leaf_sum_tma(
-                        dy_ptr, x_ptr, start, tl.minimum(start + LEAF_TOKENS, T), pid_n * BLOCK_N,
-                        pid_k * BLOCK_K, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST, DOT_PRECISION,
-                    )  # fmt: skip
-                else:
-                    node = _leaf_sum(
-                        dy_ptr, x_ptr, start, tl.minimum(start + LEAF_TOKENS, T), offs_n, offs_k,
+                node = _leaf_sum(
+                    dy_ptr, x_ptr, start, tl.minimum(start + LEAF_TOKENS, T), offs_n, offs_k,
+                    stride_dyt, stride_dyn, stride_xt, stride_xk, dy_t_step, x_t_step,
+                    BLOCK_N, BLOCK_K, BLOCK_T, EVEN_T, UPCAST, DOT_PRECISION,
+                )  # fmt: skip
+                if PAIRS:  # node(1) = leaf 2j + leaf 2j + 1, in registers
+                    start1 = start + LEAF_TOKENS
+                    node = node + _leaf_sum(
+                        dy_ptr, x_ptr, start1, tl.minimum(start1 + LEAF_TOKENS, T), offs_n, offs_k,
                         stride_dyt, stride_dyn, stride_xt, stride_xk, dy_t_step, x_t_step,
                         BLOCK_N, BLOCK_K, BLOCK_T, EVEN_T, UPCAST, DOT_PRECISION,
                     )  # fmt: skip
-                if PAIRS:  # node(1) = leaf 2j + leaf 2j + 1, in registers
-                    start1 = start + LEAF_TOKENS
-                    if TMA:
-                        node = node + _leaf_sum_tma(
-                            dy_ptr, x_ptr, start1, tl.minimum(start1 + LEAF_TOKENS, T), pid_n * BLOCK_N,
-                            pid_k * BLOCK_K, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST, DOT_PRECISION,
-                        )  # fmt: skip
-                    else:
-                        node = node + _leaf_sum(
-                            dy_ptr, x_ptr, start1, tl.minimum(start1 + LEAF_TOKENS, T), offs_n, offs_k,
-                            stride_dyt, stride_dyn, stride_xt, stride_xk, dy_t_step, x_t_step,
-                            BLOCK_N, BLOCK_K, BLOCK_T, EVEN_T, UPCAST, DOT_PRECISION,
-                        )  # fmt: skip
             # the tree merge runs in memory on row chunks: few registers live beside the token loop
             slot = scratch_ptr + program.to(tl.int64) * stride_scratch
             closing = 0  # levels this node closes; the node it makes waits in slot `closing`
