@@ -51,7 +51,7 @@ def bf16_by_bits(dtype: torch.dtype) -> bool:
 
 
 @triton.jit
-def grouped_tile(tile, num_pid_a, num_pid_b, GROUP: tl.constexpr):
+def _grouped_tile(tile, num_pid_a, num_pid_b, GROUP: tl.constexpr):
     """``(pid_a, pid_b)`` of output tile number ``tile`` in grouped order (Triton tutorial 03):
     ``GROUP`` consecutive tiles along ``a`` share a ``b`` column, for L2 reuse. Only the schedule,
     never the values."""
@@ -88,7 +88,7 @@ def _matmul_kernel(
 ):  # fmt: skip
     pid = tl.program_id(0)
     batch = tl.program_id(1).to(tl.int64)
-    pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    pid_m, pid_n = _grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     # rows / columns past the end wrap around: they are computed and never stored, so every load
     # is in bounds without an M or N mask and no other row is touched
@@ -167,7 +167,7 @@ def _matmul_tma_kernel(
     else:
         first, step = tl.program_id(0), num_pid_m * num_pid_n
     for tile_id in range(first, num_pid_m * num_pid_n, step):
-        pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

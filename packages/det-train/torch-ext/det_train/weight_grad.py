@@ -22,7 +22,7 @@ import triton.language as tl
 from ._vendor.det_core import runtime
 from ._vendor.det_core.reduce import TreePartial, num_leaves
 from .configs import BIAS_GRAD_BLOCK_T, WeightGradConfig, check_weight_grad_config, weight_grad_config
-from .matmul import _dot_precision, _row_major, bf16_by_bits, grouped_tile, runtime_programs, store_rounded
+from .matmul import _dot_precision, _grouped_tile, _row_major, bf16_by_bits, runtime_programs, store_rounded
 
 __all__ = ["bias_grad_leaves", "bias_grad_partial", "dw_scratch_shape", "weight_grad_partial"]
 
@@ -153,7 +153,7 @@ def _weight_grad_kernel(
     """One aligned subtree of LEAVES leaves (1, 2 or 4) of one dW tile: the node of the canonical tree."""
     pid = tl.program_id(0)
     block = tl.program_id(1)
-    pid_n, pid_k = grouped_tile(pid, tl.cdiv(N, BLOCK_N), tl.cdiv(K, BLOCK_K), GROUP_N)
+    pid_n, pid_k = _grouped_tile(pid, tl.cdiv(N, BLOCK_N), tl.cdiv(K, BLOCK_K), GROUP_N)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_n = (rows % N).to(tl.int64)
@@ -235,7 +235,7 @@ def _weight_grad_lean_kernel(
     nodes = leaves // group_leaves
     for tile_id in range(program, blocks * tiles_per_block, num_programs):
         block = tile_id // tiles_per_block
-        pid_n, pid_k = grouped_tile(tile_id % tiles_per_block, num_pid_n, num_pid_k, GROUP_N)
+        pid_n, pid_k = _grouped_tile(tile_id % tiles_per_block, num_pid_n, num_pid_k, GROUP_N)
         offs_n = ((pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N).to(tl.int64)
         offs_k = ((pid_k * BLOCK_K + tl.arange(0, BLOCK_K)) % K).to(tl.int64)
         s0 = run_start + block * (leaves * LEAF_TOKENS)
