@@ -323,23 +323,22 @@ def test_gpu_every_config_of_a_dtype_gives_the_same_bits():
 @pytest.mark.gpu
 def test_gpu_tma_and_pointer_kernels_agree_across_the_row_threshold():
     """The forward x @ W.T takes the TMA kernel from configs.TMA_MIN_ROWS rows and the pointer kernel
-    below: the same rows from M = 4095 (pointer) and M = 4096 (TMA) are bitwise equal, whole
-    matrices, with and without bias, for N = 4096 and 14336, and for a K with a tail with a partial
-    last N tile (K = 4136 = 64 x 64 + 40, N = 4000 = 15 x 256 + 160)."""
+    below: the same rows from M = TMA_MIN_ROWS - 1 (pointer) and M = TMA_MIN_ROWS (TMA) are bitwise
+    equal, whole matrices, with and without bias, for N = 4096 and 14336, and for a K with a tail
+    with a partial last N tile (K = 4136 = 64 x 64 + 40, N = 4000 = 15 x 256 + 160)."""
     from det_train.linear import linear
     from det_train.matmul import _tma_operands
 
     threshold = configs.TMA_MIN_ROWS
-    assert threshold == 4096
     for k, n in [(4096, 4096), (4096, 14336), (4136, 4000)]:
         x, w, bias = _randn(threshold, k, seed=k + 1), _randn(n, k, seed=n + 2), _randn(n, seed=3)
         many = configs.matmul_config(x.dtype, "nt", n, k, rows=threshold)
         few = configs.matmul_config(x.dtype, "nt", n, k, rows=threshold - 1)
         assert many.tma and not few.tma
-        assert _tma_operands(x, w.t(), many, None) is not None  # M = 4096 really runs the TMA kernel
+        assert _tma_operands(x, w.t(), many, None) is not None  # M = threshold really runs the TMA kernel
         assert_bitwise_equal(matmul(x[:-1], w.t()), matmul(x, w.t())[:-1], f"matmul K={k} N={n}")
         assert_bitwise_equal(linear(x[:-1], w, bias), linear(x, w, bias)[:-1], f"linear+bias K={k} N={n}")
-        # and a single row (the pointer kernel at M = 1) equals row 4095 of the TMA result
+        # and a single row (the pointer kernel at M = 1) equals the last row of the TMA result
         assert_bitwise_equal(matmul(x[-1:], w.t())[0], matmul(x, w.t())[-1], f"last row K={k} N={n}")
 
 
