@@ -68,14 +68,17 @@ def _gpt_candidates():
     }
     W = WeightGradConfig
     r = dataclasses.replace
-    table = W(128, 128, 64, 8, 8, 4, 8, lean=True, pairs=True, quads=True, programs_per_sm=1, tma=True)
+    table = W(
+        128, 128, 64, 8, 8, 4, 8, lean=True, pairs=True, quads=True, flat=True, programs_per_sm=1, tma=True
+    )
     dw = {
-        "lean tma quads s4 lpp8 (table)": table,
+        "lean tma quads flat s4 lpp8 (table)": table,
+        "lean tma quads s4 lpp8 (no flat)": r(table, flat=False),
         "lean tma quads s4 lpp16": r(table, leaves_per_program=16),
         "lean tma quads s3": r(table, num_stages=3),
-        "lean tma quads interleave s3": r(table, interleave=True, num_stages=3),
-        "lean tma pairs s4 lpp8 (old table)": r(table, quads=False),
-        "lean tma pairs s4 lpp8 reg-merge": r(table, quads=False, merge_in_registers=True),
+        "lean tma quads interleave s3": r(table, interleave=True, flat=False, num_stages=3),
+        "lean tma pairs s4 lpp8 (old table)": r(table, quads=False, flat=False),
+        "lean tma pairs s4 lpp8 reg-merge": r(table, quads=False, flat=False, merge_in_registers=True),
         "plain lpp1 s4": W(128, 128, 64, 8, 8, 4, 1),
         "plain lpp2 s4": W(128, 128, 64, 8, 8, 4, 2),
         "plain lpp1 s3 64x128 w4": W(64, 128, 64, 8, 4, 3, 1),
@@ -178,7 +181,7 @@ def _run_shape(m, k, n, fwd_cands, dw_cands, rows: list[dict], dx_cands=None) ->
     cublas = _bench(lambda: torch.matmul(dy.t(), x))
     add("dW", "cuBLAS", cublas, "—", cublas)
     ref_cfg = dataclasses.replace(
-        table_dw, leaves_per_program=1, lean=False, tma=False, pairs=False, quads=False
+        table_dw, leaves_per_program=1, lean=False, tma=False, pairs=False, quads=False, flat=False
     )
     ref = weight_grad_partial(dy, x, leaf_tokens=LEAF_TOKENS, config=ref_cfg, finish_dtype=torch.float32)
     for name, cfg in dw_cands.items():

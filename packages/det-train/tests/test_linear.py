@@ -140,6 +140,8 @@ def test_row_invariance_of_y_and_dx(bias):
         (8, dict(lean=True, pairs=True, tma=True, interleave=True)),
         (4, dict(lean=True, pairs=True, tma=True, quads=True)),
         (8, dict(lean=True, pairs=True, tma=True, quads=True, interleave=True, merge_in_registers=True)),
+        (4, dict(lean=True, pairs=True, tma=True, quads=True, flat=True)),
+        (8, dict(lean=True, pairs=True, tma=True, quads=True, flat=True)),
     ],
 )
 def test_leaves_per_program_does_not_change_bits(leaves_per_program, kernel):
@@ -175,16 +177,16 @@ def test_leaves_per_program_does_not_change_bits(leaves_per_program, kernel):
 
 
 @pytest.mark.parametrize(
-    "kernel", [dict(quads=True), dict(interleave=True), dict(quads=True, interleave=True)]
+    "kernel",
+    [dict(quads=True), dict(interleave=True), dict(quads=True, interleave=True), dict(quads=True, flat=True)],
 )
 def test_register_subtrees_keep_each_leaf_fold(kernel):
     # three token steps per leaf: a leaf closes after its last step only, in every loop shape
     dy, x = _randn(8 * 96 + 40, 40, seed=18), _randn(8 * 96 + 40, 72, seed=19)  # 9 leaves, last short
     base = dataclasses.replace(weight_grad_config(dy.dtype, 40, 72), block_t=32)
     ref = weight_grad_partial(dy, x, leaf_tokens=96, config=dataclasses.replace(base, leaves_per_program=1))
-    cfg = dataclasses.replace(
-        base, leaves_per_program=8, lean=True, pairs=True, tma=True, **{"quads": False, **kernel}
-    )  # fmt: skip
+    variant = {"quads": False, "flat": False, **kernel}
+    cfg = dataclasses.replace(base, leaves_per_program=8, lean=True, pairs=True, tma=True, **variant)
     assert _dw_tma_operands(dy, x, cfg, 96) is not None
     got = weight_grad_partial(dy, x, leaf_tokens=96, config=cfg)
     assert sorted(got.nodes) == sorted(ref.nodes)
@@ -193,9 +195,9 @@ def test_register_subtrees_keep_each_leaf_fold(kernel):
 
 
 # dW variants of the large shape class that compile on Triton 3.6 (H200) and must give the table's bits.
-_LEAN = dict(lean=True, tma=True, merge_in_registers=False, quads=False)
+_LEAN = dict(lean=True, tma=True, merge_in_registers=False, quads=False, flat=False)
 _OLD = dict(
-    lean=False, tma=False, pairs=False, quads=False, maxnreg=None, programs_per_sm=2
+    lean=False, tma=False, pairs=False, quads=False, flat=False, maxnreg=None, programs_per_sm=2
 )  # pre-lean kernels
 SUPPORTED_DW_VARIANTS = [  # each ran bit-exact against the table on an H200, Triton 3.6
     dict(_OLD, leaves_per_program=1, num_stages=3),
@@ -220,6 +222,10 @@ SUPPORTED_DW_VARIANTS = [  # each ran bit-exact against the table on an H200, Tr
          merge_in_registers=True),
     dict(_LEAN, leaves_per_program=8, pairs=True, maxnreg=None, programs_per_sm=1, num_stages=3,
          quads=True),
+    dict(_LEAN, leaves_per_program=8, pairs=True, maxnreg=None, programs_per_sm=1, num_stages=4,
+         quads=True),
+    dict(_LEAN, leaves_per_program=8, pairs=True, maxnreg=None, programs_per_sm=1, num_stages=4,
+         quads=True, flat=True),
 ]  # fmt: skip
 # ptxas (Triton 3.6) failed on this one: "Insufficient registers (128) ... register target of 154"
 PTXAS_FAILED_DW_VARIANT = dict(
@@ -238,14 +244,16 @@ def test_dw_config_check_rejects_what_ptxas_cannot_compile():
     with pytest.raises(ValueError, match=r"maxnreg=128 .* Use maxnreg >= 160"):
         check_weight_grad_config(bad)
     with pytest.raises(ValueError, match="2 tiles live"):  # pairs: 2 x 64 registers under 128
-        check_weight_grad_config(dataclasses.replace(base, quads=False, maxnreg=128))
+        check_weight_grad_config(dataclasses.replace(base, quads=False, flat=False, maxnreg=128))
     with pytest.raises(ValueError, match="3 tiles live"):  # quads: 3 x 64 registers under 192
         check_weight_grad_config(dataclasses.replace(base, maxnreg=192))
     with pytest.raises(ValueError, match="need lean, pairs and tma"):
         check_weight_grad_config(dataclasses.replace(base, tma=False))
+    with pytest.raises(ValueError, match="set quads=True"):
+        check_weight_grad_config(dataclasses.replace(base, quads=False, flat=True))
     with pytest.raises(ValueError, match="lean dW kernel only"):
         check_weight_grad_config(
-            dataclasses.replace(base, lean=False, quads=False, maxnreg=128, leaves_per_program=4)
+            dataclasses.replace(base, lean=False, quads=False, flat=False, maxnreg=128, leaves_per_program=4)
         )
     with pytest.raises(ValueError, match="leaves_per_program"):
         check_weight_grad_config(WeightGradConfig(64, 64, 64, 8, 4, 3, 3))

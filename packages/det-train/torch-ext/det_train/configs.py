@@ -26,7 +26,7 @@ steps of ``block_k`` (each step one ``tl.dot``, i.e. a fixed tensor-core instruc
 only tile the output, load the tiles and schedule the work: every entry of one dtype uses the same
 ``block_k``, so every entry gives the same bits (checked by a ``gpu`` test). For the weight gradient
 the token step ``block_t`` changes bits (it is the fold step inside a leaf); ``leaves_per_program``,
-``lean``, ``pairs``, ``interleave``, ``quads``,
+``lean``, ``pairs``, ``interleave``, ``quads``, ``flat``,
 ``merge_in_registers``, ``tma``, ``programs_per_sm`` and ``maxnreg`` do not (they choose how much
 of the fixed leaf tree one program computes, where it keeps waiting nodes, how it loads tiles and
 how many programs share an SM).
@@ -97,6 +97,7 @@ class WeightGradConfig:
     merge_in_registers: bool = False  # with lean: add whole left-sibling tiles in registers
     interleave: bool = False  # with lean, pairs, tma: both leaves of a pair folded in one loop
     quads: bool = False  # with lean, pairs, tma: four leaves (two pairs) summed in registers
+    flat: bool = False  # with quads: a full quad's leaves in one flattened, pipelined loop nest
 
 
 # The K step of each dtype: part of the reduction order (changing it changes bits).
@@ -139,13 +140,14 @@ _MATMUL_TABLE: dict[tuple[str, str, str, str], MatmulConfig] = {
 # Large: 128x128 output tile; up to 8 leaves per program, so a micro-batch of <= 8 leaves (8192
 # tokens at 1024 per leaf) is finished in-kernel with no fp32 node written to HBM. The lean kernel
 # with quads (the four leaves of a level-2 node summed in registers: three tiles live, one program
-# per SM; levels >= 2 merged through the L2 scratch stack) and TMA loads, 4 stages. Measured on an
-# H200 (torch 2.11, Triton 3.6, 2026-11-29, device time in a CUDA graph, cuBLAS alongside): 0.71x
-# cuBLAS at 8192x4096x4096 (bench_matmul, run 7: 0.69x), 0.52-0.64x at the main job's 16384-token
-# layers; the previous entry (pairs: two leaves in registers, every level-1 node merged in memory)
-# 0.63x / 0.51-0.58x. The
-# merges are what cost: the same kernel with 4096-token leaves (other bits) ran at 0.82-0.84x at the
-# issue's shapes.
+# per SM; levels >= 2 merged through the L2 scratch stack), flat (a full quad's 64 token steps as one
+# flattened, software-pipelined loop: no pipeline drain between its leaves) and TMA loads, 4 stages.
+# Measured on an H200 (torch 2.11, Triton 3.6, device time in a CUDA graph, cuBLAS alongside):
+# 2026-11-30, flat vs quads: 0.70-0.80x vs 0.66-0.77x cuBLAS at the issue's large shapes (8192 x
+# 4096 x 4096: 0.695x vs 0.660x), 0.58-0.64x vs 0.54-0.60x at the main job's 16384-token layers;
+# flat at 3 stages 0.57x (slower). 2026-11-29: quads 0.71x, the previous pairs entry 0.63x. The leaf
+# closes and merges are what cost: the same kernel with 4096-token leaves (other bits) ran at
+# 0.82-0.84x at the issue's shapes.
 _WEIGHT_GRAD_TABLE: dict[tuple[str, str], WeightGradConfig] = {
     ("half", "large"): WeightGradConfig(
         block_n=128,
@@ -158,6 +160,7 @@ _WEIGHT_GRAD_TABLE: dict[tuple[str, str], WeightGradConfig] = {
         lean=True,
         pairs=True,
         quads=True,
+        flat=True,
         programs_per_sm=1,
         maxnreg=None,
         tma=True,
@@ -234,11 +237,11 @@ def check_weight_grad_config(config: WeightGradConfig) -> None:
     """Raise ValueError for a dW config outside the supported variants (before any compile).
 
     Rejected: ``leaves_per_program`` not a power of 2 (or above 4 without ``lean``); ``interleave`` or
-    ``quads`` without ``lean``, ``pairs`` and ``tma``; ``maxnreg`` on a kernel other than the lean one
-    (it would be ignored); a ``maxnreg`` below ``live_accumulator_registers(config) + MAXNREG_HEADROOM``
-    (ptxas fails with "Insufficient registers", e.g. a 128x256 tile at 8 warps under ``maxnreg=128`` on
-    Triton 3.6 and 3.9, or spills: ``pairs`` with two 128x128 tiles under ``maxnreg=128`` spills ~1 KB
-    per thread).
+    ``quads`` without ``lean``, ``pairs`` and ``tma``; ``flat`` without ``quads``; ``maxnreg`` on a
+    kernel other than the lean one (it would be ignored); a ``maxnreg`` below
+    ``live_accumulator_registers(config) + MAXNREG_HEADROOM`` (ptxas fails with "Insufficient
+    registers", e.g. a 128x256 tile at 8 warps under ``maxnreg=128`` on Triton 3.6 and 3.9, or
+    spills: ``pairs`` with two 128x128 tiles under ``maxnreg=128`` spills ~1 KB per thread).
     """
     lpp = config.leaves_per_program
     if lpp < 1 or lpp & (lpp - 1) or (lpp > 4 and not config.lean):
@@ -247,6 +250,8 @@ def check_weight_grad_config(config: WeightGradConfig) -> None:
         raise ValueError(
             "interleave and quads are TMA variants of the pairs kernel: they need lean, pairs and tma"
         )
+    if config.flat and not config.quads:
+        raise ValueError("flat is a variant of quads (a full quad in one flattened loop): set quads=True")
     if config.maxnreg is None:
         return
     if not config.lean:

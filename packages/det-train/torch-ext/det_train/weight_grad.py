@@ -138,6 +138,67 @@ def _pair_node_tma(
     return node
 
 
+@triton.jit
+def _quad_node_flat_tma(
+    dy_desc, x_desc, start, LEAF_TOKENS, off_n, off_k,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """node(2) of four full leaves as one loop nest that Triton flattens (``tl.range(flatten=True)``)
+    and pipelines as one loop: the loads of leaf j + 1 are in flight while leaf j closes. Each leaf
+    is its own fold from zero in token order, ``pair = leaf + leaf``, ``node = pair + pair``: the
+    bits of ``_pair_node_tma`` twice (the selects below copy, they do not add)."""
+    pair = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    left = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for leaf in tl.range(0, 4, flatten=True):
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        leaf_start = start + leaf * LEAF_TOKENS
+        for t in range(0, LEAF_TOKENS, BLOCK_T):
+            a = tl.trans(dy_desc.load([leaf_start + t, off_n]))
+            b = x_desc.load([leaf_start + t, off_k])
+            if UPCAST:  # interpreter: fp32 dot of a row-major copy, as _leaf_sum_tma
+                a = _row_major(a.to(tl.float32), BLOCK_N, BLOCK_T)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        pair = tl.where(leaf % 2 == 0, acc, pair + acc)  # leaf 2i: the pair's left; 2i + 1: the pair
+        left = tl.where(leaf == 1, pair, left)  # the quad's left pair waits here
+    return left + pair
+
+
+@triton.jit
+def _quad_node_tma(
+    dy_desc, x_desc, start, T, LEAF_TOKENS, off_n, off_k,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERLEAVE: tl.constexpr, FLAT: tl.constexpr,
+):  # fmt: skip
+    """node(2) = node(1) + node(1): with ``FLAT`` one flattened loop nest when all four leaves are
+    full, else two ``_pair_node_tma`` (same bits either way)."""
+    right = start + 2 * LEAF_TOKENS
+    if FLAT:
+        if start + 4 * LEAF_TOKENS <= T:
+            node = _quad_node_flat_tma(
+                dy_desc, x_desc, start, LEAF_TOKENS, off_n, off_k, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST,
+                DOT_PRECISION,
+            )  # fmt: skip
+        else:
+            node = _pair_node_tma(
+                dy_desc, x_desc, start, T, LEAF_TOKENS, off_n, off_k, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST,
+                DOT_PRECISION, INTERLEAVE,
+            ) + _pair_node_tma(
+                dy_desc, x_desc, right, T, LEAF_TOKENS, off_n, off_k, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST,
+                DOT_PRECISION, INTERLEAVE,
+            )  # fmt: skip
+    else:
+        node = _pair_node_tma(
+            dy_desc, x_desc, start, T, LEAF_TOKENS, off_n, off_k, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST,
+            DOT_PRECISION, INTERLEAVE,
+        ) + _pair_node_tma(
+            dy_desc, x_desc, right, T, LEAF_TOKENS, off_n, off_k, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST,
+            DOT_PRECISION, INTERLEAVE,
+        )  # fmt: skip
+    return node
+
+
 @triton.jit(do_not_specialize=["T", "run_start"])
 def _weight_grad_kernel(
     # pointers: dY (T, N), X (T, K), out (blocks, N, K)
@@ -203,7 +264,7 @@ def _weight_grad_lean_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr,
     MAX_LEVELS: tl.constexpr, PAIRS: tl.constexpr, MERGE_ROWS: tl.constexpr, TMA: tl.constexpr,
     EVEN_T: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BF16_BY_BITS: tl.constexpr,
-    INTERLEAVE: tl.constexpr = False, QUADS: tl.constexpr = False,
+    INTERLEAVE: tl.constexpr = False, QUADS: tl.constexpr = False, FLAT: tl.constexpr = False,
 ):  # fmt: skip
     """Aligned subtrees of ``leaves`` (a power of 2) leaves of dW tiles, persistent, one accumulator
     tile live during the token loop.
@@ -220,7 +281,8 @@ def _weight_grad_lean_kernel(
     leaves of each level-1 node are summed in registers (two tiles live, one program per SM, half
     the scratch traffic); the stack then holds levels >= 1 (``MAX_LEVELS`` counts those levels).
     With ``QUADS`` (and ``TMA``) the four leaves of each level-2 node are summed in registers
-    (three tiles live) and the stack holds levels >= 2 (``MAX_LEVELS = level - 2``).
+    (three tiles live) and the stack holds levels >= 2 (``MAX_LEVELS = level - 2``); with ``FLAT``
+    a full quad is one flattened, software-pipelined loop nest (``_quad_node_flat_tma``, same bits).
     With ``TMA`` ``dy_ptr`` / ``x_ptr`` are host tensor descriptors of dY and X (tiles by TMA);
     with ``INTERLEAVE`` (and ``PAIRS``, ``TMA``) a pair of full leaves is folded in one loop
     (``_leaf_pair_sum_tma``, same bits).
@@ -242,13 +304,9 @@ def _weight_grad_lean_kernel(
         for j in range(0, nodes):
             start = s0 + j * (group_leaves * LEAF_TOKENS)
             if QUADS:  # TMA: node(2) = node(1) + node(1), all in registers (three tiles live)
-                node = _pair_node_tma(
+                node = _quad_node_tma(
                     dy_ptr, x_ptr, start, T, LEAF_TOKENS, pid_n * BLOCK_N, pid_k * BLOCK_K,
-                    BLOCK_N, BLOCK_K, BLOCK_T, UPCAST, DOT_PRECISION, INTERLEAVE,
-                )  # fmt: skip
-                node = node + _pair_node_tma(
-                    dy_ptr, x_ptr, start + 2 * LEAF_TOKENS, T, LEAF_TOKENS, pid_n * BLOCK_N, pid_k * BLOCK_K,
-                    BLOCK_N, BLOCK_K, BLOCK_T, UPCAST, DOT_PRECISION, INTERLEAVE,
+                    BLOCK_N, BLOCK_K, BLOCK_T, UPCAST, DOT_PRECISION, INTERLEAVE, FLAT,
                 )  # fmt: skip
             elif PAIRS and TMA:  # node(1) = leaf 2j + leaf 2j + 1, in registers
                 node = _pair_node_tma(
@@ -455,7 +513,7 @@ def weight_grad_partial(
                     *(descs or (dy, x)), out, scratch, scratch.stride(0), *args, size, count, programs,
                     *strides, MAX_LEVELS=levels, PAIRS=config.pairs, TMA=descs is not None,
                     INTERLEAVE=config.interleave and descs is not None, QUADS=quads,
-                    maxnreg=config.maxnreg, **common,
+                    FLAT=quads and config.flat, maxnreg=config.maxnreg, **common,
                     MERGE_ROWS=0 if config.merge_in_registers else min(32, config.block_n),
                 )  # fmt: skip
             except Exception as exc:  # a variant check_weight_grad_config did not foresee
