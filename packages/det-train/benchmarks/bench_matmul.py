@@ -5,7 +5,9 @@ For each (M, K, N) of issue 4, in one process, median time of ``triton.testing.d
 - forward ``Y = X W^T`` (W an nn.Linear weight (N, K), read transposed in place);
 - dX ``dY W``;
 - dW ``dY^T X`` — ours in the canonical token order (leaves of 1024 tokens, the plain backward's
-  default; fp32 subtree workspace + tree), which is what every guarantee costs;
+  default; fp32 subtree workspace + tree), which is what every guarantee costs; and ``dW@4096``,
+  the same with 4096-token leaves (``CanonicalGradAccumulator(leaf_tokens=4096)``: other bits,
+  micro-batches in multiples of 4096 tokens): the leaf size's speed trade-off;
 
 side by side with ``torch.matmul`` (cuBLAS) and ``batch_invariant_ops.matmul_persistent`` (the
 published batch-invariant Triton matmul; "not installed" when missing). Prints a markdown table
@@ -35,8 +37,11 @@ SHAPES = [
     (8192, 8192, 8192),
     (1024, 4096, 4096),
 ]
-TARGETS = {"fwd": 0.85, "dX": 0.80, "dW": 0.80}
+TARGETS = {"fwd": 0.85, "dX": 0.80, "dW": 0.80, "dW@4096": 0.80}
 LEAF_TOKENS = 1024
+# the trade-off row: a coarser canonical leaf (CanonicalGradAccumulator(leaf_tokens=4096); other
+# bits, micro-batches in multiples of 4096 tokens) closes and merges a quarter as many leaves
+COARSE_LEAF_TOKENS = 4096
 
 
 def _peer_matmul():
@@ -110,11 +115,18 @@ def _cases(m, k, n):
             ),
             "cuBLAS": lambda: torch.matmul(dy.t(), x),
         },
+        "dW@4096": {
+            "det_train": lambda: weight_grad_partial(
+                dy, x, leaf_tokens=COARSE_LEAF_TOKENS, finish_dtype=torch.bfloat16
+            ),
+            "cuBLAS": lambda: torch.matmul(dy.t(), x),
+        },
     }
     if peer is not None:
         cases["fwd"]["batch_invariant_ops"] = lambda: peer(x, w.t())
         cases["dX"]["batch_invariant_ops"] = lambda: peer(dy, w)
         cases["dW"]["batch_invariant_ops"] = lambda: peer(dy.t(), x)
+        cases["dW@4096"]["batch_invariant_ops"] = cases["dW"]["batch_invariant_ops"]
     return cases, (x, w, dy, y, dx)
 
 
@@ -223,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "## det-train: matmul / linear (bf16, TFLOP/s, median)",
         "",
-        f"dW in the canonical order with leaves of {LEAF_TOKENS} tokens; all guarantees on. "
+        f"dW in the canonical order with leaves of {LEAF_TOKENS} tokens (the default); all guarantees "
+        f"on. dW@{COARSE_LEAF_TOKENS}: the same with leaves of {COARSE_LEAF_TOKENS} tokens (other bits; "
+        f"micro-batches and data-parallel shards in multiples of {COARSE_LEAF_TOKENS} tokens). "
         f"{peer_col}: {'matmul_persistent' if peer_name else 'not installed'}.",
         "",
         f"| M x K x N | op | det_train | cuBLAS | {peer_col} | vs cuBLAS | target | vs {peer_col} "
