@@ -25,13 +25,29 @@ Reading: pick, per head dim, the candidate with the best ``fwd+bwd`` at both T w
 best (forward and backward kernels are independent), then set those fields in
 ``flash_attention._GPU_CONFIGS``. Printed and written to ``OUT/det-attn_ablation.md``.
 
+``--forward``: the forward kernel's variants only (``FWD_VARIANTS``: TMA descriptors, the
+FlashAttention-3 pipelined P V, one masked loop, block shapes, register caps; ``_fwd_kernel``),
+at B4 H32 bf16: D128 causal T1024 / T4096 / T8192, D128 non-causal T4096, D64 causal T4096, side
+by side with SDPA cuDNN, each timed twice: eager ``triton.testing.do_bench`` (L2 flushed, host
+launch cost included) and ``do_bench_cudagraph`` (device time of a CUDA-graph replay, no host
+cost). Per variant and shape: ``det`` (two runs give the same O and LSE bits) and ``bits`` against
+the table's O and LSE (``same`` is expected unless a field named as bits-changing in
+``flash_attention._Config`` changed; then against the first variant with the same such fields).
+The table itself is timed through ``attention()`` too (the public call under ``no_grad``, with its
+host microseconds per call). A failing variant is reported and the rest go on; past the time
+budget (``--budget``, 135 s) the remaining variants are listed as skipped. Written to
+``OUT/det-attn_ablation_forward.md`` and ``.json``; ``--variants a,b`` keeps the variants whose
+names contain one of the words.
+
     python packages/det-attn/benchmarks/ablate_attention.py --out bench-results
+    python packages/det-attn/benchmarks/ablate_attention.py --forward --out bench-results
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import sys
 import time
@@ -331,14 +347,306 @@ def run() -> str:
     return text
 
 
+# --------------------------------------------------------------------------- forward-only mode
+
+FWD_SHAPES = [  # (B, H, T, D, causal)
+    (4, 32, 1024, 128, True),
+    (4, 32, 4096, 128, True),
+    (4, 32, 8192, 128, True),
+    (4, 32, 4096, 128, False),
+    (4, 32, 4096, 64, True),
+]
+FWD_BITS_FIELDS = ("fwd_block_n", "fwd_recip_l")  # named bits-changing in flash_attention._Config
+FWD_BUDGET_S = 135.0
+
+
+def _fwd(bm, bn, warps, stages, **more):
+    return dict(fwd_block_m=bm, fwd_block_n=bn, fwd_warps=warps, fwd_stages=stages, **more)
+
+
+# (name, fields changed on the table's row). sm_90a AOT (Triton 3.6, ptxas -v; causal D128):
+# table 250 regs 224 KiB smem; tma-host 192 regs; tma-host pv s2 252 regs 193 KiB; 64,128,4,1
+# 184 regs 81 KiB (2 CTAs/SM); 128,64,8,2 r128 126 regs 96 KiB (2 CTAs/SM); no spills (dropout
+# calls run the plain loop). Most informative first: the budget may cut the tail.
+FWD_VARIANTS = {
+    128: [
+        ("tma-host", {"fwd_tma": 2}),
+        ("tma-host pv s2", _fwd(128, 128, 8, 2, fwd_tma=2, fwd_pipeline_pv=True)),
+        ("tma-host s2", _fwd(128, 128, 8, 2, fwd_tma=2)),
+        ("tma-host 64,128,4,1", _fwd(64, 128, 4, 1, fwd_tma=2)),
+        ("tma-host pv s2 one-loop", _fwd(128, 128, 8, 2, fwd_tma=2, fwd_pipeline_pv=True, fwd_one_loop=True)),
+        ("tma-dev", {"fwd_tma": 1}),
+        ("tma-dev pv s2", _fwd(128, 128, 8, 2, fwd_tma=1, fwd_pipeline_pv=True)),
+        ("tma-host one-loop", {"fwd_tma": 2, "fwd_one_loop": True}),
+        ("one-loop", {"fwd_one_loop": True}),
+        ("tma-host 128,64,8,2 r128", _fwd(128, 64, 8, 2, fwd_tma=2, fwd_maxnreg=128)),
+        ("64,64,4,3", _fwd(64, 64, 4, 3)),
+        ("tma-host 64,64,4,3", _fwd(64, 64, 4, 3, fwd_tma=2)),
+        ("tma-host pv 128,64,8,3", _fwd(128, 64, 8, 3, fwd_tma=2, fwd_pipeline_pv=True)),
+        ("tma-host recip", {"fwd_tma": 2, "fwd_recip_l": True}),
+    ],
+    64: [
+        ("tma-host", {"fwd_tma": 2}),
+        ("tma-host pv", {"fwd_tma": 2, "fwd_pipeline_pv": True}),
+        ("tma-dev", {"fwd_tma": 1}),
+    ],
+}
+
+
+class _FwdCase:
+    """One forward shape: packed inputs for the launchers, (B, H, T, D) copies for SDPA."""
+
+    def __init__(self, b, h, t, d, causal, device="cuda"):
+        g = torch.Generator(device=device).manual_seed(t + d + causal)
+        self.qkv = [
+            torch.randn((b, t, h, d), generator=g, device=device, dtype=torch.bfloat16) for _ in range(3)
+        ]
+        self.packed = [x.view(b * t, h, d) for x in self.qkv]
+        self.sdpa = [x.transpose(1, 2).contiguous() for x in self.qkv]
+        self.b, self.h, self.t, self.d, self.causal = b, h, t, d, causal
+        self.scale = 1.0 / math.sqrt(d)
+        self.name = f"T{t} D{d}" + ("" if causal else " non-causal")
+        self.flops = 4 * b * h * t * t * d / (2 if causal else 1)
+
+    def direct(self):
+        from det_attn import flash_attention as fa
+
+        q, k, v = self.packed
+        dense = (self.b, self.t, self.t)
+        return fa._forward(q, k, v, None, None, dense, self.t, self.scale, self.causal, 0.0, None, 0, 0)
+
+    def public(self):
+        from det_attn import attention
+
+        return attention(*self.qkv, causal=self.causal)
+
+    def cudnn(self):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(*self.sdpa, is_causal=self.causal)
+
+
+def _host_us(fn, n=30) -> float | str:
+    """Host microseconds per call of ``fn`` (launches queue up; the device is not waited on)."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        host = (time.perf_counter() - start) / n * 1e6
+        torch.cuda.synchronize()
+        return host
+    except Exception as exc:
+        return f"error: {type(exc).__name__}"
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+
+
+def _out_bits(outs) -> str:
+    """'same' or the names (O, LSE) whose bits differ."""
+    bad = [n for n, x, y in zip(("O", "LSE"), *outs, strict=True) if not _same(x, y)]
+    return "same" if not bad else "differ: " + ",".join(bad)
+
+
+def _cuda_ok() -> bool:
+    """False once the CUDA context is broken (a sticky error: later calls cannot be trusted)."""
+    try:
+        torch.cuda.synchronize()
+        return True
+    except Exception:
+        return False
+
+
+def _forward_rows(case, name, fields, fn, cud, ref, budget_left) -> tuple:
+    """(row, outputs): ``fn`` timed eager and as a graph replay, its determinism, its bits against
+    ``ref`` (None: it is the reference)."""
+    row = {"shape": case.name, "variant": name, "bits_fields": fields}
+    first = fn()
+    second = fn()
+    torch.cuda.synchronize()
+    row["det"] = "yes" if _out_bits((first, second)) == "same" else "NO: " + _out_bits((first, second))
+    row["bits"] = "(reference)" if ref is None else _out_bits((first, ref))
+    del second
+    row["eager_ms"] = _bench(fn)
+    row["graph_ms"] = _bench_graph(fn) if budget_left() > 0 else "skipped"
+    row["eager_vs_cudnn"] = _ratio(cud["eager_ms"], row["eager_ms"])
+    row["graph_vs_cudnn"] = _ratio(cud["graph_ms"], row["graph_ms"])
+    if isinstance(row["graph_ms"], float):
+        row["graph_tflops"] = case.flops / row["graph_ms"] / 1e9
+    return row, first
+
+
+def run_forward(variants: dict, budget_s: float, out: Path | None = None, shapes=FWD_SHAPES) -> tuple:
+    """The forward-only ablation; returns (markdown text, rows for the JSON)."""
+    from det_attn import flash_attention as fa
+
+    began = time.perf_counter()
+
+    def budget_left():
+        return budget_s - (time.perf_counter() - began)
+
+    saved = dict(fa._GPU_CONFIGS)
+    rows, skipped, notes = [], [], []
+    cases = [_FwdCase(*shape) for shape in shapes]
+    cudnn, refs, class_refs = {}, {}, {}
+
+    def log(msg):
+        print(f"[ablate --forward {time.perf_counter() - began:5.0f} s] {msg}", file=sys.stderr, flush=True)
+
+    def flush():
+        if out is not None:  # partial results survive a crash or a timeout
+            (out / "det-attn_ablation_forward.json").write_text(json.dumps(rows, indent=1, default=str))
+
+    try:
+        # peers and the table first, at every shape (the variants are compared with them)
+        for case in cases:
+            with torch.no_grad():
+                cud = {"eager_ms": _bench(case.cudnn), "graph_ms": _bench_graph(case.cudnn)}
+            cudnn[case.name] = cud
+            rows.append({"shape": case.name, "variant": "sdpa cuDNN", **cud})
+            try:
+                with torch.no_grad():
+                    row = {"shape": case.name, "variant": "table via attention()", "bits_fields": ""}
+                    row["eager_ms"] = _bench(case.public)
+                    row["eager_vs_cudnn"] = _ratio(cud["eager_ms"], row["eager_ms"])
+                    row["host_us"] = _host_us(case.public)
+                    rows.append(row)
+                row, refs[case.name] = _forward_rows(
+                    case, "table (direct)", "", case.direct, cud, None, budget_left
+                )
+                row["host_us"] = _host_us(case.direct)
+                rows.append(row)
+            except Exception as exc:
+                traceback.print_exc(limit=2)
+                rows.append(
+                    {"shape": case.name, "variant": "table", "error": f"{type(exc).__name__}: {exc}"[:200]}
+                )
+            log(f"{case.name}: cuDNN and table done")
+            flush()
+        for d in sorted({case.d for case in cases}, reverse=True):
+            base = saved[d]
+            for name, change in variants.get(d, []):
+                cfg = dataclasses.replace(base, **change)
+                fields = ",".join(f for f in FWD_BITS_FIELDS if getattr(cfg, f) != getattr(base, f))
+                for case in (c for c in cases if c.d == d):
+                    if budget_left() <= 0:
+                        skipped.append(f"{name} @ {case.name}")
+                        continue
+                    fa._GPU_CONFIGS[d] = cfg
+                    try:
+                        ref = refs.get(case.name)
+                        key = (case.name, *(getattr(cfg, f) for f in FWD_BITS_FIELDS))
+                        if fields and key in class_refs:  # bits-changing: compare within its class
+                            ref_name, ref = class_refs[key]
+                        row, outs = _forward_rows(
+                            case, name, fields, case.direct, cudnn[case.name], ref, budget_left
+                        )
+                        if fields:
+                            row["bits"] += " vs " + (ref_name if key in class_refs else "table")
+                            class_refs.setdefault(key, (name, outs))
+                        rows.append(row)
+                        del outs
+                    except Exception as exc:  # e.g. out of shared memory or registers for one variant
+                        traceback.print_exc(limit=2)
+                        first_line = str(exc).splitlines()[0] if str(exc) else ""
+                        rows.append(
+                            {"shape": case.name, "variant": name, "bits_fields": fields,
+                             "error": f"{type(exc).__name__}: {first_line}"[:200]}
+                        )  # fmt: skip
+                        if not _cuda_ok():
+                            notes.append(f"CUDA context broken after {name} @ {case.name}: stopped there.")
+                            raise _Stop from exc
+                    finally:
+                        fa._GPU_CONFIGS[d] = base
+                log(f"{name} done")
+                flush()
+    except _Stop:
+        pass
+    finally:
+        fa._GPU_CONFIGS.clear()
+        fa._GPU_CONFIGS.update(saved)
+    flush()
+    text = _forward_markdown(rows, [c.name for c in cases])
+    if skipped:
+        text += "\n\nSkipped (time budget): " + "; ".join(skipped)
+    if notes:
+        text += "\n\n" + "\n".join(notes)
+    text += "\n\nTable at this run: " + "; ".join(f"D{d}: {c}" for d, c in sorted(saved.items()))
+    text += f"\n\nTotal {time.perf_counter() - began:.0f} s."
+    return text, rows
+
+
+class _Stop(Exception):
+    pass
+
+
+def _forward_markdown(rows, shape_names) -> str:
+    lines = [
+        "| shape | variant | bits fields | eager ms | graph ms | graph TFLOP/s | eager/cuDNN | graph/cuDNN "
+        "| host us | det | bits |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['shape']} | {r['variant']} | {r.get('bits_fields', '')} | {r['error'][:60]} |"
+                         " | | | | | | |")  # fmt: skip
+            continue
+        lines.append(
+            f"| {r['shape']} | {r['variant']} | {r.get('bits_fields') or '-'} | {_fmt(r.get('eager_ms'))} | "
+            f"{_fmt(r.get('graph_ms'))} | {_fmt(r.get('graph_tflops'), 0)} | "
+            f"{_fmt(r.get('eager_vs_cudnn'), 2)} | {_fmt(r.get('graph_vs_cudnn'), 2)} | "
+            f"{_fmt(r.get('host_us'), 0)} | {r.get('det', '')} | {r.get('bits', '')} |"
+        )
+    # one line per variant: eager/cuDNN (graph/cuDNN) at every shape
+    order = list(dict.fromkeys(r["variant"] for r in rows if r["variant"] != "sdpa cuDNN"))
+    summary = [
+        "",
+        "Ratio to cuDNN per shape, eager (graph); >= 0.80 is the target:",
+        "",
+        "| variant | " + " | ".join(shape_names) + " | bits vs table |",
+        "|---|" + "---:|" * len(shape_names) + "---|",
+    ]
+    for variant in order:
+        cells, bits = [], set()
+        for shape in shape_names:
+            hit = [r for r in rows if r["variant"] == variant and r["shape"] == shape and "error" not in r]
+            if not hit:
+                cells.append("")
+                continue
+            r = hit[0]
+            cells.append(f"{_fmt(r.get('eager_vs_cudnn'), 2)} ({_fmt(r.get('graph_vs_cudnn'), 2)})")
+            if r.get("bits"):
+                bits.add(r["bits"])
+        summary.append(f"| {variant} | " + " | ".join(cells) + f" | {'; '.join(sorted(bits))} |")
+    return "\n".join(lines + summary)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
+    parser.add_argument("--forward", action="store_true", help="forward variants only (FWD_VARIANTS)")
+    parser.add_argument("--variants", default="", help="forward mode: comma-separated name fragments to keep")
+    parser.add_argument("--budget", type=float, default=FWD_BUDGET_S, help="forward mode: seconds")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("ablate_attention: needs a CUDA GPU", file=sys.stderr)
         return 1
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.forward:
+        words = [w.strip() for w in args.variants.split(",") if w.strip()]
+        variants = {
+            d: [(n, c) for n, c in vs if not words or any(w in n for w in words)]
+            for d, vs in FWD_VARIANTS.items()
+        }
+        text, _ = run_forward(variants, args.budget, args.out)
+        text = "## det-attn forward ablation, bf16 B4 H32, " + torch.cuda.get_device_name() + "\n\n" + text
+        print(text)
+        (args.out / "det-attn_ablation_forward.md").write_text(text + "\n")
+        return 0
     text = "## det-attn ablation, bf16 causal B4 H32, " + torch.cuda.get_device_name() + "\n\n" + run()
     print(text)
     (args.out / "det-attn_ablation.md").write_text(text + "\n")

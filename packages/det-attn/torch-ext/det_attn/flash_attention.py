@@ -2,7 +2,8 @@
 
 Reading order: the fixed config table, input checks, forward/backward launchers, the
 ``torch.autograd.Function``, then ``attention`` (padded batch) and ``attention_varlen`` (packed).
-The kernels are in ``_kernels.py``; a plain-torch reference is in ``reference.py``.
+The forward kernel is in ``_fwd_kernel.py``, the backward kernels in ``_kernels.py``; a plain-torch
+reference is in ``reference.py``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _kernels
+from . import _descriptors, _fwd_kernel, _kernels
 from ._vendor.det_core import rng, runtime
 
 __all__ = ["MAX_SEQLEN", "SUPPORTED_HEAD_DIMS", "attention", "attention_varlen"]
@@ -36,11 +37,14 @@ class _Config:
     Reduction-order-defining (changing one changes bits, so they depend only on head dim and the
     interpreter switch, never on batch, sequence length or packing):
     ``fwd_block_n`` (keys per online-softmax step), ``dkdv_block_m`` (queries per dK/dV step),
-    ``dq_block_n`` (keys per dQ step). ``fwd_block_m`` and ``fwd_warps`` set the register layout
+    ``dq_block_n`` (keys per dQ step), ``fwd_recip_l`` (O rounded as ``O * (1/l)``, not ``O / l``).
+    ``fwd_block_m`` and ``fwd_warps`` set the register layout
     of the softmax row sums, which may fix another fp32 order within a row (whether they do is
     checked on the GPU by ``benchmarks/ablate_attention.py``). The others (stages, the backward
-    kernels' owned-block sizes and warps) only change which rows a program owns and when loads
-    are issued.
+    kernels' owned-block sizes and warps, and the forward's load path and loop structure:
+    ``fwd_tma``, ``fwd_pipeline_pv``, ``fwd_one_loop``, ``fwd_loop_stages``, ``fwd_maxnreg``) only
+    change which rows a program owns, when loads are issued and how the same operations are
+    scheduled (same bits expected; ``ablate_attention.py --forward`` checks it on the GPU).
     """
 
     fwd_block_m: int
@@ -61,6 +65,19 @@ class _Config:
     # dK/dV kernel: all query blocks in one masked loop instead of diagonal / full / tail loops
     # (fewer registers, a mask on every step). No effect on bits.
     dkdv_one_loop: bool = False
+    # Forward variants (see _fwd_kernel): K/V/Q/O through TMA tensor descriptors (0 pointers, 1 made
+    # in the kernel per sequence and head: any packing, needs triton.set_allocator, set here when
+    # unset; 2 host descriptors: padded batches only, packed calls use pointers); the P V MMA
+    # overlapped with the next softmax (FlashAttention-3 software pipelining; off with dropout);
+    # every key block in the masked loop; tl.range num_stages on the key loops (0: fwd_stages); a
+    # register cap (0: none; off with dropout). Same bits expected. fwd_recip_l: O * (1 / l), not
+    # O / l (other bits).
+    fwd_tma: int = 0
+    fwd_pipeline_pv: bool = False
+    fwd_one_loop: bool = False
+    fwd_loop_stages: int = 0
+    fwd_maxnreg: int = 0
+    fwd_recip_l: bool = False
 
 
 # Fixed table (no autotune), bf16 and fp16 alike, causal or not. Each row is the fastest measured
@@ -240,6 +257,9 @@ class _Plan:
     fwd_sizes: tuple  # n_tiles, heads, seqlen_q, seqlen_k, group, qk_scale
     fwd_strides: tuple
     fwd_meta: dict
+    fwd_tma: int  # the TMA mode this call shape can use (config's, or 0 where it cannot)
+    fwd_meta_pointers: dict  # fwd_meta with pointer loads: for inputs not 16-byte aligned
+    fwd_descs: tuple | None  # TMA 2: host descriptor templates of q, k, v, o (base set per call)
     pre_grid: tuple
     pre_args: tuple  # total_q, strides
     pre_meta: dict
@@ -275,17 +295,39 @@ def _plan(q, k, dense, batch, max_q, max_k, scale, causal, dropout) -> _Plan:
     n_kv = _cdiv(max_k, cfg.dkdv_block_n)
     n_dq = _cdiv(max_q, cfg.dq_block_m)
     pre_block = 32  # fixed: each row is summed alike wherever it sits in a tile (packing-safe)
+    fwd_meta = dict(
+        BLOCK_M=cfg.fwd_block_m,
+        BLOCK_N=cfg.fwd_block_n,
+        num_warps=cfg.fwd_warps,
+        num_stages=cfg.fwd_dropout_stages if dropout and cfg.fwd_dropout_stages else cfg.fwd_stages,
+        **common,
+    )
+    # with dropout the pipelined loop's extra P tile and the Philox tiles would not fit in shared
+    # memory: the plain loop (the same bits)
+    pipeline_pv = cfg.fwd_pipeline_pv and not dropout
+    if pipeline_pv or cfg.fwd_one_loop or cfg.fwd_loop_stages or cfg.fwd_recip_l:
+        fwd_meta.update(
+            PIPELINE_PV=pipeline_pv,
+            ONE_LOOP=cfg.fwd_one_loop,
+            LOOP_STAGES=cfg.fwd_loop_stages or None,
+            RECIP_L=cfg.fwd_recip_l,
+        )
+    if cfg.fwd_maxnreg and not dropout:  # the Philox tiles need more registers (ptxas would spill)
+        fwd_meta["maxnreg"] = cfg.fwd_maxnreg
+    tma = _descriptors.fwd_tma_mode(cfg.fwd_tma, q, k, o_strides, dense)
+    descs = None
+    if tma == 2:
+        descs = _descriptors.fwd_descriptor_templates(
+            q, k, o_strides, dense, cfg.fwd_block_m, cfg.fwd_block_n
+        )
     plan = _Plan(
         fwd_grid=_grid(n_fwd, heads, batch),
         fwd_sizes=(n_fwd, heads, seqlen_q, seqlen_k, group, qk_scale),
         fwd_strides=(*q.stride()[:2], *k.stride()[:2], *o_strides[:2], lse_stride),
-        fwd_meta=dict(
-            BLOCK_M=cfg.fwd_block_m,
-            BLOCK_N=cfg.fwd_block_n,
-            num_warps=cfg.fwd_warps,
-            num_stages=cfg.fwd_dropout_stages if dropout and cfg.fwd_dropout_stages else cfg.fwd_stages,
-            **common,
-        ),
+        fwd_meta=dict(fwd_meta, TMA=tma) if tma else fwd_meta,
+        fwd_tma=tma,
+        fwd_meta_pointers=fwd_meta,
+        fwd_descs=descs,
         pre_grid=(_cdiv(total_q, pre_block), heads),
         pre_args=(total_q, *o_strides[:2], *do_strides, lse_stride),
         pre_meta=dict(HEAD_DIM=head_dim, BLOCK_M=pre_block),
@@ -327,20 +369,29 @@ def _forward(
     lse2 = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     if dense is not None:  # a padded batch: no cu_seqlens tensors (any pointer will do)
         cu_q = cu_k = lse2
+    meta = plan.fwd_meta
+    q_arg, k_arg, v_arg, o_arg = q, k, v, o
+    if plan.fwd_tma:
+        if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:  # o is a fresh allocation
+            meta = plan.fwd_meta_pointers
+        elif plan.fwd_tma == 2:
+            q_arg, k_arg, v_arg, o_arg = map(_descriptors.with_base, plan.fwd_descs, (q, k, v, o))
+        elif not _INTERPRET:
+            _descriptors.ensure_triton_allocator()
     runtime.launch(
-        _kernels.attn_fwd_kernel,
+        _fwd_kernel.attn_fwd_kernel,
         plan.fwd_grid,
-        q,
-        k,
-        v,
-        o,
+        q_arg,
+        k_arg,
+        v_arg,
+        o_arg,
         lse2,
         cu_q,
         cu_k,
         *plan.fwd_sizes,
         *_dropout_args(dropout_p, seed, sequence_offset, head_offset),
         *plan.fwd_strides,
-        **plan.fwd_meta,
+        **meta,
     )
     return o, lse2
 
@@ -416,6 +467,27 @@ def _backward(
     return dq, dk, dv
 
 
+def _kernel_layout(q, k, v):
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1 or v.stride() != k.stride():  # the kernels read v with k's strides
+        k, v = k.contiguous(), v.contiguous()
+    return q, k, v
+
+
+def _attend(q, k, v, cu_q, cu_k, dense, max_q, max_k, *rest):
+    """``_AttentionFunction.apply``, or, when no gradient can flow (grad mode off, or no input
+    requires one), the same forward launch without autograd (whose per-call host time shows at
+    short sequences)."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _AttentionFunction.apply(q, k, v, cu_q, cu_k, dense, max_q, max_k, *rest)
+    q, k, v = _kernel_layout(q, k, v)
+    scale, causal, dropout_p, seed, sequence_offset, head_offset = rest
+    return _forward(
+        q, k, v, cu_q, cu_k, dense, max_q, scale, causal, dropout_p, seed, sequence_offset, head_offset, max_k
+    )
+
+
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -435,10 +507,7 @@ class _AttentionFunction(torch.autograd.Function):
         sequence_offset,
         head_offset,
     ):
-        if q.stride(-1) != 1:
-            q = q.contiguous()
-        if k.stride(-1) != 1 or v.stride() != k.stride():  # the kernels read v with k's strides
-            k, v = k.contiguous(), v.contiguous()
+        q, k, v = _kernel_layout(q, k, v)
         o, lse2 = _forward(
             q, k, v, cu_q, cu_k, dense, max_q, scale, causal, dropout_p, seed, sequence_offset, head_offset,
             max_k,
@@ -578,7 +647,7 @@ def attention(
     )
     scale = _scale(softmax_scale, head_dim, op)
     # padded batch: sequence b starts at token b * T (no cu_seqlens tensors, no host sync)
-    o, lse2 = _AttentionFunction.apply(
+    o, lse2 = _attend(
         q.reshape(batch * t_q, heads, head_dim),
         k.reshape(batch * t_k, k.shape[2], head_dim),
         v.reshape(batch * t_k, k.shape[2], head_dim),
@@ -679,7 +748,7 @@ def attention_varlen(
         dropout_p, seed, sequence_offset, head_offset, heads, len_q.numel(), op
     )
     scale = _scale(softmax_scale, head_dim, op)
-    o, lse2 = _AttentionFunction.apply(
+    o, lse2 = _attend(
         q,
         k,
         v,

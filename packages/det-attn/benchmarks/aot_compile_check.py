@@ -1,0 +1,168 @@
+"""Compile det_attn's forward kernel for sm_90a on a machine without a GPU: the table's entries and
+every forward variant of ``ablate_attention.FWD_VARIANTS``; report registers, spills, shared memory.
+
+Uses Triton's ahead-of-time path (``triton.compile`` of an ``ASTSource`` for ``GPUTarget("cuda",
+90, 32)``) with the launch arguments the launcher would pass at B4 H32 T4096 bf16 (built by
+``flash_attention._plan`` on meta tensors, specialized as Triton 3.6 does: ints equal to 1 become
+constants, multiples of 16 get the divisibility hint), then the ``ptxas`` bundled with Triton
+(``-v``). Per entry: registers, spill bytes, shared memory (> 227 KiB cannot launch on an H200),
+whether the dots became wgmma and the loads TMA, and programs per SM (registers and shared memory
+alike). A CPU-side check, not a test; depends on Triton internals. To check what the H200 machine
+runs, use Triton 3.6 (the wheel extracted at /tmp/tri36):
+
+    PYTHONPATH=/tmp/tri36 python packages/det-attn/benchmarks/aot_compile_check.py [--only WORD]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+ROOT = Path(__file__).resolve().parents[3]
+sys.path[:0] = [
+    str(ROOT / "packages/det-attn/torch-ext"),
+    str(ROOT / "shared/det-core"),
+    str(Path(__file__).parent),
+]
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from det_attn import _fwd_kernel  # noqa: E402
+from det_attn import flash_attention as fa  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+SMEM_LIMIT = 232448  # bytes a block may use on sm_90 (227 KiB)
+SM_SMEM, SM_REGS = 233472, 65536  # per SM: 228 KiB shared memory (1 KiB reserved per block), registers
+B, H, T = 4, 32, 4096
+
+
+def _ptxas() -> Path:
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+def _launch_args(cfg, head_dim: int, causal: bool, dropout: bool):
+    """(positional values, constexprs and options) of the forward launch at B, H, T with ``cfg``."""
+    q = torch.empty((B * T, H, head_dim), dtype=torch.bfloat16, device="meta")
+    saved = fa._GPU_CONFIGS[head_dim]
+    fa._GPU_CONFIGS[head_dim] = cfg
+    try:
+        plan = fa._plan(q, q, (B, T, T), B, T, T, 1.0 / math.sqrt(head_dim), causal, dropout)
+    finally:
+        fa._GPU_CONFIGS[head_dim] = saved
+    drop = fa._dropout_args(0.1 if dropout else 0.0, 1234 if dropout else None, 0, 0)
+    if plan.fwd_tma == 2:
+        tensors = [f"tensordesc<bf16{list(d.block_shape)}>" for d in plan.fwd_descs]
+    else:
+        tensors = ["*bf16"] * 4
+    values = [*tensors, "*fp32", "*fp32", "*fp32", *plan.fwd_sizes, *drop, *plan.fwd_strides]
+    return values, dict(plan.fwd_meta), plan.fwd_tma
+
+
+def compile_forward(name: str, cfg, head_dim: int, causal: bool, dropout: bool) -> str:
+    """Compile one entry; print its line; return its status (OK, SPILL, SMEM, FAIL)."""
+    fn = _fwd_kernel.attn_fwd_kernel
+    values, meta, tma = _launch_args(cfg, head_dim, causal, dropout)
+    options = {k: meta.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in meta}
+    constexprs = {p.name: p.default for p in fn.params if p.is_constexpr}
+    constexprs.update(meta)
+    signature, attrs = {}, {}
+    for i, (param, value) in enumerate(zip(fn.params, values, strict=False)):
+        if isinstance(value, str):  # pointer or tensor descriptor
+            signature[param.name] = value
+            if value.startswith("*"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[param.name] = "fp32"
+        elif value == 1 and not param.do_not_specialize:
+            signature[param.name] = "constexpr"
+            constexprs[param.name] = 1
+        else:
+            signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            if value % 16 == 0 and not param.do_not_specialize:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    for param in fn.params[len(values) :]:
+        signature[param.name] = "constexpr"
+    src = ASTSource(
+        fn=fn,
+        signature=signature,
+        constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
+        attrs=attrs,
+    )
+    label = f"D{head_dim} {'causal' if causal else 'full'}{' dropout' if dropout else ''} {name}"
+    try:
+        kernel = triton.compile(src, target=TARGET, options=options)
+    except Exception as exc:  # report every entry
+        print(f"{label}: COMPILE FAILED: {type(exc).__name__}: {str(exc)[-800:]}")
+        return "FAIL"
+    ptx = kernel.asm.get("ptx", "")
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "k.ptx").write_text(ptx)
+        cmd = [
+            str(_ptxas()),
+            "-arch=sm_90a",
+            "-v",
+            str(Path(tmp) / "k.ptx"),
+            "-o",
+            str(Path(tmp) / "k.cubin"),
+        ]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+    regs = spills = 0
+    for line in out.stderr.splitlines():
+        if "Used" in line and "registers" in line:
+            regs = int(line.split("Used")[1].split("registers")[0])
+        if "spill stores" in line:
+            spills = int(line.split("bytes spill stores")[0].split(",")[-1])
+    smem = kernel.metadata.shared
+    threads = 32 * options["num_warps"]
+    per_sm = min(SM_REGS // (threads * (-(-regs // 8) * 8)) if regs else 0, SM_SMEM // (smem + 1024))
+    status = "FAIL" if not regs else "SMEM" if smem > SMEM_LIMIT else "SPILL" if spills else "OK"
+    print(
+        f"{label}: {status} regs={regs} spill_stores={spills}B smem={smem / 1024:.1f}KiB "
+        f"programs/SM={per_sm} wgmma={'wgmma.mma_async' in ptx} tma={'cp.async.bulk.tensor' in ptx} "
+        f"tma_mode={tma} warps={options['num_warps']} stages={options['num_stages']}"
+        + (f" maxnreg={options['maxnreg']}" if options.get("maxnreg") else "")
+    )
+    return status
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="", help="compile the entries whose name contains this")
+    args = parser.parse_args(argv)
+    from ablate_attention import FWD_VARIANTS
+
+    print(f"Triton {triton.__version__}, target sm_90a, ptxas {_ptxas()}")
+    entries = []
+    for head_dim, table in sorted(fa._GPU_CONFIGS.items(), reverse=True):
+        for causal in (True, False):
+            entries.append(("table", table, head_dim, causal, False))
+            entries.append(("table", table, head_dim, causal, True))
+            for name, change in FWD_VARIANTS.get(head_dim, []):
+                cfg = dataclasses.replace(table, **change)
+                entries.append((name, cfg, head_dim, causal, False))
+                if change.get("fwd_tma") and causal:  # dropout keeps TMA (and runs the plain loop)
+                    entries.append((name, cfg, head_dim, causal, True))
+    bad = []
+    for name, cfg, head_dim, causal, dropout in entries:
+        if args.only and args.only not in name:
+            continue
+        status = compile_forward(name, cfg, head_dim, causal, dropout)
+        if status != "OK":
+            kind = f"{'causal' if causal else 'full'}{' dropout' if dropout else ''}"
+            bad.append(f"D{head_dim} {kind} {name}: {status}")
+    print("\n".join(["", "not OK:", *bad]) if bad else "\nall entries compile without spills")
+    # a few spilled bytes with dropout are the table's state too (Philox tiles); anything else fails
+    return 1 if any(not b.endswith("SPILL") or "dropout" not in b for b in bad) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

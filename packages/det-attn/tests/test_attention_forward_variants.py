@@ -1,0 +1,155 @@
+"""The forward kernel's variants (``flash_attention._Config`` fields ``fwd_tma``, ``fwd_pipeline_pv``,
+``fwd_one_loop``, ``fwd_loop_stages``, ``fwd_recip_l``; kernels in ``_fwd_kernel``) on CPU through the
+Triton interpreter, applied to the interpreter's config row (blocks of 32 queries x 16 keys).
+
+The bit-neutral variants must give the table's O and LSE bits on every input (padded and packed,
+causal and not, GQA, ragged tiles, dropout), which carries every invariance the table is tested
+for over to them; the row invariances (packing, position inside a tile) are also checked on the
+variants directly. The GPU side (same bits there, speed) is ``benchmarks/ablate_attention.py
+--forward``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from det_attn import attention, attention_varlen
+from det_attn import flash_attention as fa
+from det_attn.reference import attention_reference
+from det_core.testing import assert_bitwise_equal, contiguous_splits
+
+D = 64
+BIT_NEUTRAL = {
+    "tma-device": {"fwd_tma": 1},
+    "tma-host": {"fwd_tma": 2},
+    "pipelined": {"fwd_pipeline_pv": True},
+    "one-loop": {"fwd_one_loop": True},
+    "tma-host pipelined one-loop": {"fwd_tma": 2, "fwd_pipeline_pv": True, "fwd_one_loop": True},
+    "tma-device pipelined loop-stages": {"fwd_tma": 1, "fwd_pipeline_pv": True, "fwd_loop_stages": 2},
+}
+
+
+def _randn(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float32).to(torch.bfloat16)
+
+
+def _qkv(batch, t_q, t_k, h_q, h_kv, seed=0):
+    return (
+        _randn(batch, t_q, h_q, D, seed=seed),
+        _randn(batch, t_k, h_kv, D, seed=seed + 1),
+        _randn(batch, t_k, h_kv, D, seed=seed + 2),
+    )
+
+
+def _use(monkeypatch, **change):
+    monkeypatch.setattr(fa, "_INTERPRETER_CONFIG", dataclasses.replace(fa._INTERPRETER_CONFIG, **change))
+
+
+def _cases():
+    """(name, thunk) pairs: each thunk runs one forward call and returns (o, lse)."""
+    dense_causal = _qkv(2, 45, 51, 2, 1, seed=10)  # cross lengths: bottom-right diagonal, GQA
+    dense_full = _qkv(1, 37, 53, 2, 1, seed=20)  # ragged last tiles
+    lengths = [(1, 1), (40, 47), (17, 17), (33, 40)]  # a one-token sequence, tails across tiles
+    seqs = [_qkv(1, tq, tk, 2, 2, seed=30 + i) for i, (tq, tk) in enumerate(lengths)]
+    packed = [torch.cat([s[j][0] for s in seqs]) for j in range(3)]
+    cu_q = torch.tensor([0, *torch.tensor([tq for tq, _ in lengths]).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor([tk for _, tk in lengths]).cumsum(0).tolist()], dtype=torch.int32)
+    max_q, max_k = max(tq for tq, _ in lengths), max(tk for _, tk in lengths)
+    return [
+        ("dense causal", lambda: attention(*dense_causal, causal=True, return_lse=True)),
+        ("dense non-causal", lambda: attention(*dense_full, return_lse=True)),
+        (
+            "dense causal dropout",
+            lambda: attention(*dense_causal, causal=True, dropout_p=0.2, seed=9, return_lse=True),
+        ),
+        (
+            "packed causal",
+            lambda: attention_varlen(*packed, cu_q, cu_k, max_q, max_k, causal=True, return_lse=True),
+        ),
+    ]
+
+
+@pytest.fixture(scope="module")
+def table_outputs():
+    """The cases and the table's (o, lse) for each (computed once for every variant)."""
+    cases = _cases()
+    return cases, {name: run() for name, run in cases}
+
+
+@pytest.mark.parametrize("variant", list(BIT_NEUTRAL))
+def test_bit_neutral_forward_variant_gives_table_bits(variant, table_outputs, monkeypatch):
+    cases, want = table_outputs
+    _use(monkeypatch, **BIT_NEUTRAL[variant])
+    for name, run in cases:
+        o, lse = run()
+        assert_bitwise_equal(o, want[name][0], f"o: {variant}, {name}")
+        assert_bitwise_equal(lse, want[name][1], f"lse: {variant}, {name}")
+    # the variant ran (not a fallback): its plans carry its switches
+    plans = [plan for key, plan in fa._PLANS.items() if key[-1] is fa._INTERPRETER_CONFIG]
+    change = BIT_NEUTRAL[variant]
+    assert plans
+    if "fwd_tma" in change:  # host descriptors (2) serve padded calls; packed ones use pointers
+        expected = {1} if change["fwd_tma"] == 1 else {2, 0}
+        assert {plan.fwd_tma for plan in plans} == expected
+    if change.get("fwd_pipeline_pv"):
+        assert any(plan.fwd_meta.get("PIPELINE_PV") for plan in plans)
+
+
+def test_pipelined_tma_variant_keeps_packing_and_tile_position_invariance(monkeypatch):
+    # directly on the variant: a sequence packed beside neighbours that grow across tile
+    # boundaries equals it alone; causal query chunks starting off the tile grid (context
+    # parallelism: a row sits elsewhere in its tile) keep the rows' bits
+    _use(monkeypatch, fwd_tma=1, fwd_pipeline_pv=True)
+    anchor = _qkv(1, 29, 35, 2, 1, seed=300)
+    alone = attention(*anchor, causal=True, return_lse=True)
+    for before in (15, 16, 17, 31, 32, 33):
+        seqs = [_qkv(1, before, before + 3, 2, 1, seed=before), anchor]
+        q, k, v = (torch.cat([s[j][0] for s in seqs]) for j in range(3))
+        cu_q = torch.tensor([0, before, before + 29], dtype=torch.int32)
+        cu_k = torch.tensor([0, before + 3, before + 3 + 35], dtype=torch.int32)
+        o, lse = attention_varlen(
+            q, k, v, cu_q, cu_k, max(before, 29), max(before + 3, 35), causal=True, return_lse=True
+        )
+        assert_bitwise_equal(o[before:], alone[0][0], f"o: neighbour of {before}")
+        assert_bitwise_equal(lse[:, before:], alone[1][0], f"lse: neighbour of {before}")
+    t = 61
+    q, k, v = _qkv(1, t, t, 2, 1, seed=500)
+    o, lse = attention(q, k, v, causal=True, return_lse=True)
+    for parts in (2, 3, 4):
+        for i, (lo, hi) in enumerate(contiguous_splits(t - 1, parts)):
+            lo, hi = lo + (i > 0), hi + 1  # chunk edges off the tile grid
+            co, clse = attention(q[:, lo:hi], k[:, :hi], v[:, :hi], causal=True, return_lse=True)
+            assert_bitwise_equal(co, o[:, lo:hi], f"o: {parts} chunks, {lo}:{hi}")
+            assert_bitwise_equal(clse, lse[:, :, lo:hi], f"lse: {parts} chunks, {lo}:{hi}")
+
+
+def test_reciprocal_normalisation_variant_is_accurate_and_repeatable(monkeypatch):
+    # fwd_recip_l changes O's rounding (named bits-changing in the table); it stays as accurate
+    # (within one bf16 rounding of the fp64 reference) and repeatable, and LSE is untouched
+    q, k, v = _qkv(2, 45, 51, 4, 2, seed=10)
+    o_table, lse_table = attention(q, k, v, causal=True, return_lse=True)
+    _use(monkeypatch, fwd_recip_l=True, fwd_tma=2)
+    o, lse = attention(q, k, v, causal=True, return_lse=True)
+    assert_bitwise_equal(attention(q, k, v, causal=True), o, "o: second run")
+    assert_bitwise_equal(lse, lse_table, "lse")
+    ref, _ = attention_reference(q.double(), k.double(), v.double(), causal=True)
+    err, err_table = ((x.double() - ref).abs().max().item() for x in (o, o_table))
+    assert err <= 2 * err_table + 1e-6, (err, err_table)
+
+
+def test_forward_without_autograd_equals_autograd_forward():
+    # attention() skips autograd when no gradient can flow (no_grad, or no input requires one):
+    # the same launch, the same bits as the forward inside autograd
+    q, k, v = _qkv(2, 45, 51, 4, 2, seed=10)
+    with torch.no_grad():
+        o_ng, lse_ng = attention(q, k, v, causal=True, return_lse=True)
+    o_plain, lse_plain = attention(q, k, v, causal=True, return_lse=True)
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    o_ag, lse_ag = attention(qg, kg, vg, causal=True, return_lse=True)
+    assert o_ag.requires_grad and not o_ng.requires_grad and not o_plain.requires_grad
+    for o, lse, name in ((o_ng, lse_ng, "no_grad"), (o_plain, lse_plain, "no input requires grad")):
+        assert_bitwise_equal(o, o_ag.detach(), f"o: {name}")
+        assert_bitwise_equal(lse, lse_ag, f"lse: {name}")
