@@ -104,11 +104,11 @@ def _bench(fn) -> float | str:
         return f"error: {type(exc).__name__}"
 
 
-def _bench_graph(fn) -> float | str:
+def _bench_graph(fn, rep=40) -> float | str:
     import triton.testing
 
     try:
-        return float(triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median"))
+        return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
     except Exception as exc:
         traceback.print_exc(limit=1)
         return f"error: {type(exc).__name__}"
@@ -364,25 +364,28 @@ def _fwd(bm, bn, warps, stages, **more):
     return dict(fwd_block_m=bm, fwd_block_n=bn, fwd_warps=warps, fwd_stages=stages, **more)
 
 
-# (name, fields changed on the table's row). sm_90a AOT (Triton 3.6, ptxas -v; causal D128):
-# table 250 regs 224 KiB smem; tma-host 192 regs; tma-host pv s2 252 regs 193 KiB; 64,128,4,1
-# 184 regs 81 KiB (2 CTAs/SM); 128,64,8,2 r128 126 regs 96 KiB (2 CTAs/SM); no spills (dropout
-# calls run the plain loop). Most informative first: the budget may cut the tail.
+# (name, fields changed on the table's row): "tma-host" / "tma-dev" fwd_tma 2 / 1, "pv" the
+# pipelined P V, "sN" N stages, "rN" a cap of N registers, "BM,BN,warps,stages". sm_90a AOT
+# (benchmarks/aot_compile_check.py, Triton 3.6, causal D128): table 250 regs 224 KiB; tma-host 192
+# regs; tma-host pv s2 252 regs 193 KiB; 64,128,4,1 184 regs 81 KiB, pv 64,64,4,2 168 regs 97 KiB,
+# 128,64,8,2 r128 126 regs 96 KiB (these three: 2 programs per SM); none spills. Most informative
+# first: the budget may cut the tail.
 FWD_VARIANTS = {
     128: [
         ("tma-host", {"fwd_tma": 2}),
         ("tma-host pv s2", _fwd(128, 128, 8, 2, fwd_tma=2, fwd_pipeline_pv=True)),
-        ("tma-host s2", _fwd(128, 128, 8, 2, fwd_tma=2)),
+        ("tma-dev pv s2", _fwd(128, 128, 8, 2, fwd_tma=1, fwd_pipeline_pv=True)),
         ("tma-host 64,128,4,1", _fwd(64, 128, 4, 1, fwd_tma=2)),
+        ("tma-host pv 64,64,4,2", _fwd(64, 64, 4, 2, fwd_tma=2, fwd_pipeline_pv=True)),
+        ("tma-host 128,64,8,2 r128", _fwd(128, 64, 8, 2, fwd_tma=2, fwd_maxnreg=128)),
         ("tma-host pv s2 one-loop", _fwd(128, 128, 8, 2, fwd_tma=2, fwd_pipeline_pv=True, fwd_one_loop=True)),
         ("tma-dev", {"fwd_tma": 1}),
-        ("tma-dev pv s2", _fwd(128, 128, 8, 2, fwd_tma=1, fwd_pipeline_pv=True)),
+        ("tma-host s2", _fwd(128, 128, 8, 2, fwd_tma=2)),
         ("tma-host one-loop", {"fwd_tma": 2, "fwd_one_loop": True}),
-        ("one-loop", {"fwd_one_loop": True}),
-        ("tma-host 128,64,8,2 r128", _fwd(128, 64, 8, 2, fwd_tma=2, fwd_maxnreg=128)),
         ("64,64,4,3", _fwd(64, 64, 4, 3)),
         ("tma-host 64,64,4,3", _fwd(64, 64, 4, 3, fwd_tma=2)),
         ("tma-host pv 128,64,8,3", _fwd(128, 64, 8, 3, fwd_tma=2, fwd_pipeline_pv=True)),
+        ("one-loop", {"fwd_one_loop": True}),
         ("tma-host recip", {"fwd_tma": 2, "fwd_recip_l": True}),
     ],
     64: [
@@ -472,7 +475,7 @@ def _forward_rows(case, name, fields, fn, cud, ref, budget_left) -> tuple:
     row["bits"] = "(reference)" if ref is None else _out_bits((first, ref))
     del second
     row["eager_ms"] = _bench(fn)
-    row["graph_ms"] = _bench_graph(fn) if budget_left() > 0 else "skipped"
+    row["graph_ms"] = _bench_graph(fn, rep=20) if budget_left() > 0 else "skipped"
     row["eager_vs_cudnn"] = _ratio(cud["eager_ms"], row["eager_ms"])
     row["graph_vs_cudnn"] = _ratio(cud["graph_ms"], row["graph_ms"])
     if isinstance(row["graph_ms"], float):
@@ -505,7 +508,7 @@ def run_forward(variants: dict, budget_s: float, out: Path | None = None, shapes
         # peers and the table first, at every shape (the variants are compared with them)
         for case in cases:
             with torch.no_grad():
-                cud = {"eager_ms": _bench(case.cudnn), "graph_ms": _bench_graph(case.cudnn)}
+                cud = {"eager_ms": _bench(case.cudnn), "graph_ms": _bench_graph(case.cudnn, rep=20)}
             cudnn[case.name] = cud
             rows.append({"shape": case.name, "variant": "sdpa cuDNN", **cud})
             try:

@@ -217,7 +217,7 @@ def test_context_parallel_aligned_chunks_keep_o_lse_dq_bits(d):
 def test_context_parallel_unaligned_chunks_keep_o_lse_dq_bits():
     # chunk starts off the tile grid (2061 = 16 * 128 + 13): a row sits elsewhere in its tile and
     # some of its key blocks switch between the masked and the unmasked loop. Holds only because
-    # both loops do the same arithmetic on a visible score (explicit fma, see _kernels._fwd_inner).
+    # both loops do the same arithmetic on a visible score (explicit fma, see _fwd_kernel._softmax_step).
     def edges(t, parts):
         return [
             (lo + 13 * (i > 0), hi + 13 * (i < parts - 1))
@@ -249,6 +249,54 @@ def test_error_vs_fp64_at_most_twice_sdpa_flash(d, causal):
         sdpa_err = (s.double() - r).abs().max().item()
         assert err <= 2 * sdpa_err, f"{name}: error {err:.3g} > 2 x SDPA flash error {sdpa_err:.3g}"
     assert (ours[1].double() - rlse).abs().max().item() < 1e-4
+
+
+# forward variants of flash_attention._Config expected to keep the table's bits (the ablation,
+# benchmarks/ablate_attention.py --forward, times them; CPU tests check them on the interpreter)
+FWD_VARIANTS = {
+    "tma-dev pipelined": {"fwd_tma": 1, "fwd_pipeline_pv": True, "fwd_stages": 2},
+    "tma-host pipelined one-loop": {
+        "fwd_tma": 2,
+        "fwd_pipeline_pv": True,
+        "fwd_stages": 2,
+        "fwd_one_loop": True,
+    },
+}
+
+
+@pytest.mark.parametrize("variant", list(FWD_VARIANTS))
+def test_bit_neutral_forward_variants_give_table_bits(variant, monkeypatch):
+    # padded (D128 causal GQA with cross lengths, D64 non-causal) and packed (ragged neighbours)
+    import dataclasses
+
+    from det_attn import flash_attention as fa
+
+    dense128 = _qkv(2, 1537, 1600, 32, 4, 128, seed=800)
+    dense64 = _qkv(2, 1000, 1000, 16, 16, 64, seed=801)
+    lens = [1, 700, 129, 1537]
+    parts = [_qkv(1, n, n, 8, 2, 128, seed=802 + n) for n in lens]
+    packed = [torch.cat([p_[j][0] for p_ in parts]) for j in range(3)]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    calls = {
+        "dense D128 causal": lambda: attention(*dense128, causal=True, return_lse=True),
+        "dense D64": lambda: attention(*dense64, return_lse=True),
+        "packed D128 causal": lambda: attention_varlen(
+            *packed, cu, cu, max(lens), max(lens), causal=True, return_lse=True
+        ),
+        "dense D128 causal dropout": lambda: attention(
+            *dense128, causal=True, dropout_p=0.1, seed=3, return_lse=True
+        ),
+    }
+    want = {name: call() for name, call in calls.items()}
+    for d in (64, 128):
+        monkeypatch.setitem(
+            fa._GPU_CONFIGS, d, dataclasses.replace(fa._GPU_CONFIGS[d], **FWD_VARIANTS[variant])
+        )
+    for name, call in calls.items():
+        for repeat in range(2):
+            o, lse = call()
+            assert_bitwise_equal(o, want[name][0], f"o: {variant}, {name}, run {repeat}")
+            assert_bitwise_equal(lse, want[name][1], f"lse: {variant}, {name}, run {repeat}")
 
 
 def test_gqa_fp16_and_cross_attention_match_reference():
