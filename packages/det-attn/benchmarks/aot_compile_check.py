@@ -45,8 +45,23 @@ SM_SMEM, SM_REGS = 233472, 65536  # per SM: 228 KiB shared memory (1 KiB reserve
 B, H, T = 4, 32, 4096
 
 
-def _ptxas() -> Path:
-    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+def _ptxas_v(ptx: str) -> str:
+    """``ptxas -v`` output for sm_90a from the first bundled ptxas that accepts this PTX version
+    (Triton 3.6: ``ptxas``; later Triton emits PTX only its ``ptxas-blackwell`` reads)."""
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    err = "no bundled ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx_path, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
+        ptx_path.write_text(ptx)
+        for name in ("ptxas", "ptxas-blackwell"):
+            if not (bin_dir / name).exists():
+                continue
+            cmd = [str(bin_dir / name), "-arch=sm_90a", "-v", str(ptx_path), "-o", str(cubin)]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode == 0:
+                return out.stderr
+            err = out.stderr.strip().splitlines()[0] if out.stderr.strip() else f"{name} failed"
+    raise RuntimeError(err)
 
 
 def _launch_args(cfg, head_dim: int, causal: bool, dropout: bool):
@@ -104,19 +119,13 @@ def compile_forward(name: str, cfg, head_dim: int, causal: bool, dropout: bool) 
         print(f"{label}: COMPILE FAILED: {type(exc).__name__}: {str(exc)[-800:]}")
         return "FAIL"
     ptx = kernel.asm.get("ptx", "")
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "k.ptx").write_text(ptx)
-        cmd = [
-            str(_ptxas()),
-            "-arch=sm_90a",
-            "-v",
-            str(Path(tmp) / "k.ptx"),
-            "-o",
-            str(Path(tmp) / "k.cubin"),
-        ]
-        out = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        report = _ptxas_v(ptx)
+    except RuntimeError as exc:
+        print(f"{label}: PTXAS FAILED: {exc}")
+        return "FAIL"
     regs = spills = 0
-    for line in out.stderr.splitlines():
+    for line in report.splitlines():
         if "Used" in line and "registers" in line:
             regs = int(line.split("Used")[1].split("registers")[0])
         if "spill stores" in line:
@@ -140,7 +149,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from ablate_attention import FWD_VARIANTS
 
-    print(f"Triton {triton.__version__}, target sm_90a, ptxas {_ptxas()}")
+    print(f"Triton {triton.__version__}, target sm_90a")
     entries = []
     for head_dim, table in sorted(fa._GPU_CONFIGS.items(), reverse=True):
         for causal in (True, False):
