@@ -17,8 +17,9 @@ Variants (constexprs; ``flash_attention._Config`` names them, and which change b
   arXiv:2407.08608, Algorithm 2) by software pipelining: step j issues ``S_j = Q K_j^T``, then
   ``O += P_{j-1} V_{j-1}``, and computes the softmax of ``S_j`` while the second MMA runs (the
   rescale that reads its result is in step j + 1). Every accumulator sees the same operations in
-  the same order as
-  the plain loop (block 0 is peeled, the last P V product follows the loops).
+  the same order as the plain loop (block 0 is peeled, the last P V product follows the loops).
+  P is carried in fp32 and converted where the MMA reads it: a loop-carried bf16 P went through
+  shared memory and Triton 3.6 then waited for that MMA at once (no overlap).
 * ``ONE_LOOP``: every key block in the masked loop (the mask is the identity on a fully visible
   block, and both loops do the same arithmetic on a visible score): one loop prologue per tile.
 * ``LOOP_STAGES``: ``tl.range(num_stages=...)`` on the key loops (None: the kernel's num_stages).
