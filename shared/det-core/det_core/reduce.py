@@ -79,15 +79,27 @@ class TreePartial:
 
     def add_leaves(self, first_leaf: int, leaf_sums: torch.Tensor | Iterable[torch.Tensor]) -> TreePartial:
         """Insert leaves ``first_leaf, first_leaf + 1, ...`` (fp32 tensors of one shape)."""
+        first = int(first_leaf)
         for offset, value in enumerate(leaf_sums):
-            self._insert(0, int(first_leaf) + offset, value.to(torch.float32))
+            if value.dtype != torch.float32:
+                value = value.to(torch.float32)
+            self._insert(0, first + offset, value)
+        return self
+
+    def add_node(self, level: int, index: int, value: torch.Tensor) -> TreePartial:
+        """Insert node ``(level, index)`` (the fp32 sum of leaves ``[index * 2**level, (index + 1) *
+        2**level)``), combined with its sibling at once when present: ``merge`` of a one-node partial,
+        without the device move (``value`` must be on this partial's device)."""
+        self._insert(level, index, value)
         return self
 
     def merge(self, other: TreePartial) -> TreePartial:
         """Absorb another worker's nodes (its tensors are moved to this partial's device)."""
         device = next(iter(self.nodes.values())).device if self.nodes else None
         for (level, index), value in sorted(other.nodes.items()):
-            self._insert(level, index, value if device is None else value.to(device))
+            if device is not None and value.device != device:
+                value = value.to(device)
+            self._insert(level, index, value)
         return self
 
     def _insert(self, level: int, index: int, value: torch.Tensor) -> None:
@@ -118,10 +130,10 @@ class TreePartial:
         level = 0
         width = total_leaves  # nodes at this level that cover at least one leaf
         while width > 1:
-            for i in range(0, width, 2):
-                left = nodes.pop((level, i), None)
-                if left is None:
-                    continue
+            # left children present at this level, in index order (a partial holds few nodes: scanning
+            # them beats probing every index of the level)
+            for i in sorted(i for lv, i in nodes if lv == level and i % 2 == 0 and i < width):
+                left = nodes.pop((level, i))
                 if i + 1 < width:
                     right = nodes.pop((level, i + 1), None)
                     if right is None:

@@ -77,3 +77,30 @@ def test_overlapping_and_missing_leaves_are_errors():
         TreePartial().result(0)
     with pytest.raises(ValueError):
         num_leaves(10, 0)
+
+
+def _dense_result(nodes: dict, total_leaves: int) -> torch.Tensor:
+    # the tree level by level over every index (result's definition, no shortcut): left + right,
+    # a missing right child past the leaf count promotes the left one
+    nodes, level, width = dict(nodes), 0, total_leaves
+    while width > 1:
+        for i in range(0, width, 2):
+            left = nodes.pop((level, i), None)
+            if left is not None:
+                right = nodes.pop((level, i + 1), None) if i + 1 < width else None
+                nodes[(level + 1, i // 2)] = left if right is None else left + right
+        level, width = level + 1, (width + 1) // 2
+    return nodes.pop((level, 0))
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 5, 7])
+@pytest.mark.parametrize("n_leaves", [1, 5, 16, 21, 37])
+def test_result_equals_the_level_by_level_tree(parts, n_leaves):
+    """``result`` visits only the nodes a partial holds: the same adds as walking every index of
+    every level, for partials merged from 1 to 7 contiguous runs of any length."""
+    leaves = leaf_sums_reference(_data(n_leaves * 4, seed=n_leaves), 4)
+    merged = TreePartial()
+    for lo, hi in contiguous_splits(n_leaves, min(parts, n_leaves)):
+        merged.merge(TreePartial().add_leaves(lo, leaves[lo:hi]))
+    assert_bitwise_equal(merged.result(n_leaves), _dense_result(merged.nodes, n_leaves), "sparse walk")
+    assert_bitwise_equal(merged.result(n_leaves), canonical_sum(_data(n_leaves * 4, seed=n_leaves), 4), "sum")

@@ -176,3 +176,30 @@ def test_launch_keys_keyword_values_by_type_and_bits(direct_launch):
     direct_launch.runtime.launch_enter_hook = lambda meta: None  # a hook: Triton's path again
     runtime.launch(k, (1,), x, 32, 5, 1.5, SCALE=-0.0)
     assert len(k.slow) == 7
+
+
+def test_host_int_helpers_equal_tritons():
+    """``cdiv`` / ``next_power_of_2`` are triton.cdiv / triton.next_power_of_2 on host ints (those
+    are constexpr functions: microseconds per host call)."""
+    for n in [*range(-3, 4100), 2**31 - 1, 2**31, 2**31 + 1, 2**40 + 3, 2**63 - 1]:
+        assert runtime.next_power_of_2(n) == triton.next_power_of_2(n), n
+    for a in range(0, 300):
+        for b in range(1, 70):
+            assert runtime.cdiv(a, b) == triton.cdiv(a, b), (a, b)
+
+
+def test_launch_keeps_the_tail_of_plain_keywords_only(direct_launch):
+    """Plain keyword values (ints, bools, strs, None) are keyed exactly, so their tail is kept with
+    the compiled kernel; a tensor passed by keyword is keyed by dtype and alignment only, so the
+    direct launch must pass the live tensor, never the one of the first launch."""
+    k = _FakeKernel()
+    x = torch.zeros(64)
+    runtime.launch(k, (1,), x, 32, 5, 1.5, FLAG=True)
+    runtime.launch(k, (1,), x, 32, 5, 1.5, FLAG=True)
+    assert len(k.slow) == 1 and k.direct[-1] == (1, (x, 32, 5, 1.5, 2, True))
+    runtime.launch(k, (1,), x, 32, 5, 1.5, FLAG=False)  # another value: another kernel
+    assert len(k.slow) == 2
+    s1, s2 = torch.zeros(4), torch.ones(4)
+    runtime.launch(k, (1,), x, 32, 5, scale=s1)
+    runtime.launch(k, (1,), x, 32, 5, scale=s2)  # same key (dtype, alignment): the live tensor goes
+    assert len(k.slow) == 3 and k.direct[-1][0] == 3 and k.direct[-1][1][3] is s2

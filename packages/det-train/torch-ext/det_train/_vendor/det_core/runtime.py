@@ -15,12 +15,27 @@ import os
 
 import torch
 
-__all__ = ["as_index", "check_kernel_device", "interpreter_active", "launch"]
+__all__ = ["as_index", "cdiv", "check_kernel_device", "interpreter_active", "launch", "next_power_of_2"]
 
 
 def interpreter_active() -> bool:
     """True when Triton kernels run through the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints on the host (grids, block counts).
+
+    ``triton.cdiv`` is a ``constexpr_function``: called from host code it unwraps its arguments
+    and imports on every call, microseconds each, hundreds of calls per training step.
+    """
+    return (a + (b - 1)) // b
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 ``>= n`` for ``n >= 1`` (0 for ``n <= 0``), as ``triton.next_power_of_2``
+    computes it, on the host (see ``cdiv``)."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
 def check_kernel_device(*tensors: torch.Tensor, op: str = "kernel") -> torch.device:
@@ -123,12 +138,48 @@ def _arg_key(value, exact: bool = True, specialize: bool = True):
 
 
 def _params(kernel):
-    params = _KERNEL_PARAMS.get(kernel)
-    if params is None:
+    """``(flags, named, token)`` of ``kernel``: per parameter ``(is_constexpr, specialize)`` and
+    ``(name, default)``, and a token standing for the kernel in launch keys. Looked up by ``id``:
+    a JITFunction hashes by its source hash (a property, on every launch otherwise); the table
+    keeps the kernel alive, so its id is not reused while the entry exists."""
+    entry = _KERNEL_PARAMS.get(id(kernel))
+    if entry is None or entry[0] is not kernel:
         flags = tuple((p.is_constexpr, not p.do_not_specialize) for p in kernel.params)
         named = tuple((p.name, p.default) for p in kernel.signature.parameters.values())
-        params = _KERNEL_PARAMS[kernel] = (flags, named)
-    return params
+        entry = _KERNEL_PARAMS[id(kernel)] = (kernel, (flags, named, id(kernel)))
+    return entry[1]
+
+
+# Keyword values keyed by the values themselves (with their types): exact, hashable and never a
+# tensor. Other keyword values (floats: 0.0 == -0.0; tensors) go through ``_arg_key``.
+_PLAIN_KEYWORD_TYPES = frozenset((int, bool, str, type(None)))
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _args_key(args: tuple, flags: tuple) -> tuple:
+    """``_arg_key`` of every positional argument, with the common kinds (ints, plain tensors)
+    inline: a launch has tens of arguments and ~600 launches make a training step."""
+    key = []
+    append = key.append
+    for value, (exact, specialize) in zip(args, flags, strict=False):
+        kind = type(value)
+        if kind is int:  # no other kind gives a bare int: the value is its own key
+            append(value if specialize or exact else (int, _int_class(value)))
+        elif kind in _PLAIN_TENSOR_TYPES:
+            append((value.dtype, value.data_ptr() % 16 == 0))
+        else:
+            append(_arg_key(value, exact, specialize))
+    return tuple(key)
+
+
+def _kwargs_key(kwargs: dict) -> tuple[tuple, bool]:
+    """The key of the keyword arguments, and whether they are all plain (ints, bools, strs, None:
+    keyed by type and value, so equal keys mean equal values and the kernel's tail of constexprs
+    can be kept with its compiled kernel)."""
+    kinds = tuple(map(type, kwargs.values()))
+    if _PLAIN_KEYWORD_TYPES.issuperset(kinds):
+        return (True, tuple(kwargs.items()), kinds), True
+    return (False, tuple((name, _arg_key(v)) for name, v in kwargs.items())), False
 
 
 def _hook_set(hook) -> bool:
@@ -168,7 +219,10 @@ def launch(kernel, grid: tuple, *args, **kwargs):
     ``native_specialize_impl``): tensor dtype and 16-byte alignment; ints by exact value
     (``do_not_specialize`` ones by their i32 / i64 / u64 range); float and bool types; constexprs,
     keyword arguments and the debug / instrumentation knobs by exact value. It is launched through
-    its own ``run``, with the live arguments, as ``JITFunction.run`` does. An int argument that
+    its own ``run``, with the live arguments, as ``JITFunction.run`` does (the parameters after the
+    positional ones, filled from keyword values or defaults, are kept with the compiled kernel when
+    every keyword value is an int, bool, str or None: keyed exactly, they are the same for every
+    launch of the key; a float or tensor keyword value is read from the live call). An int argument that
     changes every call (a per-step dropout seed) misses every time: Triton's path, as before. The
     first launch of each key, arguments of another kind, launch or pre-run hooks, a changed global
     of the kernel, the interpreter, Triton versions other than those in ``_DIRECT_LAUNCH_TRITON``
@@ -191,15 +245,14 @@ def launch(kernel, grid: tuple, *args, **kwargs):
     **Determinism:** the same compiled kernel with the same arguments as ``kernel[grid]``: the
     same bits (a GPU test compares both paths).
     """
-    if not _direct_launch_enabled():
+    if not (_direct_launch or _direct_launch_enabled()):
         return kernel[grid](*args, **kwargs)
     device = torch.cuda.current_device()
     runtime_knobs = _knobs.runtime
     try:
-        flags, named = _params(kernel)
-        arg_keys = tuple(_arg_key(a, *flag) for a, flag in zip(args, flags, strict=False))
-        kw_keys = tuple((name, _arg_key(v)) for name, v in kwargs.items())
-        key = (kernel, device, len(grid), arg_keys, kw_keys, runtime_knobs.debug,
+        flags, named, token = _params(kernel)
+        kw_key, plain = _kwargs_key(kwargs)
+        key = (token, device, len(grid), _args_key(args, flags), kw_key, runtime_knobs.debug,
                _knobs.compilation.instrumentation_mode)  # fmt: skip
         entry = _LAUNCHES.get(key)
     except (_NoKey, TypeError, AttributeError):  # another kind of argument or kernel
@@ -209,17 +262,21 @@ def launch(kernel, grid: tuple, *args, **kwargs):
         or _hook_set(runtime_knobs.launch_enter_hook)
         or _hook_set(runtime_knobs.launch_exit_hook)
         or kernel.pre_run_hooks
-        or not _globals_unchanged(kernel)
+        or (kernel.used_global_vals and not _globals_unchanged(kernel))
     ):
         compiled = kernel[grid](*args, **kwargs)  # compiles or finds the kernel: Triton's path
         if entry is None and hasattr(compiled, "run"):
             if len(_LAUNCHES) >= _MAX_LAUNCHES:
                 _LAUNCHES.popitem(last=False)
-            _LAUNCHES[key] = compiled
+            # plain keyword values are part of the key: the tail (constexprs by keyword or by
+            # default) is then the same for every launch of the key and is kept with it
+            tail = _tail(named, len(args), kwargs) if plain else None
+            _LAUNCHES[key] = (compiled, tail)
         return compiled
     _LAUNCHES.move_to_end(key)
-    compiled = entry
-    tail = [kwargs[name] if name in kwargs else default for name, default in named[len(args) :]]
+    compiled, tail = entry
+    if tail is None:
+        tail = _tail(named, len(args), kwargs)
     grid_y = grid[1] if len(grid) > 1 else 1
     grid_z = grid[2] if len(grid) > 2 else 1
     stream = torch._C._cuda_getCurrentRawStream(device)
@@ -228,3 +285,8 @@ def launch(kernel, grid: tuple, *args, **kwargs):
         *args, *tail,
     )  # fmt: skip
     return compiled
+
+
+def _tail(named: tuple, n_args: int, kwargs: dict) -> tuple:
+    # the parameters after the positional ones, from the keyword arguments or their defaults
+    return tuple(kwargs[name] if name in kwargs else default for name, default in named[n_args:])
