@@ -460,3 +460,48 @@ def test_dw_scratch_holds_the_levels_the_kernel_stacks():
     assert dw_scratch_shape(dataclasses.replace(table, quads=False), 4, 100, cpu) == (4, 4, 128 * 128)
     assert dw_scratch_shape(table, 1, 100, cpu) == (4, 1, 128 * 128)  # quads need level >= 2
     assert dw_scratch_shape(table, 0, 100, cpu) is None
+
+
+def test_dw_launch_plans_never_serve_another_call_signature(monkeypatch):
+    """weight_grad_partial keeps one launch plan per call signature: the same shapes with another
+    first leaf, a dY 2 bytes off 16-byte alignment (pointer loads instead of TMA), another config
+    or a finished result each get their own plan; every result equals the cold-cache one."""
+    import importlib
+
+    wg = importlib.import_module("det_train.weight_grad")
+    base = dataclasses.replace(weight_grad_config(torch.bfloat16, 40, 72), block_t=32)
+    quads = dataclasses.replace(base, leaves_per_program=8, lean=True, pairs=True, tma=True, quads=True)
+    buf, x = _randn(256 * 40 + 8, seed=30), _randn(256, 72, seed=31)
+    aligned, unaligned = buf[: 256 * 40].view(256, 40), buf[1 : 1 + 256 * 40].view(256, 40)
+    assert _dw_tma_operands(aligned, x, quads, 32) is not None
+    assert _dw_tma_operands(unaligned, x, quads, 32) is None
+    calls = [
+        (dy, first_leaf, cfg, finish)
+        for dy in (aligned, unaligned)
+        for first_leaf in (0, 8)
+        for cfg in (quads, base)
+        for finish in (None, torch.bfloat16)
+        if not (finish is not None and first_leaf)  # a finished result is defined from leaf 0
+    ]
+
+    def run(dy, first_leaf, cfg, finish):
+        got = weight_grad_partial(
+            dy, x, leaf_tokens=32, first_leaf=first_leaf, config=cfg, finish_dtype=finish
+        )
+        return got if finish is not None else {key: got.nodes[key] for key in sorted(got.nodes)}
+
+    cold = []
+    for call in calls:
+        monkeypatch.setattr(wg, "_PLANS", {})
+        cold.append(run(*call))
+    monkeypatch.setattr(wg, "_PLANS", {})
+    for _ in range(2):  # the second round runs on cached plans
+        for call, want in zip(calls, cold, strict=True):
+            got = run(*call)
+            what = f"first_leaf={call[1]} quads={call[2].quads} finish={call[3]} aligned={call[0] is aligned}"
+            if isinstance(want, dict):
+                assert list(got) == list(want), what
+                for key in want:
+                    assert_bitwise_equal(got[key], want[key], f"{what} node {key}")
+            else:
+                assert_bitwise_equal(got, want, what)

@@ -367,3 +367,57 @@ def test_gpu_more_than_2_31_elements():
     for row in (0, m // 2, m - 1):
         assert_bitwise_equal(out[row], matmul(a[row : row + 1], b)[0], f"row {row}")
     assert torch.allclose(out[-64:].float(), (a[-64:].float() @ b.float()), rtol=2e-2, atol=2e-1)
+
+
+def test_launch_plans_never_serve_another_call_signature(monkeypatch):
+    """Launch plans are cached per call signature: an operand 2 bytes off 16-byte alignment with a
+    cached shape takes the pointer kernel (TMA needs aligned bases), bias and carry are part of the
+    key, launch_linear(x, W) is launch_matmul(x, W.t()) with the same plan; every result equals the
+    cold-cache one."""
+    mm = importlib.import_module("det_train.matmul")
+    used = []
+    real_launch_tma = mm._launch_tma
+    monkeypatch.setattr(mm, "_launch_tma", lambda *a, **kw: used.append("tma") or real_launch_tma(*a, **kw))
+    monkeypatch.setattr(configs, "TMA_MIN_ROWS", 64)  # the large "nt" entry's TMA kernel at 64 rows
+    k, n = 256, 320
+    buf, w, bias = _randn(64 * k + 8, seed=50), _randn(n, k, seed=51), _randn(n, seed=52)
+    aligned, unaligned = buf[: 64 * k].view(64, k), buf[1 : 1 + 64 * k].view(64, k)
+
+    def run(x, bb, linear_entry):
+        out = torch.empty(64, n, dtype=torch.bfloat16, device=DEVICE)
+        if linear_entry:
+            return mm.launch_linear(x, w, out, bb)
+        return launch_matmul(x, w.t(), out, bias=bb)
+
+    cold = {}
+    for key in [(x, bb) for x in ("aligned", "unaligned") for bb in (None, "bias")]:
+        monkeypatch.setattr(mm, "_PLANS", {})
+        cold[key] = run(aligned if key[0] == "aligned" else unaligned, bias if key[1] else None, False)
+    monkeypatch.setattr(mm, "_PLANS", {})
+    for _ in range(2):  # the second round runs on cached plans
+        for (which, bb), want in cold.items():
+            for linear_entry in (False, True):
+                used.clear()
+                x = aligned if which == "aligned" else unaligned
+                got = run(x, bias if bb else None, linear_entry)
+                assert used == (["tma"] if which == "aligned" else []), (which, bb, linear_entry)
+                assert_bitwise_equal(got, want, f"{which} bias={bb} linear_entry={linear_entry}")
+    a, b = _randn(40, 96, seed=53), _randn(96, 56, seed=54)
+    carry = launch_matmul(a, b, torch.empty(40, 56, dtype=torch.float32, device=DEVICE))
+    chained = launch_matmul(a, b, torch.empty(40, 56, dtype=torch.float32, device=DEVICE), carry=carry)
+    plain = launch_matmul(a, b, torch.empty(40, 56, dtype=torch.float32, device=DEVICE))
+    assert_bitwise_equal(plain, carry, "no carry after a carry call of the same shapes")
+    assert not torch.equal(chained, plain)
+
+
+def test_descriptor_from_a_plan_equals_the_constructed_one():
+    """A plan's descriptor for a new base is TensorDescriptor(base, ...) field for field."""
+    pytest.importorskip("triton.tools.tensor_descriptor")
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    mm = importlib.import_module("det_train.matmul")
+    first, second = _randn(64, 128, seed=1), _randn(64, 128, seed=2)
+    make = mm._Descriptor(TensorDescriptor(first, [64, 128], [128, 1], [32, 64]))
+    got = make(second)
+    assert type(got) is TensorDescriptor and got.base is second
+    assert got == TensorDescriptor(second, [64, 128], [128, 1], [32, 64])

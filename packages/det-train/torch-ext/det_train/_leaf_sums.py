@@ -146,12 +146,13 @@ def tree_in_place(leaf_sums: torch.Tensor, lo: int = 0, out_dtype: torch.dtype |
         hi = 1 << levels  # the whole tree: absent right children promote their sibling
     else:
         levels = _levels(lo, hi)
-    out = torch.empty((width,), dtype=out_dtype or torch.float32, device=leaf_sums.device)
-    block = min(_TREE_BLOCK, max(16, triton.next_power_of_2(width)))
+    # without the root the kernel never touches out_ptr: any fp32 pointer will do
+    out = leaf_sums if out_dtype is None else torch.empty((width,), dtype=out_dtype, device=leaf_sums.device)
+    block = min(_TREE_BLOCK, max(16, runtime.next_power_of_2(width)))
     if n and width:
         runtime.launch(
             _dense_tree_kernel,
-            (triton.cdiv(width, block),),
+            (runtime.cdiv(width, block),),
             leaf_sums,
             out,
             n,
@@ -176,8 +177,8 @@ def fold_chunks(partials: torch.Tensor, chunks_per_leaf: int) -> torch.Tensor:
     n_chunks, n = partials.shape
     n_leaves = num_leaves(n_chunks, chunks_per_leaf)
     out = torch.empty((n_leaves, n), dtype=torch.float32, device=partials.device)
-    block = min(_FOLD_BLOCK, max(16, triton.next_power_of_2(n)))
-    grid = (n_leaves, triton.cdiv(n, block))
+    block = min(_FOLD_BLOCK, max(16, runtime.next_power_of_2(n)))
+    grid = (n_leaves, runtime.cdiv(n, block))
     runtime.launch(
         _fold_chunks_kernel, grid, partials, out, n_chunks, n, CHUNKS_PER_LEAF=chunks_per_leaf, BLOCK=block
     )
@@ -209,11 +210,13 @@ def finish_param_grad(acc, param: torch.Tensor, first_leaf: int, leaf_sums: torc
     Returns None when deposited (the autograd gradient of ``param``), else the gradient in
     ``param.dtype``.
     """
-    flat = leaf_sums.reshape(leaf_sums.shape[0], -1)
+    flat = leaf_sums if leaf_sums.dim() == 2 else leaf_sums.reshape(leaf_sums.shape[0], -1)
     if acc is not None:
         partial = TreePartial()
+        shape = param.shape
         partial.nodes = {
-            key: value.view(param.shape) for key, value in tree_in_place(flat, first_leaf).items()
+            key: value if value.shape == shape else value.view(shape)
+            for key, value in tree_in_place(flat, first_leaf).items()
         }
         acc.deposit_partial(param, partial)
         return None

@@ -30,7 +30,7 @@ MAX_BWD_BLOCK_V = 4096
 
 def _fwd_config(v: int) -> tuple[int, int]:
     """(BLOCK_V, num_warps) of the forward for vocabulary size ``v`` (both change bits)."""
-    block = min(MAX_BLOCK_V, triton.next_power_of_2(v))
+    block = min(MAX_BLOCK_V, runtime.next_power_of_2(v))
     return block, 8 if block >= 4096 else 4 if block >= 1024 else 1
 
 
@@ -148,8 +148,8 @@ class _CrossEntropyFunction(torch.autograd.Function):
             # the same fp32 scalar for every token of every micro-batch: elementwise, so split-invariant
             scale, scale_stride = (grad_out.to(torch.float32) / ctx.denominator).reshape(1), 0
         if n:
-            block = min(MAX_BWD_BLOCK_V, triton.next_power_of_2(v))
-            grid = (n, triton.cdiv(v, block))
+            block = min(MAX_BWD_BLOCK_V, runtime.next_power_of_2(v))
+            grid = (n, runtime.cdiv(v, block))
             runtime.launch(
                 _ce_bwd_kernel,
                 grid,

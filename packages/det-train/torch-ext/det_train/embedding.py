@@ -162,7 +162,7 @@ def _weight_grad(ids, dy, v: int, leaf: int, first_leaf: int, out_dtype, node_ta
     n_leaves = num_leaves(m, leaf)
     sorted_ids, perm, seg_first, seg_leaf = _segments(ids, leaf, first_leaf)
     sums = torch.empty((m, d), dtype=torch.float32, device=dy.device)
-    grid = (m, triton.cdiv(d, _BLOCK_D))
+    grid = (m, runtime.cdiv(d, _BLOCK_D))
     runtime.launch(
         _segment_fold_kernel, grid, dy, perm, seg_first, sums, m, d, dy.stride(0), BLOCK_D=_BLOCK_D
     )

@@ -234,14 +234,17 @@ class CanonicalGradAccumulator:
 
     def deposit_partial(self, param: torch.Tensor, partial: TreePartial) -> None:
         """Add an already combined partial tree (fp32 nodes of ``param``'s shape) of ``param``'s gradient."""
+        shape = param.shape
         for key, value in partial.nodes.items():
-            if value.dtype != torch.float32 or tuple(value.shape) != tuple(param.shape):
+            if value.dtype != torch.float32 or value.shape != shape:
                 raise ValueError(
                     f"node {key} must be float32 of shape {tuple(param.shape)}, "
                     f"got {value.dtype} {tuple(value.shape)}"
                 )
         slot = self._slot(param)
-        mine = self._partials.setdefault(slot, TreePartial())
+        mine = self._partials.get(slot)
+        if mine is None:
+            mine = self._partials[slot] = TreePartial()
         try:
             mine.merge(partial)
         except ValueError as err:
@@ -314,7 +317,8 @@ class CanonicalGradAccumulator:
                 if index in self._fsdp:
                     p.grad = _fsdp_shard(self._fsdp[index], grad.to(dtype=p.dtype))
                 else:
-                    p.grad = grad.to(device=p.device, dtype=p.dtype).view(p.shape)
+                    grad = grad.to(device=p.device, dtype=p.dtype)
+                    p.grad = grad if grad.shape == p.shape else grad.view(p.shape)
         finally:
             self._partials = {}
             self._spans = []

@@ -15,18 +15,13 @@ import torch
 
 from ._vendor.det_core import runtime
 from ._vendor.det_core.reduce import num_leaves
-from .matmul import _check_bias, launch_matmul
+from .grad_accum import DEFAULT_LEAF_TOKENS, current_accumulator
+from .matmul import _check_bias, launch_linear, launch_matmul
 from .weight_grad import bias_grad_leaves, bias_grad_partial, weight_grad_partial
 
 __all__ = ["Linear", "bias_grad_partial", "linear", "weight_grad_partial"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _default_leaf_tokens() -> int:
-    from .grad_accum import DEFAULT_LEAF_TOKENS
-
-    return DEFAULT_LEAF_TOKENS
 
 
 # ----------------------------------------------------------------------------- autograd
@@ -35,16 +30,16 @@ class _LinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         x2d = x.reshape(-1, x.shape[-1])
         n = weight.shape[0]
-        y = torch.empty((x2d.shape[0], n), dtype=x.dtype, device=x.device)
+        y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)  # the rows of x2d @ W.T
         if y.numel() and x2d.shape[1]:
-            launch_matmul(x2d, weight.t(), y, bias=bias)
+            launch_linear(x2d, weight, y, bias)
         elif y.numel():
             y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
         ctx.save_for_backward(x2d, weight)
         ctx.weight = weight  # the Parameter itself: the accumulator keys deposits by identity
         ctx.bias = bias
         ctx.x_shape = x.shape
-        return y.reshape(*x.shape[:-1], n)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
@@ -54,12 +49,11 @@ class _LinearFunction(torch.autograd.Function):
         dy2d = dy.reshape(-1, n)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch.empty((dy2d.shape[0], k), dtype=dy.dtype, device=dy.device)
+            grad_x = torch.empty(ctx.x_shape, dtype=dy.dtype, device=dy.device)  # the rows of dy2d @ W
             if grad_x.numel() and n:
                 launch_matmul(dy2d, weight, grad_x)
             else:
                 grad_x.zero_()
-            grad_x = grad_x.reshape(ctx.x_shape)
         want_w, want_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
         grad_w, grad_b = param_grads(dy2d, x2d, ctx.weight, bias, want_w, want_b)
         return grad_x, grad_w, grad_b
@@ -78,8 +72,6 @@ def param_grads(
     With an active accumulator, leaf Parameters get their partial trees deposited and None is
     returned for them; otherwise the finished gradients (leaves of ``DEFAULT_LEAF_TOKENS``).
     """
-    from .grad_accum import current_accumulator
-
     grad_w = grad_b = None
     if not (want_w or want_b):
         return grad_w, grad_b
@@ -106,7 +98,7 @@ def param_grads(
                     .to(bias.dtype)
                 )
         return grad_w, grad_b
-    leaf = _default_leaf_tokens()
+    leaf = DEFAULT_LEAF_TOKENS
     if want_w:
         if tokens == 0:
             grad_w = torch.zeros_like(weight)

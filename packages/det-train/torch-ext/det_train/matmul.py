@@ -21,12 +21,17 @@ import torch
 import triton
 import triton.language as tl
 
+from . import configs
 from ._vendor.det_core import runtime
 from .configs import MatmulConfig, layout_of, matmul_config
 
 __all__ = ["matmul", "matmul_partial"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# Triton read TRITON_INTERPRET when it decorated the kernels below (at import): read it once too, not
+# per launch (an environment lookup each time, several per launch)
+_INTERPRET = runtime.interpreter_active()
 
 
 @triton.jit
@@ -47,7 +52,7 @@ def store_rounded(ptrs, acc, mask, BF16_BY_BITS: tl.constexpr):
 
 def bf16_by_bits(dtype: torch.dtype) -> bool:
     """Whether kernels must round fp32 -> bf16 by bit operations (under the Triton interpreter)."""
-    return dtype == torch.bfloat16 and runtime.interpreter_active()
+    return dtype == torch.bfloat16 and _INTERPRET
 
 
 @triton.jit
@@ -212,20 +217,118 @@ def _tma_operands(a: torch.Tensor, b: torch.Tensor, config: MatmulConfig, carry)
     return None  # row-major B ("nn"): the pointer kernel (already ~0.95x cuBLAS for dX)
 
 
-def _launch_tma(a, b, out, bias, config: MatmulConfig, descs) -> torch.Tensor:
-    a_desc, b_desc, b_kmajor = descs
-    M, K = a.shape
-    N = b.shape[1]
-    tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
-    programs = min(tiles, runtime_programs(a.device)) if config.persistent else tiles
-    runtime.launch(
-        _matmul_tma_kernel, (programs,),
-        a_desc, b_desc, out, bias if bias is not None else out, M, N, K,
-        out.stride(0), out.stride(1), programs,
+class _Descriptor:
+    """Builds ``TensorDescriptor(base, shape, strides, block_shape)`` for new bases of one layout.
+
+    ``TensorDescriptor``'s constructor validates its fields (alignment, strides, block shape: several
+    microseconds of host time, four descriptors per Linear layer and micro-batch). A launch plan is
+    keyed by everything that validation reads (dtype, shape, strides, 16-byte alignment of the base),
+    so the fields of the descriptor validated when the plan was built are copied to a new object
+    with the new base: the same descriptor Triton would get from the constructor.
+    """
+
+    def __init__(self, desc) -> None:
+        self._cls = type(desc)
+        fields = getattr(desc, "__dict__", None)  # a plain dataclass on every Triton with descriptors
+        self._fields = None if fields is None else {k: v for k, v in fields.items() if k != "base"}
+        self._args = (desc.shape, desc.strides, desc.block_shape)
+
+    def __call__(self, base: torch.Tensor):
+        if self._fields is None:
+            return self._cls(base, *self._args)
+        desc = object.__new__(self._cls)
+        desc.__dict__.update(self._fields)
+        desc.base = base
+        return desc
+
+
+class _Plan:
+    """Launch arguments of one matmul call signature (shapes, strides, dtypes, alignment, config)."""
+
+    __slots__ = ("tma", "grid", "scalars", "meta", "a_desc", "b_desc")
+
+    def __init__(self, tma, grid, scalars, meta, a_desc=None, b_desc=None) -> None:
+        self.tma, self.grid, self.scalars, self.meta = tma, grid, scalars, meta
+        self.a_desc, self.b_desc = a_desc, b_desc
+
+
+# Launch plans by call signature: the host side of a matmul is then a dict lookup and the launch
+# (~600 launches per training step: the config lookup, the strides and the constexprs were tens of
+# microseconds of host time per call). The key holds everything a plan is computed from.
+_PLANS: dict = {}
+_MAX_PLANS = 1024
+
+
+def _plan_key(a, b, out, carry, bias, config, transposed_b: bool) -> tuple:
+    return (
+        a.shape, a.stride(), b.shape, b.stride(), out.shape, out.stride(), a.dtype, out.dtype, a.device,
+        a.data_ptr() % 16 == 0, b.data_ptr() % 16 == 0, None if carry is None else carry.stride(),
+        bias is None, config, transposed_b, configs.TMA_MIN_ROWS,
+    )  # fmt: skip
+
+
+def _make_plan(key, a, b, out, carry, bias, config) -> _Plan:
+    """The plan of ``out = (carry + a @ b) (+ bias)`` (``b`` (K, N), any strides), stored under ``key``."""
+    if a.dim() == 2 and b.dim() == 2 and out.dim() != 2:  # (..., N) holding the M rows: its (M, N) view
+        out = out.view(-1, out.shape[-1])
+    M, K = a.shape[-2:]
+    N = b.shape[-1]
+    if config is None:  # M picks the TMA or the pointer kernel, never block_k (same bits)
+        config = matmul_config(a.dtype, layout_of(a, b), N, K, rows=M)
+    common = dict(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        B_KMAJOR=b_kmajor, PERSISTENT=config.persistent, HAS_BIAS=bias is not None,
-        UPCAST=runtime.interpreter_active(), DOT_PRECISION=_dot_precision(a.dtype),
-        BF16_BY_BITS=bf16_by_bits(out.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
+        HAS_BIAS=bias is not None, DOT_PRECISION=_dot_precision(a.dtype),
+        BF16_BY_BITS=bf16_by_bits(out.dtype),
+    )  # fmt: skip
+    descs = _tma_operands(a, b, config, carry) if config.tma else None
+    if descs is not None:
+        a_desc, b_desc, b_kmajor = descs
+        tiles = runtime.cdiv(M, config.block_m) * runtime.cdiv(N, config.block_n)
+        programs = min(tiles, runtime_programs(a.device)) if config.persistent else tiles
+        plan = _Plan(
+            True, (programs,), (M, N, K, out.stride(0), out.stride(1), programs),
+            dict(
+                common, B_KMAJOR=b_kmajor, PERSISTENT=config.persistent, UPCAST=_INTERPRET,
+                num_warps=config.num_warps, num_stages=config.num_stages,
+            ),
+            _Descriptor(a_desc), _Descriptor(b_desc),
+        )  # fmt: skip
+    else:
+        a3, saz = _as_batched(a)
+        b3, sbz = _as_batched(b)
+        c3, scz = _as_batched(out)
+        if carry is not None:
+            carry3, scarz = _as_batched(carry)
+            carry_strides = (scarz, carry3.stride(1), carry3.stride(2))
+        else:
+            carry_strides = (0, 0, 0)
+        z = max(a3.shape[0], b3.shape[0])
+        plan = _Plan(
+            False, (runtime.cdiv(M, config.block_m) * runtime.cdiv(N, config.block_n), z),
+            (
+                M, N, K,
+                saz, a3.stride(1), a3.stride(2),
+                sbz, b3.stride(1), b3.stride(2),
+                scz, c3.stride(1), c3.stride(2),
+                *carry_strides,
+                config.block_k * a3.stride(2), config.block_k * b3.stride(1),
+            ),
+            dict(
+                common, EVEN_K=K % config.block_k == 0, HAS_CARRY=carry is not None,
+                UPCAST=_INTERPRET and a.dtype != torch.float32, B_NK_TILES=config.b_nk_tiles,
+                num_warps=config.num_warps, num_stages=config.num_stages,
+            ),
+        )  # fmt: skip
+    if len(_PLANS) >= _MAX_PLANS:  # bound the cache (the call signatures of one process are few)
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
+
+
+def _launch_tma(plan: _Plan, a_desc, b_desc, out: torch.Tensor, bias) -> torch.Tensor:
+    runtime.launch(
+        _matmul_tma_kernel, plan.grid, a_desc, b_desc, out, bias if bias is not None else out, *plan.scalars,
+        **plan.meta,
     )  # fmt: skip
     return out
 
@@ -246,7 +349,7 @@ def _sm_count(index: int) -> int:
 def _dot_precision(dtype: torch.dtype) -> str | None:
     """``tl.dot`` input precision: IEEE for fp32 (Triton's default there is TF32); Triton's
     default (None) for bf16 / fp16, whose products are exact in the fp32 accumulator."""
-    return "ieee" if dtype == torch.float32 or runtime.interpreter_active() else None
+    return "ieee" if dtype == torch.float32 or _INTERPRET else None
 
 
 def _as_batched(t: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -268,42 +371,41 @@ def launch_matmul(
     """Launch the kernel: ``out = (carry + a @ b) (+ bias)`` cast to ``out.dtype`` (no checks here).
 
     ``a`` is (M, K) or (Z, M, K), ``b`` (K, N) or (Z, K, N), ``out`` and ``carry`` (Z, M, N) or
-    (M, N). ``config`` overrides the table (benchmark sweeps); tests assert that every table entry
-    of one dtype gives the same bits.
+    (M, N); with 2-D ``a`` and ``b``, ``out`` may also be any (..., N) tensor that views as (M, N)
+    (the caller's final shape, no reshape after). ``config`` overrides the table (benchmark
+    sweeps); tests assert that every table entry of one dtype gives the same bits.
     """
-    M, K = a.shape[-2:]
-    N = b.shape[-1]
-    if config is None:  # M picks the TMA or the pointer kernel, never block_k (same bits)
-        config = matmul_config(a.dtype, layout_of(a, b), N, K, rows=M)
-    if config.tma:
-        descs = _tma_operands(a, b, config, carry)
-        if descs is not None:
-            return _launch_tma(a, b, out, bias.contiguous() if bias is not None else None, config, descs)
-    a3, saz = _as_batched(a)
-    b3, sbz = _as_batched(b)
-    c3, scz = _as_batched(out)
-    z = max(a3.shape[0], b3.shape[0])
-    if carry is not None:
-        carry3, scarz = _as_batched(carry)
-        carry_strides = (scarz, carry3.stride(1), carry3.stride(2))
-    else:
-        carry3, carry_strides = out, (0, 0, 0)
-    grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n), z)
+    key = _plan_key(a, b, out, carry, bias, config, False)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _make_plan(key, a, b, out, carry, bias, config)
+    if bias is not None:
+        bias = bias.contiguous()
+    if plan.tma:
+        return _launch_tma(plan, plan.a_desc(a), plan.b_desc(b.t()), out, bias)
+    # a 2-D operand is passed as it is: the kernel reads it through the plan's strides (batch stride 0)
     runtime.launch(
-        _matmul_kernel, grid,
-        a3, b3, c3, carry3, bias.contiguous() if bias is not None else out,
-        M, N, K,
-        saz, a3.stride(1), a3.stride(2),
-        sbz, b3.stride(1), b3.stride(2),
-        scz, c3.stride(1), c3.stride(2),
-        *carry_strides,
-        config.block_k * a3.stride(2), config.block_k * b3.stride(1),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        EVEN_K=K % config.block_k == 0, HAS_CARRY=carry is not None, HAS_BIAS=bias is not None,
-        UPCAST=runtime.interpreter_active() and a.dtype != torch.float32,
-        DOT_PRECISION=_dot_precision(a.dtype), BF16_BY_BITS=bf16_by_bits(out.dtype),
-        B_NK_TILES=config.b_nk_tiles,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        _matmul_kernel, plan.grid, a, b, out, carry if carry is not None else out,
+        bias if bias is not None else out, *plan.scalars, **plan.meta,
+    )  # fmt: skip
+    return out
+
+
+def launch_linear(x2d: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias=None) -> torch.Tensor:
+    """``launch_matmul(x2d, weight.t(), out, bias=bias)`` without making the transposed view: the
+    same plan and kernel arguments, with W itself as the TMA descriptor's base (``weight.t().t()``)
+    and as the pointer kernel's B (the same address), so the same bits."""
+    key = _plan_key(x2d, weight, out, None, bias, None, True)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _make_plan(key, x2d, weight.t(), out, None, bias, None)
+    if bias is not None:
+        bias = bias.contiguous()
+    if plan.tma:
+        return _launch_tma(plan, plan.a_desc(x2d), plan.b_desc(weight), out, bias)
+    runtime.launch(
+        _matmul_kernel, plan.grid, x2d, weight, out, out, bias if bias is not None else out, *plan.scalars,
+        **plan.meta,
     )  # fmt: skip
     return out
 

@@ -147,10 +147,14 @@ class _RMSNormFunction(torch.autograd.Function):
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         m = x2.shape[0]
-        out_dtype = x.dtype if weight is None else torch.promote_types(x.dtype, weight.dtype)
+        out_dtype = (
+            x.dtype
+            if weight is None or weight.dtype == x.dtype
+            else torch.promote_types(x.dtype, weight.dtype)
+        )
         y = torch.empty(x.shape, dtype=out_dtype, device=x.device)  # not a view: FSDP2 hooks want a base
         rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
-        block_d = triton.next_power_of_2(d)
+        block_d = runtime.next_power_of_2(d)
         if m > 0:
             runtime.launch(
                 _rms_norm_fwd_kernel,
@@ -189,9 +193,9 @@ class _RMSNormFunction(torch.autograd.Function):
             acc, leaf, first_leaf, rows = leaf_layout(m, MAX_ROWS_PER_CHUNK, "rms_norm")
         else:
             acc, leaf, first_leaf, rows = None, 1, 0, MAX_ROWS_PER_CHUNK
-        n_chunks = triton.cdiv(m, rows)
+        n_chunks = runtime.cdiv(m, rows)
         partial = torch.empty((n_chunks, d) if has_w else (1,), dtype=torch.float32, device=x2.device)
-        block_d = triton.next_power_of_2(d)
+        block_d = runtime.next_power_of_2(d)
         runtime.launch(
             _rms_norm_bwd_kernel,
             (n_chunks,),

@@ -22,7 +22,16 @@ import triton.language as tl
 from ._vendor.det_core import runtime
 from ._vendor.det_core.reduce import TreePartial, num_leaves
 from .configs import BIAS_GRAD_BLOCK_T, WeightGradConfig, check_weight_grad_config, weight_grad_config
-from .matmul import _dot_precision, _grouped_tile, _row_major, bf16_by_bits, runtime_programs, store_rounded
+from .matmul import (
+    _INTERPRET,
+    _Descriptor,
+    _dot_precision,
+    _grouped_tile,
+    _row_major,
+    bf16_by_bits,
+    runtime_programs,
+    store_rounded,
+)
 
 __all__ = ["bias_grad_leaves", "bias_grad_partial", "dw_scratch_shape", "weight_grad_partial"]
 
@@ -467,6 +476,59 @@ def weight_grad_partial(
     tree by global leaf indices: any leaf-aligned split of the tokens merges to the same bits, and
     ``leaves_per_program`` does not change them.
     """
+    key = (
+        dy.shape, dy.stride(), x.shape, x.stride(), dy.dtype, x.dtype, dy.device, dy.data_ptr() % 16 == 0,
+        x.data_ptr() % 16 == 0, leaf_tokens, first_leaf, config, finish_dtype,
+    )  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _make_plan(key, dy, x, leaf_tokens, first_leaf, config, finish_dtype)
+    partial = TreePartial()
+    for run in plan.runs:
+        out = torch.empty(run.out_shape, dtype=run.out_dtype, device=dy.device)
+        if run.scratch_shape is not None:
+            scratch = torch.empty(run.scratch_shape, dtype=torch.float32, device=dy.device)
+            operands = (dy, x) if run.descs is None else (run.descs[0](dy), run.descs[1](x))
+            _launch_lean(plan.config, run, operands, out, scratch)
+        else:
+            runtime.launch(_weight_grad_kernel, run.grid, dy, x, out, *run.scalars, **run.meta)
+        if plan.fused:
+            return out[0]
+        # a few fp32 adds in torch (a micro-batch of 16 leaves: one); a tree_in_place launch
+        # instead cost more host time per call than it saved (H200 machine, Triton 3.6)
+        for i, (level, index) in enumerate(run.nodes):
+            partial.add_node(level, index, out[i])
+    if finish_dtype is not None:
+        return partial.result(plan.total_leaves).to(finish_dtype)
+    return partial
+
+
+class _Run:
+    """One launch of a dW plan: its output and scratch shapes, arguments and the tree nodes it makes."""
+
+    __slots__ = ("grid", "out_shape", "out_dtype", "scratch_shape", "scalars", "meta", "descs", "nodes")
+
+    def __init__(self, grid, out_shape, out_dtype, scratch_shape, scalars, meta, descs, nodes) -> None:
+        self.grid, self.out_shape, self.out_dtype = grid, out_shape, out_dtype
+        self.scratch_shape, self.scalars, self.meta, self.nodes = scratch_shape, scalars, meta, nodes
+        self.descs = None if descs is None else (_Descriptor(descs[0]), _Descriptor(descs[1]))
+
+
+class _Plan:
+    __slots__ = ("config", "runs", "fused", "total_leaves")
+
+    def __init__(self, config, runs, fused, total_leaves) -> None:
+        self.config, self.runs, self.fused, self.total_leaves = config, runs, fused, total_leaves
+
+
+# Launch plans by call signature (shapes, strides, dtypes, alignment, leaves, config): the host side
+# of a dW call is then a dict lookup, the allocations and the launches (its config lookup, runs,
+# descriptors, strides and constexprs were tens of microseconds per call, ~100 calls per step).
+_PLANS: dict = {}
+_MAX_PLANS = 1024
+
+
+def _make_plan(key, dy, x, leaf_tokens, first_leaf, config, finish_dtype) -> _Plan:
     T, N = dy.shape
     K = x.shape[1]
     leaves = num_leaves(T, leaf_tokens)
@@ -475,18 +537,19 @@ def weight_grad_partial(
     check_weight_grad_config(config)  # unsupported variants fail here, not inside ptxas
     runs = _aligned_runs(first_leaf, leaves, config.leaves_per_program)
     fused = finish_dtype is not None and first_leaf == 0 and len(runs) == 1 and runs[0][2] == 1
-    partial = TreePartial()
+    plan_runs = []
     token = 0
     for level, first_node, count in runs:
         size = 1 << level
         out_dtype = finish_dtype if fused else torch.float32
-        out = torch.empty((count, N, K), dtype=out_dtype, device=dy.device)
+        out_shape = (count, N, K)
+        out_strides = torch.empty(out_shape, device="meta").stride()  # of the new contiguous output
         run_tokens = min(count * size * leaf_tokens, T - token)
-        grid = (triton.cdiv(N, config.block_n) * triton.cdiv(K, config.block_k), count)
+        grid = (runtime.cdiv(N, config.block_n) * runtime.cdiv(K, config.block_k), count)
         even_t = leaf_tokens % config.block_t == 0 and run_tokens == count * size * leaf_tokens
         common = dict(
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_T=config.block_t, GROUP_N=config.group_n,
-            EVEN_T=even_t, UPCAST=runtime.interpreter_active() and dy.dtype != torch.float32,
+            EVEN_T=even_t, UPCAST=_INTERPRET and dy.dtype != torch.float32,
             DOT_PRECISION=_dot_precision(dy.dtype), BF16_BY_BITS=bf16_by_bits(out_dtype),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip
@@ -494,48 +557,53 @@ def weight_grad_partial(
             T, N, K, token, leaf_tokens,
         )  # fmt: skip
         strides = (
-            dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), out.stride(0), out.stride(1), out.stride(2),
+            dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), *out_strides,
             config.block_t * dy.stride(0), config.block_t * x.stride(0),
         )  # fmt: skip
+        nodes = tuple((level, first_node + i) for i in range(count))
         if config.lean and size > 1:
             descs = _dw_tma_operands(dy, x, config, leaf_tokens) if config.tma else None
             quads = config.quads and descs is not None and level >= 2
             levels = level - (2 if quads else 1 if config.pairs else 0)  # levels that wait in the stack
-            scratch = torch.empty(
-                dw_scratch_shape(config, level, grid[0] * grid[1], dy.device, tma=descs is not None),
-                dtype=torch.float32,
-                device=dy.device,
-            )
-            programs = scratch.shape[0]
-            try:
-                runtime.launch(
-                    _weight_grad_lean_kernel, (programs,),
-                    *(descs or (dy, x)), out, scratch, scratch.stride(0), *args, size, count, programs,
-                    *strides, MAX_LEVELS=levels, PAIRS=config.pairs, TMA=descs is not None,
-                    INTERLEAVE=config.interleave and descs is not None, QUADS=quads,
-                    FLAT=quads and config.flat, maxnreg=config.maxnreg, **common,
-                    MERGE_ROWS=0 if config.merge_in_registers else min(32, config.block_n),
-                )  # fmt: skip
-            except Exception as exc:  # a variant check_weight_grad_config did not foresee
-                if type(exc).__name__ != "PTXASError":
-                    raise
-                raise RuntimeError(
-                    f"ptxas could not compile the lean dW kernel for {config} on this Triton version; "
-                    "this variant is unsupported here: use the table's config (weight_grad_config) or "
-                    "raise maxnreg / set maxnreg=None"
-                ) from exc
+            tma = descs is not None
+            scratch_shape = dw_scratch_shape(config, level, grid[0] * grid[1], dy.device, tma=tma)
+            programs = scratch_shape[0]
+            scratch_stride = torch.empty(scratch_shape, device="meta").stride(0)
+            plan_runs.append(
+                _Run(
+                    (programs,), out_shape, out_dtype, scratch_shape,
+                    (scratch_stride, *args, size, count, programs, *strides),
+                    dict(
+                        MAX_LEVELS=levels, PAIRS=config.pairs, TMA=descs is not None,
+                        INTERLEAVE=config.interleave and descs is not None, QUADS=quads,
+                        FLAT=quads and config.flat, maxnreg=config.maxnreg, **common,
+                        MERGE_ROWS=0 if config.merge_in_registers else min(32, config.block_n),
+                    ),
+                    descs, nodes,
+                )
+            )  # fmt: skip
         else:
-            runtime.launch(_weight_grad_kernel, grid, dy, x, out, *args, *strides, LEAVES=size, **common)
-        if fused:
-            return out[0]
-        # a few fp32 adds in torch (a micro-batch of 16 leaves: one); a tree_in_place launch
-        # instead cost more host time per call than it saved (H200 machine, Triton 3.6)
-        for i in range(count):
-            partial.merge(_single_node(level, first_node + i, out[i]))
+            meta = dict(LEAVES=size, **common)
+            plan_runs.append(_Run(grid, out_shape, out_dtype, None, (*args, *strides), meta, None, nodes))
         token += run_tokens
-    if finish_dtype is not None:
-        return partial.result(first_leaf + leaves).to(finish_dtype)
-    return partial
+    plan = _Plan(config, tuple(plan_runs), fused, first_leaf + leaves)
+    if len(_PLANS) >= _MAX_PLANS:  # bound the cache (the call signatures of one process are few)
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
+
+
+def _launch_lean(config: WeightGradConfig, run: _Run, operands, out, scratch) -> None:
+    try:
+        runtime.launch(_weight_grad_lean_kernel, run.grid, *operands, out, scratch, *run.scalars, **run.meta)
+    except Exception as exc:  # a variant check_weight_grad_config did not foresee
+        if type(exc).__name__ != "PTXASError":
+            raise
+        raise RuntimeError(
+            f"ptxas could not compile the lean dW kernel for {config} on this Triton version; "
+            "this variant is unsupported here: use the table's config (weight_grad_config) or "
+            "raise maxnreg / set maxnreg=None"
+        ) from exc
 
 
 def _dw_tma_operands(dy: torch.Tensor, x: torch.Tensor, config: WeightGradConfig, leaf_tokens: int):
@@ -578,19 +646,13 @@ def _resident_programs(device: torch.device, per_sm: int = 2) -> int:
     return per_sm * runtime_programs(device)
 
 
-def _single_node(level: int, index: int, value: torch.Tensor) -> TreePartial:
-    node = TreePartial()
-    node.nodes[(level, index)] = value
-    return node
-
-
 def bias_grad_leaves(dy: torch.Tensor, leaf_tokens: int) -> torch.Tensor:
     """fp32 leaf sums ``(n_leaves, N)`` of ``dy (T, N)`` over tokens (folds of 64-token column sums)."""
     T, N = dy.shape
     leaves = num_leaves(T, leaf_tokens)
     out = torch.empty((leaves, N), dtype=torch.float32, device=dy.device)
     block_n = 128
-    _bias_grad_kernel[(triton.cdiv(N, block_n), leaves)](
+    _bias_grad_kernel[(runtime.cdiv(N, block_n), leaves)](
         dy, out, T, N, leaf_tokens, dy.stride(0), dy.stride(1), BLOCK_T=BIAS_GRAD_BLOCK_T, BLOCK_N=block_n
     )
     return out
