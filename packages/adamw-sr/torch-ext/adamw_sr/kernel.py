@@ -530,7 +530,9 @@ def launch_fused_step(
         _EXACTNESS_OPTIONS.update(exactness_options())
     config = plan.config
     if config["PRECOMPUTED"]:
-        _step_scalars_kernel[(triton.cdiv(plan.num_tensors, _SCALARS_BLOCK),)](
+        runtime.launch(
+            _step_scalars_kernel,
+            (runtime.cdiv(plan.num_tensors, _SCALARS_BLOCK),),
             steps,
             hyper,
             plan.scalars,
@@ -541,7 +543,8 @@ def launch_fused_step(
         )
     seed_lo, seed_hi = rng.split_seed(seed)
     p, g, m, v, vmax = (tensors[low] for tensors, low in zip(roles, plan.lowest, strict=True))
-    return _adamw_sr_kernel[(plan.num_chunks,)](
+    return runtime.launch(
+        _adamw_sr_kernel, (plan.num_chunks,),
         p, g, m, v, vmax,
         plan.tensor_table, plan.chunk_table, steps, hyper, plan.scalars,
         seed_lo, seed_hi, rng.STREAM_PARAM_SR,
