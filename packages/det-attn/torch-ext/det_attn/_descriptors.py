@@ -11,12 +11,19 @@ import dataclasses
 
 import torch
 
+try:  # Triton >= 3.4; older versions take the pointer loads (the same bits)
+    from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+
+    _HAS_HOST_DESCRIPTORS = True
+except ImportError:
+    _HAS_HOST_DESCRIPTORS = False
+
 
 def fwd_tma_mode(mode: int, q, k, o_strides, dense) -> int:
     """The TMA mode (``flash_attention._Config.fwd_tma``) a call of this shape can use: ``mode``, or
     0 where descriptors cannot describe it (rows or heads not 16-byte aligned; mode 2: packed
     input, or heads not side by side in memory). Same bits in every mode."""
-    if mode == 0:
+    if mode == 0 or not _HAS_HOST_DESCRIPTORS:
         return 0
     head_dim = q.shape[2]
     row_strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), o_strides[0], o_strides[1])

@@ -85,9 +85,14 @@ class _Config:
 # benchmarks/ablate_attention.py at T1024/T4096); the fields marked * set a summation order, so
 # changing one changes bits (for every input alike: never chosen per shape).
 #                 fwd: BM  BN* warps stages | dK/dV: BM* BN warps stages | dQ: BM BN* warps stages
+# fwd_tma=2 (host TMA descriptors for padded batches; packed calls take the pointer loads, the
+# same bits): H200, torch 2.11, Triton 3.6, 2026-11-30 (ablate_attention.py --forward, B4 H32 bf16,
+# eager / CUDA-graph ratio to SDPA cuDNN, same bits as the pointer loads at every shape): causal D128
+# T1024 0.90 / 0.80 (pointers 0.83 / 0.74), T4096 0.76 / 0.85 (0.70 / 0.79), T8192 0.79 / 0.86
+# (0.72 / 0.80), non-causal T4096 0.74 / 0.79 (0.66 / 0.76), D64 T4096 0.92 / 0.93 (0.89 / 0.91).
 _GPU_CONFIGS = {
-    64: _Config(128, 64, 8, 3, 64, 64, 4, 3, 64, 64, 4, 3),
-    128: _Config(128, 128, 8, 3, 64, 128, 8, 3, 128, 64, 8, 3, fwd_dropout_stages=2),
+    64: _Config(128, 64, 8, 3, 64, 64, 4, 3, 64, 64, 4, 3, fwd_tma=2),
+    128: _Config(128, 128, 8, 3, 64, 128, 8, 3, 128, 64, 8, 3, fwd_dropout_stages=2, fwd_tma=2),
 }
 # Interpreter: small, unequal blocks so tiny CPU tests cross many tile and diagonal boundaries.
 _INTERPRETER_CONFIG = _Config(32, 16, 1, 1, 16, 32, 1, 1, 32, 16, 1, 1)
