@@ -203,3 +203,62 @@ def test_launch_keeps_the_tail_of_plain_keywords_only(direct_launch):
     runtime.launch(k, (1,), x, 32, 5, scale=s1)
     runtime.launch(k, (1,), x, 32, 5, scale=s2)  # same key (dtype, alignment): the live tensor goes
     assert len(k.slow) == 3 and k.direct[-1][0] == 3 and k.direct[-1][1][3] is s2
+
+
+def test_bound_launch_keys_only_its_leading_arguments(direct_launch):
+    """A BoundLaunch passes (leading, trailing, tail) as launch() would; a new leading key (another
+    alignment or dtype) or a hook takes Triton's path; the first call of each key too."""
+    k = _FakeKernel()
+    bound = runtime.BoundLaunch(k, 1, (32, 5, 1.5), FLAG=True)
+    x, y = torch.zeros(64), torch.zeros(64)
+    bound((1,), x)  # first of its key: Triton's path, all arguments
+    assert k.slow == [((x, 32, 5, 1.5), {"FLAG": True})] and not k.direct
+    bound((1,), y)  # same key: direct, live leading argument, bound ones, the defaulted SCALE
+    assert len(k.slow) == 1 and k.direct[-1] == (1, (y, 32, 5, 1.5, 2, True))
+    bound((1,), x[1:])  # unaligned: another kernel
+    bound((1,), y.double())  # another dtype: another kernel
+    assert len(k.slow) == 3
+    direct_launch.runtime.launch_enter_hook = lambda meta: None  # a hook: Triton's path again
+    bound((1,), y)
+    assert len(k.slow) == 4
+
+
+def test_bound_launch_is_the_jit_path_off_the_direct_path_and_refuses_tensors(monkeypatch):
+    k = _FakeKernel()
+    monkeypatch.setattr(runtime, "_direct_launch", False)
+    x = torch.zeros(64)
+    runtime.BoundLaunch(k, 1, (32, 5), scale=1.5)((1,), x)
+    assert k.slow == [((x, 32, 5), {"scale": 1.5})]
+    with pytest.raises(TypeError, match="pass tensors as leading arguments"):
+        runtime.BoundLaunch(k, 1, (torch.zeros(2), 5))
+    with pytest.raises(TypeError, match="pass tensors as leading arguments"):
+        runtime.BoundLaunch(k, 3, (), scale=torch.zeros(1))
+
+
+def test_bound_launch_equals_the_jit_path_on_cpu():
+    for x, n, square in _launch_cases("cpu"):
+        want, got = torch.empty_like(x), torch.empty_like(x)
+        grid = (triton.cdiv(n, 64),)
+        _axpb_kernel[grid](x, want, n, 1.5, 2, BLOCK=64, SQUARE=square)
+        runtime.BoundLaunch(_axpb_kernel, 2, (n, 1.5, 2), BLOCK=64, SQUARE=square)(grid, x, got)
+        assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+def test_gpu_bound_launch_equals_the_jit_path():
+    """BoundLaunch's direct launches (second round) give kernel[grid]'s outputs."""
+    bound = {}
+    for _ in range(2):
+        for x, n, square in _launch_cases("cuda"):
+            want, got = torch.empty_like(x), torch.empty_like(x)
+            grid = (triton.cdiv(n, 64),)
+            _axpb_kernel[grid](x, want, n, 1.5, 2, BLOCK=64, SQUARE=square)
+            key = (n, square)
+            if key not in bound:
+                extra = {"SQUARE": True} if square else {}  # else the constexpr default fills the tail
+                bound[key] = runtime.BoundLaunch(_axpb_kernel, 2, (n, 1.5, 2), BLOCK=64, **extra)
+            bound[key](grid, x, got)
+            torch.cuda.synchronize()
+            assert torch.equal(got, want), (x.data_ptr() % 16, n, square)
+    if runtime._direct_launch_enabled():
+        assert any(b._entries for b in bound.values())

@@ -15,7 +15,15 @@ import os
 
 import torch
 
-__all__ = ["as_index", "cdiv", "check_kernel_device", "interpreter_active", "launch", "next_power_of_2"]
+__all__ = [
+    "BoundLaunch",
+    "as_index",
+    "cdiv",
+    "check_kernel_device",
+    "interpreter_active",
+    "launch",
+    "next_power_of_2",
+]
 
 
 def interpreter_active() -> bool:
@@ -46,10 +54,16 @@ def check_kernel_device(*tensors: torch.Tensor, op: str = "kernel") -> torch.dev
         RuntimeError: tensors are on CPU but the Triton interpreter is off, or on a device that is
             neither CUDA nor CPU.
     """
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
+    device = tensors[0].device if tensors else None
+    for t in tensors:
+        if t.device != device:
+            device = None
+            break
+    if device is None:
+        devices = {t.device for t in tensors}
         raise ValueError(f"{op}: all tensors must be on one device, got {sorted(map(str, devices))}")
-    device = devices.pop()
+    if device.type == "cuda":
+        return device
     if device.type == "cpu" and not interpreter_active():
         raise RuntimeError(
             f"{op}: tensors are on CPU, where the Triton kernels run only through the interpreter. "
@@ -290,3 +304,87 @@ def launch(kernel, grid: tuple, *args, **kwargs):
 def _tail(named: tuple, n_args: int, kwargs: dict) -> tuple:
     # the parameters after the positional ones, from the keyword arguments or their defaults
     return tuple(kwargs[name] if name in kwargs else default for name, default in named[n_args:])
+
+
+class BoundLaunch:
+    """``launch(kernel, grid, *leading, *trailing, **kwargs)`` with ``trailing`` and ``kwargs`` fixed.
+
+    A launch plan (one per call signature: shapes, strides, dtypes, config) knows every argument
+    but the tensors: the sizes and strides after them and the constexprs / launch options. Bound
+    here once, they are part of this object's identity: a call keys only its leading arguments
+    (tensor dtypes and 16-byte alignment, descriptors: ``launch``'s rules) and finds the compiled
+    kernel in this object's own table, instead of keying every argument again (the bulk of
+    ``launch``'s host time at ~30 arguments per launch). Elsewhere than ``launch``'s direct path
+    (the interpreter, other Triton versions) a call is ``kernel[grid](...)``.
+
+    Args:
+        kernel: a ``triton.jit`` function.
+        n_leading: how many positional arguments each call passes (the kernel's first ones).
+        trailing: the positional arguments after them: ints, floats, bools, strs or None.
+        **kwargs: keyword arguments (constexprs, ``num_warps``, ...) of those same kinds.
+
+    ``bound(grid, *leading)`` returns what ``launch`` returns.
+
+    Raises:
+        TypeError: a trailing or keyword value of another kind (a tensor can change address: it is
+            a leading argument).
+        Exception: from a call, whatever ``kernel[grid](...)`` raises (the first call of each key
+            goes through it, as in ``launch``).
+
+    **Determinism:** the same compiled kernel with the same arguments as ``launch`` (and
+    ``kernel[grid]``): the same bits.
+    """
+
+    __slots__ = ("kernel", "n_leading", "trailing", "kwargs", "_flags", "_tail", "_entries")
+
+    _MAX_ENTRIES = 64
+    _FIXED_TYPES = (int, float, bool, str, type(None))
+
+    def __init__(self, kernel, n_leading: int, trailing: tuple = (), **kwargs) -> None:
+        for value in (*trailing, *kwargs.values()):
+            if type(value) not in self._FIXED_TYPES:
+                raise TypeError(
+                    f"BoundLaunch: trailing and keyword arguments must be ints, floats, bools, strs or None, "
+                    f"got {type(value).__name__}; pass tensors as leading arguments"
+                )
+        self.kernel, self.n_leading, self.trailing, self.kwargs = kernel, n_leading, tuple(trailing), kwargs
+        self._flags = self._tail = None  # from the kernel's parameters, at the first direct launch
+        self._entries: dict = {}
+
+    def __call__(self, grid: tuple, *leading):
+        kernel = self.kernel
+        if not (_direct_launch or _direct_launch_enabled()):
+            return kernel[grid](*leading, *self.trailing, **self.kwargs)
+        device = torch.cuda.current_device()
+        runtime_knobs = _knobs.runtime
+        try:
+            if self._flags is None:
+                flags, named, _ = _params(kernel)
+                self._tail = _tail(named, self.n_leading + len(self.trailing), self.kwargs)
+                self._flags = flags[: self.n_leading]
+            key = (device, len(grid), _args_key(leading, self._flags), runtime_knobs.debug,
+                   _knobs.compilation.instrumentation_mode)  # fmt: skip
+            compiled = self._entries.get(key)
+        except (_NoKey, TypeError, AttributeError):  # another kind of argument or kernel
+            return kernel[grid](*leading, *self.trailing, **self.kwargs)
+        if (
+            compiled is None
+            or _hook_set(runtime_knobs.launch_enter_hook)
+            or _hook_set(runtime_knobs.launch_exit_hook)
+            or kernel.pre_run_hooks
+            or (kernel.used_global_vals and not _globals_unchanged(kernel))
+        ):
+            found = kernel[grid](*leading, *self.trailing, **self.kwargs)  # Triton's path
+            if compiled is None and hasattr(found, "run"):
+                if len(self._entries) >= self._MAX_ENTRIES:
+                    self._entries.clear()
+                self._entries[key] = found
+            return found
+        grid_y = grid[1] if len(grid) > 1 else 1
+        grid_z = grid[2] if len(grid) > 2 else 1
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        compiled.run(
+            grid[0], grid_y, grid_z, stream, compiled.function, compiled.packed_metadata, None, None, None,
+            *leading, *self.trailing, *self._tail,
+        )  # fmt: skip
+        return compiled
