@@ -148,21 +148,15 @@ def tree_in_place(leaf_sums: torch.Tensor, lo: int = 0, out_dtype: torch.dtype |
         levels = _levels(lo, hi)
     # without the root the kernel never touches out_ptr: any fp32 pointer will do
     out = leaf_sums if out_dtype is None else torch.empty((width,), dtype=out_dtype, device=leaf_sums.device)
-    block = min(_TREE_BLOCK, max(16, runtime.next_power_of_2(width)))
     if n and width:
-        runtime.launch(
-            _dense_tree_kernel,
-            (runtime.cdiv(width, block),),
-            leaf_sums,
-            out,
-            n,
-            width,
-            lo,
-            hi,
-            LEVELS=levels,
-            WRITE_ROOT=out_dtype is not None,
-            BLOCK=block,
-        )
+        key = ("tree", n, width, lo, hi, levels, out_dtype is not None)
+        bound = _BOUND.get(key)
+        if bound is None:
+            block = min(_TREE_BLOCK, max(16, runtime.next_power_of_2(width)))
+            grid = (runtime.cdiv(width, block),)
+            meta = dict(LEVELS=levels, WRITE_ROOT=out_dtype is not None, BLOCK=block)
+            bound = _bind(key, grid, _dense_tree_kernel, 2, (n, width, lo, hi), **meta)
+        bound[1](bound[0], leaf_sums, out)
     if out_dtype is not None:
         return out
     return {(level, index): leaf_sums[(index << level) - lo] for level, index in dyadic_nodes(lo, lo + n)}
@@ -177,12 +171,28 @@ def fold_chunks(partials: torch.Tensor, chunks_per_leaf: int) -> torch.Tensor:
     n_chunks, n = partials.shape
     n_leaves = num_leaves(n_chunks, chunks_per_leaf)
     out = torch.empty((n_leaves, n), dtype=torch.float32, device=partials.device)
-    block = min(_FOLD_BLOCK, max(16, runtime.next_power_of_2(n)))
-    grid = (n_leaves, runtime.cdiv(n, block))
-    runtime.launch(
-        _fold_chunks_kernel, grid, partials, out, n_chunks, n, CHUNKS_PER_LEAF=chunks_per_leaf, BLOCK=block
-    )
+    key = ("fold", n_chunks, n, chunks_per_leaf)
+    bound = _BOUND.get(key)
+    if bound is None:
+        block = min(_FOLD_BLOCK, max(16, runtime.next_power_of_2(n)))
+        grid = (n_leaves, runtime.cdiv(n, block))
+        bound = _bind(
+            key, grid, _fold_chunks_kernel, 2, (n_chunks, n), CHUNKS_PER_LEAF=chunks_per_leaf, BLOCK=block
+        )
+    bound[1](bound[0], partials, out)
     return out
+
+
+# (grid, launch with sizes and constexprs bound) by what they are computed from: a call keys only
+# its tensors (runtime.BoundLaunch; host time per launch)
+_BOUND: dict = {}
+
+
+def _bind(key: tuple, grid: tuple, kernel, n_tensors: int, scalars: tuple, **meta):
+    if len(_BOUND) >= 1024:  # bound the cache (the shapes of one process are few)
+        _BOUND.clear()
+    bound = _BOUND[key] = (grid, runtime.BoundLaunch(kernel, n_tensors, scalars, **meta))
+    return bound
 
 
 def leaf_layout(num_tokens: int, max_rows_per_chunk: int, op: str):

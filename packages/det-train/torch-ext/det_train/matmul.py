@@ -243,12 +243,14 @@ class _Descriptor:
 
 
 class _Plan:
-    """Launch arguments of one matmul call signature (shapes, strides, dtypes, alignment, config)."""
+    """The launch of one matmul call signature (shapes, strides, dtypes, alignment, config): the
+    kernel with its sizes, strides and constexprs bound; the calls pass the tensors."""
 
-    __slots__ = ("tma", "grid", "scalars", "meta", "a_desc", "b_desc")
+    __slots__ = ("tma", "grid", "launch", "a_desc", "b_desc")
 
-    def __init__(self, tma, grid, scalars, meta, a_desc=None, b_desc=None) -> None:
-        self.tma, self.grid, self.scalars, self.meta = tma, grid, scalars, meta
+    def __init__(self, tma, grid, kernel, n_tensors, scalars, meta, a_desc=None, b_desc=None) -> None:
+        self.tma, self.grid = tma, grid
+        self.launch = runtime.BoundLaunch(kernel, n_tensors, scalars, **meta)
         self.a_desc, self.b_desc = a_desc, b_desc
 
 
@@ -286,7 +288,7 @@ def _make_plan(key, a, b, out, carry, bias, config) -> _Plan:
         tiles = runtime.cdiv(M, config.block_m) * runtime.cdiv(N, config.block_n)
         programs = min(tiles, runtime_programs(a.device)) if config.persistent else tiles
         plan = _Plan(
-            True, (programs,), (M, N, K, out.stride(0), out.stride(1), programs),
+            True, (programs,), _matmul_tma_kernel, 4, (M, N, K, out.stride(0), out.stride(1), programs),
             dict(
                 common, B_KMAJOR=b_kmajor, PERSISTENT=config.persistent, UPCAST=_INTERPRET,
                 num_warps=config.num_warps, num_stages=config.num_stages,
@@ -304,7 +306,7 @@ def _make_plan(key, a, b, out, carry, bias, config) -> _Plan:
             carry_strides = (0, 0, 0)
         z = max(a3.shape[0], b3.shape[0])
         plan = _Plan(
-            False, (runtime.cdiv(M, config.block_m) * runtime.cdiv(N, config.block_n), z),
+            False, (runtime.cdiv(M, config.block_m) * runtime.cdiv(N, config.block_n), z), _matmul_kernel, 5,
             (
                 M, N, K,
                 saz, a3.stride(1), a3.stride(2),
@@ -326,10 +328,7 @@ def _make_plan(key, a, b, out, carry, bias, config) -> _Plan:
 
 
 def _launch_tma(plan: _Plan, a_desc, b_desc, out: torch.Tensor, bias) -> torch.Tensor:
-    runtime.launch(
-        _matmul_tma_kernel, plan.grid, a_desc, b_desc, out, bias if bias is not None else out, *plan.scalars,
-        **plan.meta,
-    )  # fmt: skip
+    plan.launch(plan.grid, a_desc, b_desc, out, bias if bias is not None else out)
     return out
 
 
@@ -384,10 +383,7 @@ def launch_matmul(
     if plan.tma:
         return _launch_tma(plan, plan.a_desc(a), plan.b_desc(b.t()), out, bias)
     # a 2-D operand is passed as it is: the kernel reads it through the plan's strides (batch stride 0)
-    runtime.launch(
-        _matmul_kernel, plan.grid, a, b, out, carry if carry is not None else out,
-        bias if bias is not None else out, *plan.scalars, **plan.meta,
-    )  # fmt: skip
+    plan.launch(plan.grid, a, b, out, carry if carry is not None else out, bias if bias is not None else out)
     return out
 
 
@@ -403,10 +399,7 @@ def launch_linear(x2d: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bi
         bias = bias.contiguous()
     if plan.tma:
         return _launch_tma(plan, plan.a_desc(x2d), plan.b_desc(weight), out, bias)
-    runtime.launch(
-        _matmul_kernel, plan.grid, x2d, weight, out, out, bias if bias is not None else out, *plan.scalars,
-        **plan.meta,
-    )  # fmt: skip
+    plan.launch(plan.grid, x2d, weight, out, out, bias if bias is not None else out)
     return out
 
 

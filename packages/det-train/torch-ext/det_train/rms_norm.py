@@ -140,6 +140,18 @@ def _check(x: torch.Tensor, weight: torch.Tensor | None, d: int) -> None:
         raise ValueError(f"rms_norm: normalized size {d} exceeds {MAX_D} (one row per program)")
 
 
+# Launches with their sizes, strides and constexprs bound (runtime.BoundLaunch), by what they are
+# computed from: a call keys only its tensors (host time per launch).
+_BOUND: dict = {}
+
+
+def _bind(key: tuple, kernel, n_tensors: int, scalars: tuple, **meta) -> runtime.BoundLaunch:
+    if len(_BOUND) >= 1024:  # bound the cache (the shapes of one process are few)
+        _BOUND.clear()
+    bound = _BOUND[key] = runtime.BoundLaunch(kernel, n_tensors, scalars, **meta)
+    return bound
+
+
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, d):
@@ -154,23 +166,17 @@ class _RMSNormFunction(torch.autograd.Function):
         )
         y = torch.empty(x.shape, dtype=out_dtype, device=x.device)  # not a view: FSDP2 hooks want a base
         rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
-        block_d = runtime.next_power_of_2(d)
         if m > 0:
-            runtime.launch(
-                _rms_norm_fwd_kernel,
-                (m,),
-                x2,
-                weight if weight is not None else x2,
-                y,
-                rstd,
-                d,
-                x2.stride(0),
-                d,  # y is contiguous: row stride D
-                eps,
-                HAS_WEIGHT=weight is not None,
-                BLOCK_D=block_d,
-                num_warps=_num_warps(block_d),
-            )
+            key = ("fwd", d, x2.stride(0), eps.hex(), weight is not None)
+            bound = _BOUND.get(key)
+            if bound is None:
+                block_d = runtime.next_power_of_2(d)
+                bound = _bind(
+                    key, _rms_norm_fwd_kernel, 4,
+                    (d, x2.stride(0), d, eps),  # y is contiguous: row stride D
+                    HAS_WEIGHT=weight is not None, BLOCK_D=block_d, num_warps=_num_warps(block_d),
+                )  # fmt: skip
+            bound((m,), x2, weight if weight is not None else x2, y, rstd)
         ctx.save_for_backward(x2, weight, rstd)
         ctx.d, ctx.x_shape = d, x.shape
         return y
@@ -195,26 +201,16 @@ class _RMSNormFunction(torch.autograd.Function):
             acc, leaf, first_leaf, rows = None, 1, 0, MAX_ROWS_PER_CHUNK
         n_chunks = runtime.cdiv(m, rows)
         partial = torch.empty((n_chunks, d) if has_w else (1,), dtype=torch.float32, device=x2.device)
-        block_d = runtime.next_power_of_2(d)
-        runtime.launch(
-            _rms_norm_bwd_kernel,
-            (n_chunks,),
-            dy2,
-            x2,
-            weight if has_w else x2,
-            rstd,
-            dx,
-            partial,
-            m,
-            d,
-            dy2.stride(0),
-            x2.stride(0),
-            d,  # dx is contiguous: row stride D
-            HAS_WEIGHT=has_w,
-            ROWS_PER_CHUNK=rows,
-            BLOCK_D=block_d,
-            num_warps=_num_warps(block_d),
-        )
+        key = ("bwd", m, d, dy2.stride(0), x2.stride(0), has_w, rows)
+        bound = _BOUND.get(key)
+        if bound is None:
+            block_d = runtime.next_power_of_2(d)
+            bound = _bind(
+                key, _rms_norm_bwd_kernel, 6,
+                (m, d, dy2.stride(0), x2.stride(0), d),  # dx is contiguous: row stride D
+                HAS_WEIGHT=has_w, ROWS_PER_CHUNK=rows, BLOCK_D=block_d, num_warps=_num_warps(block_d),
+            )  # fmt: skip
+        bound((n_chunks,), dy2, x2, weight if has_w else x2, rstd, dx, partial)
         if has_w and ctx.needs_input_grad[1]:
             dw = finish_param_grad(acc, weight, first_leaf, fold_chunks(partial, leaf // rows))
         return dx, dw, None, None

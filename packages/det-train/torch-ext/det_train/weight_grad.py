@@ -491,7 +491,7 @@ def weight_grad_partial(
             operands = (dy, x) if run.descs is None else (run.descs[0](dy), run.descs[1](x))
             _launch_lean(plan.config, run, operands, out, scratch)
         else:
-            runtime.launch(_weight_grad_kernel, run.grid, dy, x, out, *run.scalars, **run.meta)
+            run.launch(run.grid, dy, x, out)
         if plan.fused:
             return out[0]
         # a few fp32 adds in torch (a micro-batch of 16 leaves: one); a tree_in_place launch
@@ -504,13 +504,15 @@ def weight_grad_partial(
 
 
 class _Run:
-    """One launch of a dW plan: its output and scratch shapes, arguments and the tree nodes it makes."""
+    """One launch of a dW plan: its output and scratch shapes, the kernel with its sizes, strides
+    and constexprs bound (the calls pass dY, X, out and scratch) and the tree nodes it makes."""
 
-    __slots__ = ("grid", "out_shape", "out_dtype", "scratch_shape", "scalars", "meta", "descs", "nodes")
+    __slots__ = ("grid", "out_shape", "out_dtype", "scratch_shape", "launch", "descs", "nodes")
 
-    def __init__(self, grid, out_shape, out_dtype, scratch_shape, scalars, meta, descs, nodes) -> None:
+    def __init__(self, grid, out_shape, out_dtype, scratch_shape, kernel, scalars, meta, descs, nodes):
         self.grid, self.out_shape, self.out_dtype = grid, out_shape, out_dtype
-        self.scratch_shape, self.scalars, self.meta, self.nodes = scratch_shape, scalars, meta, nodes
+        self.scratch_shape, self.nodes = scratch_shape, nodes
+        self.launch = runtime.BoundLaunch(kernel, 3 if scratch_shape is None else 4, scalars, **meta)
         self.descs = None if descs is None else (_Descriptor(descs[0]), _Descriptor(descs[1]))
 
 
@@ -571,7 +573,7 @@ def _make_plan(key, dy, x, leaf_tokens, first_leaf, config, finish_dtype) -> _Pl
             scratch_stride = torch.empty(scratch_shape, device="meta").stride(0)
             plan_runs.append(
                 _Run(
-                    (programs,), out_shape, out_dtype, scratch_shape,
+                    (programs,), out_shape, out_dtype, scratch_shape, _weight_grad_lean_kernel,
                     (scratch_stride, *args, size, count, programs, *strides),
                     dict(
                         MAX_LEVELS=levels, PAIRS=config.pairs, TMA=descs is not None,
@@ -584,7 +586,10 @@ def _make_plan(key, dy, x, leaf_tokens, first_leaf, config, finish_dtype) -> _Pl
             )  # fmt: skip
         else:
             meta = dict(LEAVES=size, **common)
-            plan_runs.append(_Run(grid, out_shape, out_dtype, None, (*args, *strides), meta, None, nodes))
+            run = _Run(
+                grid, out_shape, out_dtype, None, _weight_grad_kernel, (*args, *strides), meta, None, nodes
+            )
+            plan_runs.append(run)
         token += run_tokens
     plan = _Plan(config, tuple(plan_runs), fused, first_leaf + leaves)
     if len(_PLANS) >= _MAX_PLANS:  # bound the cache (the call signatures of one process are few)
@@ -595,7 +600,7 @@ def _make_plan(key, dy, x, leaf_tokens, first_leaf, config, finish_dtype) -> _Pl
 
 def _launch_lean(config: WeightGradConfig, run: _Run, operands, out, scratch) -> None:
     try:
-        runtime.launch(_weight_grad_lean_kernel, run.grid, *operands, out, scratch, *run.scalars, **run.meta)
+        run.launch(run.grid, *operands, out, scratch)
     except Exception as exc:  # a variant check_weight_grad_config did not foresee
         if type(exc).__name__ != "PTXASError":
             raise
