@@ -149,10 +149,10 @@ def main() -> int:
             lean = dict(
                 common, MAX_LEVELS=levels - (2 if quads else 1 if w.pairs else 0), PAIRS=w.pairs,
                 TMA=w.tma, MERGE_ROWS=0 if w.merge_in_registers else min(32, w.block_n),
-                INTERLEAVE=w.interleave and w.tma, QUADS=quads,
+                INTERLEAVE=w.interleave and w.tma, QUADS=quads, FLAT=quads and w.flat,
             )  # fmt: skip
             bad += not compile_one(
-                f"dW {dtype} lean tma={w.tma} quads={quads} maxnreg={w.maxnreg}",
+                f"dW {dtype} lean tma={w.tma} quads={quads} flat={w.flat} maxnreg={w.maxnreg}",
                 lin._weight_grad_lean_kernel, ltypes, lean, w.num_warps, w.num_stages, maxnreg=w.maxnreg,
             )  # fmt: skip
         bad += not compile_one(
