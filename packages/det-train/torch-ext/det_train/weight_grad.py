@@ -182,28 +182,21 @@ def _quad_node_tma(
 ):  # fmt: skip
     """node(2) = node(1) + node(1): with ``FLAT`` one flattened loop nest when all four leaves are
     full, else two ``_pair_node_tma`` (same bits either way)."""
-    right = start + 2 * LEAF_TOKENS
+    flat = False  # FLAT: a runtime test (full leaves); else no flattened loop is compiled at all
     if FLAT:
-        if start + 4 * LEAF_TOKENS <= T:
-            node = _quad_node_flat_tma(
-                dy_desc, x_desc, start, LEAF_TOKENS, off_n, off_k, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST,
-                DOT_PRECISION,
-            )  # fmt: skip
-        else:
-            node = _pair_node_tma(
-                dy_desc, x_desc, start, T, LEAF_TOKENS, off_n, off_k, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST,
-                DOT_PRECISION, INTERLEAVE,
-            ) + _pair_node_tma(
-                dy_desc, x_desc, right, T, LEAF_TOKENS, off_n, off_k, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST,
-                DOT_PRECISION, INTERLEAVE,
-            )  # fmt: skip
+        flat = start + 4 * LEAF_TOKENS <= T
+    if flat:
+        node = _quad_node_flat_tma(
+            dy_desc, x_desc, start, LEAF_TOKENS, off_n, off_k, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST,
+            DOT_PRECISION,
+        )  # fmt: skip
     else:
         node = _pair_node_tma(
             dy_desc, x_desc, start, T, LEAF_TOKENS, off_n, off_k, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST,
             DOT_PRECISION, INTERLEAVE,
         ) + _pair_node_tma(
-            dy_desc, x_desc, right, T, LEAF_TOKENS, off_n, off_k, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST,
-            DOT_PRECISION, INTERLEAVE,
+            dy_desc, x_desc, start + 2 * LEAF_TOKENS, T, LEAF_TOKENS, off_n, off_k, BLOCK_N, BLOCK_K,
+            BLOCK_T, UPCAST, DOT_PRECISION, INTERLEAVE,
         )  # fmt: skip
     return node
 
