@@ -291,12 +291,16 @@ def launch(kernel, grid: tuple, *args, **kwargs):
     compiled, tail = entry
     if tail is None:
         tail = _tail(named, len(args), kwargs)
+    return _run(compiled, grid, device, *args, *tail)
+
+
+def _run(compiled, grid, device: int, *args):
+    # the call JITFunction.run makes for a compiled kernel (Triton 3.6), on the current stream
     grid_y = grid[1] if len(grid) > 1 else 1
     grid_z = grid[2] if len(grid) > 2 else 1
     stream = torch._C._cuda_getCurrentRawStream(device)
     compiled.run(
-        grid[0], grid_y, grid_z, stream, compiled.function, compiled.packed_metadata, None, None, None,
-        *args, *tail,
+        grid[0], grid_y, grid_z, stream, compiled.function, compiled.packed_metadata, None, None, None, *args
     )  # fmt: skip
     return compiled
 
@@ -380,11 +384,4 @@ class BoundLaunch:
                     self._entries.clear()
                 self._entries[key] = found
             return found
-        grid_y = grid[1] if len(grid) > 1 else 1
-        grid_z = grid[2] if len(grid) > 2 else 1
-        stream = torch._C._cuda_getCurrentRawStream(device)
-        compiled.run(
-            grid[0], grid_y, grid_z, stream, compiled.function, compiled.packed_metadata, None, None, None,
-            *leading, *self.trailing, *self._tail,
-        )  # fmt: skip
-        return compiled
+        return _run(compiled, grid, device, *leading, *self.trailing, *self._tail)
