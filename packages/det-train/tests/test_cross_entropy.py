@@ -54,12 +54,15 @@ def test_mean_is_canonical_sum_over_count_and_accurate():
     leaf = 4  # the active accumulator's leaf size is the loss's leaf size
     logits, targets = _inputs(8 * leaf + 3, 33, dtype=torch.float32)
     targets[::5] = -100
+    count = int((targets != -100).sum())
     acc = CanonicalGradAccumulator([], leaf_tokens=leaf)
     with acc.micro_batch(token_offset=0):
-        loss, grad = _loss_and_grad(logits, targets)
+        loss, grad = _loss_and_grad(logits, targets, num_global_tokens=count)
+        # a micro-batch's own count would make the gradients depend on the split: refused
+        with pytest.raises(ValueError, match="needs num_global_tokens"):
+            det_train.cross_entropy(logits, targets)
     per_token, _ = _loss_and_grad(logits, targets, reduction="none")
     leaves = leaf_sums_reference(per_token, leaf)
-    count = int((targets != -100).sum())
     expected = TreePartial().add_leaves(0, leaves).result(leaves.shape[0]) / count
     # leaf sums of 4 tokens: lane order == token order, so the bits match the reference fold
     assert_bitwise_equal(loss, expected, "canonical mean")

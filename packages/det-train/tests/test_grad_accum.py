@@ -6,6 +6,7 @@ Data-parallel invariance (gloo, DP degree 1-4) is in test_distributed.py.
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from det_core.reduce import TreePartial, canonical_sum
@@ -221,3 +222,8 @@ def test_bad_deposits():
             acc.deposit_partial(w, TreePartial().add_leaves(0, torch.zeros(1, D + 1)))
     with pytest.raises(ValueError, match="total_tokens"):
         acc.reduce(total_tokens=0)
+    with pytest.raises(TypeError, match="total_tokens must be an integer"):
+        acc.reduce(total_tokens=8.0)
+    with pytest.raises(TypeError, match="leaf_tokens must be an integer"):
+        CanonicalGradAccumulator([w], leaf_tokens=True)
+    assert CanonicalGradAccumulator([w], leaf_tokens=np.int64(LEAF)).leaf_tokens == LEAF  # any integer type

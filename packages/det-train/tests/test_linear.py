@@ -2,6 +2,7 @@
 dW / db under micro-batching (with the CanonicalGradAccumulator), run-to-run and bad input."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -349,6 +350,21 @@ def test_empty_tokens_and_non_contiguous_input():
     big = _randn(40, 64, seed=29)
     view = big[::2, 8:24]  # rows stride 128, not contiguous
     assert_bitwise_equal(linear(view, w.detach()), linear(view.contiguous(), w.detach()), "strided x")
+
+
+@pytest.mark.parametrize("x_shape, w_shape", [((2, 3, 0), (8, 0)), ((3, 5), (0, 5))], ids=["K=0", "N=0"])
+def test_empty_features_like_torch(x_shape, w_shape):
+    """No input features (y = bias, dW empty, db = sum of dY) or no output features: torch's values."""
+    x = _randn(*x_shape, seed=40, requires_grad=True)
+    w = _randn(*w_shape, seed=41, requires_grad=True)
+    b = _randn(w_shape[0], seed=42, requires_grad=True)
+    y = linear(x, w, b)
+    want = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    assert_bitwise_equal(y.float(), want, "y")
+    y.backward(torch.ones_like(y))
+    tokens = math.prod(x.shape[:-1])
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape and bool((x.grad == 0).all())
+    assert torch.equal(b.grad.float(), torch.full((w_shape[0],), float(tokens)))  # db = sum of dY
 
 
 def test_bad_input_raises_clearly():

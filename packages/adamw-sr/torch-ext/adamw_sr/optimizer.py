@@ -728,7 +728,7 @@ class AdamWSR(torch.optim.Optimizer):
     def step(self, closure=None):
         """One optimizer step over every param with a gradient (one fused launch per group and dtype pair).
 
-        Every check runs before anything is written, so a rejected step leaves params and state untouched.
+        Shapes, dtypes and the **Determinism** guarantees are the class's (see ``AdamWSR``).
 
         Raises:
             RuntimeError: a sparse gradient; capture with ``capturable=False``; a malformed loaded state.

@@ -234,7 +234,8 @@ def cross_entropy(
         TypeError: bad dtypes; ``num_global_tokens`` not an integer (a bool, float or str; any
             ``operator.index`` type such as int or a numpy integer is accepted, never truncated).
         ValueError: 0-d logits (no class dim), shape mismatch, unknown reduction,
-            ``num_global_tokens`` not positive or given with a reduction other than ``"mean"``,
+            ``num_global_tokens`` not positive or given with a reduction other than ``"mean"``;
+            ``reduction="mean"`` without ``num_global_tokens`` inside an accumulator's micro-batch,
             a target out of range (checked on the host:
             one device sync). The range check is skipped while a CUDA graph is being captured
             (``torch.cuda.is_current_stream_capturing()``): no device value can be read then,
@@ -270,6 +271,15 @@ def cross_entropy(
         if reduction != "mean":
             raise ValueError("cross_entropy: num_global_tokens applies to reduction='mean' only")
         num_global_tokens = _as_token_count(num_global_tokens)
+    elif reduction == "mean":
+        from .grad_accum import current_accumulator
+
+        if current_accumulator() is not None:  # each micro-batch would divide by its own count
+            raise ValueError(
+                "cross_entropy: reduction='mean' inside a CanonicalGradAccumulator micro-batch needs "
+                "num_global_tokens (the global batch's token count); dividing by each micro-batch's own "
+                "count would make the gradients depend on the split"
+            )
     check_kernel_device(logits, targets, op="cross_entropy")
     v = logits.shape[-1]
     if v == 0:

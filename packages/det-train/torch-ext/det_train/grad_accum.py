@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from ._vendor.det_core.reduce import TreePartial, num_leaves
+from ._vendor.det_core.runtime import as_index
 
 __all__ = ["DEFAULT_LEAF_TOKENS", "CanonicalGradAccumulator", "current_accumulator"]
 
@@ -85,7 +86,8 @@ class CanonicalGradAccumulator:
     """
 
     def __init__(self, params: Iterable, leaf_tokens: int = DEFAULT_LEAF_TOKENS) -> None:
-        if isinstance(leaf_tokens, bool) or not isinstance(leaf_tokens, int) or leaf_tokens <= 0:
+        leaf_tokens = as_index(leaf_tokens, "leaf_tokens", "CanonicalGradAccumulator")  # TypeError
+        if leaf_tokens <= 0:
             raise ValueError(f"leaf_tokens must be a positive int, got {leaf_tokens!r}")
         self.leaf_tokens = leaf_tokens
         self._params: list[torch.Tensor] = []
@@ -149,7 +151,8 @@ class CanonicalGradAccumulator:
         Raises ValueError if ``token_offset`` is negative or not a multiple of ``leaf_tokens``, and
         RuntimeError if another micro-batch context is already active.
         """
-        if isinstance(token_offset, bool) or not isinstance(token_offset, int) or token_offset < 0:
+        token_offset = as_index(token_offset, "token_offset", "micro_batch")  # TypeError
+        if token_offset < 0:
             raise ValueError(f"token_offset must be a non-negative int, got {token_offset!r}")
         if token_offset % self.leaf_tokens:
             raise ValueError(
@@ -268,7 +271,8 @@ class CanonicalGradAccumulator:
         """
         if _ACTIVE:
             raise RuntimeError("reduce() inside a micro_batch context; call it after the last micro-batch")
-        if isinstance(total_tokens, bool) or not isinstance(total_tokens, int) or total_tokens <= 0:
+        total_tokens = as_index(total_tokens, "total_tokens", "reduce")  # TypeError
+        if total_tokens <= 0:
             raise ValueError(f"total_tokens must be a positive int, got {total_tokens!r}")
         total_leaves = num_leaves(total_tokens, self.leaf_tokens)
         for offset, n in self._spans:

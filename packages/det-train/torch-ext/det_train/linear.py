@@ -11,6 +11,8 @@ summed over tokens in the canonical order (fp32 leaf sums combined by det_core's
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._vendor.det_core import runtime
@@ -28,7 +30,7 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
-        x2d = x.reshape(-1, x.shape[-1])
+        x2d = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # explicit rows: K = 0 is allowed
         n = weight.shape[0]
         y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)  # the rows of x2d @ W.T
         if y.numel() and x2d.shape[1]:
@@ -46,7 +48,7 @@ class _LinearFunction(torch.autograd.Function):
         x2d, weight = ctx.saved_tensors
         bias = ctx.bias
         n, k = weight.shape
-        dy2d = dy.reshape(-1, n)
+        dy2d = dy.reshape(x2d.shape[0], n)  # explicit rows: N = 0 is allowed
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_x = torch.empty(ctx.x_shape, dtype=dy.dtype, device=dy.device)  # the rows of dy2d @ W
