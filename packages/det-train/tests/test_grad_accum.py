@@ -162,8 +162,13 @@ def test_missing_leaves_duplicates_and_overrun():
     acc = CanonicalGradAccumulator([("w", w)], leaf_tokens=LEAF)
     with acc.micro_batch(token_offset=0):
         toy_scale(x[:8], w).backward(dy[:8])
-    with pytest.raises(ValueError, match="w .*incomplete"):
+    with pytest.raises(ValueError, match=r"w .*tokens \[8, 16\) of total_tokens=16 received no micro-batch"):
         acc.reduce(total_tokens=16)  # leaves 2, 3 never deposited
+    acc13 = CanonicalGradAccumulator([("w", w)], leaf_tokens=LEAF)
+    with acc13.micro_batch(token_offset=0):
+        toy_scale(x[:8], w).backward(dy[:8])
+    with pytest.raises(ValueError, match=r"tokens \[8, 13\) of total_tokens=13 received no"):
+        acc13.reduce(total_tokens=13)  # a wrong total: the gap it leaves is named
     with acc.micro_batch(token_offset=0):
         toy_scale(x[:8], w).backward(dy[:8])
     with pytest.raises(ValueError, match=r"w \(use 0\): tree node \(0, 1\) supplied twice"):

@@ -307,7 +307,11 @@ class CanonicalGradAccumulator:
                 try:
                     root = partial.result(total_leaves)
                 except ValueError as err:
-                    raise ValueError(f"{name} (use {_use}): {err}") from None
+                    raise ValueError(
+                        f"{name} (use {_use}): {_uncovered_tokens(partial, total_tokens, self.leaf_tokens)} "
+                        f"of total_tokens={total_tokens} received no micro-batch on any rank: check "
+                        f"total_tokens and that every micro-batch ran its backward ({err})"
+                    ) from None
                 grads[index] = root if index not in grads else grads[index] + root
             missing = [self._names[i] for i in range(len(self._params)) if i not in grads]
             if missing:
@@ -382,3 +386,15 @@ def _fsdp_shard(fsdp_param, full: torch.Tensor):
     if local.numel() == 0:
         local = full.new_empty(fsdp_param.sharded_size)
     return fsdp_param.to_sharded_dtensor(local.contiguous())
+
+
+def _uncovered_tokens(partial: TreePartial, total_tokens: int, leaf_tokens: int) -> str:
+    """The global token ranges no node of ``partial`` covers, as ``tokens [a, b), ...``."""
+    total_leaves = num_leaves(total_tokens, leaf_tokens)
+    covered = sorted((i << level, (i + 1) << level) for level, i in partial.nodes)
+    gaps, pos = [], 0
+    for first, end in covered + [(total_leaves, total_leaves)]:
+        if first > pos:
+            gaps.append(f"[{pos * leaf_tokens}, {min(first * leaf_tokens, total_tokens)})")
+        pos = max(pos, end)
+    return "tokens " + ", ".join(gaps) if gaps else "some tokens"
