@@ -338,6 +338,8 @@ def test_linear_module_is_a_drop_in_for_nn_linear():
     assert shared.weight is ref.weight and shared.bias is ref.bias
     assert_bitwise_equal(shared(x), ours(x), "from_torch")
     assert Linear(8, 4, bias=False).bias is None
+    with pytest.raises(TypeError, match=r"move the module with \.to\(torch\.bfloat16\)"):
+        Linear(96, 40)(x)  # fp32 weights, bf16 input
 
 
 # ----------------------------------------------------------------------------- edge cases / bad input

@@ -126,6 +126,8 @@ def test_module_drop_in_and_no_weight():
     mod.load_state_dict(ref.state_dict())
     x = torch.randn(2, 5, 16)
     torch.testing.assert_close(mod(x), ref(x), rtol=1e-6, atol=1e-6)
+    with pytest.raises(TypeError, match="weight dtype torch.float64 is not supported"):
+        det_train.RMSNorm(16, dtype=torch.float64)  # at construction, not at the first forward
     plain = det_train.RMSNorm([4, 4], elementwise_affine=False)
     y = plain(x.view(2, 5, 4, 4))
     assert y.shape == (2, 5, 4, 4)

@@ -202,6 +202,11 @@ class Linear(torch.nn.Linear):
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if isinstance(input, torch.Tensor) and input.dtype != self.weight.dtype:
+            raise TypeError(
+                f"det_train.Linear: input dtype {input.dtype} differs from the module's weight dtype "
+                f"{self.weight.dtype}; move the module with .to({input.dtype}) or cast the input"
+            )
         return linear(input, self.weight, self.bias)
 
     @classmethod

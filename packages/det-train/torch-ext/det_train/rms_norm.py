@@ -306,6 +306,7 @@ class RMSNorm(torch.nn.RMSNorm):
     of ``x``'s shape in ``promote_types(x.dtype, weight.dtype)``; fp32 math.
 
     Raises:
+        TypeError: at construction, a weight ``dtype`` other than float32, bfloat16, float16.
         ValueError: at construction, ``eps`` negative, NaN or infinite. At forward, as
             ``rms_norm``: TypeError for unsupported dtypes; ValueError for a trailing shape other
             than ``normalized_shape`` or ``D`` over 65536; RuntimeError / ValueError for device
@@ -329,6 +330,14 @@ class RMSNorm(torch.nn.RMSNorm):
         dtype=None,
     ) -> None:
         eps = _check_eps(eps, "det_train.RMSNorm")
+        if (
+            elementwise_affine
+            and dtype is not None
+            and dtype not in (torch.float32, torch.bfloat16, torch.float16)
+        ):
+            raise TypeError(
+                f"det_train.RMSNorm: weight dtype {dtype} is not supported (float32, bfloat16, float16)"
+            )
         super().__init__(normalized_shape, eps, elementwise_affine, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
