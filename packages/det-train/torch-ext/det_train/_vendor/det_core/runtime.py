@@ -271,13 +271,7 @@ def launch(kernel, grid: tuple, *args, **kwargs):
         entry = _LAUNCHES.get(key)
     except (_NoKey, TypeError, AttributeError):  # another kind of argument or kernel
         return kernel[grid](*args, **kwargs)
-    if (
-        entry is None
-        or _hook_set(runtime_knobs.launch_enter_hook)
-        or _hook_set(runtime_knobs.launch_exit_hook)
-        or kernel.pre_run_hooks
-        or (kernel.used_global_vals and not _globals_unchanged(kernel))
-    ):
+    if entry is None or _needs_triton_path(kernel, runtime_knobs):
         compiled = kernel[grid](*args, **kwargs)  # compiles or finds the kernel: Triton's path
         if entry is None and hasattr(compiled, "run"):
             if len(_LAUNCHES) >= _MAX_LAUNCHES:
@@ -292,6 +286,16 @@ def launch(kernel, grid: tuple, *args, **kwargs):
     if tail is None:
         tail = _tail(named, len(args), kwargs)
     return _run(compiled, grid, device, *args, *tail)
+
+
+def _needs_triton_path(kernel, runtime_knobs) -> bool:
+    # launch hooks, pre-run hooks and changed globals are handled by JITFunction.run only
+    return bool(
+        _hook_set(runtime_knobs.launch_enter_hook)
+        or _hook_set(runtime_knobs.launch_exit_hook)
+        or kernel.pre_run_hooks
+        or (kernel.used_global_vals and not _globals_unchanged(kernel))
+    )
 
 
 def _run(compiled, grid, device: int, *args):
@@ -371,13 +375,7 @@ class BoundLaunch:
             compiled = self._entries.get(key)
         except (_NoKey, TypeError, AttributeError):  # another kind of argument or kernel
             return kernel[grid](*leading, *self.trailing, **self.kwargs)
-        if (
-            compiled is None
-            or _hook_set(runtime_knobs.launch_enter_hook)
-            or _hook_set(runtime_knobs.launch_exit_hook)
-            or kernel.pre_run_hooks
-            or (kernel.used_global_vals and not _globals_unchanged(kernel))
-        ):
+        if compiled is None or _needs_triton_path(kernel, runtime_knobs):
             found = kernel[grid](*leading, *self.trailing, **self.kwargs)  # Triton's path
             if compiled is None and hasattr(found, "run"):
                 if len(self._entries) >= self._MAX_ENTRIES:
