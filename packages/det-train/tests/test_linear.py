@@ -510,9 +510,9 @@ def test_dw_launch_plans_never_serve_another_call_signature(monkeypatch):
 
     cold = []
     for call in calls:
-        monkeypatch.setattr(wg, "_PLANS", {})
+        monkeypatch.setattr(wg, "_PLANS", type(wg._PLANS)())
         cold.append(run(*call))
-    monkeypatch.setattr(wg, "_PLANS", {})
+    monkeypatch.setattr(wg, "_PLANS", type(wg._PLANS)())
     for _ in range(2):  # the second round runs on cached plans
         for call, want in zip(calls, cold, strict=True):
             got = run(*call)

@@ -391,9 +391,9 @@ def test_launch_plans_never_serve_another_call_signature(monkeypatch):
 
     cold = {}
     for key in [(x, bb) for x in ("aligned", "unaligned") for bb in (None, "bias")]:
-        monkeypatch.setattr(mm, "_PLANS", {})
+        monkeypatch.setattr(mm, "_PLANS", type(mm._PLANS)())
         cold[key] = run(aligned if key[0] == "aligned" else unaligned, bias if key[1] else None, False)
-    monkeypatch.setattr(mm, "_PLANS", {})
+    monkeypatch.setattr(mm, "_PLANS", type(mm._PLANS)())
     for _ in range(2):  # the second round runs on cached plans
         for (which, bb), want in cold.items():
             for linear_entry in (False, True):

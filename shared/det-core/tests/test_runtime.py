@@ -262,3 +262,9 @@ def test_gpu_bound_launch_equals_the_jit_path():
             assert torch.equal(got, want), (x.data_ptr() % 16, n, square)
     if runtime._direct_launch_enabled():
         assert any(b._entries for b in bound.values())
+
+
+def test_plan_cache_is_bounded_and_returns_what_it_stores():
+    cache = runtime.PlanCache(limit=2)
+    assert cache.put("a", 1) == 1 and cache.put("b", 2) == 2 and dict(cache) == {"a": 1, "b": 2}
+    assert cache.put("c", 3) == 3 and dict(cache) == {"c": 3}  # full: emptied before the new plan

@@ -252,8 +252,7 @@ def _grid(n_tiles: int, heads: int, batch: int) -> tuple[int, int]:
 # Per-shape launch arguments (grids, sizes, strides, meta), built once and reused: the host
 # side of a call is then a dict lookup plus the launches (it bounds the speed at short
 # sequences). The key holds everything the arguments are computed from, the config included.
-_PLANS: dict = {}
-_MAX_PLANS = 1024
+_PLANS = runtime.PlanCache()
 
 
 @dataclass(frozen=True)
@@ -358,10 +357,7 @@ def _plan(q, k, dense, batch, max_q, max_k, scale, causal, dropout) -> _Plan:
             **common,
         ),
     )
-    if len(_PLANS) >= _MAX_PLANS:  # bound the cache (shapes seen by one process are few)
-        _PLANS.clear()
-    _PLANS[key] = plan
-    return plan
+    return _PLANS.put(key, plan)
 
 
 def _forward(

@@ -185,14 +185,11 @@ def fold_chunks(partials: torch.Tensor, chunks_per_leaf: int) -> torch.Tensor:
 
 # (grid, launch with sizes and constexprs bound) by what they are computed from: a call keys only
 # its tensors (runtime.BoundLaunch; host time per launch)
-_BOUND: dict = {}
+_BOUND = runtime.PlanCache()
 
 
 def _bind(key: tuple, grid: tuple, kernel, n_tensors: int, scalars: tuple, **meta):
-    if len(_BOUND) >= 1024:  # bound the cache (the shapes of one process are few)
-        _BOUND.clear()
-    bound = _BOUND[key] = (grid, runtime.BoundLaunch(kernel, n_tensors, scalars, **meta))
-    return bound
+    return _BOUND.put(key, (grid, runtime.BoundLaunch(kernel, n_tensors, scalars, **meta)))
 
 
 def leaf_layout(num_tokens: int, max_rows_per_chunk: int, op: str):

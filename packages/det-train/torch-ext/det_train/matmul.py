@@ -257,8 +257,7 @@ class _Plan:
 # Launch plans by call signature: the host side of a matmul is then a dict lookup and the launch
 # (~600 launches per training step: the config lookup, the strides and the constexprs were tens of
 # microseconds of host time per call). The key holds everything a plan is computed from.
-_PLANS: dict = {}
-_MAX_PLANS = 1024
+_PLANS = runtime.PlanCache()
 
 
 def _plan_key(a, b, out, carry, bias, config, transposed_b: bool) -> tuple:
@@ -321,10 +320,7 @@ def _make_plan(key, a, b, out, carry, bias, config) -> _Plan:
                 num_warps=config.num_warps, num_stages=config.num_stages,
             ),
         )  # fmt: skip
-    if len(_PLANS) >= _MAX_PLANS:  # bound the cache (the call signatures of one process are few)
-        _PLANS.clear()
-    _PLANS[key] = plan
-    return plan
+    return _PLANS.put(key, plan)
 
 
 def _launch_tma(plan: _Plan, a_desc, b_desc, out: torch.Tensor, bias) -> torch.Tensor:

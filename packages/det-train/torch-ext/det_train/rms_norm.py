@@ -142,14 +142,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor | None, d: int) -> None:
 
 # Launches with their sizes, strides and constexprs bound (runtime.BoundLaunch), by what they are
 # computed from: a call keys only its tensors (host time per launch).
-_BOUND: dict = {}
-
-
-def _bind(key: tuple, kernel, n_tensors: int, scalars: tuple, **meta) -> runtime.BoundLaunch:
-    if len(_BOUND) >= 1024:  # bound the cache (the shapes of one process are few)
-        _BOUND.clear()
-    bound = _BOUND[key] = runtime.BoundLaunch(kernel, n_tensors, scalars, **meta)
-    return bound
+_BOUND = runtime.PlanCache()
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -171,11 +164,11 @@ class _RMSNormFunction(torch.autograd.Function):
             bound = _BOUND.get(key)
             if bound is None:
                 block_d = runtime.next_power_of_2(d)
-                bound = _bind(
-                    key, _rms_norm_fwd_kernel, 4,
+                bound = _BOUND.put(key, runtime.BoundLaunch(
+                    _rms_norm_fwd_kernel, 4,
                     (d, x2.stride(0), d, eps),  # y is contiguous: row stride D
                     HAS_WEIGHT=weight is not None, BLOCK_D=block_d, num_warps=_num_warps(block_d),
-                )  # fmt: skip
+                ))  # fmt: skip
             bound((m,), x2, weight if weight is not None else x2, y, rstd)
         ctx.save_for_backward(x2, weight, rstd)
         ctx.d, ctx.x_shape = d, x.shape
@@ -205,11 +198,11 @@ class _RMSNormFunction(torch.autograd.Function):
         bound = _BOUND.get(key)
         if bound is None:
             block_d = runtime.next_power_of_2(d)
-            bound = _bind(
-                key, _rms_norm_bwd_kernel, 6,
+            bound = _BOUND.put(key, runtime.BoundLaunch(
+                _rms_norm_bwd_kernel, 6,
                 (m, d, dy2.stride(0), x2.stride(0), d),  # dx is contiguous: row stride D
                 HAS_WEIGHT=has_w, ROWS_PER_CHUNK=rows, BLOCK_D=block_d, num_warps=_num_warps(block_d),
-            )  # fmt: skip
+            ))  # fmt: skip
         bound((n_chunks,), dy2, x2, weight if has_w else x2, rstd, dx, partial)
         if has_w and ctx.needs_input_grad[1]:
             dw = finish_param_grad(acc, weight, first_leaf, fold_chunks(partial, leaf // rows))

@@ -519,8 +519,7 @@ class _Plan:
 # Launch plans by call signature (shapes, strides, dtypes, alignment, leaves, config): the host side
 # of a dW call is then a dict lookup, the allocations and the launches (its config lookup, runs,
 # descriptors, strides and constexprs were tens of microseconds per call, ~100 calls per step).
-_PLANS: dict = {}
-_MAX_PLANS = 1024
+_PLANS = runtime.PlanCache()
 
 
 def _make_plan(key, dy, x, leaf_tokens, first_leaf, config, finish_dtype) -> _Plan:
@@ -585,10 +584,7 @@ def _make_plan(key, dy, x, leaf_tokens, first_leaf, config, finish_dtype) -> _Pl
             plan_runs.append(run)
         token += run_tokens
     plan = _Plan(config, tuple(plan_runs), fused, first_leaf + leaves)
-    if len(_PLANS) >= _MAX_PLANS:  # bound the cache (the call signatures of one process are few)
-        _PLANS.clear()
-    _PLANS[key] = plan
-    return plan
+    return _PLANS.put(key, plan)
 
 
 def _launch_lean(config: WeightGradConfig, run: _Run, operands, out, scratch) -> None:

@@ -314,6 +314,27 @@ def _tail(named: tuple, n_args: int, kwargs: dict) -> tuple:
     return tuple(kwargs[name] if name in kwargs else default for name, default in named[n_args:])
 
 
+class PlanCache(dict):
+    """Launch plans (or bound launches) by call signature, at most ``limit`` of them; a full cache
+    is emptied before the next plan goes in (one process sees few signatures; a dropped plan is
+    rebuilt on its next call).
+
+    **Determinism:** a plan is a pure function of its key, so what the cache holds never changes a
+    launch's arguments, only the host time spent building them.
+    """
+
+    def __init__(self, limit: int = 1024) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def put(self, key, plan):
+        """Store ``plan`` under ``key`` (emptying a full cache first) and return it."""
+        if len(self) >= self.limit:
+            self.clear()
+        self[key] = plan
+        return plan
+
+
 class BoundLaunch:
     """``launch(kernel, grid, *leading, *trailing, **kwargs)`` with ``trailing`` and ``kwargs`` fixed.
 
