@@ -257,6 +257,66 @@ def _weight_grad_kernel(
     store_rounded(out_ptrs, node, mask, BF16_BY_BITS)
 
 
+@triton.jit
+def _push_node(
+    node, j, nodes, slot, out_ptr, block, pid_n, pid_k, N, K, stride_ob, stride_on, stride_ok,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MAX_LEVELS: tl.constexpr, MERGE_ROWS: tl.constexpr,
+    BF16_BY_BITS: tl.constexpr,
+):  # fmt: skip
+    """Node ``j`` (of ``nodes``) of one program's tile into the canonical tree: a left sibling waits
+    in its scratch ``slot`` level; a right sibling is added to the waiting left ones, level by level,
+    and the result waits one level up or, at the root, is rounded into ``out``."""
+    # the tree merge runs in memory on row chunks: few registers live beside the token loop
+    closing = 0  # levels this node closes; the node it makes waits in slot `closing`
+    for lv in tl.static_range(MAX_LEVELS):
+        closing += tl.where((j + 1) % (2 << lv) == 0, 1, 0)
+    zero = j >> 30  # 0, but depends on j: keeps the offsets below out of LICM's reach
+    tile = (zero + tl.arange(0, BLOCK_N))[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+    if (closing == 0) & (j + 1 < nodes):  # a left sibling: straight to its slot
+        tl.debug_barrier()  # every thread is done reading the slot being overwritten
+        tl.store(slot + tile, node)
+        tl.debug_barrier()
+    elif MERGE_ROWS == 0:  # merge in registers: (left + node) level by level, whole tiles
+        for lv in tl.static_range(MAX_LEVELS):
+            if lv < closing:
+                tl.debug_barrier()  # the left sibling was stored by other threads
+                node = tl.load(slot + lv * (BLOCK_N * BLOCK_K) + tile) + node
+        if j + 1 < nodes:
+            tl.debug_barrier()
+            tl.store(slot + closing * (BLOCK_N * BLOCK_K) + tile, node)
+            tl.debug_barrier()
+        else:  # the root: rounded into the output
+            rows = pid_n * BLOCK_N + zero + tl.arange(0, BLOCK_N)
+            cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+            out_ptrs = (
+                out_ptr + block.to(tl.int64) * stride_ob
+                + rows.to(tl.int64)[:, None] * stride_on + cols.to(tl.int64)[None, :] * stride_ok
+            )  # fmt: skip
+            store_rounded(out_ptrs, node, (rows[:, None] < N) & (cols[None, :] < K), BF16_BY_BITS)
+    else:  # node -> slot MAX_LEVELS, then (left + node) level by level, chunk by chunk
+        tl.store(slot + MAX_LEVELS * (BLOCK_N * BLOCK_K) + tile, node)
+        tl.debug_barrier()
+        for c in tl.static_range(BLOCK_N // MERGE_ROWS):
+            part = (c * MERGE_ROWS + zero + tl.arange(0, MERGE_ROWS))[:, None] * BLOCK_K
+            part += tl.arange(0, BLOCK_K)[None, :]
+            value = tl.load(slot + MAX_LEVELS * (BLOCK_N * BLOCK_K) + part)
+            for lv in tl.static_range(MAX_LEVELS):
+                if lv < closing:
+                    value = tl.load(slot + lv * (BLOCK_N * BLOCK_K) + part) + value
+            if j + 1 < nodes:
+                tl.store(slot + closing * (BLOCK_N * BLOCK_K) + part, value)
+            else:  # the root: rounded into the output
+                rows = pid_n * BLOCK_N + c * MERGE_ROWS + zero + tl.arange(0, MERGE_ROWS)
+                cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+                out_ptrs = (
+                    out_ptr + block.to(tl.int64) * stride_ob
+                    + rows.to(tl.int64)[:, None] * stride_on + cols.to(tl.int64)[None, :] * stride_ok
+                )  # fmt: skip
+                mask = (rows[:, None] < N) & (cols[None, :] < K)
+                store_rounded(out_ptrs, value, mask, BF16_BY_BITS)
+        tl.debug_barrier()
+
+
 @triton.jit(do_not_specialize=["T", "run_start", "leaves", "num_programs"])
 def _weight_grad_lean_kernel(
     dy_ptr, x_ptr, out_ptr, scratch_ptr, stride_scratch,
@@ -333,56 +393,11 @@ def _weight_grad_lean_kernel(
                         stride_dyt, stride_dyn, stride_xt, stride_xk, dy_t_step, x_t_step,
                         BLOCK_N, BLOCK_K, BLOCK_T, EVEN_T, UPCAST, DOT_PRECISION,
                     )  # fmt: skip
-            # the tree merge runs in memory on row chunks: few registers live beside the token loop
-            slot = scratch_ptr + program.to(tl.int64) * stride_scratch
-            closing = 0  # levels this node closes; the node it makes waits in slot `closing`
-            for lv in tl.static_range(MAX_LEVELS):
-                closing += tl.where((j + 1) % (2 << lv) == 0, 1, 0)
-            zero = j >> 30  # 0, but depends on j: keeps the offsets below out of LICM's reach
-            tile = (zero + tl.arange(0, BLOCK_N))[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
-            if (closing == 0) & (j + 1 < nodes):  # a left sibling: straight to its slot
-                tl.debug_barrier()  # every thread is done reading the slot being overwritten
-                tl.store(slot + tile, node)
-                tl.debug_barrier()
-            elif MERGE_ROWS == 0:  # merge in registers: (left + node) level by level, whole tiles
-                for lv in tl.static_range(MAX_LEVELS):
-                    if lv < closing:
-                        tl.debug_barrier()  # the left sibling was stored by other threads
-                        node = tl.load(slot + lv * (BLOCK_N * BLOCK_K) + tile) + node
-                if j + 1 < nodes:
-                    tl.debug_barrier()
-                    tl.store(slot + closing * (BLOCK_N * BLOCK_K) + tile, node)
-                    tl.debug_barrier()
-                else:  # the root: rounded into the output
-                    rows = pid_n * BLOCK_N + zero + tl.arange(0, BLOCK_N)
-                    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-                    out_ptrs = (
-                        out_ptr + block.to(tl.int64) * stride_ob
-                        + rows.to(tl.int64)[:, None] * stride_on + cols.to(tl.int64)[None, :] * stride_ok
-                    )  # fmt: skip
-                    store_rounded(out_ptrs, node, (rows[:, None] < N) & (cols[None, :] < K), BF16_BY_BITS)
-            else:  # node -> slot MAX_LEVELS, then (left + node) level by level, chunk by chunk
-                tl.store(slot + MAX_LEVELS * (BLOCK_N * BLOCK_K) + tile, node)
-                tl.debug_barrier()
-                for c in tl.static_range(BLOCK_N // MERGE_ROWS):
-                    part = (c * MERGE_ROWS + zero + tl.arange(0, MERGE_ROWS))[:, None] * BLOCK_K
-                    part += tl.arange(0, BLOCK_K)[None, :]
-                    value = tl.load(slot + MAX_LEVELS * (BLOCK_N * BLOCK_K) + part)
-                    for lv in tl.static_range(MAX_LEVELS):
-                        if lv < closing:
-                            value = tl.load(slot + lv * (BLOCK_N * BLOCK_K) + part) + value
-                    if j + 1 < nodes:
-                        tl.store(slot + closing * (BLOCK_N * BLOCK_K) + part, value)
-                    else:  # the root: rounded into the output
-                        rows = pid_n * BLOCK_N + c * MERGE_ROWS + zero + tl.arange(0, MERGE_ROWS)
-                        cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-                        out_ptrs = (
-                            out_ptr + block.to(tl.int64) * stride_ob
-                            + rows.to(tl.int64)[:, None] * stride_on + cols.to(tl.int64)[None, :] * stride_ok
-                        )  # fmt: skip
-                        mask = (rows[:, None] < N) & (cols[None, :] < K)
-                        store_rounded(out_ptrs, value, mask, BF16_BY_BITS)
-                tl.debug_barrier()
+            _push_node(
+                node, j, nodes, scratch_ptr + program.to(tl.int64) * stride_scratch, out_ptr, block,
+                pid_n, pid_k, N, K, stride_ob, stride_on, stride_ok, BLOCK_N, BLOCK_K, MAX_LEVELS,
+                MERGE_ROWS, BF16_BY_BITS,
+            )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["T"])
