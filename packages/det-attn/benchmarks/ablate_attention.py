@@ -25,8 +25,8 @@ Reading: pick, per head dim, the candidate with the best ``fwd+bwd`` at both T w
 best (forward and backward kernels are independent), then set those fields in
 ``flash_attention._GPU_CONFIGS``. Printed and written to ``OUT/det-attn_ablation.md``.
 
-``--forward``: the forward kernel's variants only (``FWD_VARIANTS``: TMA descriptors, the
-FlashAttention-3 pipelined P V, one masked loop, block shapes, register caps; ``_fwd_kernel``),
+``--forward``: the forward kernel's variants only (``FWD_VARIANTS``: block shapes, stages,
+register caps, pointer loads instead of host TMA descriptors; ``_fwd_kernel``),
 at B4 H32 bf16: D128 causal T1024 / T4096 / T8192, D128 non-causal T4096, D64 causal T4096, side
 by side with SDPA cuDNN, each timed twice: eager ``triton.testing.do_bench`` (L2 flushed, host
 launch cost included) and ``do_bench_cudagraph`` (device time of a CUDA-graph replay, no host
@@ -78,7 +78,7 @@ CANDIDATES = {  # most informative first: the time budget may cut the tail of a 
         ("dkdv 32,128,8,3", _c(DKDV, (32, 128, 8, 3))),
         ("dq 128,32,8,3", _c(DQ, (128, 32, 8, 3))),
         ("dq 64,64,8,3", _c(DQ, (64, 64, 8, 3))),
-        ("fwd 128,128,8,2", _c(FWD, (128, 128, 8, 2))),
+        ("fwd 128,128,8,3 (old table)", {**_c(FWD, (128, 128, 8, 3)), "fwd_maxnreg": 0}),
         ("dkdv 64,64,8,3", _c(DKDV, (64, 64, 8, 3))),
         ("dq 64,32,8,3", _c(DQ, (64, 32, 8, 3))),
     ],
@@ -356,7 +356,7 @@ FWD_SHAPES = [  # (B, H, T, D, causal)
     (4, 32, 4096, 128, False),
     (4, 32, 4096, 64, True),
 ]
-FWD_BITS_FIELDS = ("fwd_block_n", "fwd_recip_l")  # named bits-changing in flash_attention._Config
+FWD_BITS_FIELDS = ("fwd_block_n",)  # named bits-changing in flash_attention._Config
 FWD_BUDGET_S = 135.0
 
 
@@ -364,34 +364,25 @@ def _fwd(bm, bn, warps, stages, **more):
     return dict(fwd_block_m=bm, fwd_block_n=bn, fwd_warps=warps, fwd_stages=stages, **more)
 
 
-# (name, fields changed on the table's row): "tma-host" / "tma-dev" fwd_tma 2 / 1, "pv" the
-# pipelined P V, "sN" N stages, "rN" a cap of N registers, "BM,BN,warps,stages". sm_90a AOT
-# (benchmarks/aot_compile_check.py, Triton 3.6, causal D128): table 250 regs 224 KiB; tma-host 192
-# regs; tma-host pv s2 252 regs 193 KiB; 64,128,4,1 184 regs 81 KiB, pv 64,64,4,2 168 regs 97 KiB,
-# 128,64,8,2 r128 126 regs 96 KiB (these three: 2 programs per SM); none spills. Most informative
-# first: the budget may cut the tail.
+# (name, fields changed on the table's row): "BM,BN,warps,stages", "rN" a cap of N registers (never
+# with dropout or pointer loads), "pointers" pointer loads instead of host TMA descriptors. The
+# table (from run 8's ablation): D128 128,64,8,2 r128, D64 128,64,8,3, both with host descriptors.
+# sm_90a AOT (benchmarks/aot_compile_check.py, Triton 3.6, causal, no dropout): D128 table 126 regs
+# 96 KiB (2 programs per SM); old table 192 regs 225 KiB; 128,64,8,3 r128 126 regs 129 KiB; no cap
+# 138 regs 96 KiB; pointers 182 regs 96 KiB (these four: 1 program per SM). D64 table 109 regs 65
+# KiB, so its r128 variant compiles to the same code (a control: equal times expected); pointers
+# 125 regs. None spills. Most informative first: the budget may cut the tail.
 FWD_VARIANTS = {
     128: [
-        ("tma-host", {"fwd_tma": 2}),
-        ("tma-host pv s2", _fwd(128, 128, 8, 2, fwd_tma=2, fwd_pipeline_pv=True)),
-        ("tma-dev pv s2", _fwd(128, 128, 8, 2, fwd_tma=1, fwd_pipeline_pv=True)),
-        ("tma-host 64,128,4,1", _fwd(64, 128, 4, 1, fwd_tma=2)),
-        ("tma-host pv 64,64,4,2", _fwd(64, 64, 4, 2, fwd_tma=2, fwd_pipeline_pv=True)),
-        ("tma-host 128,64,8,2 r128", _fwd(128, 64, 8, 2, fwd_tma=2, fwd_maxnreg=128)),
-        ("tma-host pv s2 one-loop", _fwd(128, 128, 8, 2, fwd_tma=2, fwd_pipeline_pv=True, fwd_one_loop=True)),
-        ("tma-dev", {"fwd_tma": 1}),
-        ("tma-host s2", _fwd(128, 128, 8, 2, fwd_tma=2)),
-        ("tma-host one-loop", {"fwd_tma": 2, "fwd_one_loop": True}),
-        ("64,64,4,3", _fwd(64, 64, 4, 3)),
-        ("tma-host 64,64,4,3", _fwd(64, 64, 4, 3, fwd_tma=2)),
-        ("tma-host pv 128,64,8,3", _fwd(128, 64, 8, 3, fwd_tma=2, fwd_pipeline_pv=True)),
-        ("one-loop", {"fwd_one_loop": True}),
-        ("tma-host recip", {"fwd_tma": 2, "fwd_recip_l": True}),
+        # BN 128: other bits than the table (every variant with BN 64 should keep the table's)
+        ("128,128,8,3 (old table)", _fwd(128, 128, 8, 3, fwd_maxnreg=0)),
+        ("128,64,8,3 r128", _fwd(128, 64, 8, 3)),
+        ("128,64,8,2 (no cap)", {"fwd_maxnreg": 0}),
+        ("pointers", {"fwd_tma": False}),
     ],
     64: [
-        ("tma-host", {"fwd_tma": 2}),
-        ("tma-host pv", {"fwd_tma": 2, "fwd_pipeline_pv": True}),
-        ("tma-dev", {"fwd_tma": 1}),
+        ("tma-host 128,64,8,3 r128", {"fwd_maxnreg": 128}),
+        ("pointers", {"fwd_tma": False}),
     ],
 }
 

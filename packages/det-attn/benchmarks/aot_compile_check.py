@@ -74,7 +74,7 @@ def _launch_args(cfg, head_dim: int, causal: bool, dropout: bool):
     finally:
         fa._GPU_CONFIGS[head_dim] = saved
     drop = fa._dropout_args(0.1 if dropout else 0.0, 1234 if dropout else None, 0, 0)
-    if plan.fwd_tma == 2:
+    if plan.fwd_tma:
         tensors = [f"tensordesc<bf16{list(d.block_shape)}>" for d in plan.fwd_descs]
     else:
         tensors = ["*bf16"] * 4
@@ -137,7 +137,7 @@ def compile_forward(name: str, cfg, head_dim: int, causal: bool, dropout: bool) 
     print(
         f"{label}: {status} regs={regs} spill_stores={spills}B smem={smem / 1024:.1f}KiB "
         f"programs/SM={per_sm} wgmma={'wgmma.mma_async' in ptx} tma={'cp.async.bulk.tensor' in ptx} "
-        f"tma_mode={tma} warps={options['num_warps']} stages={options['num_stages']}"
+        f"host_descriptors={tma} warps={options['num_warps']} stages={options['num_stages']}"
         + (f" maxnreg={options['maxnreg']}" if options.get("maxnreg") else "")
     )
     return status
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
             for name, change in FWD_VARIANTS.get(head_dim, []):
                 cfg = dataclasses.replace(table, **change)
                 entries.append((name, cfg, head_dim, causal, False))
-                if change.get("fwd_tma") and causal:  # dropout keeps TMA (and runs the plain loop)
+                if causal:  # dropout: no register cap, fwd_dropout_stages
                     entries.append((name, cfg, head_dim, causal, True))
     bad = []
     for name, cfg, head_dim, causal, dropout in entries:
@@ -169,7 +169,8 @@ def main(argv=None) -> int:
             kind = f"{'causal' if causal else 'full'}{' dropout' if dropout else ''}"
             bad.append(f"D{head_dim} {kind} {name}: {status}")
     print("\n".join(["", "not OK:", *bad]) if bad else "\nall entries compile without spills")
-    # a few spilled bytes with dropout are the table's state too (Philox tiles); anything else fails
+    # a few spilled bytes with dropout (Philox tiles; the former 128 x 128 row spilled 16) are
+    # reported, not failed; anything else fails
     return 1 if any(not b.endswith("SPILL") or "dropout" not in b for b in bad) else 0
 
 

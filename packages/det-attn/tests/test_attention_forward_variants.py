@@ -1,12 +1,13 @@
-"""The forward kernel's variants (``flash_attention._Config`` fields ``fwd_tma``, ``fwd_pipeline_pv``,
-``fwd_one_loop``, ``fwd_loop_stages``, ``fwd_recip_l``; kernels in ``_fwd_kernel``) on CPU through the
+"""The forward kernel's switches (``flash_attention._Config`` fields ``fwd_tma``, host TMA
+descriptors, and ``fwd_maxnreg``, a register cap; kernel in ``_fwd_kernel``) on CPU through the
 Triton interpreter, applied to the interpreter's config row (blocks of 32 queries x 16 keys).
 
-The bit-neutral variants must give the table's O and LSE bits on every input (padded and packed,
-causal and not, GQA, ragged tiles, dropout), which carries every invariance the table is tested
-for over to them; the row invariances (packing, position inside a tile) are also checked on the
-variants directly. The GPU side (same bits there, speed) is ``benchmarks/ablate_attention.py
---forward``.
+Both must give the pointer loads' O and LSE bits on every input (padded and packed, causal and
+not, GQA, ragged tiles, dropout), which carries every invariance the pointer path is tested for
+over to them; the row invariances (packing, position inside a tile) are also checked on the
+descriptor path directly. The interpreter ignores ``maxnreg`` (a ptxas option): here it checks the
+plumbing (the cap reaches the launch, and is dropped with dropout); the GPU side (same bits there,
+speed) is ``tests/test_attention_gpu.py`` and ``benchmarks/ablate_attention.py --forward``.
 """
 
 from __future__ import annotations
@@ -17,17 +18,13 @@ import pytest
 import torch
 from det_attn import attention, attention_varlen
 from det_attn import flash_attention as fa
-from det_attn.reference import attention_reference
 from det_core.testing import assert_bitwise_equal, contiguous_splits
 
 D = 64
-BIT_NEUTRAL = {
-    "tma-device": {"fwd_tma": 1},
-    "tma-host": {"fwd_tma": 2},
-    "pipelined": {"fwd_pipeline_pv": True},
-    "one-loop": {"fwd_one_loop": True},
-    "tma-host pipelined one-loop": {"fwd_tma": 2, "fwd_pipeline_pv": True, "fwd_one_loop": True},
-    "tma-device pipelined loop-stages": {"fwd_tma": 1, "fwd_pipeline_pv": True, "fwd_loop_stages": 2},
+BIT_NEUTRAL = {  # on the interpreter row, which has pointer loads and no register cap
+    "tma-host": {"fwd_tma": True},
+    "tma-host r128": {"fwd_tma": True, "fwd_maxnreg": 128},
+    "pointers r128": {"fwd_maxnreg": 128},  # the cap is not applied to pointer loads
 }
 
 
@@ -45,7 +42,10 @@ def _qkv(batch, t_q, t_k, h_q, h_kv, seed=0):
 
 
 def _use(monkeypatch, **change):
+    """Run the interpreter's row with ``change`` applied, with an empty plan cache (so
+    ``fa._PLANS`` then holds this config's plans only)."""
     monkeypatch.setattr(fa, "_INTERPRETER_CONFIG", dataclasses.replace(fa._INTERPRETER_CONFIG, **change))
+    monkeypatch.setattr(fa, "_PLANS", type(fa._PLANS)())
 
 
 def _cases():
@@ -88,21 +88,25 @@ def test_bit_neutral_forward_variant_gives_table_bits(variant, table_outputs, mo
         assert_bitwise_equal(o, want[name][0], f"o: {variant}, {name}")
         assert_bitwise_equal(lse, want[name][1], f"lse: {variant}, {name}")
     # the variant ran (not a fallback): its plans carry its switches
-    plans = [plan for key, plan in fa._PLANS.items() if key[-1] is fa._INTERPRETER_CONFIG]
+    plans = list(fa._PLANS.values())
     change = BIT_NEUTRAL[variant]
     assert plans
-    if "fwd_tma" in change:  # host descriptors (2) serve padded calls; packed ones use pointers
-        expected = {1} if change["fwd_tma"] == 1 else {2, 0}
-        assert {plan.fwd_tma for plan in plans} == expected
-    if change.get("fwd_pipeline_pv"):
-        assert any(plan.fwd_meta.get("PIPELINE_PV") for plan in plans)
+    # host descriptors serve the padded calls, packed ones take the pointer loads
+    assert {plan.fwd_tma for plan in plans} == ({True, False} if change.get("fwd_tma") else {False})
+    # the register cap reaches the descriptor launches without dropout, and only them
+    cap = change.get("fwd_maxnreg")
+    for plan in plans:
+        capped = plan.fwd_tma and not plan.fwd_meta["DROPOUT"]
+        assert plan.fwd_meta.get("maxnreg") == (cap if capped else None)
+        assert "maxnreg" not in plan.fwd_meta_pointers
 
 
-def test_pipelined_tma_variant_keeps_packing_and_tile_position_invariance(monkeypatch):
-    # directly on the variant: a sequence packed beside neighbours that grow across tile
-    # boundaries equals it alone; causal query chunks starting off the tile grid (context
-    # parallelism: a row sits elsewhere in its tile) keep the rows' bits
-    _use(monkeypatch, fwd_tma=1, fwd_pipeline_pv=True)
+def test_host_descriptor_path_keeps_packing_and_tile_position_invariance(monkeypatch):
+    # directly on the descriptor path: a sequence packed beside neighbours that grow across tile
+    # boundaries (pointer loads) equals it alone in a padded batch (descriptors); causal query
+    # chunks starting off the tile grid (context parallelism: a row sits elsewhere in its tile)
+    # keep the rows' bits
+    _use(monkeypatch, fwd_tma=True)
     anchor = _qkv(1, 29, 35, 2, 1, seed=300)
     alone = attention(*anchor, causal=True, return_lse=True)
     for before in (15, 16, 17, 31, 32, 33):
@@ -124,20 +128,32 @@ def test_pipelined_tma_variant_keeps_packing_and_tile_position_invariance(monkey
             co, clse = attention(q[:, lo:hi], k[:, :hi], v[:, :hi], causal=True, return_lse=True)
             assert_bitwise_equal(co, o[:, lo:hi], f"o: {parts} chunks, {lo}:{hi}")
             assert_bitwise_equal(clse, lse[:, :, lo:hi], f"lse: {parts} chunks, {lo}:{hi}")
+    assert any(plan.fwd_tma for plan in fa._PLANS.values())
 
 
-def test_reciprocal_normalisation_variant_is_accurate_and_repeatable(monkeypatch):
-    # fwd_recip_l changes O's rounding (named bits-changing in the table); it stays as accurate
-    # (within one bf16 rounding of the fp64 reference) and repeatable, and LSE is untouched
-    q, k, v = _qkv(2, 45, 51, 4, 2, seed=10)
-    o_table, lse_table = attention(q, k, v, causal=True, return_lse=True)
-    _use(monkeypatch, fwd_recip_l=True, fwd_tma=2)
-    o, lse = attention(q, k, v, causal=True, return_lse=True)
-    assert_bitwise_equal(attention(q, k, v, causal=True), o, "o: second run")
-    assert_bitwise_equal(lse, lse_table, "lse")
-    ref, _ = attention_reference(q.double(), k.double(), v.double(), causal=True)
-    err, err_table = ((x.double() - ref).abs().max().item() for x in (o, o_table))
-    assert err <= 2 * err_table + 1e-6, (err, err_table)
+def test_host_descriptors_fall_back_to_pointers_with_the_same_bits(monkeypatch):
+    # where descriptors cannot serve a call, the pointer loads do, with the same bits: inputs not
+    # 16-byte aligned (checked per call), and a Triton without host descriptors (checked per plan)
+    q, k, v = _qkv(2, 45, 51, 2, 1, seed=10)
+    want = attention(q, k, v, causal=True, return_lse=True)
+    _use(monkeypatch, fwd_tma=True)
+
+    def unaligned(t):  # the same values, 2 bytes past a 16-byte boundary
+        buf = torch.empty(t.numel() + 1, dtype=t.dtype)
+        return buf[1:].view(t.shape).copy_(t)
+
+    with monkeypatch.context() as m:
+        m.setattr(fa._descriptors, "with_base", None)  # a descriptor built would fail the call
+        got = attention(unaligned(q), k, v, causal=True, return_lse=True)
+    for name, a, b in zip(("o", "lse"), got, want, strict=True):
+        assert_bitwise_equal(a, b, f"{name}: unaligned q")
+    assert [plan.fwd_tma for plan in fa._PLANS.values()] == [True]  # the plan would take descriptors
+    monkeypatch.setattr(fa._descriptors, "_HAS_HOST_DESCRIPTORS", False)
+    _use(monkeypatch)  # plans made anew
+    got = attention(q, k, v, causal=True, return_lse=True)
+    for name, a, b in zip(("o", "lse"), got, want, strict=True):
+        assert_bitwise_equal(a, b, f"{name}: no host descriptors")
+    assert [plan.fwd_tma for plan in fa._PLANS.values()] == [False]
 
 
 def test_forward_without_autograd_equals_autograd_forward():

@@ -251,16 +251,11 @@ def test_error_vs_fp64_at_most_twice_sdpa_flash(d, causal):
     assert (ours[1].double() - rlse).abs().max().item() < 1e-4
 
 
-# forward variants of flash_attention._Config expected to keep the table's bits (the ablation,
+# forward switches of flash_attention._Config expected to keep the table's bits (the ablation,
 # benchmarks/ablate_attention.py --forward, times them; CPU tests check them on the interpreter)
 FWD_VARIANTS = {
-    "tma-dev pipelined": {"fwd_tma": 1, "fwd_pipeline_pv": True, "fwd_stages": 2},
-    "tma-host pipelined one-loop": {
-        "fwd_tma": 2,
-        "fwd_pipeline_pv": True,
-        "fwd_stages": 2,
-        "fwd_one_loop": True,
-    },
+    "pointers": {"fwd_tma": False},  # instead of host TMA descriptors (and no register cap)
+    "no register cap": {"fwd_maxnreg": 0},  # D128's cap of 128 off (D64 has none)
 }
 
 

@@ -1,8 +1,8 @@
-"""TMA tensor descriptors for the forward kernel's variants (``_fwd_kernel``, ``TMA`` 1 and 2):
-which calls can use them, host descriptors built once per call shape, Triton's scratch allocator.
+"""Host TMA tensor descriptors for the forward kernel (``_fwd_kernel``, ``TMA``): which calls can
+use them, and the descriptors, built once per call shape.
 
-The descriptors read and write the same elements as the pointer kernel (rows past a sequence or
-batch row's end read as zeros, stores past it dropped), so every mode gives the same bits.
+The descriptors read and write the same elements as the pointer loads and stores (rows past a
+batch row's end read as zeros, stores past it dropped), so both paths give the same bits.
 """
 
 from __future__ import annotations
@@ -19,21 +19,17 @@ except ImportError:
     _HAS_HOST_DESCRIPTORS = False
 
 
-def fwd_tma_mode(mode: int, q, k, o_strides, dense) -> int:
-    """The TMA mode (``flash_attention._Config.fwd_tma``) a call of this shape can use: ``mode``, or
-    0 where descriptors cannot describe it (rows or heads not 16-byte aligned; mode 2: packed
-    input, or heads not side by side in memory). Same bits in every mode."""
-    if mode == 0 or not _HAS_HOST_DESCRIPTORS:
-        return 0
+def fwd_descriptors_fit(q, k, o_strides, dense) -> bool:
+    """Whether host descriptors over ``(B, T, H * D)`` can describe a forward call of this shape:
+    Triton has them, the input is a padded batch (``dense``, not packed), every row is 16-byte
+    aligned and a token's heads lie side by side. Otherwise the call takes the pointer loads (the
+    same bits)."""
+    if dense is None or not _HAS_HOST_DESCRIPTORS:
+        return False
     head_dim = q.shape[2]
-    row_strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), o_strides[0], o_strides[1])
-    if any(stride % 8 for stride in row_strides):  # 8 elements of 2 bytes: TMA's 16-byte rule
-        return 0
-    if mode == 2 and (
-        dense is None or q.stride(1) != head_dim or k.stride(1) != head_dim or o_strides[1] != head_dim
-    ):
-        return 0
-    return mode
+    if any(stride % 8 for stride in (q.stride(0), k.stride(0), o_strides[0])):  # 8 x 2 bytes: TMA's rule
+        return False
+    return q.stride(1) == head_dim and k.stride(1) == head_dim and o_strides[1] == head_dim
 
 
 def fwd_descriptor_templates(q, k, o_strides, dense, block_m: int, block_n: int) -> tuple:
@@ -70,23 +66,3 @@ def with_base(template, base: torch.Tensor):
     desc.__dict__.update(template.__dict__)
     desc.base = base
     return desc
-
-
-def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    # global scratch for tensor descriptors made in a kernel (128 bytes each; torch blocks are 512-aligned)
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def ensure_triton_allocator() -> None:
-    """Set ``_scratch`` as Triton's allocator in this thread's context unless one is set (Triton
-    keeps it in a ContextVar, so an autograd or checkpointing thread starts without one)."""
-    import triton
-
-    try:
-        from triton.runtime import _allocation
-
-        unset = isinstance(_allocation._allocator.get(), _allocation.NullAllocator)
-    except (ImportError, AttributeError):  # another Triton layout: set ours
-        unset = True
-    if unset:
-        triton.set_allocator(_scratch)

@@ -35,16 +35,15 @@ class _Config:
     """Launch parameters of the three main kernels.
 
     Reduction-order-defining (changing one changes bits, so they depend only on head dim and the
-    interpreter switch, never on batch, sequence length or packing):
-    ``fwd_block_n`` (keys per online-softmax step), ``dkdv_block_m`` (queries per dK/dV step),
-    ``dq_block_n`` (keys per dQ step), ``fwd_recip_l`` (O rounded as ``O * (1/l)``, not ``O / l``).
-    ``fwd_block_m`` and ``fwd_warps`` set the register layout
-    of the softmax row sums, which may fix another fp32 order within a row (whether they do is
-    checked on the GPU by ``benchmarks/ablate_attention.py``). The others (stages, the backward
-    kernels' owned-block sizes and warps, and the forward's load path and loop structure:
-    ``fwd_tma``, ``fwd_pipeline_pv``, ``fwd_one_loop``, ``fwd_loop_stages``, ``fwd_maxnreg``) only
-    change which rows a program owns, when loads are issued and how the same operations are
-    scheduled (same bits expected; ``ablate_attention.py --forward`` checks it on the GPU).
+    interpreter switch, never on batch, sequence length or packing): ``fwd_block_n`` (keys per
+    online-softmax step), ``dkdv_block_m`` (queries per dK/dV step), ``dq_block_n`` (keys per dQ
+    step). ``fwd_block_m`` and ``fwd_warps`` set the register layout of the softmax row sums,
+    which could fix another fp32 order within a row; on the H200 they did not (run 8: forward
+    tiles of 64 x 64 at 4 warps and 128 x 64 at 8 warps gave the same bits;
+    ``benchmarks/ablate_attention.py`` checks it). The others (stages, the backward kernels'
+    owned-block sizes and warps, the forward's load path ``fwd_tma`` and register cap
+    ``fwd_maxnreg``) only change which rows a program owns, when loads are issued and how
+    registers are allocated (same bits; ``ablate_attention.py --forward`` checks it on the GPU).
     """
 
     fwd_block_m: int
@@ -60,24 +59,21 @@ class _Config:
     dq_warps: int
     dq_stages: int
     # forward pipeline depth with dropout on (its Philox tiles need shared memory for layout
-    # changes: at D=128 three stages would exceed the H200's 227 KiB); 0 = fwd_stages. No effect on bits.
+    # changes: 128 KiB for the D128 row at 2 stages; 128 x 128 tiles at 3 stages would exceed the
+    # H200's 227 KiB); 0 = fwd_stages. No effect on bits.
     fwd_dropout_stages: int = 0
     # dK/dV kernel: all query blocks in one masked loop instead of diagonal / full / tail loops
     # (fewer registers, a mask on every step). No effect on bits.
     dkdv_one_loop: bool = False
-    # Forward variants (see _fwd_kernel): K/V/Q/O through TMA tensor descriptors (0 pointers, 1 made
-    # in the kernel per sequence and head: any packing, needs triton.set_allocator, set here when
-    # unset; 2 host descriptors: padded batches only, packed calls use pointers); the P V MMA
-    # overlapped with the next softmax (FlashAttention-3 software pipelining; off with dropout);
-    # every key block in the masked loop; tl.range num_stages on the key loops (0: fwd_stages); a
-    # register cap (0: none; off with dropout). Same bits expected. fwd_recip_l: O * (1 / l), not
-    # O / l (other bits).
-    fwd_tma: int = 0
-    fwd_pipeline_pv: bool = False
-    fwd_one_loop: bool = False
-    fwd_loop_stages: int = 0
+    # Forward load path: host TMA descriptors over (B, T, H * D) for padded batches (packed calls,
+    # inputs not 16-byte aligned and Triton without host descriptors take the pointer loads: the
+    # same bits); False: pointer loads always. See _fwd_kernel.
+    fwd_tma: bool = False
+    # Forward register cap (ptxas maxnreg; 0: none), on the descriptor path without dropout only:
+    # the Philox tiles and the pointer path's address math need more registers (sm_90a, Triton
+    # 3.6, D128 row: 126 used under a cap of 128; 220 with dropout and 182 with pointer loads
+    # uncapped, which would spill 348 and 76 bytes under 128). No effect on bits.
     fwd_maxnreg: int = 0
-    fwd_recip_l: bool = False
 
 
 # Fixed table (no autotune), bf16 and fp16 alike, causal or not. Each row is the fastest measured
@@ -85,14 +81,22 @@ class _Config:
 # benchmarks/ablate_attention.py at T1024/T4096); the fields marked * set a summation order, so
 # changing one changes bits (for every input alike: never chosen per shape).
 #                 fwd: BM  BN* warps stages | dK/dV: BM* BN warps stages | dQ: BM BN* warps stages
-# fwd_tma=2 (host TMA descriptors for padded batches; packed calls take the pointer loads, the
-# same bits): H200, torch 2.11, Triton 3.6, 2026-11-30 (ablate_attention.py --forward, B4 H32 bf16,
-# eager / CUDA-graph ratio to SDPA cuDNN, same bits as the pointer loads at every shape): causal D128
-# T1024 0.90 / 0.80 (pointers 0.83 / 0.74), T4096 0.76 / 0.85 (0.70 / 0.79), T8192 0.79 / 0.86
-# (0.72 / 0.80), non-causal T4096 0.74 / 0.79 (0.66 / 0.76), D64 T4096 0.92 / 0.93 (0.89 / 0.91).
+# Forward rows from run 8's ablation (ablate_attention.py --forward; H200, torch 2.11, Triton 3.6,
+# 2026-11-30; B4 H32 bf16; eager / CUDA-graph ratio to SDPA cuDNN; a GPU run confirming this
+# table is pending). D128: 128 x 64 tiles, 8 warps, 2 stages, host TMA descriptors, a cap of 128
+# registers (sm_90a: 126 used, 96 KiB shared memory, so two programs per SM): causal T1024
+# 0.98 / 0.87, T4096 0.79 / 0.86, T8192 0.80 / 0.86, non-causal T4096 0.74 / 0.79. The row before
+# (128, 128, 8, 3, host descriptors; BN* other bits): 0.90 / 0.80, 0.76 / 0.85, 0.79 / 0.86,
+# 0.74 / 0.79; with pointer loads 0.83 / 0.74, 0.70 / 0.79, 0.72 / 0.80, 0.66 / 0.76. D64
+# (128, 64, 8, 3, host descriptors): T4096 0.92 / 0.93 (pointer loads 0.89 / 0.91). Tried there
+# and slower, so no longer in the kernel: FlashAttention-3-style overlap of P V with the next
+# softmax (0.55-0.74), descriptors made in the kernel (0.61-0.81), one masked key loop (at most
+# the row's speed). Not kept either: O * (1/l) instead of O / l (0-4% in graph time).
 _GPU_CONFIGS = {
-    64: _Config(128, 64, 8, 3, 64, 64, 4, 3, 64, 64, 4, 3, fwd_tma=2),
-    128: _Config(128, 128, 8, 3, 64, 128, 8, 3, 128, 64, 8, 3, fwd_dropout_stages=2, fwd_tma=2),
+    64: _Config(128, 64, 8, 3, 64, 64, 4, 3, 64, 64, 4, 3, fwd_tma=True),
+    128: _Config(
+        128, 64, 8, 2, 64, 128, 8, 3, 128, 64, 8, 3, fwd_dropout_stages=2, fwd_tma=True, fwd_maxnreg=128
+    ),
 }
 # Interpreter: small, unequal blocks so tiny CPU tests cross many tile and diagonal boundaries.
 _INTERPRETER_CONFIG = _Config(32, 16, 1, 1, 16, 32, 1, 1, 32, 16, 1, 1)
@@ -261,9 +265,9 @@ class _Plan:
     fwd_sizes: tuple  # n_tiles, heads, seqlen_q, seqlen_k, group, qk_scale
     fwd_strides: tuple
     fwd_meta: dict
-    fwd_tma: int  # the TMA mode this call shape can use (config's, or 0 where it cannot)
+    fwd_tma: bool  # host descriptors for this call shape (the config's choice, where they fit)
     fwd_meta_pointers: dict  # fwd_meta with pointer loads: for inputs not 16-byte aligned
-    fwd_descs: tuple | None  # TMA 2: host descriptor templates of q, k, v, o (base set per call)
+    fwd_descs: tuple | None  # host descriptor templates of q, k, v, o (base set per call)
     pre_grid: tuple
     pre_args: tuple  # total_q, strides
     pre_meta: dict
@@ -306,21 +310,12 @@ def _plan(q, k, dense, batch, max_q, max_k, scale, causal, dropout) -> _Plan:
         num_stages=cfg.fwd_dropout_stages if dropout and cfg.fwd_dropout_stages else cfg.fwd_stages,
         **common,
     )
-    # with dropout the pipelined loop's extra P tile and the Philox tiles would not fit in shared
-    # memory: the plain loop (the same bits)
-    pipeline_pv = cfg.fwd_pipeline_pv and not dropout
-    if pipeline_pv or cfg.fwd_one_loop or cfg.fwd_loop_stages or cfg.fwd_recip_l:
-        fwd_meta.update(
-            PIPELINE_PV=pipeline_pv,
-            ONE_LOOP=cfg.fwd_one_loop,
-            LOOP_STAGES=cfg.fwd_loop_stages or None,
-            RECIP_L=cfg.fwd_recip_l,
-        )
-    if cfg.fwd_maxnreg and not dropout:  # the Philox tiles need more registers (ptxas would spill)
-        fwd_meta["maxnreg"] = cfg.fwd_maxnreg
-    tma = _descriptors.fwd_tma_mode(cfg.fwd_tma, q, k, o_strides, dense)
-    descs = None
-    if tma == 2:
+    tma = cfg.fwd_tma and _descriptors.fwd_descriptors_fit(q, k, o_strides, dense)
+    fwd_meta_tma = descs = None
+    if tma:
+        fwd_meta_tma = dict(fwd_meta, TMA=True)
+        if cfg.fwd_maxnreg and not dropout:  # the register cap: this path only (see _Config)
+            fwd_meta_tma["maxnreg"] = cfg.fwd_maxnreg
         descs = _descriptors.fwd_descriptor_templates(
             q, k, o_strides, dense, cfg.fwd_block_m, cfg.fwd_block_n
         )
@@ -328,7 +323,7 @@ def _plan(q, k, dense, batch, max_q, max_k, scale, causal, dropout) -> _Plan:
         fwd_grid=_grid(n_fwd, heads, batch),
         fwd_sizes=(n_fwd, heads, seqlen_q, seqlen_k, group, qk_scale),
         fwd_strides=(*q.stride()[:2], *k.stride()[:2], *o_strides[:2], lse_stride),
-        fwd_meta=dict(fwd_meta, TMA=tma) if tma else fwd_meta,
+        fwd_meta=fwd_meta_tma if tma else fwd_meta,
         fwd_tma=tma,
         fwd_meta_pointers=fwd_meta,
         fwd_descs=descs,
@@ -375,10 +370,8 @@ def _forward(
     if plan.fwd_tma:
         if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:  # o is a fresh allocation
             meta = plan.fwd_meta_pointers
-        elif plan.fwd_tma == 2:
+        else:
             q_arg, k_arg, v_arg, o_arg = map(_descriptors.with_base, plan.fwd_descs, (q, k, v, o))
-        elif not _INTERPRET:
-            _descriptors.ensure_triton_allocator()
     runtime.launch(
         _fwd_kernel.attn_fwd_kernel,
         plan.fwd_grid,
