@@ -7,12 +7,14 @@ test_attention_gpu.py.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 import pytest
 import torch
 from det_attn import attention, attention_varlen, scaled_dot_product_attention
+from det_attn import flash_attention as fa
 from det_attn.reference import attention_reference, attention_varlen_reference, dropout_keep_mask
 from det_core.testing import (
     assert_bitwise_equal,
@@ -571,6 +573,38 @@ def test_bad_dropout_arguments_raise_clear_errors(case):
     name, call, kwargs, error, match = _bad_dropout_cases()[case]
     with pytest.raises(error, match=f"det_attn.{name}: {match}"):
         call(**kwargs)
+
+
+def _error(call):
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the error itself is what is compared
+        return type(exc), str(exc)
+    return None
+
+
+def test_errors_are_the_same_with_warm_caches(monkeypatch):
+    # a signature seen before skips the checks that depend on it alone: every bad input must
+    # still raise what it raises with the caches empty (the bad cases share the good calls' shapes)
+    calls = [call for _, _, call in _bad_cases()]
+    calls += [functools.partial(call, **kw) for _, call, kw, _, _ in _bad_dropout_cases()]
+    cold = []
+    for call in calls:
+        for name in ("_PADDED_CALLS", "_PACKED_CALLS"):
+            monkeypatch.setattr(fa, name, fa.runtime.PlanCache())
+        cold.append(_error(call))
+    q, k, v = _qkv(1, 8, 8, 2, 2)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    attention(q, k, v)
+    attention(q, k, v, dropout_p=0.1, seed=0)
+    attention_varlen(q[0], k[0], v[0], cu, cu, 8, 8)
+    assert len(fa._PADDED_CALLS) == 1 and len(fa._PACKED_CALLS) == 1
+    assert all(cold) and [_error(call) for call in calls] == cold
+    # a cached CPU signature still needs the interpreter
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for call in (lambda: attention(q, k, v), lambda: attention_varlen(q[0], k[0], v[0], cu, cu, 8, 8)):
+        with pytest.raises(RuntimeError, match="only through the interpreter"):
+            call()
 
 
 def test_sdpa_and_transformers_reject_bad_dropout_arguments():

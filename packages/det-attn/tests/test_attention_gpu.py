@@ -92,6 +92,48 @@ print(digest([o, lse, q.grad, k.grad, v.grad]))
     assert run_in_fresh_process(code) == digest([o, lse, q.grad, k.grad, v.grad])
 
 
+# The launch paths' cases: host descriptors (D128, D64), the pointer loads (inputs not 16-byte
+# aligned), packed sequences, dropout (its launches unbound: runtime.launch), all with backward.
+_LAUNCH_PATH_CASES = """
+import torch
+from det_core.testing import digest
+from det_attn import attention, attention_varlen
+
+
+def grads(fn, q, k, v, *args, **kw):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))  # detach: keeps the address
+    o, lse = fn(q, k, v, *args, return_lse=True, **kw)
+    o.backward(torch.ones_like(o))
+    return [o, lse, q.grad, k.grad, v.grad]
+
+
+def run_cases():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    out = []
+    for d in (64, 128):
+        q, k, v = (torch.randn(2, 1000, 8, d, generator=g, device="cuda").bfloat16() for _ in range(3))
+        out += grads(attention, q, k, v, causal=True)
+        out += grads(attention, q, k, v, dropout_p=0.1, seed=3)
+        buf = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
+        out += grads(attention, buf[1:].view(q.shape).copy_(q), k, v, causal=True)
+        cu = torch.tensor([0, 700, 2000], dtype=torch.int32, device="cuda")
+        flat = (t.flatten(0, 1) for t in (q, k, v))
+        out += grads(attention_varlen, *flat, cu, cu, 1300, 1300, causal=True)
+    return out
+"""
+
+
+def test_bound_launches_give_the_bits_of_tritons_launch():
+    # a warm call launches through the plans' runtime.BoundLaunch objects (dropout: runtime.launch)
+    # on their direct path; DET_DIRECT_LAUNCH=0 makes a fresh process launch with kernel[grid]
+    namespace = {}
+    exec(_LAUNCH_PATH_CASES, namespace)  # noqa: S102 - the same code as the child's
+    namespace["run_cases"]()  # compiles: the first launch of each key goes through kernel[grid]
+    warm = digest(namespace["run_cases"]())
+    code = _LAUNCH_PATH_CASES + "\nprint(digest(run_cases()))\n"
+    assert run_in_fresh_process(code, cold_triton_cache=False, env={"DET_DIRECT_LAUNCH": "0"}) == warm
+
+
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sequence_alone_equals_sequence_in_batch(d, causal):

@@ -235,11 +235,16 @@ def _check_cu_seqlens(cu: torch.Tensor, total: int, device: torch.device, name: 
 
 # --------------------------------------------------------------------------- launchers
 
+# The dropout arguments (seed_lo, seed_hi, seq_offset, head_offset, threshold, drop_scale) of a
+# call without dropout: the kernels read them only under DROPOUT (the offsets too: seq_id and
+# head_id feed _dropout_keep alone), so these fixed values let the launches bind them.
+_NO_DROPOUT = (0, 0, 0, 0, 0, 1.0)
+
 
 def _dropout_args(dropout_p: float, seed: int | None, sequence_offset: int, head_offset: int) -> tuple:
     """Kernel arguments seed_lo, seed_hi, seq_offset, head_offset, threshold, drop_scale."""
     if dropout_p == 0.0:
-        return 0, 0, sequence_offset, head_offset, 0, 1.0
+        return _NO_DROPOUT
     seed_lo, seed_hi = rng.split_seed(int(seed))
     # keep an element iff its 32 random bits are >= threshold: P(keep) = 1 - threshold / 2**32
     threshold = min(int(round(dropout_p * 2**32)), 2**32 - 1)
@@ -253,14 +258,19 @@ def _grid(n_tiles: int, heads: int, batch: int) -> tuple[int, int]:
     return (n_tiles * heads, batch)
 
 
-# Per-shape launch arguments (grids, sizes, strides, meta), built once and reused: the host
-# side of a call is then a dict lookup plus the launches (it bounds the speed at short
-# sequences). The key holds everything the arguments are computed from, the config included.
+# Per-shape launch arguments (grids, sizes, strides, meta) and bound launches, built once and
+# reused: the host side of a call is then a dict lookup plus the launches (it bounds the speed at
+# short sequences). The key holds everything the arguments are computed from, the config by its
+# id (hashing the dataclass costs a microsecond per call; the plan keeps the config alive, so its
+# id is not reused while the plan is cached).
 _PLANS = runtime.PlanCache()
 
 
 @dataclass(frozen=True)
 class _Plan:
+    cfg: _Config
+    dense: bool  # a padded batch (no cu_seqlens tensors)
+    lse_shape: tuple  # (heads, total_q)
     fwd_grid: tuple
     fwd_sizes: tuple  # n_tiles, heads, seqlen_q, seqlen_k, group, qk_scale
     fwd_strides: tuple
@@ -279,13 +289,24 @@ class _Plan:
     dq_sizes: tuple
     dq_strides: tuple
     dq_meta: dict
+    # Bound launches (runtime.BoundLaunch: every argument after the tensors fixed, so a call keys
+    # only its tensors). Without dropout the dropout arguments are the fixed _NO_DROPOUT; with
+    # dropout they change per call (the seed), so the forward, dK/dV and dQ launches go through
+    # runtime.launch and these three are None.
+    fwd_launch: runtime.BoundLaunch | None  # fwd_meta (descriptors where fwd_tma)
+    fwd_launch_pointers: runtime.BoundLaunch | None  # fwd_meta_pointers (fwd_launch without fwd_tma)
+    pre_launch: runtime.BoundLaunch
+    dkdv_launch: runtime.BoundLaunch | None
+    dq_launch: runtime.BoundLaunch | None
 
 
 def _plan(q, k, dense, batch, max_q, max_k, scale, causal, dropout) -> _Plan:
     interp = _INTERPRET
     head_dim = q.shape[2]
     cfg = _config(head_dim, interp)
-    key = (q.shape, q.stride(), k.shape, k.stride(), dense, batch, max_q, max_k, scale, causal, dropout, cfg)
+    key = (
+        q.shape, q.stride(), k.shape, k.stride(), dense, batch, max_q, max_k, scale, causal, dropout, id(cfg)
+    )  # fmt: skip
     plan = _PLANS.get(key)
     if plan is not None:
         return plan
@@ -319,149 +340,172 @@ def _plan(q, k, dense, batch, max_q, max_k, scale, causal, dropout) -> _Plan:
         descs = _descriptors.fwd_descriptor_templates(
             q, k, o_strides, dense, cfg.fwd_block_m, cfg.fwd_block_n
         )
+    fwd_sizes = (n_fwd, heads, seqlen_q, seqlen_k, group, qk_scale)
+    fwd_strides = (*q.stride()[:2], *k.stride()[:2], *o_strides[:2], lse_stride)
+    pre_args = (total_q, *o_strides[:2], *do_strides, lse_stride)
+    pre_meta = dict(HEAD_DIM=head_dim, BLOCK_M=pre_block)
+    dkdv_sizes = (n_kv, kv_heads, seqlen_q, seqlen_k, group, scale, qk_scale)
+    dkdv_strides = (*q.stride()[:2], *k.stride()[:2], *do_strides, *dk_strides[:2], lse_stride)
+    dkdv_meta = dict(
+        BLOCK_M=cfg.dkdv_block_m,
+        BLOCK_N=cfg.dkdv_block_n,
+        ONE_LOOP=cfg.dkdv_one_loop,
+        num_warps=cfg.dkdv_warps,
+        num_stages=cfg.dkdv_stages,
+        **common,
+    )
+    dq_sizes = (n_dq, heads, seqlen_q, seqlen_k, group, scale, qk_scale)
+    dq_strides = (*q.stride()[:2], *k.stride()[:2], *do_strides, *o_strides[:2], lse_stride)
+    dq_meta = dict(
+        BLOCK_M=cfg.dq_block_m,
+        BLOCK_N=cfg.dq_block_n,
+        num_warps=cfg.dq_warps,
+        num_stages=cfg.dq_stages,
+        **common,
+    )
+    fwd_launch = fwd_launch_pointers = dkdv_launch = dq_launch = None
+    if not dropout:  # the launches' arguments after the tensors, as runtime.launch gets them
+        bound = runtime.BoundLaunch
+        fwd_launch_pointers = bound(
+            _fwd_kernel.attn_fwd_kernel, 7, (*fwd_sizes, *_NO_DROPOUT, *fwd_strides), **fwd_meta
+        )
+        fwd_launch = fwd_launch_pointers
+        if tma:
+            fwd_launch = bound(
+                _fwd_kernel.attn_fwd_kernel, 7, (*fwd_sizes, *_NO_DROPOUT, *fwd_strides), **fwd_meta_tma
+            )
+        dkdv_launch = bound(
+            _kernels.attn_bwd_dkdv_kernel, 10, (*dkdv_sizes, *_NO_DROPOUT, *dkdv_strides), **dkdv_meta
+        )
+        dq_launch = bound(_kernels.attn_bwd_dq_kernel, 9, (*dq_sizes, *_NO_DROPOUT, *dq_strides), **dq_meta)
     plan = _Plan(
+        cfg=cfg,
+        dense=dense is not None,
+        lse_shape=(heads, total_q),
         fwd_grid=_grid(n_fwd, heads, batch),
-        fwd_sizes=(n_fwd, heads, seqlen_q, seqlen_k, group, qk_scale),
-        fwd_strides=(*q.stride()[:2], *k.stride()[:2], *o_strides[:2], lse_stride),
+        fwd_sizes=fwd_sizes,
+        fwd_strides=fwd_strides,
         fwd_meta=fwd_meta_tma if tma else fwd_meta,
         fwd_tma=tma,
         fwd_meta_pointers=fwd_meta,
         fwd_descs=descs,
         pre_grid=(_cdiv(total_q, pre_block), heads),
-        pre_args=(total_q, *o_strides[:2], *do_strides, lse_stride),
-        pre_meta=dict(HEAD_DIM=head_dim, BLOCK_M=pre_block),
+        pre_args=pre_args,
+        pre_meta=pre_meta,
         dkdv_grid=_grid(n_kv, kv_heads, batch),
-        dkdv_sizes=(n_kv, kv_heads, seqlen_q, seqlen_k, group, scale, qk_scale),
-        dkdv_strides=(*q.stride()[:2], *k.stride()[:2], *do_strides, *dk_strides[:2], lse_stride),
-        dkdv_meta=dict(
-            BLOCK_M=cfg.dkdv_block_m,
-            BLOCK_N=cfg.dkdv_block_n,
-            ONE_LOOP=cfg.dkdv_one_loop,
-            num_warps=cfg.dkdv_warps,
-            num_stages=cfg.dkdv_stages,
-            **common,
-        ),
+        dkdv_sizes=dkdv_sizes,
+        dkdv_strides=dkdv_strides,
+        dkdv_meta=dkdv_meta,
         dq_grid=_grid(n_dq, heads, batch),
-        dq_sizes=(n_dq, heads, seqlen_q, seqlen_k, group, scale, qk_scale),
-        dq_strides=(*q.stride()[:2], *k.stride()[:2], *do_strides, *o_strides[:2], lse_stride),
-        dq_meta=dict(
-            BLOCK_M=cfg.dq_block_m,
-            BLOCK_N=cfg.dq_block_n,
-            num_warps=cfg.dq_warps,
-            num_stages=cfg.dq_stages,
-            **common,
-        ),
+        dq_sizes=dq_sizes,
+        dq_strides=dq_strides,
+        dq_meta=dq_meta,
+        fwd_launch=fwd_launch,
+        fwd_launch_pointers=fwd_launch_pointers,
+        pre_launch=runtime.BoundLaunch(_kernels.attn_bwd_preprocess_kernel, 3, pre_args, **pre_meta),
+        dkdv_launch=dkdv_launch,
+        dq_launch=dq_launch,
     )
     return _PLANS.put(key, plan)
+
+
+def _launch_forward(plan: _Plan, q, k, v, cu_q, cu_k, drop: tuple | None):
+    """``(o, lse2)`` of one forward call; ``drop``: the dropout arguments, None without dropout
+    (then the plan's bound launch, whose arguments are the same as runtime.launch would get)."""
+    o = torch.empty_like(q)
+    lse2 = q.new_empty(plan.lse_shape, dtype=torch.float32)
+    if plan.dense:  # a padded batch: no cu_seqlens tensors (any pointer will do)
+        cu_q = cu_k = lse2
+    bound, meta = plan.fwd_launch, plan.fwd_meta
+    q_arg, k_arg, v_arg, o_arg = q, k, v, o
+    if plan.fwd_tma:
+        if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:  # o is a fresh allocation
+            bound, meta = plan.fwd_launch_pointers, plan.fwd_meta_pointers
+        else:
+            q_arg, k_arg, v_arg, o_arg = map(_descriptors.with_base, plan.fwd_descs, (q, k, v, o))
+    tensors = (q_arg, k_arg, v_arg, o_arg, lse2, cu_q, cu_k)
+    if drop is None:
+        bound(plan.fwd_grid, *tensors)
+    else:
+        kernel = _fwd_kernel.attn_fwd_kernel
+        runtime.launch(kernel, plan.fwd_grid, *tensors, *plan.fwd_sizes, *drop, *plan.fwd_strides, **meta)
+    return o, lse2
+
+
+def _launch_backward(plan: _Plan, do, q, k, v, o, lse2, cu_q, cu_k, drop: tuple | None):
+    """``(dq, dk, dv)`` of one backward call (``drop`` as in ``_launch_forward``)."""
+    if not do.is_contiguous():
+        do = do.contiguous()
+    delta = torch.empty_like(lse2)
+    plan.pre_launch(plan.pre_grid, o, do, delta)
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    if plan.dense:
+        cu_q = cu_k = delta
+    dkdv_tensors = (q, k, v, do, lse2, delta, dk, dv, cu_q, cu_k)
+    dq_tensors = (q, k, v, do, lse2, delta, dq, cu_q, cu_k)
+    if drop is None:
+        plan.dkdv_launch(plan.dkdv_grid, *dkdv_tensors)
+        plan.dq_launch(plan.dq_grid, *dq_tensors)
+    else:
+        kernel = _kernels.attn_bwd_dkdv_kernel
+        runtime.launch(
+            kernel,
+            plan.dkdv_grid,
+            *dkdv_tensors,
+            *plan.dkdv_sizes,
+            *drop,
+            *plan.dkdv_strides,
+            **plan.dkdv_meta,
+        )
+        kernel = _kernels.attn_bwd_dq_kernel
+        runtime.launch(
+            kernel, plan.dq_grid, *dq_tensors, *plan.dq_sizes, *drop, *plan.dq_strides, **plan.dq_meta
+        )
+    return dq, dk, dv
+
+
+def _plan_and_dropout(q, k, cu_q, call: tuple) -> tuple:
+    """The plan of a call (``call``: dense, max_q, max_k, scale, causal, dropout_p, seed,
+    sequence_offset, head_offset) and its dropout arguments (None without dropout)."""
+    dense, max_q, max_k, scale, causal, dropout_p, seed, sequence_offset, head_offset = call
+    batch = dense[0] if dense is not None else cu_q.shape[0] - 1
+    plan = _plan(q, k, dense, batch, max_q, max_k, scale, causal, dropout_p > 0.0)
+    if dropout_p == 0.0:
+        return plan, None
+    return plan, _dropout_args(dropout_p, seed, sequence_offset, head_offset)
 
 
 def _forward(
     q, k, v, cu_q, cu_k, dense, max_q, scale, causal, dropout_p, seed, sequence_offset, head_offset, max_k=0
 ):
-    # max_k (only the backward grid needs it) makes the forward share the backward's plan
-    batch = dense[0] if dense is not None else cu_q.shape[0] - 1
-    plan = _plan(q, k, dense, batch, max_q, max_k, scale, causal, dropout_p > 0.0)
-    o = torch.empty_like(q)
-    lse2 = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-    if dense is not None:  # a padded batch: no cu_seqlens tensors (any pointer will do)
-        cu_q = cu_k = lse2
-    meta = plan.fwd_meta
-    q_arg, k_arg, v_arg, o_arg = q, k, v, o
-    if plan.fwd_tma:
-        if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:  # o is a fresh allocation
-            meta = plan.fwd_meta_pointers
-        else:
-            q_arg, k_arg, v_arg, o_arg = map(_descriptors.with_base, plan.fwd_descs, (q, k, v, o))
-    runtime.launch(
-        _fwd_kernel.attn_fwd_kernel,
-        plan.fwd_grid,
-        q_arg,
-        k_arg,
-        v_arg,
-        o_arg,
-        lse2,
-        cu_q,
-        cu_k,
-        *plan.fwd_sizes,
-        *_dropout_args(dropout_p, seed, sequence_offset, head_offset),
-        *plan.fwd_strides,
-        **meta,
-    )
-    return o, lse2
+    """The forward launch without checks or autograd (``benchmarks/ablate_attention.py``): ``(o, lse2)``.
+    max_k (only the backward grid needs it) makes the forward share the backward's plan."""
+    call = (dense, max_q, max_k, scale, causal, dropout_p, seed, sequence_offset, head_offset)
+    plan, drop = _plan_and_dropout(q, k, cu_q, call)
+    return _launch_forward(plan, q, k, v, cu_q, cu_k, drop)
 
 
 def _backward(
-    do,
-    q,
-    k,
-    v,
-    o,
-    lse2,
-    cu_q,
-    cu_k,
-    dense,
-    max_q,
-    max_k,
-    scale,
-    causal,
-    dropout_p,
-    seed,
-    sequence_offset,
+    do, q, k, v, o, lse2, cu_q, cu_k, dense, max_q, max_k, scale, causal, dropout_p, seed, sequence_offset,
     head_offset,
-):
-    batch = dense[0] if dense is not None else cu_q.shape[0] - 1
-    plan = _plan(q, k, dense, batch, max_q, max_k, scale, causal, dropout_p > 0.0)
-    if not do.is_contiguous():
-        do = do.contiguous()
-    delta = torch.empty_like(lse2)
-    runtime.launch(
-        _kernels.attn_bwd_preprocess_kernel, plan.pre_grid, o, do, delta, *plan.pre_args, **plan.pre_meta
-    )
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
-    drop = _dropout_args(dropout_p, seed, sequence_offset, head_offset)
+):  # fmt: skip
+    """The backward launches without autograd (``benchmarks/ablate_attention.py``): ``(dq, dk, dv)``."""
+    call = (dense, max_q, max_k, scale, causal, dropout_p, seed, sequence_offset, head_offset)
+    plan, drop = _plan_and_dropout(q, k, cu_q, call)
+    return _launch_backward(plan, do, q, k, v, o, lse2, cu_q, cu_k, drop)
+
+
+def _kernel_inputs(q, k, v, dense):
+    """q, k, v as the kernels read them: ``(tokens, heads, head_dim)`` (a padded batch's
+    ``(B, T, H, D)`` reshaped: a view where one exists, else a copy), the last dim unit-stride, v
+    with k's strides (a copy where not)."""
     if dense is not None:
-        cu_q = cu_k = delta
-    runtime.launch(
-        _kernels.attn_bwd_dkdv_kernel,
-        plan.dkdv_grid,
-        q,
-        k,
-        v,
-        do,
-        lse2,
-        delta,
-        dk,
-        dv,
-        cu_q,
-        cu_k,
-        *plan.dkdv_sizes,
-        *drop,
-        *plan.dkdv_strides,
-        **plan.dkdv_meta,
-    )
-    runtime.launch(
-        _kernels.attn_bwd_dq_kernel,
-        plan.dq_grid,
-        q,
-        k,
-        v,
-        do,
-        lse2,
-        delta,
-        dq,
-        cu_q,
-        cu_k,
-        *plan.dq_sizes,
-        *drop,
-        *plan.dq_strides,
-        **plan.dq_meta,
-    )
-    return dq, dk, dv
-
-
-def _kernel_layout(q, k, v):
+        batch, t_q, t_k = dense
+        q = q.reshape(batch * t_q, q.shape[2], q.shape[3])
+        k = k.reshape(batch * t_k, k.shape[2], k.shape[3])
+        v = v.reshape(batch * t_k, v.shape[2], v.shape[3])
     if q.stride(-1) != 1:
         q = q.contiguous()
     if k.stride(-1) != 1 or v.stride() != k.stride():  # the kernels read v with k's strides
@@ -469,45 +513,31 @@ def _kernel_layout(q, k, v):
     return q, k, v
 
 
-def _attend(q, k, v, cu_q, cu_k, dense, max_q, max_k, *rest):
-    """``_AttentionFunction.apply``, or, when no gradient can flow (grad mode off, or no input
-    requires one), the same forward launch without autograd (whose per-call host time shows at
-    short sequences)."""
+def _attend(q, k, v, cu_q, cu_k, call: tuple):
+    """``(o, lse2)`` with o ``(tokens, H_q, D)``: ``_AttentionFunction.apply``, or, when no
+    gradient can flow (grad mode off, or no input requires one), the same forward launch without
+    autograd (whose per-call host time shows at short sequences). ``call`` as in
+    ``_plan_and_dropout``; q, k, v ``(B, T, H, D)`` for a padded batch (``call[0]``, dense)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _AttentionFunction.apply(q, k, v, cu_q, cu_k, dense, max_q, max_k, *rest)
-    q, k, v = _kernel_layout(q, k, v)
-    scale, causal, dropout_p, seed, sequence_offset, head_offset = rest
-    return _forward(
-        q, k, v, cu_q, cu_k, dense, max_q, scale, causal, dropout_p, seed, sequence_offset, head_offset, max_k
-    )
+        return _AttentionFunction.apply(q, k, v, cu_q, cu_k, call)
+    q, k, v = _kernel_inputs(q, k, v, call[0])
+    plan, drop = _plan_and_dropout(q, k, cu_q, call)
+    return _launch_forward(plan, q, k, v, cu_q, cu_k, drop)
 
 
 class _AttentionFunction(torch.autograd.Function):
+    # A padded batch's (B, T, H, D) inputs are reshaped in here, not before: the reshapes then
+    # add no autograd nodes (three view nodes per call, forward and backward, in host time); the
+    # gradients are viewed back (splitting the token dim is always a view: the same layout the
+    # reshapes' backward gives).
     @staticmethod
-    def forward(
-        ctx,
-        q,
-        k,
-        v,
-        cu_q,
-        cu_k,
-        dense,
-        max_q,
-        max_k,
-        scale,
-        causal,
-        dropout_p,
-        seed,
-        sequence_offset,
-        head_offset,
-    ):
-        q, k, v = _kernel_layout(q, k, v)
-        o, lse2 = _forward(
-            q, k, v, cu_q, cu_k, dense, max_q, scale, causal, dropout_p, seed, sequence_offset, head_offset,
-            max_k,
-        )  # fmt: skip
+    def forward(ctx, q, k, v, cu_q, cu_k, call):
+        shapes = (q.shape, k.shape, v.shape) if call[0] is not None else None
+        q, k, v = _kernel_inputs(q, k, v, call[0])
+        plan, drop = _plan_and_dropout(q, k, cu_q, call)
+        o, lse2 = _launch_forward(plan, q, k, v, cu_q, cu_k, drop)
         ctx.save_for_backward(q, k, v, o, lse2, cu_q, cu_k)
-        ctx.args = (dense, max_q, max_k, scale, causal, dropout_p, seed, sequence_offset, head_offset)
+        ctx.plan, ctx.drop, ctx.shapes = plan, drop, shapes  # the backward's launches: the forward's plan
         ctx.mark_non_differentiable(lse2)
         # lse2 never gets a gradient: do not let autograd allocate and zero-fill one per backward
         ctx.set_materialize_grads(False)
@@ -516,27 +546,11 @@ class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _dlse2):
         q, k, v, o, lse2, cu_q, cu_k = ctx.saved_tensors
-        dense, max_q, max_k, scale, causal, dropout_p, seed, sequence_offset, head_offset = ctx.args
-        dq, dk, dv = _backward(
-            do,
-            q,
-            k,
-            v,
-            o,
-            lse2,
-            cu_q,
-            cu_k,
-            dense,
-            max_q,
-            max_k,
-            scale,
-            causal,
-            dropout_p,
-            seed,
-            sequence_offset,
-            head_offset,
-        )
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+        dq, dk, dv = _launch_backward(ctx.plan, do, q, k, v, o, lse2, cu_q, cu_k, ctx.drop)
+        if ctx.shapes is not None:
+            q_shape, k_shape, v_shape = ctx.shapes
+            dq, dk, dv = dq.view(q_shape), dk.view(k_shape), dv.view(v_shape)
+        return dq, dk, dv, None, None, None
 
 
 def _scale(softmax_scale: float | None, head_dim: int, op: str) -> float:
@@ -546,6 +560,75 @@ def _scale(softmax_scale: float | None, head_dim: int, op: str) -> float:
     if not math.isfinite(scale) or scale <= 0.0:
         raise ValueError(f"{op}: softmax_scale must be a finite positive number, got {softmax_scale}")
     return scale
+
+
+# Calls whose checks that depend only on the call signature passed, by that signature (argument
+# types, shapes, dtypes, devices and the flags the checks read): a repeated signature skips them
+# (the checks of values that change per call, dropout's and cu_seqlens', always run). A call of
+# other argument kinds (a tensor subclass, a non-bool causal, ...) is never cached: it takes the
+# checks every time. CPU tensors pass the device check only under the interpreter, which is an
+# environment switch: their entries say so and the switch is read again on each hit.
+_PADDED_CALLS = runtime.PlanCache()  # attention: signature -> (scale, on CPU)
+_PACKED_CALLS = runtime.PlanCache()  # attention_varlen: signature -> on CPU
+_TENSOR = torch.Tensor
+
+
+def _signature(q, k, v, *flags) -> tuple | None:
+    """The cache key of a call's signature, or None when q, k, v are not plain tensors."""
+    if type(q) is not _TENSOR or type(k) is not _TENSOR or type(v) is not _TENSOR:
+        return None
+    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, *flags)
+
+
+def _dropout_values(dropout_p, seed, sequence_offset, head_offset, heads: int, batch: int, op: str) -> tuple:
+    """``_check_dropout``'s result: plain values (a float ``dropout_p``, int offsets and seed) in
+    range are returned as they are (what ``_check_dropout`` returns for them); anything else goes
+    through ``_check_dropout`` (its conversions and its errors)."""
+    if (
+        type(dropout_p) is float
+        and type(sequence_offset) is int
+        and type(head_offset) is int
+        and 0.0 <= dropout_p < 1.0
+        and 0 <= sequence_offset
+        and sequence_offset + batch <= 2**32
+        and 0 <= head_offset
+        and head_offset + heads <= _MAX_HEADS
+        and (seed is None if dropout_p == 0.0 else type(seed) is int and 0 <= seed < 2**64)
+    ):
+        return dropout_p, seed, sequence_offset, head_offset
+    return _check_dropout(dropout_p, seed, sequence_offset, head_offset, heads, batch, op)
+
+
+def _check_padded(q, k, v, causal, softmax_scale, dropout_p, seed, sequence_offset, head_offset, op) -> tuple:
+    """Every check of ``attention``, in order; returns ``(scale, dropout_p, seed, sequence_offset,
+    head_offset)``."""
+    _check_qkv(q, k, v, 4, op)
+    batch, t_q, heads, head_dim = q.shape
+    if k.shape[0] != batch:
+        raise ValueError(f"{op}: q and k must share the batch size, got {batch} and {k.shape[0]}")
+    t_k = k.shape[1]
+    if batch == 0 or t_q == 0 or t_k == 0:
+        raise ValueError(f"{op}: empty input (B={batch}, T_q={t_q}, T_k={t_k}); every size must be >= 1")
+    if max(t_q, t_k) > MAX_SEQLEN:
+        raise ValueError(f"{op}: sequence length {max(t_q, t_k)} exceeds the supported {MAX_SEQLEN}")
+    if batch > _MAX_GRID_YZ:
+        raise ValueError(f"{op}: batch {batch} exceeds {_MAX_GRID_YZ}; split it into several calls")
+    if causal and t_k < t_q:
+        raise ValueError(
+            f"{op}: causal attention needs T_k >= T_q (bottom-right alignment), got {t_k} < {t_q}"
+        )
+    dropout_p, seed, sequence_offset, head_offset = _check_dropout(
+        dropout_p, seed, sequence_offset, head_offset, heads, batch, op
+    )
+    return _scale(softmax_scale, head_dim, op), dropout_p, seed, sequence_offset, head_offset
+
+
+def _check_packed_qkv(q, k, v, op: str) -> None:
+    """``attention_varlen``'s checks of q, k, v alone (the first ones it makes)."""
+    _check_qkv(q, k, v, 3, op)
+    total_q, total_k = q.shape[0], k.shape[0]
+    if total_q == 0 or total_k == 0:
+        raise ValueError(f"{op}: empty input (total_q={total_q}, total_k={total_k}); need at least one token")
 
 
 # --------------------------------------------------------------------------- public API
@@ -621,42 +704,28 @@ def attention(
     tutorial, with atomics-free backward (separate dK/dV and dQ kernels).
     """
     op = "det_attn.attention"
-    _check_qkv(q, k, v, 4, op)
-    batch, t_q, heads, head_dim = q.shape
-    if k.shape[0] != batch:
-        raise ValueError(f"{op}: q and k must share the batch size, got {batch} and {k.shape[0]}")
-    t_k = k.shape[1]
-    if batch == 0 or t_q == 0 or t_k == 0:
-        raise ValueError(f"{op}: empty input (B={batch}, T_q={t_q}, T_k={t_k}); every size must be >= 1")
-    if max(t_q, t_k) > MAX_SEQLEN:
-        raise ValueError(f"{op}: sequence length {max(t_q, t_k)} exceeds the supported {MAX_SEQLEN}")
-    if batch > _MAX_GRID_YZ:
-        raise ValueError(f"{op}: batch {batch} exceeds {_MAX_GRID_YZ}; split it into several calls")
-    if causal and t_k < t_q:
-        raise ValueError(
-            f"{op}: causal attention needs T_k >= T_q (bottom-right alignment), got {t_k} < {t_q}"
+    # a signature seen before has passed every check but dropout's (see _PADDED_CALLS); otherwise
+    # every check runs, in order
+    plain = type(causal) is bool and (softmax_scale is None or type(softmax_scale) in (float, int))
+    key = _signature(q, k, v, causal, softmax_scale) if plain else None
+    known = None if key is None else _PADDED_CALLS.get(key)
+    if known is not None and (not known[1] or runtime.interpreter_active()):
+        batch, t_q, heads, head_dim = q.shape
+        scale = known[0]
+        dropout_p, seed, sequence_offset, head_offset = _dropout_values(
+            dropout_p, seed, sequence_offset, head_offset, heads, batch, op
         )
-    dropout_p, seed, sequence_offset, head_offset = _check_dropout(
-        dropout_p, seed, sequence_offset, head_offset, heads, batch, op
-    )
-    scale = _scale(softmax_scale, head_dim, op)
+    else:
+        scale, dropout_p, seed, sequence_offset, head_offset = _check_padded(
+            q, k, v, causal, softmax_scale, dropout_p, seed, sequence_offset, head_offset, op
+        )
+        batch, t_q, heads, head_dim = q.shape
+        if key is not None:
+            _PADDED_CALLS.put(key, (scale, q.device.type == "cpu"))
+    t_k = k.shape[1]
     # padded batch: sequence b starts at token b * T (no cu_seqlens tensors, no host sync)
-    o, lse2 = _attend(
-        q.reshape(batch * t_q, heads, head_dim),
-        k.reshape(batch * t_k, k.shape[2], head_dim),
-        v.reshape(batch * t_k, k.shape[2], head_dim),
-        None,
-        None,
-        (batch, t_q, t_k),
-        t_q,
-        t_k,
-        scale,
-        bool(causal),
-        dropout_p,
-        seed,
-        sequence_offset,
-        head_offset,
-    )
+    call = ((batch, t_q, t_k), t_q, t_k, scale, bool(causal), dropout_p, seed, sequence_offset, head_offset)
+    o, lse2 = _attend(q, k, v, None, None, call)
     o = o.view(batch, t_q, heads, head_dim)
     if not return_lse:
         return o
@@ -718,11 +787,14 @@ def attention_varlen(
     Method: as ``attention`` (FlashAttention-2 varlen layout, Dao 2023).
     """
     op = "det_attn.attention_varlen"
-    _check_qkv(q, k, v, 3, op)
+    key = _signature(q, k, v)  # q, k, v's checks: as in attention (see _PACKED_CALLS)
+    on_cpu = None if key is None else _PACKED_CALLS.get(key)
+    if on_cpu is None or (on_cpu and not runtime.interpreter_active()):
+        _check_packed_qkv(q, k, v, op)
+        if key is not None:
+            _PACKED_CALLS.put(key, q.device.type == "cpu")
     total_q, heads, head_dim = q.shape
     total_k = k.shape[0]
-    if total_q == 0 or total_k == 0:
-        raise ValueError(f"{op}: empty input (total_q={total_q}, total_k={total_k}); need at least one token")
     len_q = _check_cu_seqlens(cu_seqlens_q, total_q, q.device, "cu_seqlens_q", op)
     len_k = _check_cu_seqlens(cu_seqlens_k, total_k, q.device, "cu_seqlens_k", op)
     if len_q.numel() != len_k.numel():
@@ -738,26 +810,13 @@ def attention_varlen(
         raise ValueError(f"{op}: a sequence has queries but no keys (its attention is undefined)")
     if causal and bool((len_k < len_q).any()):
         raise ValueError(f"{op}: causal attention needs every key length >= its query length (bottom-right)")
-    dropout_p, seed, sequence_offset, head_offset = _check_dropout(
+    dropout_p, seed, sequence_offset, head_offset = _dropout_values(
         dropout_p, seed, sequence_offset, head_offset, heads, len_q.numel(), op
     )
     scale = _scale(softmax_scale, head_dim, op)
-    o, lse2 = _attend(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        None,
-        max(max_seqlen_q, 1),
-        max(max_seqlen_k, 1),
-        scale,
-        bool(causal),
-        dropout_p,
-        seed,
-        sequence_offset,
-        head_offset,
-    )
+    max_q, max_k = max(max_seqlen_q, 1), max(max_seqlen_k, 1)
+    call = (None, max_q, max_k, scale, bool(causal), dropout_p, seed, sequence_offset, head_offset)
+    o, lse2 = _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, call)
     if not return_lse:
         return o
     return o, lse2 * math.log(2.0)
