@@ -365,20 +365,27 @@ def _fwd(bm, bn, warps, stages, **more):
 
 
 # (name, fields changed on the table's row): "BM,BN,warps,stages", "rN" a cap of N registers (never
-# with dropout or pointer loads), "pointers" pointer loads instead of host TMA descriptors. The
-# table (from run 8's ablation): D128 128,64,8,2 r128, D64 128,64,8,3, both with host descriptors.
+# with dropout), "pointers" pointer loads instead of host TMA descriptors (with the table's pointer
+# tiles, fwd_pointers, unless named). The table (run 8's ablation, confirmed in run 9): D128
+# 128,64,8,2 r128 with host descriptors, pointer tiles the same; D64 128,64,8,3 with descriptors.
 # sm_90a AOT (benchmarks/aot_compile_check.py, Triton 3.6, causal, no dropout): D128 table 126 regs
-# 96 KiB (2 programs per SM); old table 192 regs 225 KiB; 128,64,8,3 r128 126 regs 129 KiB; no cap
-# 138 regs 96 KiB; pointers 182 regs 96 KiB (these four: 1 program per SM). D64 table 109 regs 65
-# KiB, so its r128 variant compiles to the same code (a control: equal times expected); pointers
-# 125 regs. None spills. Most informative first: the budget may cut the tail.
+# 96 KiB (2 programs per SM); its pointer tiles 128 regs, 76 bytes spilled, 96 KiB (2 per SM); old
+# table 192 regs 225 KiB; 128,64,8,3 r128 126 regs 129 KiB; no cap 138 regs 96 KiB; pointers no cap
+# 182 regs 96 KiB (these four: 1 program per SM); pointers 64,4,3 / 64,4,2 168 regs, 112 / 80 KiB
+# (2 per SM). D64 table 109 regs 65 KiB, so its r128 variant compiles to the same code (a control:
+# equal times expected); pointers 125 regs. Most informative first: the budget may cut the tail.
 FWD_VARIANTS = {
     128: [
         # BN 128: other bits than the table (every variant with BN 64 should keep the table's)
         ("128,128,8,3 (old table)", _fwd(128, 128, 8, 3, fwd_maxnreg=0)),
         ("128,64,8,3 r128", _fwd(128, 64, 8, 3)),
         ("128,64,8,2 (no cap)", {"fwd_maxnreg": 0}),
+        # the pointer loads (packed input) with the table's pointer tiles (128, 8, 2, cap 128), and
+        # other tiles for them: fwd_pointers = (BM, warps, stages, cap)
         ("pointers", {"fwd_tma": False}),
+        ("pointers no cap", {"fwd_tma": False, "fwd_pointers": (128, 8, 2, 0)}),
+        ("pointers 64,4,3", {"fwd_tma": False, "fwd_pointers": (64, 4, 3, 0)}),
+        ("pointers 64,4,2", {"fwd_tma": False, "fwd_pointers": (64, 4, 2, 0)}),
     ],
     64: [
         ("tma-host 128,64,8,3 r128", {"fwd_maxnreg": 128}),

@@ -25,6 +25,9 @@ BIT_NEUTRAL = {  # on the interpreter row, which has pointer loads and no regist
     "tma-host": {"fwd_tma": True},
     "tma-host r128": {"fwd_tma": True, "fwd_maxnreg": 128},
     "pointers r128": {"fwd_maxnreg": 128},  # the cap is not applied to pointer loads
+    # the pointer loads' own tiles: 16 query rows per program (the row: 32), 2 warps, a cap
+    "pointer tiles": {"fwd_pointers": (16, 2, 1, 96)},
+    "tma-host + pointer tiles": {"fwd_tma": True, "fwd_maxnreg": 128, "fwd_pointers": (16, 2, 1, 96)},
 }
 
 
@@ -93,12 +96,22 @@ def test_bit_neutral_forward_variant_gives_table_bits(variant, table_outputs, mo
     assert plans
     # host descriptors serve the padded calls, packed ones take the pointer loads
     assert {plan.fwd_tma for plan in plans} == ({True, False} if change.get("fwd_tma") else {False})
-    # the register cap reaches the descriptor launches without dropout, and only them
+    # the register caps reach their launches without dropout, and only them; the pointer loads
+    # take their own tiles where the config gives them
     cap = change.get("fwd_maxnreg")
+    block_m, warps, _, pointer_cap = change.get("fwd_pointers") or (32, 1, 1, None)
     for plan in plans:
-        capped = plan.fwd_tma and not plan.fwd_meta["DROPOUT"]
-        assert plan.fwd_meta.get("maxnreg") == (cap if capped else None)
-        assert "maxnreg" not in plan.fwd_meta_pointers
+        dropout = plan.fwd.meta["DROPOUT"]
+        if plan.fwd_tma:
+            assert plan.fwd.meta.get("maxnreg") == (None if dropout else cap)
+            assert (plan.fwd.meta["BLOCK_M"], plan.fwd.meta["num_warps"]) == (32, 1)
+        else:
+            assert plan.fwd is plan.fwd_pointers
+        pointers = plan.fwd_pointers.meta
+        assert pointers.get("maxnreg") == (None if dropout else pointer_cap)
+        assert (pointers["BLOCK_M"], pointers["num_warps"]) == (block_m, warps)
+        tiles, heads = plan.fwd_pointers.sizes[:2]
+        assert plan.fwd_pointers.grid[0] == tiles * heads
 
 
 def test_host_descriptor_path_keeps_packing_and_tile_position_invariance(monkeypatch):

@@ -85,10 +85,10 @@ def test_bound_launches_hold_the_arguments_runtime_launch_gets(fresh_caches):
     (plan,) = fa._PLANS.values()
     no_dropout = (0, 0, 0, 0, 0, 1.0)
     launches = (
-        (plan.fwd_launch, fa._fwd_kernel.attn_fwd_kernel, 7, plan.fwd_sizes, plan.fwd_strides, plan.fwd_meta),
+        (plan.fwd.bound, fa._fwd_kernel.attn_fwd_kernel, 7, plan.fwd.sizes, plan.fwd_strides, plan.fwd.meta),
         (
-            plan.fwd_launch_pointers, fa._fwd_kernel.attn_fwd_kernel, 7, plan.fwd_sizes, plan.fwd_strides,
-            plan.fwd_meta_pointers,
+            plan.fwd_pointers.bound, fa._fwd_kernel.attn_fwd_kernel, 7, plan.fwd_pointers.sizes,
+            plan.fwd_strides, plan.fwd_pointers.meta,
         ),
         (
             plan.dkdv_launch, fa._kernels.attn_bwd_dkdv_kernel, 10, plan.dkdv_sizes, plan.dkdv_strides,
@@ -114,7 +114,7 @@ def test_dropout_goes_through_runtime_launch_with_its_seed(fresh_caches, counts)
     b = _fwd_bwd(q, k, v, do, causal=True, dropout_p=0.3, seed=11)
     c = _fwd_bwd(q, k, v, do, causal=True, dropout_p=0.3, seed=12)
     (plan,) = fa._PLANS.values()  # one plan for every seed
-    assert plan.fwd_launch is None and plan.dkdv_launch is None and plan.dq_launch is None
+    assert plan.fwd.bound is None and plan.dkdv_launch is None and plan.dq_launch is None
     assert counts == {"checks": 1, "launches": 9}
     for name, x, y, z in zip(NAMES, a, b, c, strict=True):
         assert_bitwise_equal(x, y, f"{name}: same seed")

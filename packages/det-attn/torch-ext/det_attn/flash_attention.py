@@ -69,11 +69,19 @@ class _Config:
     # inputs not 16-byte aligned and Triton without host descriptors take the pointer loads: the
     # same bits); False: pointer loads always. See _fwd_kernel.
     fwd_tma: bool = False
-    # Forward register cap (ptxas maxnreg; 0: none), on the descriptor path without dropout only:
-    # the Philox tiles and the pointer path's address math need more registers (sm_90a, Triton
-    # 3.6, D128 row: 126 used under a cap of 128; 220 with dropout and 182 with pointer loads
-    # uncapped, which would spill 348 and 76 bytes under 128). No effect on bits.
+    # Forward register cap (ptxas maxnreg; 0: none) of the descriptor path, without dropout only:
+    # the Philox tiles need more registers (sm_90a, Triton 3.6, D128 row: 126 used under a cap of
+    # 128; 220 with dropout, which would spill 348 bytes under 128). No effect on bits.
     fwd_maxnreg: int = 0
+    # Forward tiles of the pointer loads (packed input, inputs not 16-byte aligned, Triton without
+    # host descriptors, fwd_tma=False): (block_m, warps, stages, maxnreg or 0; the cap without
+    # dropout only); None: fwd_block_m, fwd_warps, fwd_stages and no cap. block_m and warps are
+    # bit-neutral on the H200 (runs 8, 9: 64 x 64 tiles at 4 warps give the bits of 128 x 64 at 8
+    # warps), so a packed sequence keeps the bits of the same sequence in a padded batch (tested
+    # on the GPU). D128: 128 x 64 under a cap of 128 like the descriptor path (182 registers
+    # uncapped; under the cap ptxas spills 76 bytes, and it still ran 1.2-1.5x faster, two
+    # programs per SM). No effect on bits.
+    fwd_pointers: tuple | None = None
 
 
 # Fixed table (no autotune), bf16 and fp16 alike, causal or not. Each row is the fastest measured
@@ -81,21 +89,39 @@ class _Config:
 # benchmarks/ablate_attention.py at T1024/T4096); the fields marked * set a summation order, so
 # changing one changes bits (for every input alike: never chosen per shape).
 #                 fwd: BM  BN* warps stages | dK/dV: BM* BN warps stages | dQ: BM BN* warps stages
-# Forward rows from run 8's ablation (ablate_attention.py --forward; H200, torch 2.11, Triton 3.6,
-# 2026-11-30; B4 H32 bf16; eager / CUDA-graph ratio to SDPA cuDNN; a GPU run confirming this
-# table is pending). D128: 128 x 64 tiles, 8 warps, 2 stages, host TMA descriptors, a cap of 128
-# registers (sm_90a: 126 used, 96 KiB shared memory, so two programs per SM): causal T1024
-# 0.98 / 0.87, T4096 0.79 / 0.86, T8192 0.80 / 0.86, non-causal T4096 0.74 / 0.79. The row before
-# (128, 128, 8, 3, host descriptors; BN* other bits): 0.90 / 0.80, 0.76 / 0.85, 0.79 / 0.86,
-# 0.74 / 0.79; with pointer loads 0.83 / 0.74, 0.70 / 0.79, 0.72 / 0.80, 0.66 / 0.76. D64
-# (128, 64, 8, 3, host descriptors): T4096 0.92 / 0.93 (pointer loads 0.89 / 0.91). Tried there
-# and slower, so no longer in the kernel: FlashAttention-3-style overlap of P V with the next
-# softmax (0.55-0.74), descriptors made in the kernel (0.61-0.81), one masked key loop (at most
-# the row's speed). Not kept either: O * (1/l) instead of O / l (0-4% in graph time).
+# Forward rows from run 8's ablation, confirmed by run 9's (ablate_attention.py --forward; H200,
+# torch 2.11, Triton 3.6, 2026-11-30; B4 H32 bf16; eager / CUDA-graph ratio to SDPA cuDNN, run 9).
+# D128: 128 x 64 tiles, 8 warps, 2 stages, host TMA descriptors, a cap of 128 registers (sm_90a:
+# 126 used, 96 KiB shared memory, so two programs per SM): causal T1024 0.85 / 0.87, T4096
+# 0.81 / 0.88, T8192 0.84 / 0.86, non-causal T4096 0.74 / 0.79. The row before (128, 128, 8, 3,
+# host descriptors; BN* other bits): 0.76 / 0.79, 0.87 / 0.86, 0.84 / 0.85, 0.72 / 0.80. Pointer
+# loads (packed input): the same tiles under the same cap (two programs per SM; ptxas spills 76
+# bytes, measured faster than without): 0.78 / 0.80, 0.78 / 0.82, 0.80 / 0.80, 0.74 / 0.74; without
+# the cap (one program per SM) 0.64 / 0.67, 0.58 / 0.64, 0.60 / 0.61, 0.50 / 0.54; 64 x 64 at 4
+# warps, 3 stages 0.79 / 0.79, 0.72 / 0.74, 0.71 / 0.71, 0.72 / 0.68 (every one the table's bits).
+# D64 (128, 64, 8, 3, host descriptors): T4096 0.89 / 0.93 (pointer loads 0.92 / 0.92). Tried in
+# run 8 and slower, so no longer in the kernel: FlashAttention-3-style overlap of P V with the
+# next softmax (0.55-0.74), descriptors made in the kernel (0.61-0.81), one masked key loop (at
+# most the row's speed). Not kept either: O * (1/l) instead of O / l (0-4% in graph time).
 _GPU_CONFIGS = {
     64: _Config(128, 64, 8, 3, 64, 64, 4, 3, 64, 64, 4, 3, fwd_tma=True),
     128: _Config(
-        128, 64, 8, 2, 64, 128, 8, 3, 128, 64, 8, 3, fwd_dropout_stages=2, fwd_tma=True, fwd_maxnreg=128
+        128,
+        64,
+        8,
+        2,
+        64,
+        128,
+        8,
+        3,
+        128,
+        64,
+        8,
+        3,
+        fwd_dropout_stages=2,
+        fwd_tma=True,
+        fwd_maxnreg=128,
+        fwd_pointers=(128, 8, 2, 128),
     ),
 }
 # Interpreter: small, unequal blocks so tiny CPU tests cross many tile and diagonal boundaries.
@@ -267,16 +293,25 @@ _PLANS = runtime.PlanCache()
 
 
 @dataclass(frozen=True)
+class _FwdLaunch:
+    """One forward kernel of a plan: grid, sizes (n_tiles, heads, seqlen_q, seqlen_k, group,
+    qk_scale), constexprs and options, and the bound launch (None with dropout: see _Plan)."""
+
+    grid: tuple
+    sizes: tuple
+    meta: dict
+    bound: runtime.BoundLaunch | None
+
+
+@dataclass(frozen=True)
 class _Plan:
     cfg: _Config
     dense: bool  # a padded batch (no cu_seqlens tensors)
     lse_shape: tuple  # (heads, total_q)
-    fwd_grid: tuple
-    fwd_sizes: tuple  # n_tiles, heads, seqlen_q, seqlen_k, group, qk_scale
+    fwd: _FwdLaunch  # descriptors where fwd_tma, else pointer loads
+    fwd_pointers: _FwdLaunch  # pointer loads: for inputs not 16-byte aligned (fwd itself without fwd_tma)
     fwd_strides: tuple
-    fwd_meta: dict
     fwd_tma: bool  # host descriptors for this call shape (the config's choice, where they fit)
-    fwd_meta_pointers: dict  # fwd_meta with pointer loads: for inputs not 16-byte aligned
     fwd_descs: tuple | None  # host descriptor templates of q, k, v, o (base set per call)
     pre_grid: tuple
     pre_args: tuple  # total_q, strides
@@ -293,8 +328,6 @@ class _Plan:
     # only its tensors). Without dropout the dropout arguments are the fixed _NO_DROPOUT; with
     # dropout they change per call (the seed), so the forward, dK/dV and dQ launches go through
     # runtime.launch and these three are None.
-    fwd_launch: runtime.BoundLaunch | None  # fwd_meta (descriptors where fwd_tma)
-    fwd_launch_pointers: runtime.BoundLaunch | None  # fwd_meta_pointers (fwd_launch without fwd_tma)
     pre_launch: runtime.BoundLaunch
     dkdv_launch: runtime.BoundLaunch | None
     dq_launch: runtime.BoundLaunch | None
@@ -320,28 +353,38 @@ def _plan(q, k, dense, batch, max_q, max_k, scale, causal, dropout) -> _Plan:
     do_strides = (heads * head_dim, head_dim)  # dO is made contiguous
     dk_strides = torch.empty_like(k, device="meta").stride()
     common = dict(HEAD_DIM=head_dim, CAUSAL=causal, DROPOUT=dropout, UPCAST=interp, DENSE=dense is not None)
-    n_fwd = _cdiv(max_q, cfg.fwd_block_m)
     n_kv = _cdiv(max_k, cfg.dkdv_block_n)
     n_dq = _cdiv(max_q, cfg.dq_block_m)
     pre_block = 32  # fixed: each row is summed alike wherever it sits in a tile (packing-safe)
-    fwd_meta = dict(
-        BLOCK_M=cfg.fwd_block_m,
-        BLOCK_N=cfg.fwd_block_n,
-        num_warps=cfg.fwd_warps,
-        num_stages=cfg.fwd_dropout_stages if dropout and cfg.fwd_dropout_stages else cfg.fwd_stages,
-        **common,
-    )
+    fwd_strides = (*q.stride()[:2], *k.stride()[:2], *o_strides[:2], lse_stride)
+
+    def fwd_launch(block_m, warps, stages, maxnreg, **tma):
+        meta = dict(
+            BLOCK_M=block_m,
+            BLOCK_N=cfg.fwd_block_n,
+            num_warps=warps,
+            num_stages=cfg.fwd_dropout_stages if dropout and cfg.fwd_dropout_stages else stages,
+            **common,
+            **tma,
+        )
+        if maxnreg and not dropout:  # the Philox tiles need more registers (see _Config)
+            meta["maxnreg"] = maxnreg
+        n_fwd = _cdiv(max_q, block_m)
+        sizes = (n_fwd, heads, seqlen_q, seqlen_k, group, qk_scale)
+        # without dropout every argument after the tensors is fixed (_NO_DROPOUT): a bound launch
+        bound = None if dropout else runtime.BoundLaunch(
+            _fwd_kernel.attn_fwd_kernel, 7, (*sizes, *_NO_DROPOUT, *fwd_strides), **meta
+        )  # fmt: skip
+        return _FwdLaunch(_grid(n_fwd, heads, batch), sizes, meta, bound)
+
+    fwd_pointers = fwd_launch(*(cfg.fwd_pointers or (cfg.fwd_block_m, cfg.fwd_warps, cfg.fwd_stages, 0)))
     tma = cfg.fwd_tma and _descriptors.fwd_descriptors_fit(q, k, o_strides, dense)
-    fwd_meta_tma = descs = None
+    fwd, descs = fwd_pointers, None
     if tma:
-        fwd_meta_tma = dict(fwd_meta, TMA=True)
-        if cfg.fwd_maxnreg and not dropout:  # the register cap: this path only (see _Config)
-            fwd_meta_tma["maxnreg"] = cfg.fwd_maxnreg
+        fwd = fwd_launch(cfg.fwd_block_m, cfg.fwd_warps, cfg.fwd_stages, cfg.fwd_maxnreg, TMA=True)
         descs = _descriptors.fwd_descriptor_templates(
             q, k, o_strides, dense, cfg.fwd_block_m, cfg.fwd_block_n
         )
-    fwd_sizes = (n_fwd, heads, seqlen_q, seqlen_k, group, qk_scale)
-    fwd_strides = (*q.stride()[:2], *k.stride()[:2], *o_strides[:2], lse_stride)
     pre_args = (total_q, *o_strides[:2], *do_strides, lse_stride)
     pre_meta = dict(HEAD_DIM=head_dim, BLOCK_M=pre_block)
     dkdv_sizes = (n_kv, kv_heads, seqlen_q, seqlen_k, group, scale, qk_scale)
@@ -363,17 +406,9 @@ def _plan(q, k, dense, batch, max_q, max_k, scale, causal, dropout) -> _Plan:
         num_stages=cfg.dq_stages,
         **common,
     )
-    fwd_launch = fwd_launch_pointers = dkdv_launch = dq_launch = None
+    dkdv_launch = dq_launch = None
     if not dropout:  # the launches' arguments after the tensors, as runtime.launch gets them
         bound = runtime.BoundLaunch
-        fwd_launch_pointers = bound(
-            _fwd_kernel.attn_fwd_kernel, 7, (*fwd_sizes, *_NO_DROPOUT, *fwd_strides), **fwd_meta
-        )
-        fwd_launch = fwd_launch_pointers
-        if tma:
-            fwd_launch = bound(
-                _fwd_kernel.attn_fwd_kernel, 7, (*fwd_sizes, *_NO_DROPOUT, *fwd_strides), **fwd_meta_tma
-            )
         dkdv_launch = bound(
             _kernels.attn_bwd_dkdv_kernel, 10, (*dkdv_sizes, *_NO_DROPOUT, *dkdv_strides), **dkdv_meta
         )
@@ -382,12 +417,10 @@ def _plan(q, k, dense, batch, max_q, max_k, scale, causal, dropout) -> _Plan:
         cfg=cfg,
         dense=dense is not None,
         lse_shape=(heads, total_q),
-        fwd_grid=_grid(n_fwd, heads, batch),
-        fwd_sizes=fwd_sizes,
+        fwd=fwd,
+        fwd_pointers=fwd_pointers,
         fwd_strides=fwd_strides,
-        fwd_meta=fwd_meta_tma if tma else fwd_meta,
         fwd_tma=tma,
-        fwd_meta_pointers=fwd_meta,
         fwd_descs=descs,
         pre_grid=(_cdiv(total_q, pre_block), heads),
         pre_args=pre_args,
@@ -400,8 +433,6 @@ def _plan(q, k, dense, batch, max_q, max_k, scale, causal, dropout) -> _Plan:
         dq_sizes=dq_sizes,
         dq_strides=dq_strides,
         dq_meta=dq_meta,
-        fwd_launch=fwd_launch,
-        fwd_launch_pointers=fwd_launch_pointers,
         pre_launch=runtime.BoundLaunch(_kernels.attn_bwd_preprocess_kernel, 3, pre_args, **pre_meta),
         dkdv_launch=dkdv_launch,
         dq_launch=dq_launch,
@@ -416,19 +447,19 @@ def _launch_forward(plan: _Plan, q, k, v, cu_q, cu_k, drop: tuple | None):
     lse2 = q.new_empty(plan.lse_shape, dtype=torch.float32)
     if plan.dense:  # a padded batch: no cu_seqlens tensors (any pointer will do)
         cu_q = cu_k = lse2
-    bound, meta = plan.fwd_launch, plan.fwd_meta
+    fwd = plan.fwd
     q_arg, k_arg, v_arg, o_arg = q, k, v, o
     if plan.fwd_tma:
         if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:  # o is a fresh allocation
-            bound, meta = plan.fwd_launch_pointers, plan.fwd_meta_pointers
+            fwd = plan.fwd_pointers
         else:
             q_arg, k_arg, v_arg, o_arg = map(_descriptors.with_base, plan.fwd_descs, (q, k, v, o))
     tensors = (q_arg, k_arg, v_arg, o_arg, lse2, cu_q, cu_k)
     if drop is None:
-        bound(plan.fwd_grid, *tensors)
+        fwd.bound(fwd.grid, *tensors)
     else:
         kernel = _fwd_kernel.attn_fwd_kernel
-        runtime.launch(kernel, plan.fwd_grid, *tensors, *plan.fwd_sizes, *drop, *plan.fwd_strides, **meta)
+        runtime.launch(kernel, fwd.grid, *tensors, *fwd.sizes, *drop, *plan.fwd_strides, **fwd.meta)
     return o, lse2
 
 
