@@ -186,7 +186,22 @@ def _check_dropout(
     batch: int,
     op: str,
 ) -> tuple[float, int | None, int, int]:
-    """Validate the dropout arguments; returns them as (float, int or None, int, int)."""
+    """Validate the dropout arguments; returns them as (float, int or None, int, int). Plain values
+    in range (a float ``dropout_p``, int offsets, no seed without dropout or an int seed with it:
+    every call of a training loop) are returned after comparisons alone; anything else goes through
+    the conversions and their errors."""
+    if (
+        type(dropout_p) is float
+        and type(sequence_offset) is int
+        and type(head_offset) is int
+        and 0.0 <= dropout_p < 1.0
+        and 0 <= sequence_offset
+        and sequence_offset + batch <= 2**32
+        and 0 <= head_offset
+        and head_offset + heads <= _MAX_HEADS
+        and (seed is None if dropout_p == 0.0 else type(seed) is int and 0 <= seed < 2**64)
+    ):
+        return dropout_p, seed, sequence_offset, head_offset
     dropout_p = _as_dropout_p(dropout_p, "dropout_p", op)
     if seed is not None:
         seed = _as_seed(seed, "seed", op)
@@ -611,25 +626,6 @@ def _signature(q, k, v, *flags) -> tuple | None:
     return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, *flags)
 
 
-def _dropout_values(dropout_p, seed, sequence_offset, head_offset, heads: int, batch: int, op: str) -> tuple:
-    """``_check_dropout``'s result: plain values (a float ``dropout_p``, int offsets and seed) in
-    range are returned as they are (what ``_check_dropout`` returns for them); anything else goes
-    through ``_check_dropout`` (its conversions and its errors)."""
-    if (
-        type(dropout_p) is float
-        and type(sequence_offset) is int
-        and type(head_offset) is int
-        and 0.0 <= dropout_p < 1.0
-        and 0 <= sequence_offset
-        and sequence_offset + batch <= 2**32
-        and 0 <= head_offset
-        and head_offset + heads <= _MAX_HEADS
-        and (seed is None if dropout_p == 0.0 else type(seed) is int and 0 <= seed < 2**64)
-    ):
-        return dropout_p, seed, sequence_offset, head_offset
-    return _check_dropout(dropout_p, seed, sequence_offset, head_offset, heads, batch, op)
-
-
 def _check_padded(q, k, v, causal, softmax_scale, dropout_p, seed, sequence_offset, head_offset, op) -> tuple:
     """Every check of ``attention``, in order; returns ``(scale, dropout_p, seed, sequence_offset,
     head_offset)``."""
@@ -743,7 +739,7 @@ def attention(
     if known is not None and (not known[1] or runtime.interpreter_active()):
         batch, t_q, heads, head_dim = q.shape
         scale = known[0]
-        dropout_p, seed, sequence_offset, head_offset = _dropout_values(
+        dropout_p, seed, sequence_offset, head_offset = _check_dropout(
             dropout_p, seed, sequence_offset, head_offset, heads, batch, op
         )
     else:
@@ -841,7 +837,7 @@ def attention_varlen(
         raise ValueError(f"{op}: a sequence has queries but no keys (its attention is undefined)")
     if causal and bool((len_k < len_q).any()):
         raise ValueError(f"{op}: causal attention needs every key length >= its query length (bottom-right)")
-    dropout_p, seed, sequence_offset, head_offset = _dropout_values(
+    dropout_p, seed, sequence_offset, head_offset = _check_dropout(
         dropout_p, seed, sequence_offset, head_offset, heads, len_q.numel(), op
     )
     scale = _scale(softmax_scale, head_dim, op)
