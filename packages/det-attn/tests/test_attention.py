@@ -461,6 +461,18 @@ def _bad_cases():
         (ValueError, "seed", lambda: attention(q, k, v, dropout_p=0.1)),
         (ValueError, "dropout_p", lambda: attention(q, k, v, dropout_p=1.0, seed=0)),
         (ValueError, "softmax_scale", lambda: attention(q, k, v, softmax_scale=-1.0)),
+        # found by a new-user check: these were converted silently (causal="no" ran causal)
+        (TypeError, "causal must be a bool", lambda: attention(q, k, v, causal="no")),
+        (TypeError, "causal must be a bool", lambda: attention(q, k, v, causal=1)),
+        (TypeError, "causal must be a bool", lambda: attention_varlen(*flat, cu, cu, 8, 8, causal=None)),
+        (TypeError, "softmax_scale must be a real number", lambda: attention(q, k, v, softmax_scale="0.5")),
+        (TypeError, "softmax_scale must be a real number", lambda: attention(q, k, v, softmax_scale=True)),
+        (
+            TypeError,
+            "softmax_scale must be a real number",
+            lambda: attention(q, k, v, softmax_scale=torch.tensor(0.5)),
+        ),
+        (ValueError, "finite positive", lambda: attention(q, k, v, softmax_scale=10**400)),
         (ValueError, "sequence_offset", lambda: attention(q, k, v, sequence_offset=2**32)),
         (ValueError, "head_offset", lambda: attention(q, k, v, head_offset=2**19)),
         (ValueError, "device", lambda: attention(q, k.to("meta"), v.to("meta"))),
@@ -654,3 +666,28 @@ def test_too_long_sequence_raises():
     q = torch.zeros(1, 1, 1, D, dtype=torch.bfloat16).expand(1, 2**22 + 1, 1, D)
     with pytest.raises(ValueError, match="exceeds"):
         attention(q, q, q)
+
+
+def test_strided_cu_seqlens_give_the_contiguous_bits():
+    # found by a new-user check: a strided cu_seqlens view passed the value checks (made on the
+    # host) but the kernels read it with unit stride (NaN there); it is made contiguous now
+    lengths = [10, 20, 20]
+    q, k, v = (_randn(50, 2, 64, seed=s) for s in (1, 2, 3))
+    cu = torch.tensor([0, 10, 30, 50], dtype=torch.int32)
+    strided = torch.tensor([0, 99, 10, 99, 30, 99, 50, 99], dtype=torch.int32)[::2]
+    assert not strided.is_contiguous() and strided.tolist() == cu.tolist() and max(lengths) == 20
+    want = attention_varlen(q, k, v, cu, cu, 20, 20, causal=True, return_lse=True)
+    got = attention_varlen(q, k, v, strided, strided, 20, 20, causal=True, return_lse=True)
+    for name, a, b in zip(("o", "lse"), got, want, strict=True):
+        assert_bitwise_equal(a, b, f"{name}: strided cu_seqlens")
+
+
+def test_double_backward_raises_instead_of_dropping_terms():
+    # found by a new-user check: create_graph=True gave a dq without grad_fn, so a gradient
+    # penalty silently contributed nothing; such a backward raises now
+    q, k, v = (_randn(1, 16, 1, 64, seed=s).requires_grad_() for s in (4, 5, 6))
+    o = attention(q, k, v, causal=True)
+    with pytest.raises(RuntimeError, match="det_attn.attention: a backward with create_graph=True"):
+        torch.autograd.grad(o.float().sum(), q, create_graph=True)
+    (dq,) = torch.autograd.grad(attention(q, k, v, causal=True).float().sum(), q)  # first order
+    assert dq.shape == q.shape and not dq.requires_grad

@@ -13,6 +13,8 @@ GPU: ``tests/test_attention_gpu.py``.
 
 from __future__ import annotations
 
+import fractions
+
 import pytest
 import torch
 from det_attn import attention
@@ -150,7 +152,8 @@ def test_kernels_ignore_dropout_arguments_without_dropout(fresh_caches):
 def test_other_argument_kinds_are_checked_every_call(fresh_caches, counts):
     q, k, v = _randn(1, 8, 2, D), _randn(1, 8, 2, D), _randn(1, 8, 2, D)
     want = attention(q, k, v, causal=True, softmax_scale=0.5)
-    for kwargs in ({"causal": 1, "softmax_scale": 0.5}, {"causal": True, "softmax_scale": torch.tensor(0.5)}):
+    # a real number of another type than float / int (numpy's, a Fraction) is never cached
+    for kwargs in ({"causal": True, "softmax_scale": fractions.Fraction(1, 2)},) * 2:
         before = counts["checks"]
         assert_bitwise_equal(attention(q, k, v, **kwargs), want, str(kwargs))
         assert counts["checks"] == before + 1

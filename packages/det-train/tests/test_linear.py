@@ -523,3 +523,22 @@ def test_dw_launch_plans_never_serve_another_call_signature(monkeypatch):
                     assert_bitwise_equal(got[key], want[key], f"{what} node {key}")
             else:
                 assert_bitwise_equal(got, want, what)
+
+
+def test_double_backward_raises_instead_of_dropping_terms():
+    # found by a new-user check: create_graph=True gave a dX without grad_fn, so a gradient
+    # penalty silently contributed nothing; the kernels' backward passes refuse it
+    from det_train import cross_entropy, rms_norm
+
+    x = _randn(8, 64, seed=1, requires_grad=True)
+    w = _randn(32, 64, seed=2, requires_grad=True)
+    g = _randn(64, seed=3, requires_grad=True)
+    targets = torch.arange(8, device=DEVICE) % 32
+    for name, out in (
+        ("linear", lambda: linear(x, w).float().sum()),
+        ("rms_norm", lambda: rms_norm(x, g).float().sum()),
+        ("cross_entropy", lambda: cross_entropy(linear(x, w), targets, reduction="sum")),
+    ):
+        with pytest.raises(RuntimeError, match=f"det_train.{name}: a backward with create_graph=True"):
+            torch.autograd.grad(out(), x, create_graph=True)
+        torch.autograd.grad(out(), x)  # first order: as before

@@ -408,16 +408,3 @@ def test_launch_plans_never_serve_another_call_signature(monkeypatch):
     plain = launch_matmul(a, b, torch.empty(40, 56, dtype=torch.float32, device=DEVICE))
     assert_bitwise_equal(plain, carry, "no carry after a carry call of the same shapes")
     assert not torch.equal(chained, plain)
-
-
-def test_descriptor_from_a_plan_equals_the_constructed_one():
-    """A plan's descriptor for a new base is TensorDescriptor(base, ...) field for field."""
-    pytest.importorskip("triton.tools.tensor_descriptor")
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    mm = importlib.import_module("det_train.matmul")
-    first, second = _randn(64, 128, seed=1), _randn(64, 128, seed=2)
-    make = mm._Descriptor(TensorDescriptor(first, [64, 128], [128, 1], [32, 64]))
-    got = make(second)
-    assert type(got) is TensorDescriptor and got.base is second
-    assert got == TensorDescriptor(second, [64, 128], [128, 1], [32, 64])

@@ -268,3 +268,18 @@ def test_plan_cache_is_bounded_and_returns_what_it_stores():
     cache = runtime.PlanCache(limit=2)
     assert cache.put("a", 1) == 1 and cache.put("b", 2) == 2 and dict(cache) == {"a": 1, "b": 2}
     assert cache.put("c", 3) == 3 and dict(cache) == {"c": 3}  # full: emptied before the new plan
+
+
+def test_descriptor_template_copies_equal_the_constructed_descriptor():
+    """A template's copy for a new base is TensorDescriptor(base, ...) field for field, also when the
+    template was validated with an empty tensor of the dtype (det_attn builds it so)."""
+    pytest.importorskip("triton.tools.tensor_descriptor")
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    first, second = torch.randn(64, 128).to(torch.bfloat16), torch.randn(64, 128).to(torch.bfloat16)
+    for probe in (first, first.new_empty(0)):
+        template = runtime.DescriptorTemplate(TensorDescriptor(probe, [64, 128], [128, 1], [32, 64]))
+        got = template(second)
+        assert type(got) is TensorDescriptor and got.base is second
+        assert got == TensorDescriptor(second, [64, 128], [128, 1], [32, 64])
+        assert template.desc.base is probe  # the template itself is untouched

@@ -7,9 +7,7 @@ batch row's end read as zeros, stores past it dropped), so both paths give the s
 
 from __future__ import annotations
 
-import dataclasses
-
-import torch
+from ._vendor.det_core import runtime
 
 try:  # Triton >= 3.4; older versions take the pointer loads (the same bits)
     from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
@@ -33,36 +31,19 @@ def fwd_descriptors_fit(q, k, o_strides, dense) -> bool:
 
 
 def fwd_descriptor_templates(q, k, o_strides, dense, block_m: int, block_n: int) -> tuple:
-    """Host TMA descriptors of q, k, v, o over ``(B, T, H * D)`` without a base (set per call by
-    ``with_base``): validated here once, so a call only copies one."""
+    """Host TMA descriptors of q, k, v, o over ``(B, T, H * D)`` as ``runtime.DescriptorTemplate``
+    (validated here once; a call copies each with its tensor as the base, whose 16-byte alignment
+    the launcher checks per call)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     batch, t_q, t_k = dense
     head_dim = q.shape[2]
-    defaults = {
-        f.name: f.default
-        for f in dataclasses.fields(TensorDescriptor)
-        if f.default is not dataclasses.MISSING
-    }
+    probe = q.new_empty(0)  # validation reads the dtype; the base is set per call
 
     def template(t_len, heads, stride_t, block):
-        desc = object.__new__(TensorDescriptor)
-        desc.__dict__.update(defaults)
-        desc.__dict__.update(
-            base=None,
-            shape=[batch, t_len, heads * head_dim],
-            strides=[t_len * stride_t, stride_t, 1],
-            block_shape=[1, block, head_dim],
-        )
-        return desc
+        shape, strides = [batch, t_len, heads * head_dim], [t_len * stride_t, stride_t, 1]
+        return runtime.DescriptorTemplate(TensorDescriptor(probe, shape, strides, [1, block, head_dim]))
 
     q_desc = template(t_q, q.shape[1], q.stride(0), block_m)
     k_desc = template(t_k, k.shape[1], k.stride(0), block_n)
     return q_desc, k_desc, k_desc, template(t_q, q.shape[1], o_strides[0], block_m)
-
-
-def with_base(template, base: torch.Tensor):
-    desc = object.__new__(type(template))
-    desc.__dict__.update(template.__dict__)
-    desc.base = base
-    return desc

@@ -92,11 +92,12 @@ class _Config:
 # Forward rows from run 8's ablation, confirmed by run 9's (ablate_attention.py --forward; H200,
 # torch 2.11, Triton 3.6, 2026-11-30; B4 H32 bf16; eager / CUDA-graph ratio to SDPA cuDNN, run 9).
 # D128: 128 x 64 tiles, 8 warps, 2 stages, host TMA descriptors, a cap of 128 registers (sm_90a:
-# 126 used, 96 KiB shared memory, so two programs per SM): causal T1024 0.85 / 0.87, T4096
-# 0.81 / 0.88, T8192 0.84 / 0.86, non-causal T4096 0.74 / 0.79. The row before (128, 128, 8, 3,
+# 126 used, 96 KiB shared memory, so two programs per SM): causal T1024 0.84 / 0.87, T4096
+# 0.81 / 0.87, T8192 0.84 / 0.86, non-causal T4096 0.71 / 0.79. The row before (128, 128, 8, 3,
 # host descriptors; BN* other bits): 0.76 / 0.79, 0.87 / 0.86, 0.84 / 0.85, 0.72 / 0.80. Pointer
-# loads (packed input): the same tiles under the same cap (two programs per SM; ptxas spills 76
-# bytes, measured faster than without): 0.78 / 0.80, 0.78 / 0.82, 0.80 / 0.80, 0.74 / 0.74; without
+# loads (packed input; a second ablation, where the row measured 0.85 / 0.87, 0.81 / 0.88,
+# 0.84 / 0.86, 0.74 / 0.79): the same tiles under the same cap (two programs per SM; ptxas spills
+# 76 bytes, measured faster than without): 0.78 / 0.80, 0.78 / 0.82, 0.80 / 0.80, 0.74 / 0.74; without
 # the cap (one program per SM) 0.64 / 0.67, 0.58 / 0.64, 0.60 / 0.61, 0.50 / 0.54; 64 x 64 at 4
 # warps, 3 stages 0.79 / 0.79, 0.72 / 0.74, 0.71 / 0.71, 0.72 / 0.68 (every one the table's bits).
 # D64 (128, 64, 8, 3, host descriptors): T4096 0.89 / 0.93 (pointer loads 0.92 / 0.92). Tried in
@@ -468,7 +469,7 @@ def _launch_forward(plan: _Plan, q, k, v, cu_q, cu_k, drop: tuple | None):
         if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:  # o is a fresh allocation
             fwd = plan.fwd_pointers
         else:
-            q_arg, k_arg, v_arg, o_arg = map(_descriptors.with_base, plan.fwd_descs, (q, k, v, o))
+            q_arg, k_arg, v_arg, o_arg = (d(t) for d, t in zip(plan.fwd_descs, (q, k, v, o), strict=True))
     tensors = (q_arg, k_arg, v_arg, o_arg, lse2, cu_q, cu_k)
     if drop is None:
         fwd.bound(fwd.grid, *tensors)
@@ -591,6 +592,7 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, _dlse2):
+        runtime.check_first_order("det_attn.attention")
         q, k, v, o, lse2, cu_q, cu_k = ctx.saved_tensors
         dq, dk, dv = _launch_backward(ctx.plan, do, q, k, v, o, lse2, cu_q, cu_k, ctx.drop)
         if ctx.shapes is not None:
@@ -600,12 +602,30 @@ class _AttentionFunction(torch.autograd.Function):
 
 
 def _scale(softmax_scale: float | None, head_dim: int, op: str) -> float:
+    """``softmax_scale`` as a float: None gives ``1 / sqrt(head_dim)``; else a real number (int,
+    float, numpy scalar; not a bool, str or tensor), finite and positive."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
-    scale = float(softmax_scale)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(
+            f"{op}: softmax_scale must be a real number or None, got {type(softmax_scale).__name__} "
+            f"{softmax_scale!r}; pass a Python float such as 0.125"
+        )
+    try:
+        scale = float(softmax_scale)
+    except OverflowError:  # an int beyond the float range
+        scale = math.inf
     if not math.isfinite(scale) or scale <= 0.0:
         raise ValueError(f"{op}: softmax_scale must be a finite positive number, got {softmax_scale}")
     return scale
+
+
+def _check_causal(causal, op: str) -> None:
+    """``causal`` must be a Python bool: a string, number or tensor is a mistake, never a flag."""
+    if not isinstance(causal, bool):
+        raise TypeError(
+            f"{op}: causal must be a bool, got {type(causal).__name__} {causal!r}; pass True or False"
+        )
 
 
 # Calls whose checks that depend only on the call signature passed, by that signature (argument
@@ -640,6 +660,7 @@ def _check_padded(q, k, v, causal, softmax_scale, dropout_p, seed, sequence_offs
         raise ValueError(f"{op}: sequence length {max(t_q, t_k)} exceeds the supported {MAX_SEQLEN}")
     if batch > _MAX_GRID_YZ:
         raise ValueError(f"{op}: batch {batch} exceeds {_MAX_GRID_YZ}; split it into several calls")
+    _check_causal(causal, op)
     if causal and t_k < t_q:
         raise ValueError(
             f"{op}: causal attention needs T_k >= T_q (bottom-right alignment), got {t_k} < {t_q}"
@@ -705,11 +726,13 @@ def attention(
         ``o`` of shape ``(B, T_q, H_q, D)`` in q's dtype; with ``return_lse``, ``(o, lse)``.
 
     Raises:
-        TypeError: a non-tensor input, dtype other than bf16/fp16, or mixed dtypes; ``dropout_p``
-            not a real number (a bool, str or tensor); ``seed``, ``sequence_offset`` or
-            ``head_offset`` not an integer (a bool, float or str).
+        TypeError: a non-tensor input, dtype other than bf16/fp16, or mixed dtypes; ``causal``
+            not a bool; ``softmax_scale`` or ``dropout_p`` not a real number (a bool, str or
+            tensor); ``seed``, ``sequence_offset`` or ``head_offset`` not an integer (a bool,
+            float or str).
         ValueError: wrong ranks or shapes, head dim not 64 or 128, ``T = 0``, ``T > MAX_SEQLEN``
-            (``2**22``), ``H_q`` not a multiple of ``H_kv``, causal with ``T_k < T_q``,
+            (``2**22``), ``H_q`` not a multiple of ``H_kv``, causal with ``T_k < T_q``, a
+            ``softmax_scale`` that is not finite and positive,
             ``dropout_p`` outside ``[0, 1)``, a seed outside ``[0, 2**64)`` or missing with
             dropout, offsets out of range, tensors on different devices.
         RuntimeError: CPU tensors without the Triton interpreter.
@@ -835,6 +858,7 @@ def attention_varlen(
     max_seqlen_k = _as_max_seqlen(max_seqlen_k, "max_seqlen_k", len_k, op)
     if bool(((len_q > 0) & (len_k == 0)).any()):
         raise ValueError(f"{op}: a sequence has queries but no keys (its attention is undefined)")
+    _check_causal(causal, op)
     if causal and bool((len_k < len_q).any()):
         raise ValueError(f"{op}: causal attention needs every key length >= its query length (bottom-right)")
     dropout_p, seed, sequence_offset, head_offset = _check_dropout(
@@ -843,7 +867,8 @@ def attention_varlen(
     scale = _scale(softmax_scale, head_dim, op)
     max_q, max_k = max(max_seqlen_q, 1), max(max_seqlen_k, 1)
     call = (None, max_q, max_k, scale, bool(causal), dropout_p, seed, sequence_offset, head_offset)
-    o, lse2 = _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, call)
+    # the kernels read cu_seqlens with unit stride (a strided view's values were checked above)
+    o, lse2 = _attend(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), call)
     if not return_lse:
         return o
     return o, lse2 * math.log(2.0)

@@ -137,6 +137,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        runtime.check_first_order("det_train.cross_entropy")
         logits2, targets1, lse = ctx.saved_tensors
         n, v = logits2.shape
         dx = torch.empty_like(logits2, memory_format=torch.contiguous_format)

@@ -213,6 +213,7 @@ class _EmbeddingFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        runtime.check_first_order("det_train.embedding")
         (ids,) = ctx.saved_tensors
         weight = ctx.weight
         if not ctx.needs_input_grad[1]:

@@ -45,6 +45,7 @@ class _LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        runtime.check_first_order("det_train.linear")
         x2d, weight = ctx.saved_tensors
         bias = ctx.bias
         n, k = weight.shape

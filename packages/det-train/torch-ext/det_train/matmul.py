@@ -217,31 +217,6 @@ def _tma_operands(a: torch.Tensor, b: torch.Tensor, config: MatmulConfig, carry)
     return None  # row-major B ("nn"): the pointer kernel (already ~0.95x cuBLAS for dX)
 
 
-class _Descriptor:
-    """Builds ``TensorDescriptor(base, shape, strides, block_shape)`` for new bases of one layout.
-
-    ``TensorDescriptor``'s constructor validates its fields (alignment, strides, block shape: several
-    microseconds of host time, four descriptors per Linear layer and micro-batch). A launch plan is
-    keyed by everything that validation reads (dtype, shape, strides, 16-byte alignment of the base),
-    so the fields of the descriptor validated when the plan was built are copied to a new object
-    with the new base: the same descriptor Triton would get from the constructor.
-    """
-
-    def __init__(self, desc) -> None:
-        self._cls = type(desc)
-        fields = getattr(desc, "__dict__", None)  # a plain dataclass on every Triton with descriptors
-        self._fields = None if fields is None else {k: v for k, v in fields.items() if k != "base"}
-        self._args = (desc.shape, desc.strides, desc.block_shape)
-
-    def __call__(self, base: torch.Tensor):
-        if self._fields is None:
-            return self._cls(base, *self._args)
-        desc = object.__new__(self._cls)
-        desc.__dict__.update(self._fields)
-        desc.base = base
-        return desc
-
-
 class _Plan:
     """The launch of one matmul call signature (shapes, strides, dtypes, alignment, config): the
     kernel with its sizes, strides and constexprs bound; the calls pass the tensors."""
@@ -292,7 +267,7 @@ def _make_plan(key, a, b, out, carry, bias, config) -> _Plan:
                 common, B_KMAJOR=b_kmajor, PERSISTENT=config.persistent, UPCAST=_INTERPRET,
                 num_warps=config.num_warps, num_stages=config.num_stages,
             ),
-            _Descriptor(a_desc), _Descriptor(b_desc),
+            runtime.DescriptorTemplate(a_desc), runtime.DescriptorTemplate(b_desc),
         )  # fmt: skip
     else:
         a3, saz = _as_batched(a)

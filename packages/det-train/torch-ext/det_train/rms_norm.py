@@ -176,6 +176,7 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        runtime.check_first_order("det_train.rms_norm")
         x2, weight, rstd = ctx.saved_tensors
         d = ctx.d
         dy2 = dy.reshape(-1, d)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ._vendor.det_core import runtime
 from .configs import matmul_config
 from .linear import _check_linear, param_grads
 from .matmul import launch_matmul, matmul_partial
@@ -75,6 +76,7 @@ class _RowParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        runtime.check_first_order("det_train.row_parallel_linear")
         x2d, weight = ctx.saved_tensors
         dy2d = dy.reshape(-1, weight.shape[0])
         grad_x = None
@@ -102,6 +104,7 @@ class _ColumnParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        runtime.check_first_order("det_train.column_parallel_linear")
         x2d, weight = ctx.saved_tensors
         dy2d = dy.reshape(-1, weight.shape[0])
         grad_x = None

@@ -24,7 +24,6 @@ from ._vendor.det_core.reduce import TreePartial, num_leaves
 from .configs import BIAS_GRAD_BLOCK_T, WeightGradConfig, check_weight_grad_config, weight_grad_config
 from .matmul import (
     _INTERPRET,
-    _Descriptor,
     _dot_precision,
     _grouped_tile,
     _row_major,
@@ -521,7 +520,7 @@ class _Run:
         self.grid, self.out_shape, self.out_dtype = grid, out_shape, out_dtype
         self.scratch_shape, self.nodes = scratch_shape, nodes
         self.launch = runtime.BoundLaunch(kernel, 3 if scratch_shape is None else 4, scalars, **meta)
-        self.descs = None if descs is None else (_Descriptor(descs[0]), _Descriptor(descs[1]))
+        self.descs = None if descs is None else tuple(map(runtime.DescriptorTemplate, descs))
 
 
 class _Plan:

@@ -17,8 +17,10 @@ import torch
 
 __all__ = [
     "BoundLaunch",
+    "DescriptorTemplate",
     "as_index",
     "cdiv",
+    "check_first_order",
     "check_kernel_device",
     "interpreter_active",
     "launch",
@@ -44,6 +46,29 @@ def next_power_of_2(n: int) -> int:
     """The smallest power of 2 ``>= n`` for ``n >= 1`` (0 for ``n <= 0``), as ``triton.next_power_of_2``
     computes it, on the host (see ``cdiv``)."""
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+def check_first_order(op: str) -> None:
+    """Raise ``RuntimeError`` when called from a backward that builds a graph of its own
+    (``torch.autograd.grad(..., create_graph=True)`` or ``backward(create_graph=True)``).
+
+    The kernels' backward passes are first-order: their gradients would carry no graph back to the
+    inputs, so a loss built from them (a gradient penalty, a Hessian-vector product) would lose
+    those terms without a word. Autograd runs a custom Function's backward in grad mode exactly
+    when ``create_graph`` is set, which is what this checks.
+
+    Args:
+        op: the public name of the operation, for the message.
+
+    Raises:
+        RuntimeError: grad mode is on (a backward with ``create_graph=True``).
+    """
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{op}: a backward with create_graph=True (gradients of gradients: a gradient penalty, a "
+            "Hessian-vector product) is not supported; its gradients are first-order only. Compute "
+            "the second-order term with the plain torch op, or without create_graph."
+        )
 
 
 def check_kernel_device(*tensors: torch.Tensor, op: str = "kernel") -> torch.device:
@@ -404,3 +429,41 @@ class BoundLaunch:
                 self._entries[key] = found
             return found
         return _run(compiled, grid, device, *leading, *self.trailing, *self._tail)
+
+
+class DescriptorTemplate:
+    """Copies of one validated host tensor descriptor (``triton.tools.tensor_descriptor.
+    TensorDescriptor``) with new bases: ``template(base)`` is ``TensorDescriptor(base, shape,
+    strides, block_shape)`` without the constructor's validation (several microseconds of host time
+    per descriptor, several descriptors per launch).
+
+    The descriptor given here was validated when it was built (dtype, strides, block shape): a
+    launch plan keyed by everything that validation reads makes it once and copies it per call.
+    The base's 16-byte alignment is the one field a copy does not re-check: the caller checks it
+    (or keys its plan by it). On a Triton whose descriptor keeps its fields elsewhere than in a
+    plain ``__dict__``, a call is the constructor.
+
+    Args:
+        desc: a ``TensorDescriptor`` built with any base of the right dtype (e.g. an empty tensor).
+
+    ``template.desc`` is that descriptor (its shape, strides, block shape).
+
+    **Determinism:** a copy holds the same fields as the constructor's result: the kernel gets the
+    same descriptor, so the same bits.
+    """
+
+    __slots__ = ("desc", "_fields")
+
+    def __init__(self, desc) -> None:
+        self.desc = desc
+        fields = getattr(desc, "__dict__", None)  # a plain dataclass on every Triton with descriptors
+        self._fields = None if fields is None else {k: v for k, v in fields.items() if k != "base"}
+
+    def __call__(self, base: torch.Tensor):
+        desc = self.desc
+        if self._fields is None:
+            return type(desc)(base, desc.shape, desc.strides, desc.block_shape)
+        copy = object.__new__(type(desc))
+        copy.__dict__.update(self._fields)
+        copy.base = base
+        return copy
