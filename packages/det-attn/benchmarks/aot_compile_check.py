@@ -75,7 +75,7 @@ def _launch_args(cfg, head_dim: int, causal: bool, dropout: bool):
         fa._GPU_CONFIGS[head_dim] = saved
     drop = fa._dropout_args(0.1 if dropout else 0.0, 1234 if dropout else None, 0, 0)
     if plan.fwd_tma:
-        tensors = [f"tensordesc<bf16{list(d.desc.block_shape)}>" for d in plan.fwd_descs]
+        tensors = [f"tensordesc<bf16{list(d.block_shape)}>" for d in plan.fwd_descs]
     else:
         tensors = ["*bf16"] * 4
     values = [*tensors, "*fp32", "*fp32", "*fp32", *plan.fwd.sizes, *drop, *plan.fwd_strides]

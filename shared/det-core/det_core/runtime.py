@@ -445,24 +445,25 @@ class DescriptorTemplate:
     Args:
         desc: a ``TensorDescriptor`` built with any base of the right dtype (e.g. an empty tensor).
 
-    ``template.desc`` is that descriptor (its shape, strides, block shape).
+    The template keeps the descriptor's ``shape``, ``strides`` and ``block_shape`` and its other
+    fields, never its base: a cached plan does not keep the tensor it was built from alive.
 
     **Determinism:** a copy holds the same fields as the constructor's result: the kernel gets the
     same descriptor, so the same bits.
     """
 
-    __slots__ = ("desc", "_fields")
+    __slots__ = ("shape", "strides", "block_shape", "_cls", "_fields")
 
     def __init__(self, desc) -> None:
-        self.desc = desc
+        self._cls = type(desc)
+        self.shape, self.strides, self.block_shape = desc.shape, desc.strides, desc.block_shape
         fields = getattr(desc, "__dict__", None)  # a plain dataclass on every Triton with descriptors
         self._fields = None if fields is None else {k: v for k, v in fields.items() if k != "base"}
 
     def __call__(self, base: torch.Tensor):
-        desc = self.desc
         if self._fields is None:
-            return type(desc)(base, desc.shape, desc.strides, desc.block_shape)
-        copy = object.__new__(type(desc))
+            return self._cls(base, self.shape, self.strides, self.block_shape)
+        copy = object.__new__(self._cls)
         copy.__dict__.update(self._fields)
         copy.base = base
         return copy

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -276,10 +279,16 @@ def test_descriptor_template_copies_equal_the_constructed_descriptor():
     pytest.importorskip("triton.tools.tensor_descriptor")
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    first, second = torch.randn(64, 128).to(torch.bfloat16), torch.randn(64, 128).to(torch.bfloat16)
-    for probe in (first, first.new_empty(0)):
+    second = torch.randn(64, 128).to(torch.bfloat16)
+    for make_probe in (lambda: torch.randn(64, 128).to(torch.bfloat16), lambda: second.new_empty(0)):
+        probe = make_probe()
         template = runtime.DescriptorTemplate(TensorDescriptor(probe, [64, 128], [128, 1], [32, 64]))
         got = template(second)
         assert type(got) is TensorDescriptor and got.base is second
         assert got == TensorDescriptor(second, [64, 128], [128, 1], [32, 64])
-        assert template.desc.base is probe  # the template itself is untouched
+        assert template.block_shape == [32, 64]
+        # a cached template does not keep the tensor it was validated with alive
+        alive = weakref.ref(probe)
+        del probe
+        gc.collect()
+        assert alive() is None
