@@ -407,6 +407,10 @@ def test_sdpa_entry_point_equals_attention():
         scaled_dot_product_attention(
             q[:, :10].transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2), is_causal=True
         )
+    with pytest.raises(TypeError, match="query must be a torch.Tensor, got list"):  # as attention()
+        scaled_dot_product_attention([1], k.transpose(1, 2), v.transpose(1, 2))
+    with pytest.raises(ValueError, match=r"key must be a 4-D \(B, H, T, E\) tensor, got shape \(30, 2, 64\)"):
+        scaled_dot_product_attention(q.transpose(1, 2), k[0], v.transpose(1, 2))
 
 
 def test_layer_equals_function():
@@ -553,7 +557,7 @@ def _bad_dropout_cases():
         (
             {"dropout_p": 0.1, "seed": 3.0},
             TypeError,
-            r"seed must be an integer \(int or numpy integer\), got float 3.0",
+            r"seed must be an integer \(int, numpy integer or 0-dim integer tensor\), got float 3.0",
         ),
         ({"dropout_p": 0.1, "seed": "3"}, TypeError, "seed must be an integer .*got str '3'"),
         ({"seed": 2.5}, TypeError, "seed must be an integer .*got float 2.5"),  # checked even without dropout

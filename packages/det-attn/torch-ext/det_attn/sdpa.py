@@ -40,9 +40,11 @@ def scaled_dot_product_attention(
         ``(B, H_q, L, E)``, a transposed view of ``attention``'s ``(B, L, H_q, E)`` output.
 
     Raises:
-        ValueError: ``attn_mask`` given, ``H_q != H_kv`` without ``enable_gqa``, ``is_causal``
-            with ``L != S``, or anything ``det_attn.attention`` rejects (TypeError for dtypes, a
+        TypeError: a non-tensor input, or what ``det_attn.attention`` rejects by type (dtypes, a
             ``dropout_p`` that is not a real number, a ``seed`` that is not an integer).
+        ValueError: ``attn_mask`` given, an input not 4-D, ``H_q != H_kv`` without
+            ``enable_gqa``, ``is_causal`` with ``L != S``, or what ``det_attn.attention`` rejects
+            by value.
 
     **Determinism:** as ``det_attn.attention`` (run to run, batch invariant, no atomics).
 
@@ -55,8 +57,10 @@ def scaled_dot_product_attention(
             "for padded/packed sequences"
         )
     for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{op}: {name} must be a 4-D (B, H, T, E) tensor")
+        if not isinstance(t, torch.Tensor):  # as det_attn.attention: a TypeError
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{op}: {name} must be a 4-D (B, H, T, E) tensor, got shape {tuple(t.shape)}")
     if query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError(
             f"{op}: query has {query.shape[1]} heads and key {key.shape[1]}; pass enable_gqa=True for GQA/MQA"

@@ -121,7 +121,8 @@ def as_index(value, name: str, op: str, hint: str = ""):
     except TypeError:
         kind = type(value).__name__
         raise TypeError(
-            f"{op}: {name} must be an integer (int or numpy integer), got {kind} {value!r}{hint}"
+            f"{op}: {name} must be an integer (int, numpy integer or 0-dim integer tensor), "
+            f"got {kind} {value!r}{hint}"
         ) from None
 
 
