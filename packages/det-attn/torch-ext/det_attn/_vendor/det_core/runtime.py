@@ -62,6 +62,8 @@ def check_first_order(op: str) -> None:
 
     Raises:
         RuntimeError: grad mode is on (a backward with ``create_graph=True``).
+
+    **Determinism:** a check only: it reads grad mode and changes no value.
     """
     if torch.is_grad_enabled():
         raise RuntimeError(
