@@ -143,6 +143,7 @@ def test_row_invariance_of_y_and_dx(bias):
         (8, dict(lean=True, pairs=True, tma=True, quads=True, interleave=True, merge_in_registers=True)),
         (4, dict(lean=True, pairs=True, tma=True, quads=True, flat=True)),
         (8, dict(lean=True, pairs=True, tma=True, quads=True, flat=True)),
+        (8, dict(lean=True, tma=True, block_k=256, num_stages=3, programs_per_sm=1)),  # the wide entry
     ],
 )
 def test_leaves_per_program_does_not_change_bits(leaves_per_program, kernel):
@@ -234,8 +235,23 @@ PTXAS_FAILED_DW_VARIANT = dict(
 )
 
 
+def test_dw_table_picks_wide_tiles_only_where_they_fill_the_gpu():
+    wide = weight_grad_config(torch.bfloat16, 4096, 4096)
+    assert (wide.block_n, wide.block_k, wide.lean, wide.pairs, wide.tma) == (128, 256, True, False, True)
+    assert weight_grad_config(torch.float16, 2048, 2048) is wide  # n * k = WIDE_MIN_ELEMENTS
+    for n, k in [(2304, 768), (768, 3072), (2048, 2047)]:  # the main job's layers: 128x128 quads
+        large = weight_grad_config(torch.bfloat16, n, k)
+        assert (large.block_n, large.block_k, large.quads) == (128, 128, True)
+    assert weight_grad_config(torch.bfloat16, 128, 1 << 20).block_n == 64  # small class: N < 256
+    assert {
+        c.block_t
+        for c in configs._WEIGHT_GRAD_TABLE.values()
+        if c is not configs._WEIGHT_GRAD_TABLE[("fp32", "any")]
+    } == {64}  # the one bits-changing field is the same in every half entry
+
+
 def test_dw_config_check_rejects_what_ptxas_cannot_compile():
-    base = weight_grad_config(torch.bfloat16, 4096, 4096)
+    base = configs._WEIGHT_GRAD_TABLE[("half", "large")]
     for cfg in configs._WEIGHT_GRAD_TABLE.values():
         check_weight_grad_config(cfg)  # every table entry is a supported variant
     for change in SUPPORTED_DW_VARIANTS:
@@ -431,8 +447,9 @@ def test_gpu_leaves_per_program_and_configs_same_bits():
     """Every supported dW variant (SUPPORTED_DW_VARIANTS: pre-lean, lean with and without TMA / pairs /
     register merge / maxnreg, other tiles) gives the table config's bits at 8192 tokens."""
     dy, x = _randn(8192, 4096, seed=51), _randn(8192, 4096, seed=52)
-    base = weight_grad_config(dy.dtype, 4096, 4096)
-    ref = weight_grad_partial(dy, x, leaf_tokens=1024, finish_dtype=torch.float32)
+    base = configs._WEIGHT_GRAD_TABLE[("half", "large")]  # the variants are of the 128x128 entry
+    ref = weight_grad_partial(dy, x, leaf_tokens=1024, finish_dtype=torch.float32)  # the wide entry
+    assert weight_grad_config(dy.dtype, 4096, 4096).block_k == 256
     for change in SUPPORTED_DW_VARIANTS:
         cfg = dataclasses.replace(base, **change)
         assert cfg.block_t == base.block_t  # the only field that changes bits stays fixed
@@ -471,7 +488,7 @@ def test_gpu_fresh_process_cold_cache_real_size():
 def test_dw_scratch_holds_the_levels_the_kernel_stacks():
     from det_train.weight_grad import dw_scratch_shape
 
-    table = weight_grad_config(torch.bfloat16, 4096, 4096)  # lean, quads, 1 merge slot
+    table = configs._WEIGHT_GRAD_TABLE[("half", "large")]  # lean, quads, 1 merge slot
     cpu = torch.device("cpu")  # 4 resident programs under the interpreter
     assert dw_scratch_shape(table, 3, 100, cpu) == (4, 2, 128 * 128)  # level 2 in registers, 3 stacked
     assert dw_scratch_shape(table, 3, 100, cpu, tma=False) == (4, 3, 128 * 128)  # pairs without TMA

@@ -20,7 +20,15 @@ from ._vendor.det_core.reduce import TreePartial, num_leaves
 from ._vendor.det_core.sr import round_nearest_bf16
 from .grad_accum import DEFAULT_LEAF_TOKENS, current_accumulator
 
-__all__ = ["cast_out", "dyadic_nodes", "finish_param_grad", "fold_chunks", "leaf_layout", "tree_in_place"]
+__all__ = [
+    "cast_out",
+    "dyadic_nodes",
+    "finish_param_grad",
+    "fold_chunks",
+    "leaf_layout",
+    "leaf_subtrees",
+    "tree_in_place",
+]
 
 _FOLD_BLOCK = 1024  # columns per program; does not change bits (the fold is elementwise)
 _TREE_BLOCK = 512  # columns per program of the tree kernel; does not change bits (elementwise)
@@ -192,22 +200,30 @@ def _bind(key: tuple, grid: tuple, kernel, n_tensors: int, scalars: tuple, **met
     return _BOUND.put(key, (grid, runtime.BoundLaunch(kernel, n_tensors, scalars, **meta)))
 
 
-def leaf_layout(num_tokens: int, max_rows_per_chunk: int, op: str):
-    """``(accumulator or None, leaf_tokens, first_leaf, rows_per_chunk)`` for an op's token axis.
+def leaf_layout(max_rows_per_chunk: int):
+    """``(accumulator or None, leaf_tokens, rows_per_chunk)`` for an op's token axis.
 
     ``rows_per_chunk`` is the largest power of two <= ``max_rows_per_chunk`` dividing the leaf size:
     a function of the leaf size alone (it is part of the op's reduction order), never of M.
     """
     acc = current_accumulator()
-    if acc is None:
-        leaf, first = DEFAULT_LEAF_TOKENS, 0
-    else:
-        leaf = acc.leaf_tokens
-        first, _ = acc.leaf_span(num_tokens)
+    leaf = DEFAULT_LEAF_TOKENS if acc is None else acc.leaf_tokens
     rows = max_rows_per_chunk
     while leaf % rows:
         rows //= 2
-    return acc, leaf, first, rows
+    return acc, leaf, rows
+
+
+def leaf_subtrees(leaf_sums: torch.Tensor, first_leaf: int, shape: torch.Size) -> TreePartial:
+    """The maximal aligned subtrees of fp32 ``leaf_sums`` (n_leaves, ...) of global leaves
+    ``first_leaf ...``, as a ``TreePartial`` of nodes of ``shape``. Overwrites ``leaf_sums``."""
+    flat = leaf_sums if leaf_sums.dim() == 2 else leaf_sums.reshape(leaf_sums.shape[0], -1)
+    partial = TreePartial()
+    partial.nodes = {
+        key: value if value.shape == shape else value.view(shape)
+        for key, value in tree_in_place(flat, first_leaf).items()
+    }
+    return partial
 
 
 def finish_param_grad(acc, param: torch.Tensor, first_leaf: int, leaf_sums: torch.Tensor):
@@ -217,14 +233,8 @@ def finish_param_grad(acc, param: torch.Tensor, first_leaf: int, leaf_sums: torc
     Returns None when deposited (the autograd gradient of ``param``), else the gradient in
     ``param.dtype``.
     """
-    flat = leaf_sums if leaf_sums.dim() == 2 else leaf_sums.reshape(leaf_sums.shape[0], -1)
     if acc is not None:
-        partial = TreePartial()
-        shape = param.shape
-        partial.nodes = {
-            key: value if value.shape == shape else value.view(shape)
-            for key, value in tree_in_place(flat, first_leaf).items()
-        }
-        acc.deposit_partial(param, partial)
+        acc.deposit_partial(param, leaf_subtrees(leaf_sums, first_leaf, param.shape))
         return None
+    flat = leaf_sums if leaf_sums.dim() == 2 else leaf_sums.reshape(leaf_sums.shape[0], -1)
     return tree_in_place(flat, 0, param.dtype).view(param.shape)

@@ -48,6 +48,7 @@ import torch
 __all__ = [
     "BIAS_GRAD_BLOCK_T",
     "MAXNREG_HEADROOM",
+    "WIDE_MIN_ELEMENTS",
     "TMA_MIN_ROWS",
     "MatmulConfig",
     "WeightGradConfig",
@@ -137,18 +138,34 @@ _MATMUL_TABLE: dict[tuple[str, str, str, str], MatmulConfig] = {
 }
 
 # dW = dY^T X: A = dY read transposed (tokens contiguous per column), B = X row-major.
-# Large: 128x128 output tile; up to 8 leaves per program, so a micro-batch of <= 8 leaves (8192
-# tokens at 1024 per leaf) is finished in-kernel with no fp32 node written to HBM. The lean kernel
-# with quads (the four leaves of a level-2 node summed in registers: three tiles live, one program
-# per SM; levels >= 2 merged through the L2 scratch stack), flat (a full quad's 64 token steps as one
-# flattened, software-pipelined loop: no pipeline drain between its leaves) and TMA loads, 4 stages.
-# Measured on an H200 (torch 2.11, Triton 3.6, device time in a CUDA graph, cuBLAS alongside):
-# 2026-11-30, flat vs quads: 0.70-0.80x vs 0.66-0.77x cuBLAS at the issue's large shapes (8192 x
-# 4096 x 4096: 0.695x vs 0.660x), 0.58-0.64x vs 0.54-0.60x at the main job's 16384-token layers;
-# flat at 3 stages 0.57x (slower). 2026-11-29: quads 0.71x, the previous pairs entry 0.63x. The leaf
-# closes and merges are what cost: the same kernel with 4096-token leaves (other bits) ran at
-# 0.82-0.84x at the issue's shapes.
+# Wide (N * K >= WIDE_MIN_ELEMENTS: at least ~2 waves of 128x256 tiles on an H200): 128x256 output
+# tile, one fp32 tile live, TMA loads, 3 stages, persistent lean kernel (a finished leaf waits in the
+# per-program L2 scratch stack). Large (both >= 256, fewer elements): 128x128 tiles with quads (the
+# four leaves of a level-2 node summed in registers: three tiles live, one program per SM; levels
+# >= 2 merged through the scratch stack), flat (a full quad's token steps as one flattened,
+# software-pipelined loop) and TMA loads, 4 stages: twice the tiles, which these layers need to fill
+# the SMs. Up to 8 leaves per program: a micro-batch of <= 8 leaves is finished in-kernel.
+# Measured on an H200 (torch 2.11, Triton 3.6, device time in a CUDA graph / do_bench, cuBLAS
+# alongside; 2026-11-30, run 10, .probe/probe_long.py), dW vs cuBLAS with 8192-token leaves (the
+# default): 128x256 0.95-0.97x at the issue's 8192-row shapes (1.19x / 0.96x at 4096 rows, 1.24x /
+# 0.94x at 1024), the 128x128 quads entry 0.83-0.92x there; at the GPT layer 16384 x 768 x 2304
+# (54 tiles of 128x256) 128x256 0.51x, 128x128 quads 0.91x. With 4096-token leaves 128x256 ran
+# 0.82-0.88x, with 1024-token leaves the quads entry 0.69-0.80x (runs 8-9): the leaf closes (a
+# wgmma drain and a pipeline fill each) are what cost, hence the 8192-token default leaf.
+WIDE_MIN_ELEMENTS = 1 << 22
 _WEIGHT_GRAD_TABLE: dict[tuple[str, str], WeightGradConfig] = {
+    ("half", "wide"): WeightGradConfig(
+        block_n=128,
+        block_k=256,
+        block_t=64,
+        group_n=8,
+        num_warps=8,
+        num_stages=3,
+        leaves_per_program=8,
+        lean=True,
+        programs_per_sm=1,
+        tma=True,
+    ),
     ("half", "large"): WeightGradConfig(
         block_n=128,
         block_k=128,
@@ -216,11 +233,16 @@ def matmul_config(dtype: torch.dtype, layout: str, n: int, k: int, rows: int | N
 
 
 def weight_grad_config(dtype: torch.dtype, n: int, k: int) -> WeightGradConfig:
-    """The config of ``dW (N, K) = dY^T X`` (the token count plays no part)."""
+    """The config of ``dW (N, K) = dY^T X`` (the token count plays no part): ``"wide"`` when the
+    shape class is large and ``n * k >= WIDE_MIN_ELEMENTS``. Every entry has ``block_t`` 64 (bf16 /
+    fp16), so the entries differ in speed only, not in bits."""
     group = _dtype_group(dtype)
     if group == "fp32":
         return _WEIGHT_GRAD_TABLE[("fp32", "any")]
-    return _WEIGHT_GRAD_TABLE[(group, shape_class(n, k))]
+    shape = shape_class(n, k)
+    if shape == "large" and n * k >= WIDE_MIN_ELEMENTS:
+        shape = "wide"
+    return _WEIGHT_GRAD_TABLE[(group, shape)]
 
 
 def live_accumulator_registers(config: WeightGradConfig) -> int:

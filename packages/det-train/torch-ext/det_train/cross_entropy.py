@@ -179,10 +179,7 @@ def _canonical_token_sum(loss: torch.Tensor) -> torch.Tensor:
     n = loss.shape[0]
     if n == 0:
         return loss.new_zeros(())
-    from .grad_accum import current_accumulator
-
-    acc = current_accumulator()
-    leaf = acc.leaf_tokens if acc is not None else leaf_layout(n, 1, "cross_entropy")[1]
+    leaf = leaf_layout(1)[1]
     n_leaves = -(-n // leaf)
     sums = torch.empty((n_leaves,), dtype=torch.float32, device=loss.device)
     runtime.launch(_token_leaf_sum_kernel, (n_leaves,), loss, sums, n, LEAF=leaf, LANES=_LANES, num_warps=4)

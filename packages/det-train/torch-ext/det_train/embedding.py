@@ -22,6 +22,8 @@ Workspace: the sorted ids and segment sums, ``M * D * 4`` bytes, plus the dense 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -226,11 +228,17 @@ class _EmbeddingFunction(torch.autograd.Function):
         dy2 = dy.reshape(m, d)
         if dy2.stride(-1) != 1:
             dy2 = dy2.contiguous()
-        acc, leaf, first_leaf, _ = leaf_layout(m, 1, "embedding")
+        acc, leaf, _ = leaf_layout(1)
         if acc is None:
             return None, _weight_grad(flat, dy2, v, leaf, 0, weight.dtype, node_tables=False)
-        acc.deposit_partial(weight, _weight_grad(flat, dy2, v, leaf, first_leaf, None, node_tables=True))
+        # rows of a leaf split between micro-batches are carried to the one completing it
+        acc.deposit_rows(weight, (flat, dy2), functools.partial(_leaf_tables, v, leaf))
         return None, None
+
+
+def _leaf_tables(v: int, leaf: int, first_leaf: int, rows: tuple) -> TreePartial:
+    """The accumulator's leaf-sum function of the embedding table: rows ``(ids, dy)`` of whole leaves."""
+    return _weight_grad(rows[0], rows[1], v, leaf, first_leaf, None, node_tables=True)
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -7,14 +7,20 @@ by the op, and the leaves are combined by the fixed pairwise tree over global le
 (``TreePartial``). Ops deposit their per-leaf sums here while a ``micro_batch`` is active; ``reduce``
 merges the partial trees of every micro-batch and every data-parallel rank and writes ``p.grad``.
 
-Interface: ``deposit`` / ``deposit_partial`` below (used by the linear, RMSNorm and embedding
-backward passes).
+A micro-batch may end inside a leaf: the ops then hand over the rows of the unfinished leaf (their
+inputs to the gradient, e.g. dY and X of a Linear) and the accumulator keeps them until the next
+micro-batch completes the leaf, or until ``reduce`` when the leaf ends the global batch. The leaf is
+then summed from all its rows by the same kernel as an aligned one, so any micro-batch sizes give
+the bits of one batch.
+
+Interface: ``deposit_rows`` (any micro-batch boundaries; used by the linear, RMSNorm and embedding
+backward passes) and ``leaf_span`` + ``deposit`` / ``deposit_partial`` (leaf-aligned micro-batches).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -23,8 +29,15 @@ from ._vendor.det_core.runtime import as_index
 
 __all__ = ["DEFAULT_LEAF_TOKENS", "CanonicalGradAccumulator", "current_accumulator"]
 
-# Leaf size used by the ops when no accumulator is active (part of each op's reduction order).
-DEFAULT_LEAF_TOKENS = 1024
+# Leaf size used by the ops when no accumulator is active (part of each op's reduction order) and
+# the accumulator's default. 8192 tokens: the dW kernel's leaf closes cost ~25% of its tensor-core
+# time at 1024-token leaves and ~3% at 8192 (H200, run 10, docs/det-train.md); micro-batches of any
+# size still split a batch freely (an unfinished leaf's rows are carried); data-parallel shards must
+# be multiples of it.
+DEFAULT_LEAF_TOKENS = 8192
+
+# A leaf-sum function of an op: (global index of the first leaf, rows of whole leaves) -> partial tree.
+LeafPartial = Callable[[int, tuple], TreePartial]
 
 # The active accumulator. A plain module global, not thread-local: autograd runs CUDA backward
 # functions on its own device threads, which must still see the accumulator of `micro_batch`.
@@ -52,32 +65,42 @@ class CanonicalGradAccumulator:
             ``model.named_parameters()``, which gives better error messages). Parameters with
             ``requires_grad=False`` are ignored. Every data-parallel rank must pass the same
             parameters in the same order (their position is the key exchanged between ranks).
-        leaf_tokens: tokens per leaf of the canonical order (positive). Every micro-batch's
-            ``token_offset`` must be a multiple of it, and so must every micro-batch's token count
-            except the one that ends the global batch.
+        leaf_tokens: tokens per leaf of the canonical order (positive; default
+            ``DEFAULT_LEAF_TOKENS`` = 8192). Micro-batches may have any size: one that ends inside
+            a leaf leaves it open, and a later micro-batch on this rank continues it from the token
+            where it ended. Every other micro-batch starts on a leaf boundary, so data-parallel
+            shards are multiples of ``leaf_tokens`` (except the one ending the global batch).
 
     Usage::
 
-        acc = CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=1024)
+        acc = CanonicalGradAccumulator(model.named_parameters())  # leaf_tokens=8192
         for start, batch in micro_batches:             # this rank's micro-batches
             with acc.micro_batch(token_offset=start):  # global index of its first token
                 model(batch).backward()                # det_train ops deposit leaf sums
         acc.reduce(total_tokens=T)                     # merge across ranks, write p.grad
 
-    Ops call ``leaf_span`` then ``deposit`` / ``deposit_partial`` and return None as the autograd
-    gradient of the parameter. A parameter used k times in one forward (tied weights, a layer
-    applied twice) gets k deposits per micro-batch: deposit number u (in the order autograd runs the
-    backward, fixed by the graph) goes to its own tree, and the k roots are added in order u = 0, 1, ...
+    Ops call ``deposit_rows`` (or, for leaf-aligned micro-batches only, ``leaf_span`` then
+    ``deposit`` / ``deposit_partial``) and return None as the autograd gradient of the parameter.
+    A parameter used k times in one forward (tied weights, a layer applied twice) gets k deposits
+    per micro-batch: deposit number u (in the order autograd runs the backward, fixed by the graph)
+    goes to its own tree, and the k roots are added in order u = 0, 1, ...
 
     **Determinism:** ``p.grad`` depends only on the global batch, ``leaf_tokens`` and the ops'
-    fixed leaf orders: any split of the global tokens into leaf-aligned micro-batches and
-    data-parallel ranks (contiguous or not, any count, any DP degree) gives identical bits on every
-    rank. Not covered: a parameter whose gradient also comes from an op that is not
-    canonical-order aware (``reduce`` raises when it finds such a gradient in ``p.grad``).
+    fixed leaf orders: any split of the global tokens into micro-batches (any sizes; leaf-aligned
+    ones in any order) and leaf-aligned data-parallel shards (any count, any DP degree) gives
+    identical bits on every rank. An unfinished leaf's rows are carried to the micro-batch that
+    completes it and summed there as one leaf, by the kernel that sums aligned leaves. Not
+    covered: a parameter whose gradient also comes from an op that is not canonical-order aware
+    (``reduce`` raises when it finds such a gradient in ``p.grad``).
+
+    Memory: besides the partial trees (fp32 nodes of each parameter's shape), an open leaf holds its
+    rows until it is complete: for a Linear of ``K`` inputs and ``N`` outputs, ``rows * (N + K) *
+    2`` bytes in bf16 (nothing when micro-batches are multiples of ``leaf_tokens``).
 
     Raises:
-        ValueError: bad ``leaf_tokens``, unaligned offsets or token counts, missing or duplicated
-            leaves, a deposit for an unknown parameter or of the wrong shape.
+        ValueError: bad ``leaf_tokens``, a micro-batch that starts inside a leaf no earlier
+            micro-batch left open, an open leaf not continued (or not completed by ``reduce``),
+            missing or duplicated leaves, a deposit for an unknown parameter or of the wrong shape.
         RuntimeError: deposits outside ``micro_batch``; a tracked parameter without deposits at
             ``reduce``; ``p.grad`` already holding a non-zero gradient at ``reduce``.
 
@@ -107,6 +130,10 @@ class CanonicalGradAccumulator:
         self._uses: dict[int, int] = {}  # deposits per parameter in the current micro-batch
         self._spans: list[tuple[int, int]] = []  # (token_offset, tokens) seen by the ops
         self._token_offset: int | None = None
+        self._tokens: int | None = None  # tokens of the active micro-batch, as the ops report them
+        self._open_ends: set[int] = set()  # tokens where micro-batches ended inside a leaf
+        # (param index, use, leaf) -> (first global token, rows of the open leaf, the op's LeafPartial)
+        self._carry: dict[tuple[int, int, int], tuple[int, tuple, LeafPartial]] = {}
         self._fsdp: dict[int, object] = {}  # param index -> FSDP2 FSDPParam (see track_fsdp)
         self._shapes: dict[int, torch.Size] = {}  # param index -> full (unsharded) gradient shape
 
@@ -148,20 +175,29 @@ class CanonicalGradAccumulator:
     def micro_batch(self, token_offset: int) -> Iterator[CanonicalGradAccumulator]:
         """Make this accumulator active for one micro-batch starting at global token ``token_offset``.
 
-        Raises ValueError if ``token_offset`` is negative or not a multiple of ``leaf_tokens``, and
-        RuntimeError if another micro-batch context is already active.
+        The micro-batch may have any number of tokens, and micro-batches may come in any order,
+        except that one which starts inside a leaf must start where an earlier micro-batch on this
+        rank ended (the pieces of a leaf are summed in token order); every other micro-batch starts
+        on a leaf boundary.
+
+        Raises ValueError if ``token_offset`` is negative, or inside a leaf where no earlier
+        micro-batch on this rank ended; RuntimeError if another micro-batch context is active.
         """
         token_offset = as_index(token_offset, "token_offset", "micro_batch")  # TypeError
         if token_offset < 0:
             raise ValueError(f"token_offset must be a non-negative int, got {token_offset!r}")
-        if token_offset % self.leaf_tokens:
+        if token_offset % self.leaf_tokens and token_offset not in self._open_ends:
+            ends = sorted(self._open_ends)
             raise ValueError(
-                f"token_offset {token_offset} is not a multiple of leaf_tokens {self.leaf_tokens}: "
-                "micro-batches must start on a leaf boundary of the global token axis"
+                f"token_offset {token_offset} is not a multiple of leaf_tokens {self.leaf_tokens} and no "
+                f"earlier micro-batch on this rank ended there (open leaves end at {ends}): a micro-batch "
+                "starts on a leaf boundary unless it continues one that ended inside a leaf "
+                "(data-parallel shards are multiples of leaf_tokens)"
             )
         if _ACTIVE:
             raise RuntimeError("a micro_batch context is already active; micro-batches cannot be nested")
         self._token_offset = token_offset
+        self._tokens = None
         self._uses = {}
         _ACTIVE.append(self)
         try:
@@ -169,6 +205,9 @@ class CanonicalGradAccumulator:
         finally:
             _ACTIVE.pop()
             self._token_offset = None
+            self._open_ends.discard(token_offset)
+            if self._tokens is not None and (token_offset + self._tokens) % self.leaf_tokens:
+                self._open_ends.add(token_offset + self._tokens)
 
     @property
     def token_offset(self) -> int:
@@ -187,6 +226,14 @@ class CanonicalGradAccumulator:
         offset = self.token_offset
         if num_tokens <= 0:
             raise ValueError(f"an op deposited for {num_tokens} tokens; a micro-batch needs at least one")
+        if offset % self.leaf_tokens:
+            raise ValueError(
+                f"this micro-batch starts inside a leaf (token {offset}, leaf_tokens {self.leaf_tokens}); "
+                "leaf_span / deposit need leaf-aligned micro-batches: use deposit_rows, which carries "
+                "the open leaf's rows"
+            )
+        if self._tokens is None:
+            self._tokens = int(num_tokens)
         span = (offset, int(num_tokens))
         if span not in self._spans:
             self._spans.append(span)
@@ -212,6 +259,75 @@ class CanonicalGradAccumulator:
         self._uses[index] = use + 1
         self._shapes[index] = param.shape
         return index, use
+
+    def deposit_rows(self, param: torch.Tensor, rows: tuple, leaf_partial: LeafPartial) -> None:
+        """Deposit ``param``'s gradient over this micro-batch's tokens, given as rows: any boundaries.
+
+        Args:
+            param: a tracked parameter.
+            rows: the op's per-token inputs to the gradient, tensors whose dim 0 is this
+                micro-batch's tokens in order (e.g. ``(dy, x)`` of a Linear), all of one length.
+            leaf_partial: ``leaf_partial(first_leaf, leaf_rows)`` -> ``TreePartial`` of the leaf
+                sums over ``leaf_rows`` (rows of whole leaves starting at global leaf
+                ``first_leaf``; only the last leaf of the global batch may be short). It is called
+                now for the whole leaves, later (next micro-batch or ``reduce``) for an open leaf.
+
+        The rows of the leaf this micro-batch leaves unfinished are copied and kept; the next
+        micro-batch prepends them to its own rows of that leaf, and ``reduce`` sums them if the
+        leaf ends the global batch. So every leaf is summed from all its rows by one call.
+
+        Raises:
+            ValueError: rows of different lengths or a length other than another op reported for
+                this micro-batch; an open leaf of ``param`` that does not end where this
+                micro-batch starts (the parameter skipped a micro-batch); an unaligned start with
+                nothing to continue.
+            RuntimeError: outside ``micro_batch``.
+        """
+        slot = self._slot(param)
+        offset = self._token_offset
+        n = int(rows[0].shape[0])
+        if any(int(r.shape[0]) != n for r in rows):
+            raise ValueError(f"deposit_rows: rows of different lengths {[int(r.shape[0]) for r in rows]}")
+        if self._tokens is None:
+            self._tokens = n
+        elif n != self._tokens:
+            raise ValueError(
+                f"{self._names[slot[0]]}: an op deposited rows of {n} tokens in a micro-batch whose other "
+                f"ops saw {self._tokens}; every canonical-order op of a micro-batch must see all its tokens"
+            )
+        leaf = self.leaf_tokens
+        pos = 0  # own rows consumed so far
+        if offset % leaf:  # continue the open leaf an earlier micro-batch left
+            key = (*slot, offset // leaf)
+            start, old, _ = self._carry.pop(key, (None, None, None))
+            carried_end = None if start is None else start + int(old[0].shape[0])
+            if carried_end != offset:
+                raise ValueError(
+                    f"{self._names[slot[0]]} (use {slot[1]}): this micro-batch starts at token {offset} "
+                    f"inside leaf {offset // leaf}, whose rows for this parameter end at "
+                    f"{carried_end if carried_end is not None else 'the leaf start (none deposited)'}: the "
+                    "parameter was not used in every micro-batch that split the leaf"
+                )
+            pos = min(n, start + leaf - offset)  # own rows that belong to the open leaf
+            joined = tuple(torch.cat((o, r[:pos])) for o, r in zip(old, rows, strict=True))
+            if offset + pos < start + leaf:  # still open: this micro-batch ended inside it
+                self._carry[key] = (start, joined, leaf_partial)
+                return
+            self._merge(slot, leaf_partial(start // leaf, joined))
+        full = (n - pos) // leaf * leaf
+        if full:
+            self._merge(slot, leaf_partial((offset + pos) // leaf, tuple(r[pos : pos + full] for r in rows)))
+        if pos + full < n:  # the open leaf: a copy, so the micro-batch's tensors can be freed
+            start = offset + pos + full
+            tail = tuple(r[pos + full :].clone() for r in rows)
+            self._carry[(*slot, start // leaf)] = (start, tail, leaf_partial)
+
+    def _merge(self, slot: tuple[int, int], partial: TreePartial) -> None:
+        mine = self._partials.setdefault(slot, TreePartial())
+        try:
+            mine.merge(partial)
+        except ValueError as err:
+            raise ValueError(f"{self._names[slot[0]]} (use {slot[1]}): {err}") from None
 
     def deposit(self, param: torch.Tensor, first_leaf: int, leaf_sums: torch.Tensor) -> None:
         """Add leaves ``first_leaf, first_leaf + 1, ...`` of ``param``'s gradient.
@@ -244,14 +360,7 @@ class CanonicalGradAccumulator:
                     f"node {key} must be float32 of shape {tuple(param.shape)}, "
                     f"got {value.dtype} {tuple(value.shape)}"
                 )
-        slot = self._slot(param)
-        mine = self._partials.get(slot)
-        if mine is None:
-            mine = self._partials[slot] = TreePartial()
-        try:
-            mine.merge(partial)
-        except ValueError as err:
-            raise ValueError(f"{self._names[slot[0]]} (use {slot[1]}): {err}") from None
+        self._merge(self._slot(param), partial)
 
     # ------------------------------------------------------------------ reduce
     def reduce(self, total_tokens: int, group=None) -> None:
@@ -283,7 +392,18 @@ class CanonicalGradAccumulator:
             if n % self.leaf_tokens and offset + n != total_tokens:
                 raise ValueError(
                     f"a micro-batch at token {offset} has {n} tokens, not a multiple of leaf_tokens "
-                    f"{self.leaf_tokens}; only the micro-batch ending the global batch may end mid-leaf"
+                    f"{self.leaf_tokens}, and its ops use leaf_span / deposit: only the micro-batch ending "
+                    "the global batch may end mid-leaf there (ops using deposit_rows carry the open leaf)"
+                )
+        for (index, use, _), (start, rows, _) in self._carry.items():
+            end = start + int(rows[0].shape[0])
+            if end != total_tokens:
+                raise ValueError(
+                    f"{self._names[index]} (use {use}): leaf {start // self.leaf_tokens} (tokens "
+                    f"[{start}, {start + self.leaf_tokens})) is open, this rank's micro-batches end at "
+                    f"token {end} inside it, and total_tokens={total_tokens}: a leaf must be completed "
+                    "on one rank (data-parallel shards are multiples of leaf_tokens) and micro-batches "
+                    "must cover the batch"
                 )
         for p in self._params:
             local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
@@ -295,6 +415,8 @@ class CanonicalGradAccumulator:
                     "for every use of the parameter"
                 )
         try:
+            for (index, use, leaf), (_, rows, leaf_partial) in self._carry.items():  # the short last leaf
+                self._merge((index, use), leaf_partial(leaf, rows))
             partials = self._gather(group)
             grads: dict[int, torch.Tensor] = {}
             for (index, _use), partial in sorted(partials.items()):
@@ -330,6 +452,8 @@ class CanonicalGradAccumulator:
         finally:
             self._partials = {}
             self._spans = []
+            self._carry = {}
+            self._open_ends = set()
 
     def _gather(self, group) -> dict[tuple[int, int], TreePartial]:
         import torch.distributed as dist

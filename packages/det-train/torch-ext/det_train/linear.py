@@ -11,15 +11,16 @@ summed over tokens in the canonical order (fp32 leaf sums combined by det_core's
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from ._vendor.det_core import runtime
-from ._vendor.det_core.reduce import num_leaves
+from ._vendor.det_core.reduce import TreePartial, num_leaves
 from .grad_accum import DEFAULT_LEAF_TOKENS, current_accumulator
 from .matmul import _check_bias, launch_linear, launch_matmul
-from .weight_grad import bias_grad_leaves, bias_grad_partial, weight_grad_partial
+from .weight_grad import bias_grad_partial, weight_grad_partial
 
 __all__ = ["Linear", "bias_grad_partial", "linear", "weight_grad_partial"]
 
@@ -81,25 +82,18 @@ def param_grads(
     acc = current_accumulator()
     tokens = dy2d.shape[0]
     if acc is not None and tokens:
-        first_leaf, _ = acc.leaf_span(tokens)
+        leaf = acc.leaf_tokens
         if want_w:
-            if weight.is_leaf:
-                acc.deposit_partial(
-                    weight, weight_grad_partial(dy2d, x2d, leaf_tokens=acc.leaf_tokens, first_leaf=first_leaf)
-                )
+            if weight.is_leaf:  # rows of an open leaf are carried to the micro-batch completing it
+                acc.deposit_rows(weight, (dy2d, x2d), functools.partial(_weight_leaves, leaf))
             else:
-                grad_w = weight_grad_partial(
-                    dy2d, x2d, leaf_tokens=acc.leaf_tokens, finish_dtype=weight.dtype
-                )
+                grad_w = weight_grad_partial(dy2d, x2d, leaf_tokens=leaf, finish_dtype=weight.dtype)
         if want_b:
             if bias.is_leaf:
-                acc.deposit(bias, first_leaf, bias_grad_leaves(dy2d, acc.leaf_tokens))
+                acc.deposit_rows(bias, (dy2d,), functools.partial(_bias_leaves, leaf))
             else:
-                grad_b = (
-                    bias_grad_partial(dy2d, leaf_tokens=acc.leaf_tokens)
-                    .result(num_leaves(tokens, acc.leaf_tokens))
-                    .to(bias.dtype)
-                )
+                grad_b = bias_grad_partial(dy2d, leaf_tokens=leaf).result(num_leaves(tokens, leaf))
+                grad_b = grad_b.to(bias.dtype)
         return grad_w, grad_b
     leaf = DEFAULT_LEAF_TOKENS
     if want_w:
@@ -113,6 +107,16 @@ def param_grads(
         else:
             grad_b = bias_grad_partial(dy2d, leaf_tokens=leaf).result(num_leaves(tokens, leaf)).to(bias.dtype)
     return grad_w, grad_b
+
+
+def _weight_leaves(leaf_tokens: int, first_leaf: int, rows: tuple) -> TreePartial:
+    """The accumulator's leaf-sum function of a Linear weight: rows ``(dY, X)`` of whole leaves."""
+    return weight_grad_partial(rows[0], rows[1], leaf_tokens=leaf_tokens, first_leaf=first_leaf)
+
+
+def _bias_leaves(leaf_tokens: int, first_leaf: int, rows: tuple) -> TreePartial:
+    """The accumulator's leaf-sum function of a Linear bias: rows ``(dY,)`` of whole leaves."""
+    return bias_grad_partial(rows[0], leaf_tokens=leaf_tokens, first_leaf=first_leaf)
 
 
 def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -149,9 +153,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     Gradients: dX = dY W (a ``matmul``); dW = dY^T X and db = sum of dY over the flattened tokens
     in the canonical order: leaves of ``leaf_tokens`` tokens (the active accumulator's, else
-    ``grad_accum.DEFAULT_LEAF_TOKENS`` = 1024) summed in fp32 by a fixed fold, combined by the fixed
+    ``grad_accum.DEFAULT_LEAF_TOKENS`` = 8192) summed in fp32 by a fixed fold, combined by the fixed
     tree over leaf indices. Inside ``CanonicalGradAccumulator.micro_batch`` the leaf sums of a leaf
-    Parameter are deposited there and its ``.grad`` is written by ``reduce``.
+    Parameter are deposited there (the rows of a leaf the micro-batch leaves open are carried to
+    the micro-batch that completes it) and its ``.grad`` is written by ``reduce``.
 
     Raises:
         TypeError: non-tensors, unsupported or mismatched dtypes.
@@ -159,9 +164,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         RuntimeError: CPU tensors without the Triton interpreter.
 
     **Determinism:** run to run bitwise. y and dX: row invariant (a token's row does not depend
-    on the number of tokens or its position). dW and db: equal bits for any leaf-aligned split of
-    the tokens into micro-batches / data-parallel ranks when combined by the accumulator, and the
-    plain backward of a whole batch equals the accumulator's result with ``leaf_tokens`` = 1024.
+    on the number of tokens or its position). dW and db: equal bits for any split of the tokens
+    into micro-batches (any sizes) and leaf-aligned data-parallel ranks when combined by the
+    accumulator, and the plain backward of a whole batch equals the accumulator's result with the
+    default ``leaf_tokens``.
     Row-parallel tensor parallelism: see ``matmul_partial``. Not guaranteed: equality with
     torch.nn.functional.linear, across GPU models or Triton versions.
 

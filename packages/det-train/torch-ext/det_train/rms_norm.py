@@ -15,6 +15,7 @@ Reduction orders (fixed; the table below names what changes bits):
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
@@ -22,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._leaf_sums import finish_param_grad, fold_chunks, leaf_layout
+from ._leaf_sums import finish_param_grad, fold_chunks, leaf_layout, leaf_subtrees
 from ._vendor.det_core import runtime
 from ._vendor.det_core.runtime import check_kernel_device
 
@@ -183,31 +184,57 @@ class _RMSNormFunction(torch.autograd.Function):
         if dy2.stride(-1) != 1:
             dy2 = dy2.contiguous()
         m = x2.shape[0]
-        dx = torch.empty(ctx.x_shape, dtype=x2.dtype, device=x2.device)
         has_w = weight is not None
-        dw = None
         if m == 0:
             dw = torch.zeros_like(weight) if has_w and ctx.needs_input_grad[1] else None
-            return dx, dw, None, None
-        if has_w:
-            acc, leaf, first_leaf, rows = leaf_layout(m, MAX_ROWS_PER_CHUNK, "rms_norm")
-        else:
-            acc, leaf, first_leaf, rows = None, 1, 0, MAX_ROWS_PER_CHUNK
-        n_chunks = runtime.cdiv(m, rows)
-        partial = torch.empty((n_chunks, d) if has_w else (1,), dtype=torch.float32, device=x2.device)
-        key = ("bwd", m, d, dy2.stride(0), x2.stride(0), has_w, rows)
-        bound = _BOUND.get(key)
-        if bound is None:
-            block_d = runtime.next_power_of_2(d)
-            bound = _BOUND.put(key, runtime.BoundLaunch(
-                _rms_norm_bwd_kernel, 6,
-                (m, d, dy2.stride(0), x2.stride(0), d),  # dx is contiguous: row stride D
-                HAS_WEIGHT=has_w, ROWS_PER_CHUNK=rows, BLOCK_D=block_d, num_warps=_num_warps(block_d),
-            ))  # fmt: skip
-        bound((n_chunks,), dy2, x2, weight if has_w else x2, rstd, dx, partial)
-        if has_w and ctx.needs_input_grad[1]:
-            dw = finish_param_grad(acc, weight, first_leaf, fold_chunks(partial, leaf // rows))
-        return dx, dw, None, None
+            return torch.empty(ctx.x_shape, dtype=x2.dtype, device=x2.device), dw, None, None
+        acc, leaf, rows = leaf_layout(MAX_ROWS_PER_CHUNK) if has_w else (None, 1, MAX_ROWS_PER_CHUNK)
+        dx, partial = _backward(dy2, x2, weight, rstd, rows)
+        dx = dx.view(ctx.x_shape)
+        if not (has_w and ctx.needs_input_grad[1]):
+            return dx, None, None, None
+        if acc is None:
+            return dx, finish_param_grad(None, weight, 0, fold_chunks(partial, leaf // rows)), None, None
+        if acc.token_offset % leaf == 0 and m % leaf == 0:  # whole leaves: this pass's chunk sums
+            first_leaf, _ = acc.leaf_span(m)
+            return (
+                dx,
+                finish_param_grad(acc, weight, first_leaf, fold_chunks(partial, leaf // rows)),
+                None,
+                None,
+            )
+        # rows of a leaf split between micro-batches: the accumulator sums each leaf from all its rows
+        acc.deposit_rows(weight, (dy2, x2, rstd), functools.partial(_dweight_leaves, weight, leaf, rows))
+        return dx, None, None, None
+
+
+def _backward(dy2, x2, weight, rstd, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """dX ``(M, D)`` and the fp32 chunk sums ``(ceil(M / rows), D)`` of ``dy * x_hat`` (``(1,)``
+    without weight) of rows ``dy2``, ``x2`` (M, D) with their saved ``rstd``."""
+    m, d = x2.shape
+    has_w = weight is not None
+    dx = torch.empty((m, d), dtype=x2.dtype, device=x2.device)
+    n_chunks = runtime.cdiv(m, rows)
+    partial = torch.empty((n_chunks, d) if has_w else (1,), dtype=torch.float32, device=x2.device)
+    key = ("bwd", m, d, dy2.stride(0), x2.stride(0), has_w, rows)
+    bound = _BOUND.get(key)
+    if bound is None:
+        block_d = runtime.next_power_of_2(d)
+        bound = _BOUND.put(key, runtime.BoundLaunch(
+            _rms_norm_bwd_kernel, 6,
+            (m, d, dy2.stride(0), x2.stride(0), d),  # dx is contiguous: row stride D
+            HAS_WEIGHT=has_w, ROWS_PER_CHUNK=rows, BLOCK_D=block_d, num_warps=_num_warps(block_d),
+        ))  # fmt: skip
+    bound((n_chunks,), dy2, x2, weight if has_w else x2, rstd, dx, partial)
+    return dx, partial
+
+
+def _dweight_leaves(weight, leaf: int, rows: int, first_leaf: int, leaf_rows: tuple):
+    """The accumulator's leaf-sum function of the RMSNorm weight: rows ``(dy, x, rstd)`` of whole
+    leaves, through the backward kernel (its dX is discarded), so the bits of an aligned call."""
+    dy2, x2, rstd = leaf_rows
+    _, partial = _backward(dy2, x2, weight, rstd, rows)
+    return leaf_subtrees(fold_chunks(partial, leaf // rows), first_leaf, weight.shape)
 
 
 def rms_norm(
