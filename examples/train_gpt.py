@@ -37,7 +37,7 @@ PRESETS = {
     "gpu": dict(
         d_model=768, n_layer=12, n_head=12, d_ff=2560, seq_len=1024,
         batch_seqs=32, micro_batch_seqs=16, steps=600, lr=1e-3, warmup_steps=50,
-        leaf_tokens=1024, eval_seqs=64, sample_tokens=400,
+        leaf_tokens=8192, eval_seqs=64, sample_tokens=400,
     ),
     # the end-to-end tests and the executable tutorials: seconds per step through the interpreter
     "tiny": dict(
@@ -104,7 +104,7 @@ class TrainConfig:
     steps: int
     lr: float
     warmup_steps: int
-    leaf_tokens: int  # canonical-order leaf size of parameter-gradient sums (divides seq_len)
+    leaf_tokens: int  # canonical-order leaf size of parameter-gradient sums (DP shards: multiples)
     eval_seqs: int
     sample_tokens: int
     min_lr_ratio: float
@@ -188,8 +188,8 @@ def build_model(cfg: TrainConfig, device) -> GPT:
     """The bf16 model, initialised from ``cfg.seed`` (the same bits on every device)."""
     if cfg.rounding not in ("stochastic", "nearest"):
         raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {cfg.rounding!r}")
-    if cfg.seq_len % cfg.leaf_tokens:
-        raise ValueError(f"leaf_tokens {cfg.leaf_tokens} must divide seq_len {cfg.seq_len}")
+    if cfg.leaf_tokens <= 0:
+        raise ValueError(f"leaf_tokens must be positive, got {cfg.leaf_tokens}")
     model = GPT(cfg.model_config(), kernels=cfg.kernels)
     model.to(torch.bfloat16)  # pure bf16: no fp32 master copy anywhere
     model.init_weights(cfg.seed)
@@ -381,6 +381,13 @@ def train(
     if cfg.kernels == "det":
         import det_train
 
+        unaligned = [lo for lo, _ in split_range(cfg.batch_seqs, world) if lo * cfg.seq_len % cfg.leaf_tokens]
+        if unaligned:  # a leaf is summed on one rank: each rank's slice starts on a leaf boundary
+            raise ValueError(
+                f"leaf_tokens {cfg.leaf_tokens}: with {world} ranks the slices of {cfg.batch_seqs} sequences "
+                f"of {cfg.seq_len} tokens start at sequences {unaligned}, inside leaves; choose a "
+                "leaf_tokens that divides every rank's first token (or another batch / rank count)"
+            )
         acc = det_train.CanonicalGradAccumulator(named_params, leaf_tokens=cfg.leaf_tokens)
     start = 0
     if resume_from is not None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from examples import train_gpt as tg
-from tests._e2e_runs import GLOBAL_BATCH, assert_same_training, baseline, spawned, tiny
+from tests._e2e_runs import GLOBAL_BATCH, SEQ_LEN, assert_same_training, baseline, spawned, tiny
 
 # (DP degree, micro-batch size, accumulation steps); (1, 8, 1) is the baseline
 SINGLE_PROCESS = [(1, 4, 2), (1, 2, 4)]
@@ -23,6 +23,19 @@ def test_micro_batches_in_one_process(dp, micro, accum):
     assert dp * micro * accum == GLOBAL_BATCH
     got = tg.train(tiny(micro_batch_seqs=micro))
     assert_same_training(got, baseline(), f"(dp {dp}, micro-batch {micro}, accum {accum})")
+
+
+def test_micro_batches_that_split_leaves():
+    """Leaves of 4 sequences, micro-batches of 3 (3 + 3 + 2): leaves 0 and 1 each span two
+    micro-batches, whose rows the accumulator carries; the same training as one micro-batch."""
+    leaf = 4 * SEQ_LEN
+    want = tg.train(tiny(micro_batch_seqs=GLOBAL_BATCH, leaf_tokens=leaf))
+    got = tg.train(tiny(micro_batch_seqs=3, leaf_tokens=leaf))
+    assert_same_training(got, want, "(micro-batch 3, leaves of 4 sequences)")
+    with pytest.raises(
+        ValueError, match=r"slices of 8 sequences .* start at sequences \[3, 6\], inside leaves"
+    ):
+        tg.train(tiny(leaf_tokens=leaf), world=3)
 
 
 @pytest.mark.parametrize("dp, micro, accum", DATA_PARALLEL)
@@ -43,10 +56,12 @@ def test_split_helpers():
 @pytest.mark.gpu
 def test_gpu_micro_batches_and_nccl_ranks():
     cfg = tg.make_config("gpu", steps=2, batch_seqs=12, micro_batch_seqs=12, n_layer=4)
-    want = tg.train(cfg)
+    want = tg.train(cfg)  # leaves of 8192 tokens (8 sequences): micro-batches below split leaf 0
     for micro in (6, 4, 3, 5):  # 5: micro-batches of 5, 5, 2
         got = tg.train(dataclasses.replace(cfg, micro_batch_seqs=micro))
         assert_same_training(got, want, f"micro-batch {micro}")
+    cfg = dataclasses.replace(cfg, leaf_tokens=1024)  # rank slices of 6, 4, 3 sequences: leaf-aligned
+    want = tg.train(cfg)
     for world in (2, 3, 4):
         if torch.cuda.device_count() >= world:
             got = tg.train_spawned(dataclasses.replace(cfg, micro_batch_seqs=2), world)

@@ -4,8 +4,10 @@ dW = sum over tokens of dy * x, with per-leaf sums by det_core's reference left 
 the ops' deposit contract (grad_accum.py), so the accumulator is tested independently of kernels.
 """
 
+import functools
+
 import torch
-from det_core.reduce import canonical_sum, leaf_sums_reference
+from det_core.reduce import TreePartial, canonical_sum, leaf_sums_reference
 from det_train.grad_accum import DEFAULT_LEAF_TOKENS, current_accumulator
 
 
@@ -31,3 +33,26 @@ class ToyScale(torch.autograd.Function):
 
 def toy_scale(x, w):
     return ToyScale.apply(x, w)
+
+
+class ToyScaleRows(ToyScale):
+    """``ToyScale`` depositing through ``deposit_rows``: micro-batches of any size."""
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        acc = current_accumulator()
+        if acc is None:
+            return ToyScale.backward(ctx, dy)
+        rows = (x.reshape(-1, w.numel()), dy.reshape(-1, w.numel()))
+        acc.deposit_rows(w, rows, functools.partial(_toy_leaves, acc.leaf_tokens))
+        return dy * w, None
+
+
+def _toy_leaves(leaf_tokens, first_leaf, rows):
+    x, dy = rows
+    return TreePartial().add_leaves(first_leaf, leaf_sums_reference(dy.float() * x.float(), leaf_tokens))
+
+
+def toy_scale_rows(x, w):
+    return ToyScaleRows.apply(x, w)

@@ -108,6 +108,22 @@ def case_ops_accum(rank, world):
     return {name: p.grad for name, p in model.named_parameters()}
 
 
+def case_ops_accum_odd(rank, world):
+    """As ops_accum, each rank's shard cut into micro-batches of 3 tokens: leaves of 4 split between
+    micro-batches, their rows carried by the accumulator (``deposit_rows``)."""
+    tokens = 46
+    ids, targets = _lm_batch(tokens)
+    model = TinyLM(torch.bfloat16).to(DEVICE)
+    acc = CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF)
+    start, end = contiguous_splits(48, world, LEAF)[rank]
+    for s in range(start, min(end, tokens), 3):
+        e = min(s + 3, end, tokens)
+        with acc.micro_batch(token_offset=s):
+            model(ids[s:e], targets[s:e], tokens).backward()
+    acc.reduce(total_tokens=tokens)
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
 def case_fsdp_accum(rank, world):
     """As ops_accum, with the model sharded by FSDP2 (fully_shard, uneven shards; an empty one at DP 4)."""
     from torch.distributed.device_mesh import init_device_mesh

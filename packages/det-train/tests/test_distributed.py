@@ -15,10 +15,10 @@ from det_core.reduce import canonical_sum
 from det_core.testing import assert_bitwise_equal
 
 CASES = {
-    1: "accum_contiguous,accum_interleaved,ops_accum,hook8,hook12",
-    2: "accum_contiguous,accum_interleaved,ops_accum,fsdp_accum,hook8",
-    3: "accum_contiguous,accum_interleaved,ops_accum,fsdp_accum,hook12",
-    4: "accum_contiguous,accum_interleaved,ops_accum,fsdp_accum,hook8",
+    1: "accum_contiguous,accum_interleaved,ops_accum,ops_accum_odd,hook8,hook12",
+    2: "accum_contiguous,accum_interleaved,ops_accum,ops_accum_odd,fsdp_accum,hook8",
+    3: "accum_contiguous,accum_interleaved,ops_accum,ops_accum_odd,fsdp_accum,hook12",
+    4: "accum_contiguous,accum_interleaved,ops_accum,ops_accum_odd,fsdp_accum,hook8",
 }
 
 
@@ -84,6 +84,16 @@ def test_ops_through_accumulator_dp_1_2_3_4():
     ref = assert_same_on_all("ops_accum", (1, 2, 3, 4))
     assert ref["ops_accum/emb.weight"].dtype == torch.bfloat16
     assert bool(ref["ops_accum/norm.weight"].abs().gt(0).all())
+
+
+def test_odd_micro_batches_carry_open_leaves_dp_1_2_3_4():
+    """The same gradients when every rank cuts its shard into 3-token micro-batches (leaves of 4):
+    open leaves are carried to the micro-batch that completes them, on every rank."""
+    ref = {k.replace("ops_accum/", ""): v for k, v in run_ranks(1)[0].items() if k.startswith("ops_accum/")}
+    for world in (1, 2, 3, 4):
+        for rank, got in enumerate(run_ranks(world)):
+            for name, value in ref.items():
+                assert_bitwise_equal(got[f"ops_accum_odd/{name}"], value, f"{name}, DP={world}, rank {rank}")
 
 
 def test_fsdp2_sharded_grads_equal_unsharded_dp_2_3_4():

@@ -38,10 +38,12 @@ def test_forward_is_exact_gather():
 
 
 @pytest.mark.parametrize("hot", [None, 7])
-def test_grad_equals_canonical_definition(hot):
-    ids, w, dy = _inputs(2 * DEFAULT_LEAF_TOKENS + 5, 50, 12, hot=hot)  # 3 leaves, last short
+def test_grad_equals_canonical_definition(hot, monkeypatch):
+    # the plain backward's leaf, small here so that 3 leaves stay cheap under the interpreter
+    monkeypatch.setattr(det_train._leaf_sums, "DEFAULT_LEAF_TOKENS", 256)
+    ids, w, dy = _inputs(2 * 256 + 5, 50, 12, hot=hot)  # 3 leaves, last short
     grad = _grad(ids, w, dy)
-    ref = embedding_weight_grad_reference(ids, dy, 50, DEFAULT_LEAF_TOKENS).to(w.dtype)
+    ref = embedding_weight_grad_reference(ids, dy, 50, 256).to(w.dtype)
     assert_bitwise_equal(grad, ref, "dW vs definition")
     untouched = torch.ones(50, dtype=torch.bool)
     untouched[ids] = False
@@ -96,6 +98,21 @@ def test_micro_batch_invariance(int32):
     )
     for parts in (2, 3, 4, 8):
         assert_bitwise_equal(run(parts), whole, f"embedding dW, {parts} micro-batches")
+
+
+def test_micro_batches_of_any_size_give_the_bits_of_one_batch():
+    """Boundaries inside leaves: the open leaf's (ids, dy) rows are carried to the next micro-batch."""
+    leaf, tokens, v, d = 8, 5 * 8 + 3, 9, 6
+    ids, w0, dy = _inputs(tokens, v, d, seed=4)
+    want = embedding_weight_grad_reference(ids, dy, v, leaf).bfloat16()
+    for parts in (2, 3, 7, tokens):
+        w = w0.clone().requires_grad_()
+        acc = CanonicalGradAccumulator([w], leaf_tokens=leaf)
+        for start, end in contiguous_splits(tokens, parts):
+            with acc.micro_batch(token_offset=start):
+                det_train.embedding(ids[start:end], w).backward(dy[start:end])
+        acc.reduce(total_tokens=tokens)
+        assert_bitwise_equal(w.grad, want, f"embedding dW, {parts} unaligned micro-batches")
 
 
 def test_tied_embedding_and_head():
@@ -166,10 +183,10 @@ def test_gpu_real_vocab_micro_batch_invariance(v):
     tokens, d, leaf = 8192, 2048, 1024
     ids, w0, dy = _inputs(tokens, v, d, seed=1, device="cuda", hot=13)
 
-    def run(parts):
+    def run(parts, leaf_tokens=leaf, granule=leaf):
         w = w0.clone().requires_grad_()
-        acc = CanonicalGradAccumulator([w], leaf_tokens=leaf)
-        for start, end in contiguous_splits(tokens, parts, leaf):
+        acc = CanonicalGradAccumulator([w], leaf_tokens=leaf_tokens)
+        for start, end in contiguous_splits(tokens, parts, granule):
             with acc.micro_batch(token_offset=start):
                 det_train.embedding(ids[start:end], w).backward(dy[start:end])
         acc.reduce(total_tokens=tokens)
@@ -178,7 +195,10 @@ def test_gpu_real_vocab_micro_batch_invariance(v):
     whole = assert_run_to_run(lambda: run(1), repeats=2, name="embedding dW")
     for parts in (2, 3, 4, 8):
         assert_bitwise_equal(run(parts), whole, f"embedding dW, {parts} micro-batches")
-    assert_bitwise_equal(_grad(ids, w0, dy), whole, "no accumulator, default leaf 1024")
+    whole = run(1, DEFAULT_LEAF_TOKENS)  # one leaf of 8192
+    for parts in (3, 7):  # cuts inside the leaf: its rows carried from micro-batch to micro-batch
+        assert_bitwise_equal(run(parts, DEFAULT_LEAF_TOKENS, 1), whole, f"embedding dW, {parts} cuts")
+    assert_bitwise_equal(_grad(ids, w0, dy), whole, "no accumulator, default leaf")
     exact = torch.zeros(v, d, dtype=torch.float64, device="cuda").index_add_(0, ids, dy.double())
     torch.testing.assert_close(whole.double(), exact, rtol=1e-2, atol=2e-2)
 

@@ -14,7 +14,7 @@ from det_core.testing import assert_bitwise_equal, contiguous_splits
 from det_train.grad_accum import DEFAULT_LEAF_TOKENS, CanonicalGradAccumulator, current_accumulator
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _canonical_toy import toy_scale  # noqa: E402
+from _canonical_toy import toy_scale, toy_scale_rows  # noqa: E402
 
 LEAF = 4
 D = 5
@@ -27,13 +27,13 @@ def _data(tokens=37, seed=0, dtype=torch.float32):
     return x, dy
 
 
-def _accumulate(x, dy, w, splits, leaf=LEAF, order=None):
+def _accumulate(x, dy, w, splits, leaf=LEAF, order=None, op=toy_scale):
     acc = CanonicalGradAccumulator([w], leaf_tokens=leaf)
     order = order if order is not None else range(len(splits))
     for i in order:
         start, end = splits[i]
         with acc.micro_batch(token_offset=start):
-            toy_scale(x[start:end], w).backward(dy[start:end])
+            op(x[start:end], w).backward(dy[start:end])
     acc.reduce(total_tokens=x.shape[0])
     return w.grad.clone()
 
@@ -65,6 +65,103 @@ def test_short_last_leaf_and_out_of_order_micro_batches():
     splits = [(0, 12), (12, 16), (16, 28), (28, 37)]
     got = _accumulate(x, dy, w, splits, order=[2, 0, 3, 1])
     assert_bitwise_equal(got, whole, "dW, shuffled micro-batches")
+
+
+# ---------------------------------------------------------------- open leaves (deposit_rows)
+def _cuts(tokens, sizes):
+    """Contiguous micro-batches of the given sizes (the last one takes the rest)."""
+    splits, pos = [], 0
+    for size in sizes:
+        if pos >= tokens:
+            break
+        splits.append((pos, min(pos + size, tokens)))
+        pos += size
+    if pos < tokens:
+        splits.append((pos, tokens))
+    return splits
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [[1] * 37, [3] * 13, [5, 2, 9, 1, 7, 6, 3], [6, 6, 6, 6, 6, 6], [2, 35], [13, 24], [37]],
+    ids=["ones", "threes", "ragged", "sixes", "two-then-rest", "13-24", "whole"],
+)
+def test_micro_batches_of_any_size_give_the_bits_of_one_batch(sizes):
+    x, dy = _data(tokens=37)  # 10 leaves of 4, the last one short
+    w = torch.randn(D, requires_grad=True)
+    want = canonical_sum(x * dy, LEAF)
+    got = _accumulate(x, dy, w, _cuts(37, sizes), op=toy_scale_rows)
+    assert_bitwise_equal(got, want, f"dW with micro-batches {sizes}")
+
+
+def test_open_leaves_continue_out_of_order():
+    # micro-batches in any order, as long as each piece of a split leaf follows the piece before it
+    x, dy = _data(tokens=37)
+    w = torch.randn(D, requires_grad=True)
+    splits = [(0, 6), (6, 16), (16, 23), (23, 37)]  # leaves 1 and 5 split
+    got = _accumulate(x, dy, w, splits, order=[2, 0, 3, 1], op=toy_scale_rows)
+    assert_bitwise_equal(got, canonical_sum(x * dy, LEAF), "dW, shuffled micro-batches with open leaves")
+
+
+def test_open_leaf_keeps_copies_not_the_micro_batch():
+    x, dy = _data(tokens=8)
+    w = torch.randn(D, requires_grad=True)
+    acc = CanonicalGradAccumulator([w], leaf_tokens=LEAF)
+    xs, dys = x[:6].clone(), dy[:6].clone()
+    with acc.micro_batch(token_offset=0):
+        toy_scale_rows(xs, w).backward(dys)
+    (carried,) = acc._carry.values()
+    assert carried[0] == 4 and carried[1][0].shape == (2, D)  # rows 4, 5: the open leaf 1
+    assert carried[1][0].untyped_storage().data_ptr() != xs.untyped_storage().data_ptr()
+    xs.zero_()  # the caller may reuse its buffers
+    dys.zero_()
+    with acc.micro_batch(token_offset=6):
+        toy_scale_rows(x[6:], w).backward(dy[6:])
+    acc.reduce(total_tokens=8)
+    assert_bitwise_equal(w.grad, canonical_sum(x * dy, LEAF), "dW after the caller reused its buffers")
+
+
+def test_open_leaf_errors_are_clear_and_lose_nothing():
+    x, dy = _data(tokens=12)
+    w = torch.randn(D, requires_grad=True)
+    acc = CanonicalGradAccumulator([("w", w)], leaf_tokens=LEAF)
+    with pytest.raises(ValueError, match=r"token_offset 6 .* no earlier micro-batch on this rank ended"):
+        with acc.micro_batch(token_offset=6):
+            pass
+    with acc.micro_batch(token_offset=0):
+        toy_scale_rows(x[:6], w).backward(dy[:6])
+    with pytest.raises(ValueError, match=r"token_offset 5 .*open leaves end at \[6\]"):
+        with acc.micro_batch(token_offset=5):
+            pass
+    # a DP shard that ends inside a leaf: reduce names the open leaf; the state is kept
+    with pytest.raises(ValueError, match=r"w \(use 0\): leaf 1 \(tokens \[4, 8\)\) is open.* end at token 6"):
+        acc.reduce(total_tokens=12)
+    with acc.micro_batch(token_offset=6):
+        toy_scale_rows(x[6:], w).backward(dy[6:])
+    acc.reduce(total_tokens=12)
+    assert_bitwise_equal(w.grad, canonical_sum(x * dy, LEAF), "dW after the refused reduce")
+    # a parameter that skips the micro-batch continuing its open leaf
+    other = torch.randn(D, requires_grad=True)
+    acc = CanonicalGradAccumulator([("w", w), ("other", other)], leaf_tokens=LEAF)
+    with acc.micro_batch(token_offset=0):
+        (toy_scale_rows(x[:6], w) + toy_scale_rows(x[:6], other)).backward(dy[:6])
+    with acc.micro_batch(token_offset=6):
+        toy_scale_rows(x[6:9], w).backward(dy[6:9])
+    with pytest.raises(ValueError, match=r"other \(use 0\): this micro-batch starts at token 9 .* rows for"):
+        with acc.micro_batch(token_offset=9):
+            toy_scale_rows(x[9:], other).backward(dy[9:])
+    # two ops of one micro-batch that saw different token counts
+    acc = CanonicalGradAccumulator([("w", w), ("other", other)], leaf_tokens=LEAF)
+    with pytest.raises(ValueError, match=r"an op deposited rows of [36] tokens .* ops saw [36]; every"):
+        with acc.micro_batch(token_offset=0):
+            (toy_scale_rows(x[:6], w).sum() + toy_scale_rows(x[:3], other).sum()).backward()
+    # leaf_span ops cannot continue an open leaf
+    acc = CanonicalGradAccumulator([("w", w)], leaf_tokens=LEAF)
+    with acc.micro_batch(token_offset=0):
+        toy_scale_rows(x[:6], w).backward(dy[:6])
+    with pytest.raises(ValueError, match="use deposit_rows"):
+        with acc.micro_batch(token_offset=6):
+            toy_scale(x[6:], w).backward(dy[6:])
 
 
 def test_bf16_param_gets_bf16_grad_and_differs_from_naive_order():

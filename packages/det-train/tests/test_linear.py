@@ -287,14 +287,18 @@ def test_aligned_runs_are_maximal_aligned_subtrees():
     assert _aligned_runs(0, 3, 4) == [(1, 0, 1), (0, 2, 1)]
 
 
-def _accumulated_grads(x, w, b, dy, leaf_tokens, parts, granule=None):
-    """Gradients through the accumulator with the tokens split into `parts` leaf-aligned micro-batches."""
+def _accumulated_grads(x, w, b, dy, leaf_tokens, parts, aligned=True):
+    """Gradients through the accumulator with the tokens split into `parts` micro-batches: at leaf
+    boundaries (``aligned``), else as evenly as possible wherever that falls (open leaves carried)."""
     w = w.detach().clone().requires_grad_()
     b = b.detach().clone().requires_grad_()
     acc = CanonicalGradAccumulator([("w", w), ("b", b)], leaf_tokens=leaf_tokens)
     t = x.shape[0]
-    cuts = contiguous_splits((t // leaf_tokens) * leaf_tokens, parts, granule=leaf_tokens)
-    cuts[-1] = (cuts[-1][0], t)  # the last micro-batch also takes the short last leaf
+    if aligned:
+        cuts = contiguous_splits((t // leaf_tokens) * leaf_tokens, parts, granule=leaf_tokens)
+        cuts[-1] = (cuts[-1][0], t)  # the last micro-batch also takes the short last leaf
+    else:
+        cuts = contiguous_splits(t, parts)
     for s, e in cuts:
         with acc.micro_batch(token_offset=s):
             linear(x[s:e], w, b).backward(dy[s:e])
@@ -320,14 +324,37 @@ def test_micro_batch_invariance_of_dw_and_db(dtype):
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_micro_batches_of_any_size_give_the_bits_of_one_batch(dtype):
+    """Micro-batch boundaries inside leaves (2, 3, 5, 7 even cuts of 269 tokens over leaves of 32):
+    the accumulator carries each open leaf's rows of dY and X to the micro-batch completing it."""
+    leaf, t = 32, 8 * 32 + 13
+    x, w, b = (
+        _randn(t, 72, dtype=dtype, seed=18),
+        _randn(40, 72, dtype=dtype, seed=19),
+        _randn(40, dtype=dtype, seed=20),
+    )
+    dy = _randn(t, 40, dtype=dtype, seed=21)
+    whole = _accumulated_grads(x, w, b, dy, leaf, 1)
+    for parts in (2, 3, 5, 7, 13):
+        assert any(s % leaf for s, _ in contiguous_splits(t, parts))  # the cuts do split leaves
+        got = _accumulated_grads(x, w, b, dy, leaf, parts, aligned=False)
+        assert_bitwise_equal(got[0], whole[0], f"dW, {parts} unaligned micro-batches")
+        assert_bitwise_equal(got[1], whole[1], f"db, {parts} unaligned micro-batches")
+
+
 def test_plain_backward_equals_accumulator_with_default_leaf():
-    """Without an accumulator the op uses leaf_tokens = 1024: same bits as the accumulator's tree."""
-    t = 2 * 1024 + 320  # 3 leaves
+    """Without an accumulator the op uses leaf_tokens = DEFAULT_LEAF_TOKENS: same bits as the
+    accumulator's tree with its default leaf, whole or in unaligned micro-batches."""
+    from det_train.grad_accum import DEFAULT_LEAF_TOKENS
+
+    assert DEFAULT_LEAF_TOKENS == 8192
+    t = 300  # one short leaf: the accumulator sums it at reduce, from the carried rows
     x, w, b = _randn(t, 16, seed=22), _randn(24, 16, seed=23), _randn(24, seed=24)
     dy = _randn(t, 24, seed=25)
     _, _, dw, db = _grads(x, w, b, dy)
-    for parts in (1, 2):
-        dw_acc, db_acc = _accumulated_grads(x, w, b, dy, 1024, parts)
+    for parts in (1, 3):
+        dw_acc, db_acc = _accumulated_grads(x, w, b, dy, DEFAULT_LEAF_TOKENS, parts, aligned=False)
         assert_bitwise_equal(dw_acc, dw, f"dW, {parts} micro-batches")
         assert_bitwise_equal(db_acc, db, f"db, {parts} micro-batches")
 
@@ -425,7 +452,13 @@ def test_gpu_micro_batch_invariance_real_sizes():
         name="dW, db",
     )
     _, _, dw, db = _grads(x, w, b, dy)
-    assert_bitwise_equal(_accumulated_grads(x, w, b, dy, 1024, 1)[0], dw, "plain dW == accumulator dW")
+    whole = _accumulated_grads(x, w, b, dy, 8192, 1)  # the default leaf: one leaf
+    assert_bitwise_equal(whole[0], dw, "plain dW == accumulator dW")
+    assert_bitwise_equal(whole[1], db, "plain db == accumulator db")
+    for parts in (3, 7):  # cuts inside the leaf: its rows of dY and X carried to the next micro-batch
+        got = _accumulated_grads(x, w, b, dy, 8192, parts, aligned=False)
+        assert_bitwise_equal(got[0], whole[0], f"dW, {parts} cuts inside the leaf")
+        assert_bitwise_equal(got[1], whole[1], f"db, {parts} cuts inside the leaf")
 
 
 @pytest.mark.gpu

@@ -12,7 +12,7 @@ from det_core.testing import (
     digest,
     run_in_fresh_process,
 )
-from det_train.grad_accum import CanonicalGradAccumulator
+from det_train.grad_accum import DEFAULT_LEAF_TOKENS, CanonicalGradAccumulator
 from det_train.reference_norms import rms_norm_reference
 
 # max |err| / max |ref| against fp64, per output dtype (the rounding of the output dominates)
@@ -102,6 +102,32 @@ def test_micro_batch_invariance_of_dweight(leaf, n_leaves, all_parts):
     assert whole.dtype == torch.bfloat16
     for parts in all_parts:
         assert_bitwise_equal(run(parts), whole, f"dweight, {parts} micro-batches, leaf {leaf}")
+
+
+@pytest.mark.parametrize("leaf", [4, 32])
+def test_micro_batches_of_any_size_give_the_bits_of_one_batch(leaf):
+    """Boundaries inside leaves and inside 16-row chunks: the open leaf's rows (dy, x, rstd) are
+    carried and its chunk sums computed from all its rows by the backward kernel."""
+    tokens, d = 4 * 32 + 3, 24
+    b = _rows(tokens, d, torch.bfloat16, 5)
+    x, dy = b[:, 0], b[:, 1]
+    w0 = torch.randn(d).bfloat16()
+
+    def run(cuts):
+        w = w0.clone().requires_grad_()
+        acc = CanonicalGradAccumulator([w], leaf_tokens=leaf)
+        for start, end in cuts:
+            with acc.micro_batch(token_offset=start):
+                y = det_train.rms_norm(x[start:end], w)
+                y.backward(dy[start:end])
+        acc.reduce(total_tokens=tokens)
+        return w.grad
+
+    whole = run([(0, tokens)])
+    for parts in (2, 3, 7):
+        assert_bitwise_equal(
+            run(contiguous_splits(tokens, parts)), whole, f"dweight, {parts} cuts, leaf {leaf}"
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -224,10 +250,10 @@ def test_gpu_micro_batch_invariance_and_accuracy():
     x, dy = b[:, 0], b[:, 1]
     w0 = (1 + 0.1 * torch.randn(d, device="cuda")).bfloat16()
 
-    def run(parts):
+    def run(parts, leaf_tokens=leaf, granule=leaf):
         w = w0.clone().requires_grad_()
-        acc = CanonicalGradAccumulator([w], leaf_tokens=leaf)
-        for start, end in contiguous_splits(tokens, parts, leaf):
+        acc = CanonicalGradAccumulator([w], leaf_tokens=leaf_tokens)
+        for start, end in contiguous_splits(tokens, parts, granule):
             with acc.micro_batch(token_offset=start):
                 det_train.rms_norm(x[start:end], w).backward(dy[start:end])
         acc.reduce(total_tokens=tokens)
@@ -236,6 +262,9 @@ def test_gpu_micro_batch_invariance_and_accuracy():
     whole = assert_run_to_run(lambda: run(1), repeats=2, name="dweight")
     for parts in (2, 3, 4, 8):
         assert_bitwise_equal(run(parts), whole, f"dweight, {parts} micro-batches")
+    whole = run(1, DEFAULT_LEAF_TOKENS)  # one leaf of 8192 tokens
+    for parts in (3, 7):  # cuts inside the leaf: its rows carried from micro-batch to micro-batch
+        assert_bitwise_equal(run(parts, DEFAULT_LEAF_TOKENS, 1), whole, f"dweight, {parts} cuts")
     y, dx, dw = _fwd_bwd(x, w0, dy)
     assert_bitwise_equal(dw, whole, "dweight without accumulator (same default leaf)")
     xd, wd = x.double().requires_grad_(), w0.double().requires_grad_()
