@@ -111,8 +111,8 @@ def test_open_leaf_keeps_copies_not_the_micro_batch():
     with acc.micro_batch(token_offset=0):
         toy_scale_rows(xs, w).backward(dys)
     (carried,) = acc._carry.values()
-    assert carried[0] == 4 and carried[1][0].shape == (2, D)  # rows 4, 5: the open leaf 1
-    assert carried[1][0].untyped_storage().data_ptr() != xs.untyped_storage().data_ptr()
+    assert (carried.start, carried.end) == (4, 6) and carried.rows()[0].shape == (2, D)  # rows 4, 5: leaf 1
+    assert carried.rows()[0].untyped_storage().data_ptr() != xs.untyped_storage().data_ptr()
     xs.zero_()  # the caller may reuse its buffers
     dys.zero_()
     with acc.micro_batch(token_offset=6):

@@ -132,8 +132,7 @@ class CanonicalGradAccumulator:
         self._token_offset: int | None = None
         self._tokens: int | None = None  # tokens of the active micro-batch, as the ops report them
         self._open_ends: set[int] = set()  # tokens where micro-batches ended inside a leaf
-        # (param index, use, leaf) -> (first global token, rows of the open leaf, the op's LeafPartial)
-        self._carry: dict[tuple[int, int, int], tuple[int, tuple, LeafPartial]] = {}
+        self._carry: dict[tuple[int, int, int], _OpenLeaf] = {}  # (param index, use, leaf) -> its rows
         self._fsdp: dict[int, object] = {}  # param index -> FSDP2 FSDPParam (see track_fsdp)
         self._shapes: dict[int, torch.Size] = {}  # param index -> full (unsharded) gradient shape
 
@@ -299,28 +298,28 @@ class CanonicalGradAccumulator:
         pos = 0  # own rows consumed so far
         if offset % leaf:  # continue the open leaf an earlier micro-batch left
             key = (*slot, offset // leaf)
-            start, old, _ = self._carry.pop(key, (None, None, None))
-            carried_end = None if start is None else start + int(old[0].shape[0])
-            if carried_end != offset:
+            open_leaf = self._carry.pop(key, None)
+            if open_leaf is None or open_leaf.end != offset:
                 raise ValueError(
                     f"{self._names[slot[0]]} (use {slot[1]}): this micro-batch starts at token {offset} "
                     f"inside leaf {offset // leaf}, whose rows for this parameter end at "
-                    f"{carried_end if carried_end is not None else 'the leaf start (none deposited)'}: the "
+                    f"{open_leaf.end if open_leaf else 'the leaf start (none deposited)'}: the "
                     "parameter was not used in every micro-batch that split the leaf"
                 )
-            pos = min(n, start + leaf - offset)  # own rows that belong to the open leaf
-            joined = tuple(torch.cat((o, r[:pos])) for o, r in zip(old, rows, strict=True))
-            if offset + pos < start + leaf:  # still open: this micro-batch ended inside it
-                self._carry[key] = (start, joined, leaf_partial)
+            pos = min(n, open_leaf.start + leaf - offset)  # own rows that belong to the open leaf
+            open_leaf.append(tuple(r[:pos] for r in rows), leaf_partial)
+            if open_leaf.end < open_leaf.start + leaf:  # still open: this micro-batch ended inside it
+                self._carry[key] = open_leaf
                 return
-            self._merge(slot, leaf_partial(start // leaf, joined))
+            self._merge(slot, leaf_partial(offset // leaf, open_leaf.rows()))
         full = (n - pos) // leaf * leaf
         if full:
             self._merge(slot, leaf_partial((offset + pos) // leaf, tuple(r[pos : pos + full] for r in rows)))
-        if pos + full < n:  # the open leaf: a copy, so the micro-batch's tensors can be freed
+        if pos + full < n:
             start = offset + pos + full
-            tail = tuple(r[pos + full :].clone() for r in rows)
-            self._carry[(*slot, start // leaf)] = (start, tail, leaf_partial)
+            self._carry[(*slot, start // leaf)] = _OpenLeaf(
+                start, tuple(r[pos + full :] for r in rows), leaf, leaf_partial
+            )
 
     def _merge(self, slot: tuple[int, int], partial: TreePartial) -> None:
         mine = self._partials.setdefault(slot, TreePartial())
@@ -395,8 +394,8 @@ class CanonicalGradAccumulator:
                     f"{self.leaf_tokens}, and its ops use leaf_span / deposit: only the micro-batch ending "
                     "the global batch may end mid-leaf there (ops using deposit_rows carry the open leaf)"
                 )
-        for (index, use, _), (start, rows, _) in self._carry.items():
-            end = start + int(rows[0].shape[0])
+        for (index, use, _), open_leaf in self._carry.items():
+            start, end = open_leaf.start, open_leaf.end
             if end != total_tokens:
                 raise ValueError(
                     f"{self._names[index]} (use {use}): leaf {start // self.leaf_tokens} (tokens "
@@ -415,8 +414,8 @@ class CanonicalGradAccumulator:
                     "for every use of the parameter"
                 )
         try:
-            for (index, use, leaf), (_, rows, leaf_partial) in self._carry.items():  # the short last leaf
-                self._merge((index, use), leaf_partial(leaf, rows))
+            for (index, use, leaf), open_leaf in self._carry.items():  # the short last leaf
+                self._merge((index, use), open_leaf.leaf_partial(leaf, open_leaf.rows()))
             partials = self._gather(group)
             grads: dict[int, torch.Tensor] = {}
             for (index, _use), partial in sorted(partials.items()):
@@ -499,6 +498,32 @@ class CanonicalGradAccumulator:
                     raise ValueError(f"{self._names[slot[0]]}: rank {rank}: {err}") from None
             merged[slot] = tree
         return merged
+
+
+class _OpenLeaf:
+    """The rows a parameter's unfinished leaf has received so far, copied into buffers of one leaf
+    (each row is copied once, however many micro-batches the leaf is split into)."""
+
+    __slots__ = ("start", "filled", "buffers", "leaf_partial")
+
+    def __init__(self, start: int, rows: tuple, leaf_tokens: int, leaf_partial: LeafPartial) -> None:
+        self.start, self.filled = start, 0
+        self.buffers = tuple(r.new_empty((leaf_tokens, *r.shape[1:])) for r in rows)
+        self.append(rows, leaf_partial)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.filled
+
+    def append(self, rows: tuple, leaf_partial: LeafPartial) -> None:
+        n = int(rows[0].shape[0])
+        for buffer, r in zip(self.buffers, rows, strict=True):
+            buffer[self.filled : self.filled + n].copy_(r)
+        self.filled += n
+        self.leaf_partial = leaf_partial  # the latest call's function sums the leaf
+
+    def rows(self) -> tuple:
+        return tuple(b[: self.filled] for b in self.buffers)
 
 
 def _fsdp_shard(fsdp_param, full: torch.Tensor):
