@@ -11,6 +11,7 @@ from det_core.testing import (
     digest,
     run_in_fresh_process,
 )
+from det_train._leaf_sums import sub_leaf_tokens
 from det_train.grad_accum import DEFAULT_LEAF_TOKENS, CanonicalGradAccumulator
 from det_train.reference_norms import embedding_weight_grad_reference
 
@@ -207,11 +208,12 @@ def test_gpu_real_vocab_micro_batch_invariance(v):
 @pytest.mark.parametrize("hot", [None, 13])
 def test_gpu_grad_equals_canonical_definition(hot):
     """The compiled segment-fold and per-id tree kernels give the definition's bits: without an
-    accumulator (3 leaves of 1024, last short) and through one with leaf 128 split in 3 parts (subtrees
+    accumulator (17 sub-leaves of 1024 in 3 leaves of 8192, the last short) and through one with leaf 128 split in 3 parts (subtrees
     at unaligned offsets)."""
     tokens, v, d = 2 * DEFAULT_LEAF_TOKENS + 29, 300, 520
     ids, w, dy = _inputs(tokens, v, d, seed=6, device="cuda", hot=hot)
-    ref = embedding_weight_grad_reference(ids, dy, v, DEFAULT_LEAF_TOKENS).to(w.dtype)
+    # the plain backward: the canonical tree over sub-leaves of 1024 tokens (_leaf_sums.sub_leaf_tokens)
+    ref = embedding_weight_grad_reference(ids, dy, v, sub_leaf_tokens(DEFAULT_LEAF_TOKENS)).to(w.dtype)
     assert_bitwise_equal(_grad(ids, w, dy), ref, "GPU dW vs definition")
     leaf = 128
     wa = w.clone().requires_grad_()

@@ -21,12 +21,15 @@ from ._vendor.det_core.sr import round_nearest_bf16
 from .grad_accum import DEFAULT_LEAF_TOKENS, current_accumulator
 
 __all__ = [
+    "SUB_LEAF_TOKENS",
     "cast_out",
+    "coarsen",
     "dyadic_nodes",
     "finish_param_grad",
     "fold_chunks",
     "leaf_layout",
     "leaf_subtrees",
+    "sub_leaf_tokens",
     "tree_in_place",
 ]
 
@@ -200,41 +203,85 @@ def _bind(key: tuple, grid: tuple, kernel, n_tensors: int, scalars: tuple, **met
     return _BOUND.put(key, (grid, runtime.BoundLaunch(kernel, n_tensors, scalars, **meta)))
 
 
-def leaf_layout(max_rows_per_chunk: int):
-    """``(accumulator or None, leaf_tokens, rows_per_chunk)`` for an op's token axis.
+# The vector reductions (RMSNorm weight, bias, embedding table, loss sum) sum each leaf as the canonical
+# pairwise tree over aligned sub-leaves of at most this many tokens (each sub-leaf a sequential fold):
+# a long leaf (8192 tokens) then still spreads over many programs, and the bits are those of the tree
+# over sub-leaves, whatever the leaf size above them (a power-of-two multiple).
+SUB_LEAF_TOKENS = 1024
 
-    ``rows_per_chunk`` is the largest power of two <= ``max_rows_per_chunk`` dividing the leaf size:
+
+def sub_leaf_tokens(leaf_tokens: int) -> int:
+    """``leaf_tokens`` halved while above ``SUB_LEAF_TOKENS`` and even: the sub-leaf of the vector
+    reductions (a power-of-two part of the leaf: 8192 -> 1024, 3072 -> 768, 1000 -> 1000)."""
+    sub = leaf_tokens
+    while sub > SUB_LEAF_TOKENS and sub % 2 == 0:
+        sub //= 2
+    return sub
+
+
+def leaf_layout(max_rows_per_chunk: int):
+    """``(accumulator or None, leaf_tokens, sub_leaf_tokens, rows_per_chunk)`` for an op's token axis.
+
+    ``rows_per_chunk`` is the largest power of two <= ``max_rows_per_chunk`` dividing the sub-leaf:
     a function of the leaf size alone (it is part of the op's reduction order), never of M.
     """
     acc = current_accumulator()
     leaf = DEFAULT_LEAF_TOKENS if acc is None else acc.leaf_tokens
+    sub = sub_leaf_tokens(leaf)
     rows = max_rows_per_chunk
-    while leaf % rows:
+    while sub % rows:
         rows //= 2
-    return acc, leaf, rows
+    return acc, leaf, sub, rows
 
 
-def leaf_subtrees(leaf_sums: torch.Tensor, first_leaf: int, shape: torch.Size) -> TreePartial:
-    """The maximal aligned subtrees of fp32 ``leaf_sums`` (n_leaves, ...) of global leaves
-    ``first_leaf ...``, as a ``TreePartial`` of nodes of ``shape``. Overwrites ``leaf_sums``."""
-    flat = leaf_sums if leaf_sums.dim() == 2 else leaf_sums.reshape(leaf_sums.shape[0], -1)
+def coarsen(partial: TreePartial, ratio: int) -> TreePartial:
+    """A partial tree over sub-leaves (``ratio`` per leaf, a power of two) as one over leaves.
+
+    Nodes of whole leaves keep their value (level lowered by log2(ratio)); the nodes of a short last
+    leaf (present only at the end of the batch) are combined right to left, ``a + (b + c)``: the
+    canonical tree over that leaf's sub-leaves, absent ones promoted.
+    """
+    if ratio == 1:
+        return partial
+    shift = ratio.bit_length() - 1
+    out, short = TreePartial(), {}
+    for (level, index), value in sorted(partial.nodes.items(), key=lambda kv: kv[0][1] << kv[0][0]):
+        if level >= shift:
+            out.nodes[(level - shift, index)] = value
+        else:
+            short.setdefault((index << level) >> shift, []).append(value)
+    for leaf, values in short.items():
+        node = values[-1]
+        for value in reversed(values[:-1]):
+            node = value + node
+        out.nodes[(0, leaf)] = node
+    return out
+
+
+def leaf_subtrees(sub_sums: torch.Tensor, first_leaf: int, shape: torch.Size, ratio: int = 1) -> TreePartial:
+    """The maximal aligned subtrees over global leaves ``first_leaf ...`` of fp32 sub-leaf sums
+    ``sub_sums`` (n_sub, ...; ``ratio`` sub-leaves per leaf, whole leaves except a short last one),
+    as a ``TreePartial`` of nodes of ``shape``. Overwrites ``sub_sums`` (the tree runs in place)."""
+    flat = sub_sums if sub_sums.dim() == 2 else sub_sums.reshape(sub_sums.shape[0], -1)
     partial = TreePartial()
     partial.nodes = {
         key: value if value.shape == shape else value.view(shape)
-        for key, value in tree_in_place(flat, first_leaf).items()
+        for key, value in tree_in_place(flat, first_leaf * ratio).items()
     }
-    return partial
+    return coarsen(partial, ratio)
 
 
-def finish_param_grad(acc, param: torch.Tensor, first_leaf: int, leaf_sums: torch.Tensor):
-    """Deposit the canonical subtrees of ``leaf_sums`` (n_leaves, *param.shape) fp32 into ``acc``,
-    or finish the tree over them. ``leaf_sums`` is overwritten (the tree runs in place on the GPU).
+def finish_param_grad(acc, param: torch.Tensor, first_leaf: int, sub_sums: torch.Tensor, ratio: int = 1):
+    """Deposit the canonical subtrees of ``sub_sums`` (n_sub, *param.shape) fp32 (``ratio`` sub-leaves
+    per leaf) into ``acc``, or finish the tree over them. ``sub_sums`` is overwritten (the tree runs
+    in place on the GPU).
 
     Returns None when deposited (the autograd gradient of ``param``), else the gradient in
-    ``param.dtype``.
+    ``param.dtype``: the canonical tree over the sub-leaves, which is the tree over the leaves of
+    the trees inside them.
     """
     if acc is not None:
-        acc.deposit_partial(param, leaf_subtrees(leaf_sums, first_leaf, param.shape))
+        acc.deposit_partial(param, leaf_subtrees(sub_sums, first_leaf, param.shape, ratio))
         return None
-    flat = leaf_sums if leaf_sums.dim() == 2 else leaf_sums.reshape(leaf_sums.shape[0], -1)
+    flat = sub_sums if sub_sums.dim() == 2 else sub_sums.reshape(sub_sums.shape[0], -1)
     return tree_in_place(flat, 0, param.dtype).view(param.shape)

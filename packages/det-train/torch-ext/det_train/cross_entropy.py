@@ -170,16 +170,14 @@ class _CrossEntropyFunction(torch.autograd.Function):
 
 
 def _canonical_token_sum(loss: torch.Tensor) -> torch.Tensor:
-    """Canonical sum of per-token fp32 losses: per-leaf sums in a fixed order (128 lanes, each a fold
-    in token order, then a fixed tl.sum), pairwise tree over leaves.
-
-    With an active accumulator the leaves are its (global, aligned) leaves, so each micro-batch's
-    sum is a whole set of subtrees; the returned value is this call's partial sum.
+    """Canonical sum of per-token fp32 losses: per-sub-leaf sums in a fixed order (128 lanes, each a
+    fold in token order, then a fixed tl.sum), pairwise tree over sub-leaves (``_leaf_sums``; 1024
+    tokens for the default leaf). The returned value is this call's partial sum.
     """
     n = loss.shape[0]
     if n == 0:
         return loss.new_zeros(())
-    leaf = leaf_layout(1)[1]
+    leaf = leaf_layout(1)[2]  # the sub-leaf: one program per leaf of 8192 tokens would be slow
     n_leaves = -(-n // leaf)
     sums = torch.empty((n_leaves,), dtype=torch.float32, device=loss.device)
     runtime.launch(_token_leaf_sum_kernel, (n_leaves,), loss, sums, n, LEAF=leaf, LANES=_LANES, num_warps=4)
@@ -222,9 +220,9 @@ def cross_entropy(
 
     **Determinism:** bitwise run to run. Row invariance: a token's loss and its dlogits row depend
     only on its logits row, target and the gradient scale (one program per row, its config keyed by V only),
-    not on N or the other rows. The sum / mean uses the canonical order over token leaves
-    (``DEFAULT_LEAF_TOKENS``, or the active accumulator's ``leaf_tokens``), so it is the same for
-    any batch holding the same leaves; across micro-batches the partial losses of each call are
+    not on N or the other rows. The sum / mean uses the canonical order over token sub-leaves
+    (of ``DEFAULT_LEAF_TOKENS``, or of the active accumulator's ``leaf_tokens``), so it is the same
+    for any batch holding the same sub-leaves; across micro-batches the partial losses of each call are
     returned (their sum is for logging, not canonical). dlogits with ``num_global_tokens`` is
     invariant to micro-batching. Not across GPU models / Triton versions (exp/log lowering).
 

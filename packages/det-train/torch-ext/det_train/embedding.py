@@ -1,9 +1,10 @@
 """Embedding lookup with a deterministic, atomic-free weight gradient in the canonical order.
 
 Forward: a gather (``weight[ids]``, an exact copy). Backward: the gradient of row ``v`` is the sum of
-``dy[t]`` over the tokens ``t`` with ``ids[t] == v``, defined in the canonical order: within a leaf of
-``leaf_tokens`` tokens (aligned to the global token index), a fp32 fold starting at +0.0 in token
-order; leaves combined by the fixed pairwise tree of det_core.reduce.
+``dy[t]`` over the tokens ``t`` with ``ids[t] == v``, defined in the canonical order: within a
+sub-leaf (``_leaf_sums.sub_leaf_tokens`` of the leaf: 1024 tokens of an 8192-token leaf, aligned to
+the global token index), a fp32 fold starting at +0.0 in token order; sub-leaves combined by the
+fixed pairwise tree of det_core.reduce (inside a leaf, then across leaves: one tree).
 
 Method (sparse, no (n_leaves, V, D) tensor, no host sync in the backward):
 1. stable sort of the ids (``torch.sort(stable=True)``): equal ids keep token order; segments =
@@ -28,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._leaf_sums import cast_out, dyadic_nodes, leaf_layout, tree_combine
+from ._leaf_sums import cast_out, coarsen, dyadic_nodes, leaf_layout, tree_combine
 from ._vendor.det_core import runtime
 from ._vendor.det_core.reduce import TreePartial, num_leaves
 from ._vendor.det_core.runtime import check_kernel_device
@@ -228,17 +229,18 @@ class _EmbeddingFunction(torch.autograd.Function):
         dy2 = dy.reshape(m, d)
         if dy2.stride(-1) != 1:
             dy2 = dy2.contiguous()
-        acc, leaf, _ = leaf_layout(1)
-        if acc is None:
-            return None, _weight_grad(flat, dy2, v, leaf, 0, weight.dtype, node_tables=False)
+        acc, leaf, sub, _ = leaf_layout(1)
+        if acc is None:  # the tree over sub-leaves: the tree over leaves of the trees inside them
+            return None, _weight_grad(flat, dy2, v, sub, 0, weight.dtype, node_tables=False)
         # rows of a leaf split between micro-batches are carried to the one completing it
-        acc.deposit_rows(weight, (flat, dy2), functools.partial(_leaf_tables, v, leaf))
+        acc.deposit_rows(weight, (flat, dy2), functools.partial(_leaf_tables, v, sub, leaf // sub))
         return None, None
 
 
-def _leaf_tables(v: int, leaf: int, first_leaf: int, rows: tuple) -> TreePartial:
-    """The accumulator's leaf-sum function of the embedding table: rows ``(ids, dy)`` of whole leaves."""
-    return _weight_grad(rows[0], rows[1], v, leaf, first_leaf, None, node_tables=True)
+def _leaf_tables(v: int, sub: int, ratio: int, first_leaf: int, rows: tuple) -> TreePartial:
+    """The accumulator's leaf-sum function of the embedding table: rows ``(ids, dy)`` of whole leaves
+    (``ratio`` sub-leaves of ``sub`` tokens each), as subtrees over leaves."""
+    return coarsen(_weight_grad(rows[0], rows[1], v, sub, first_leaf * ratio, None, node_tables=True), ratio)
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -314,7 +314,8 @@ class CanonicalGradAccumulator:
             self._merge(slot, leaf_partial(offset // leaf, open_leaf.rows()))
         full = (n - pos) // leaf * leaf
         if full:
-            self._merge(slot, leaf_partial((offset + pos) // leaf, tuple(r[pos : pos + full] for r in rows)))
+            whole = rows if full == n else tuple(r[pos : pos + full] for r in rows)
+            self._merge(slot, leaf_partial((offset + pos) // leaf, whole))
         if pos + full < n:
             start = offset + pos + full
             self._carry[(*slot, start // leaf)] = _OpenLeaf(

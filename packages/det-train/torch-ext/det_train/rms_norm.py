@@ -7,8 +7,9 @@ Reduction orders (fixed; the table below names what changes bits):
 - forward and dX: one program per row, fp32 math over the whole row in one block of
   ``next_pow2(D)`` elements (``tl.sum``), so a row's bits depend on the row and D alone;
 - dweight = sum over tokens of ``dy * x_hat`` in the canonical order: each program folds
-  ``rows_per_chunk`` consecutive tokens sequentially in fp32, the chunks of a leaf are folded in
-  chunk order (``_leaf_sums.fold_chunks``) and leaves are combined by the canonical pairwise tree
+  ``rows_per_chunk`` consecutive tokens sequentially in fp32, the chunks of a sub-leaf (at most
+  ``_leaf_sums.SUB_LEAF_TOKENS`` tokens, a power-of-two part of the leaf) are folded in chunk order
+  (``_leaf_sums.fold_chunks``) and sub-leaves are combined by the canonical pairwise tree
   on the GPU (``_leaf_sums.tree_in_place``: ``TreePartial``'s bits, no host round-trip), or its
   maximal subtrees are deposited into the active ``CanonicalGradAccumulator``.
 """
@@ -188,23 +189,20 @@ class _RMSNormFunction(torch.autograd.Function):
         if m == 0:
             dw = torch.zeros_like(weight) if has_w and ctx.needs_input_grad[1] else None
             return torch.empty(ctx.x_shape, dtype=x2.dtype, device=x2.device), dw, None, None
-        acc, leaf, rows = leaf_layout(MAX_ROWS_PER_CHUNK) if has_w else (None, 1, MAX_ROWS_PER_CHUNK)
+        acc, leaf, sub, rows = leaf_layout(MAX_ROWS_PER_CHUNK) if has_w else (None, 1, 1, MAX_ROWS_PER_CHUNK)
         dx, partial = _backward(dy2, x2, weight, rstd, rows)
         dx = dx.view(ctx.x_shape)
         if not (has_w and ctx.needs_input_grad[1]):
             return dx, None, None, None
         if acc is None:
-            return dx, finish_param_grad(None, weight, 0, fold_chunks(partial, leaf // rows)), None, None
+            return dx, finish_param_grad(None, weight, 0, fold_chunks(partial, sub // rows)), None, None
         if acc.token_offset % leaf == 0 and m % leaf == 0:  # whole leaves: this pass's chunk sums
             first_leaf, _ = acc.leaf_span(m)
-            return (
-                dx,
-                finish_param_grad(acc, weight, first_leaf, fold_chunks(partial, leaf // rows)),
-                None,
-                None,
-            )
+            finish_param_grad(acc, weight, first_leaf, fold_chunks(partial, sub // rows), leaf // sub)
+            return dx, None, None, None
         # rows of a leaf split between micro-batches: the accumulator sums each leaf from all its rows
-        acc.deposit_rows(weight, (dy2, x2, rstd), functools.partial(_dweight_leaves, weight, leaf, rows))
+        leaves = functools.partial(_dweight_leaves, weight, leaf, sub, rows)
+        acc.deposit_rows(weight, (dy2, x2, rstd), leaves)
         return dx, None, None, None
 
 
@@ -229,12 +227,12 @@ def _backward(dy2, x2, weight, rstd, rows: int) -> tuple[torch.Tensor, torch.Ten
     return dx, partial
 
 
-def _dweight_leaves(weight, leaf: int, rows: int, first_leaf: int, leaf_rows: tuple):
+def _dweight_leaves(weight, leaf: int, sub: int, rows: int, first_leaf: int, leaf_rows: tuple):
     """The accumulator's leaf-sum function of the RMSNorm weight: rows ``(dy, x, rstd)`` of whole
     leaves, through the backward kernel (its dX is discarded), so the bits of an aligned call."""
     dy2, x2, rstd = leaf_rows
     _, partial = _backward(dy2, x2, weight, rstd, rows)
-    return leaf_subtrees(fold_chunks(partial, leaf // rows), first_leaf, weight.shape)
+    return leaf_subtrees(fold_chunks(partial, sub // rows), first_leaf, weight.shape, leaf // sub)
 
 
 def rms_norm(

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._leaf_sums import coarsen, sub_leaf_tokens
 from ._vendor.det_core import runtime
 from ._vendor.det_core.reduce import TreePartial, num_leaves
 from .configs import BIAS_GRAD_BLOCK_T, WeightGradConfig, check_weight_grad_config, weight_grad_config
@@ -667,5 +668,10 @@ def bias_grad_leaves(dy: torch.Tensor, leaf_tokens: int) -> torch.Tensor:
 
 
 def bias_grad_partial(dy: torch.Tensor, *, leaf_tokens: int, first_leaf: int = 0) -> TreePartial:
-    """The canonical-order db = sum of dY over tokens of one run, as a ``TreePartial`` of (N,) nodes."""
-    return TreePartial().add_leaves(first_leaf, bias_grad_leaves(dy, leaf_tokens))
+    """The canonical-order db = sum of dY over tokens of one run, as a ``TreePartial`` of (N,) nodes
+    over global leaves ``first_leaf ...``: each leaf the canonical tree over its sub-leaves
+    (``_leaf_sums.sub_leaf_tokens``, 1024 tokens of an 8192-token leaf), each sub-leaf a fold of
+    64-token column sums (one program per sub-leaf and column block: a long leaf stays parallel)."""
+    sub = sub_leaf_tokens(leaf_tokens)
+    ratio = leaf_tokens // sub
+    return coarsen(TreePartial().add_leaves(first_leaf * ratio, bias_grad_leaves(dy, sub)), ratio)
