@@ -208,8 +208,8 @@ def test_gpu_real_vocab_micro_batch_invariance(v):
 @pytest.mark.parametrize("hot", [None, 13])
 def test_gpu_grad_equals_canonical_definition(hot):
     """The compiled segment-fold and per-id tree kernels give the definition's bits: without an
-    accumulator (17 sub-leaves of 1024 in 3 leaves of 8192, the last short) and through one with leaf 128 split in 3 parts (subtrees
-    at unaligned offsets)."""
+    accumulator (17 sub-leaves of 1024 in 3 leaves of 8192, the last short) and through one with
+    leaf 128 split in 3 parts (subtrees at unaligned offsets)."""
     tokens, v, d = 2 * DEFAULT_LEAF_TOKENS + 29, 300, 520
     ids, w, dy = _inputs(tokens, v, d, seed=6, device="cuda", hot=hot)
     # the plain backward: the canonical tree over sub-leaves of 1024 tokens (_leaf_sums.sub_leaf_tokens)
