@@ -79,6 +79,17 @@ def test_fresh_process_cold_cache():
     assert run_in_fresh_process(code, env={"TRITON_INTERPRET": "1"}) == digest(list(_fwd_bwd(x, w, dy)))
 
 
+def _accumulated_dweight(x, dy, w0, leaf, cuts):
+    """RMSNorm dweight through the accumulator, the tokens cut into micro-batches ``cuts``."""
+    w = w0.clone().requires_grad_()
+    acc = CanonicalGradAccumulator([w], leaf_tokens=leaf)
+    for start, end in cuts:
+        with acc.micro_batch(token_offset=start):
+            det_train.rms_norm(x[start:end], w).backward(dy[start:end])
+    acc.reduce(total_tokens=x.shape[0])
+    return w.grad
+
+
 @pytest.mark.parametrize(("leaf", "n_leaves", "all_parts"), [(4, 8, (2, 3, 4, 8)), (32, 4, (3, 4))])
 def test_micro_batch_invariance_of_dweight(leaf, n_leaves, all_parts):
     # leaf 4: one chunk per leaf; leaf 32: two chunks of 16 rows per leaf
@@ -86,22 +97,13 @@ def test_micro_batch_invariance_of_dweight(leaf, n_leaves, all_parts):
     b = _rows(tokens, d, torch.bfloat16, 5)
     x, dy = b[:, 0], b[:, 1]
     w0 = torch.randn(d).bfloat16()
-
-    def run(parts):
-        w = w0.clone().requires_grad_()
-        acc = CanonicalGradAccumulator([w], leaf_tokens=leaf)
-        splits = contiguous_splits(tokens - 3, parts, leaf)
-        splits[-1] = (splits[-1][0], tokens)
-        for start, end in splits:
-            with acc.micro_batch(token_offset=start):
-                det_train.rms_norm(x[start:end], w).backward(dy[start:end])
-        acc.reduce(total_tokens=tokens)
-        return w.grad
-
-    whole = run(1)
+    whole = _accumulated_dweight(x, dy, w0, leaf, [(0, tokens)])
     assert whole.dtype == torch.bfloat16
     for parts in all_parts:
-        assert_bitwise_equal(run(parts), whole, f"dweight, {parts} micro-batches, leaf {leaf}")
+        cuts = contiguous_splits(tokens - 3, parts, leaf)
+        cuts[-1] = (cuts[-1][0], tokens)  # the last micro-batch also takes the short leaf
+        got = _accumulated_dweight(x, dy, w0, leaf, cuts)
+        assert_bitwise_equal(got, whole, f"dweight, {parts} micro-batches, leaf {leaf}")
 
 
 @pytest.mark.parametrize("leaf", [4, 32])
@@ -112,22 +114,10 @@ def test_micro_batches_of_any_size_give_the_bits_of_one_batch(leaf):
     b = _rows(tokens, d, torch.bfloat16, 5)
     x, dy = b[:, 0], b[:, 1]
     w0 = torch.randn(d).bfloat16()
-
-    def run(cuts):
-        w = w0.clone().requires_grad_()
-        acc = CanonicalGradAccumulator([w], leaf_tokens=leaf)
-        for start, end in cuts:
-            with acc.micro_batch(token_offset=start):
-                y = det_train.rms_norm(x[start:end], w)
-                y.backward(dy[start:end])
-        acc.reduce(total_tokens=tokens)
-        return w.grad
-
-    whole = run([(0, tokens)])
+    whole = _accumulated_dweight(x, dy, w0, leaf, [(0, tokens)])
     for parts in (2, 3, 7):
-        assert_bitwise_equal(
-            run(contiguous_splits(tokens, parts)), whole, f"dweight, {parts} cuts, leaf {leaf}"
-        )
+        got = _accumulated_dweight(x, dy, w0, leaf, contiguous_splits(tokens, parts))
+        assert_bitwise_equal(got, whole, f"dweight, {parts} cuts, leaf {leaf}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
