@@ -121,6 +121,20 @@ def test_open_leaf_keeps_copies_not_the_micro_batch():
     assert_bitwise_equal(w.grad, canonical_sum(x * dy, LEAF), "dW after the caller reused its buffers")
 
 
+def test_micro_batch_without_deposits_keeps_the_open_leaf():
+    x, dy = _data(tokens=12)
+    w = torch.randn(D, requires_grad=True)
+    acc = CanonicalGradAccumulator([w], leaf_tokens=LEAF)
+    with acc.micro_batch(token_offset=0):
+        toy_scale_rows(x[:6], w).backward(dy[:6])
+    with acc.micro_batch(token_offset=6), torch.no_grad():  # e.g. a forward-only look at the data
+        toy_scale_rows(x[6:], w)
+    with acc.micro_batch(token_offset=6):
+        toy_scale_rows(x[6:], w).backward(dy[6:])
+    acc.reduce(total_tokens=12)
+    assert_bitwise_equal(w.grad, canonical_sum(x * dy, LEAF), "dW after a micro-batch without backward")
+
+
 def test_open_leaf_errors_are_clear_and_lose_nothing():
     x, dy = _data(tokens=12)
     w = torch.randn(D, requires_grad=True)

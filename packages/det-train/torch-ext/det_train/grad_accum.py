@@ -204,9 +204,10 @@ class CanonicalGradAccumulator:
         finally:
             _ACTIVE.pop()
             self._token_offset = None
-            self._open_ends.discard(token_offset)
-            if self._tokens is not None and (token_offset + self._tokens) % self.leaf_tokens:
-                self._open_ends.add(token_offset + self._tokens)
+            if self._tokens is not None:  # ops deposited: the leaf it continued is no longer open here
+                self._open_ends.discard(token_offset)
+                if (token_offset + self._tokens) % self.leaf_tokens:
+                    self._open_ends.add(token_offset + self._tokens)
 
     @property
     def token_offset(self) -> int:
@@ -282,23 +283,23 @@ class CanonicalGradAccumulator:
                 nothing to continue.
             RuntimeError: outside ``micro_batch``.
         """
-        slot = self._slot(param)
-        offset = self._token_offset
         n = int(rows[0].shape[0])
         if any(int(r.shape[0]) != n for r in rows):
             raise ValueError(f"deposit_rows: rows of different lengths {[int(r.shape[0]) for r in rows]}")
-        if self._tokens is None:
-            self._tokens = n
-        elif n != self._tokens:
+        if self._tokens is not None and n != self._tokens:  # checked before _slot counts a use
+            name = self._names[self._index[id(param)]] if id(param) in self._index else "a parameter"
             raise ValueError(
-                f"{self._names[slot[0]]}: an op deposited rows of {n} tokens in a micro-batch whose other "
-                f"ops saw {self._tokens}; every canonical-order op of a micro-batch must see all its tokens"
+                f"{name}: an op deposited rows of {n} tokens in a micro-batch whose other ops saw "
+                f"{self._tokens}; every canonical-order op of a micro-batch must see all its tokens"
             )
+        slot = self._slot(param)
+        offset = self._token_offset
+        self._tokens = n
         leaf = self.leaf_tokens
         pos = 0  # own rows consumed so far
         if offset % leaf:  # continue the open leaf an earlier micro-batch left
             key = (*slot, offset // leaf)
-            open_leaf = self._carry.pop(key, None)
+            open_leaf = self._carry.get(key)
             if open_leaf is None or open_leaf.end != offset:
                 raise ValueError(
                     f"{self._names[slot[0]]} (use {slot[1]}): this micro-batch starts at token {offset} "
@@ -309,9 +310,9 @@ class CanonicalGradAccumulator:
             pos = min(n, open_leaf.start + leaf - offset)  # own rows that belong to the open leaf
             open_leaf.append(tuple(r[:pos] for r in rows), leaf_partial)
             if open_leaf.end < open_leaf.start + leaf:  # still open: this micro-batch ended inside it
-                self._carry[key] = open_leaf
                 return
             self._merge(slot, leaf_partial(offset // leaf, open_leaf.rows()))
+            del self._carry[key]
         full = (n - pos) // leaf * leaf
         if full:
             whole = rows if full == n else tuple(r[pos : pos + full] for r in rows)
