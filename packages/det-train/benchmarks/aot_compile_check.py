@@ -133,36 +133,37 @@ def main() -> int:
                             f"matmul TMA {dtype} {layout} {cls} bias={bias}", mm._matmul_tma_kernel, ttypes,
                             const, c.num_warps, c.num_stages,
                         )  # fmt: skip
-        w = cfgs.weight_grad_config(dtype, 4096, 4096)
-        wtypes = {"dy_ptr": tname, "x_ptr": tname, "out_ptr": tname, "scratch_ptr": "*fp32"}
-        common = dict(
-            BLOCK_N=w.block_n, BLOCK_K=w.block_k, BLOCK_T=w.block_t, GROUP_N=w.group_n, EVEN_T=True,
-            UPCAST=False, DOT_PRECISION=None, BF16_BY_BITS=False, stride_dyn=1, stride_xk=1, stride_ok=1,
-        )  # fmt: skip
-        levels = w.leaves_per_program.bit_length() - 1
-        if w.lean:  # the table's dW kernel
-            ltypes = dict(wtypes)
-            if w.tma:
-                ltypes["dy_ptr"] = f"tensordesc<{tname[1:]}[{w.block_t}, {w.block_n}]>"
-                ltypes["x_ptr"] = f"tensordesc<{tname[1:]}[{w.block_t}, {w.block_k}]>"
-            quads = w.quads and w.tma and levels >= 2
-            lean = dict(
-                common, MAX_LEVELS=levels - (2 if quads else 1 if w.pairs else 0), PAIRS=w.pairs,
-                TMA=w.tma, MERGE_ROWS=0 if w.merge_in_registers else min(32, w.block_n),
-                INTERLEAVE=w.interleave and w.tma, QUADS=quads, FLAT=quads and w.flat,
+        for n, k, cls in ((4096, 4096, "wide"), (2304, 768, "large")):  # the half dtypes' two dW entries
+            w = cfgs.weight_grad_config(dtype, n, k)
+            wtypes = {"dy_ptr": tname, "x_ptr": tname, "out_ptr": tname, "scratch_ptr": "*fp32"}
+            common = dict(
+                BLOCK_N=w.block_n, BLOCK_K=w.block_k, BLOCK_T=w.block_t, GROUP_N=w.group_n, EVEN_T=True,
+                UPCAST=False, DOT_PRECISION=None, BF16_BY_BITS=False, stride_dyn=1, stride_xk=1, stride_ok=1,
             )  # fmt: skip
+            levels = w.leaves_per_program.bit_length() - 1
+            if w.lean:  # the table's dW kernel
+                ltypes = dict(wtypes)
+                if w.tma:
+                    ltypes["dy_ptr"] = f"tensordesc<{tname[1:]}[{w.block_t}, {w.block_n}]>"
+                    ltypes["x_ptr"] = f"tensordesc<{tname[1:]}[{w.block_t}, {w.block_k}]>"
+                quads = w.quads and w.tma and levels >= 2
+                lean = dict(
+                    common, MAX_LEVELS=levels - (2 if quads else 1 if w.pairs else 0), PAIRS=w.pairs,
+                    TMA=w.tma, MERGE_ROWS=0 if w.merge_in_registers else min(32, w.block_n),
+                    INTERLEAVE=w.interleave and w.tma, QUADS=quads, FLAT=quads and w.flat,
+                )  # fmt: skip
+                bad += not compile_one(
+                    f"dW {dtype} {cls} lean tma={w.tma} quads={quads} flat={w.flat} maxnreg={w.maxnreg}",
+                    lin._weight_grad_lean_kernel, ltypes, lean, w.num_warps, w.num_stages, maxnreg=w.maxnreg,
+                )  # fmt: skip
             bad += not compile_one(
-                f"dW {dtype} lean tma={w.tma} quads={quads} flat={w.flat} maxnreg={w.maxnreg}",
-                lin._weight_grad_lean_kernel, ltypes, lean, w.num_warps, w.num_stages, maxnreg=w.maxnreg,
-            )  # fmt: skip
-        bad += not compile_one(
-            f"dW {dtype} one leaf",
-            lin._weight_grad_kernel,
-            wtypes,
-            dict(common, LEAVES=1),
-            w.num_warps,
-            w.num_stages,
-        )
+                f"dW {dtype} {cls} one leaf",
+                lin._weight_grad_kernel,
+                wtypes,
+                dict(common, LEAVES=1),
+                w.num_warps,
+                w.num_stages,
+            )
     print("all entries compile without spills" if not bad else f"{bad} entries failed or spill")
     return 1 if bad else 0
 
