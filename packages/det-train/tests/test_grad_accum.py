@@ -121,6 +121,20 @@ def test_open_leaf_keeps_copies_not_the_micro_batch():
     assert_bitwise_equal(w.grad, canonical_sum(x * dy, LEAF), "dW after the caller reused its buffers")
 
 
+def test_overlapping_micro_batches_inside_a_leaf_raise():
+    x, dy = _data(tokens=12)
+    w = torch.randn(D, requires_grad=True)
+    for first, second in (((0, 3), (0, 2)), ((0, 3), (0, 8)), ((4, 6), (4, 12))):
+        acc = CanonicalGradAccumulator([("w", w)], leaf_tokens=LEAF)
+        with acc.micro_batch(token_offset=first[0]):
+            toy_scale_rows(x[first[0] : first[1]], w).backward(dy[first[0] : first[1]])
+        with pytest.raises(
+            ValueError, match=r"w \(use 0\): leaf \d already holds tokens .* micro-batches overlap"
+        ):
+            with acc.micro_batch(token_offset=second[0]):
+                toy_scale_rows(x[second[0] : second[1]], w).backward(dy[second[0] : second[1]])
+
+
 def test_micro_batch_without_deposits_keeps_the_open_leaf():
     x, dy = _data(tokens=12)
     w = torch.randn(D, requires_grad=True)
@@ -275,11 +289,17 @@ def test_missing_leaves_duplicates_and_overrun():
         toy_scale(x[:8], w).backward(dy[:8])
     with pytest.raises(ValueError, match=r"w .*tokens \[8, 16\) of total_tokens=16 received no micro-batch"):
         acc.reduce(total_tokens=16)  # leaves 2, 3 never deposited
+    with acc.micro_batch(token_offset=8):  # the refused reduce kept the deposits: the rest can come
+        toy_scale(x[8:], w).backward(dy[8:])
+    acc.reduce(total_tokens=16)
+    assert_bitwise_equal(w.grad, canonical_sum(x * dy, LEAF), "dW after a refused reduce")
+    w.grad = None
     acc13 = CanonicalGradAccumulator([("w", w)], leaf_tokens=LEAF)
     with acc13.micro_batch(token_offset=0):
         toy_scale(x[:8], w).backward(dy[:8])
     with pytest.raises(ValueError, match=r"tokens \[8, 13\) of total_tokens=13 received no"):
         acc13.reduce(total_tokens=13)  # a wrong total: the gap it leaves is named
+    acc = CanonicalGradAccumulator([("w", w)], leaf_tokens=LEAF)
     with acc.micro_batch(token_offset=0):
         toy_scale(x[:8], w).backward(dy[:8])
     with pytest.raises(ValueError, match=r"w \(use 0\): tree node \(0, 1\) supplied twice"):

@@ -314,9 +314,17 @@ class CanonicalGradAccumulator:
             self._merge(slot, leaf_partial(offset // leaf, open_leaf.rows()))
             del self._carry[key]
         full = (n - pos) // leaf * leaf
+        first = (offset + pos) // leaf
+        for j in range(first, first + full // leaf + (pos + full < n)):  # leaves this call starts
+            if (*slot, j) in self._carry:
+                held = self._carry[(*slot, j)]
+                raise ValueError(
+                    f"{self._names[slot[0]]} (use {slot[1]}): leaf {j} already holds tokens "
+                    f"[{held.start}, {held.end}) of an earlier micro-batch: micro-batches overlap"
+                )
         if full:
             whole = rows if full == n else tuple(r[pos : pos + full] for r in rows)
-            self._merge(slot, leaf_partial((offset + pos) // leaf, whole))
+            self._merge(slot, leaf_partial(first, whole))
         if pos + full < n:
             start = offset + pos + full
             self._carry[(*slot, start // leaf)] = _OpenLeaf(
@@ -374,7 +382,10 @@ class CanonicalGradAccumulator:
                 torch.distributed is initialized, and this process alone otherwise.
 
         ``p.grad`` is replaced by the result in ``p.dtype`` (an existing all-zero ``p.grad`` is
-        fine; a non-zero one raises). Afterwards the accumulator is empty and reusable.
+        fine; a non-zero one raises). Afterwards the accumulator is empty and reusable. A reduce
+        that raises (a wrong ``total_tokens``, missing tokens) writes no ``p.grad`` and keeps every
+        deposit and open leaf: add the missing micro-batches or call it again with the right
+        arguments (or build a new accumulator to start over).
         Collectives: one ``all_gather_object`` (node keys) and one ``all_gather`` per
         (parameter, use) of that parameter's nodes padded to the largest rank's node count;
         peak extra memory per parameter is ``world_size * max_nodes * numel * 4`` bytes.
@@ -415,59 +426,61 @@ class CanonicalGradAccumulator:
                     "call zero_grad() before the micro-batches and use det_train ops "
                     "for every use of the parameter"
                 )
-        try:
-            for (index, use, leaf), open_leaf in self._carry.items():  # the short last leaf
-                self._merge((index, use), open_leaf.leaf_partial(leaf, open_leaf.rows()))
-            partials = self._gather(group)
-            grads: dict[int, torch.Tensor] = {}
-            for (index, _use), partial in sorted(partials.items()):
-                name = self._names[index]
-                if any((i << level) >= total_leaves for level, i in partial.nodes):  # first leaf of a node
-                    raise ValueError(
-                        f"{name}: deposits reach past leaf {total_leaves - 1} "
-                        f"(total_tokens={total_tokens}, leaf_tokens={self.leaf_tokens})"
-                    )
-                try:
-                    root = partial.result(total_leaves)
-                except ValueError as err:
-                    raise ValueError(
-                        f"{name} (use {_use}): {_uncovered_tokens(partial, total_tokens, self.leaf_tokens)} "
-                        f"of total_tokens={total_tokens} received no micro-batch on any rank: check "
-                        f"total_tokens and that every micro-batch ran its backward ({err})"
-                    ) from None
-                grads[index] = root if index not in grads else grads[index] + root
-            missing = [self._names[i] for i in range(len(self._params)) if i not in grads]
-            if missing:
-                raise RuntimeError(
-                    f"no canonical-order gradient was deposited for {missing}: their gradients come from "
-                    "ops that are not canonical-order aware (use det_train ops), or they were not used; "
-                    "leave unused parameters out of the accumulator"
+        # work on copies: a reduce that raises keeps every deposit (call it again with the right
+        # arguments); the node tensors are shared, merges make new ones
+        local = {slot: _copy(tree) for slot, tree in self._partials.items()}
+        for (index, use, leaf), open_leaf in self._carry.items():  # the short last leaf
+            tree = local.setdefault((index, use), TreePartial())
+            try:
+                tree.merge(open_leaf.leaf_partial(leaf, open_leaf.rows()))
+            except ValueError as err:
+                raise ValueError(f"{self._names[index]} (use {use}): {err}") from None
+        partials = self._gather(group, local)
+        grads: dict[int, torch.Tensor] = {}
+        for (index, _use), partial in sorted(partials.items()):
+            name = self._names[index]
+            if any((i << level) >= total_leaves for level, i in partial.nodes):  # first leaf of a node
+                raise ValueError(
+                    f"{name}: deposits reach past leaf {total_leaves - 1} "
+                    f"(total_tokens={total_tokens}, leaf_tokens={self.leaf_tokens})"
                 )
-            for index, grad in grads.items():
-                p = self._params[index]
-                if index in self._fsdp:
-                    p.grad = _fsdp_shard(self._fsdp[index], grad.to(dtype=p.dtype))
-                else:
-                    grad = grad.to(device=p.device, dtype=p.dtype)
-                    p.grad = grad if grad.shape == p.shape else grad.view(p.shape)
-        finally:
-            self._partials = {}
-            self._spans = []
-            self._carry = {}
-            self._open_ends = set()
+            try:
+                root = partial.result(total_leaves)
+            except ValueError as err:
+                raise ValueError(
+                    f"{name} (use {_use}): {_uncovered_tokens(partial, total_tokens, self.leaf_tokens)} "
+                    f"of total_tokens={total_tokens} received no micro-batch on any rank: check "
+                    f"total_tokens and that every micro-batch ran its backward ({err})"
+                ) from None
+            grads[index] = root if index not in grads else grads[index] + root
+        missing = [self._names[i] for i in range(len(self._params)) if i not in grads]
+        if missing:
+            raise RuntimeError(
+                f"no canonical-order gradient was deposited for {missing}: their gradients come from "
+                "ops that are not canonical-order aware (use det_train ops), or they were not used; "
+                "leave unused parameters out of the accumulator"
+            )
+        for index, grad in grads.items():
+            p = self._params[index]
+            if index in self._fsdp:
+                p.grad = _fsdp_shard(self._fsdp[index], grad.to(dtype=p.dtype))
+            else:
+                grad = grad.to(device=p.device, dtype=p.dtype)
+                p.grad = grad if grad.shape == p.shape else grad.view(p.shape)
+        self._partials, self._spans, self._carry, self._open_ends = {}, [], {}, set()
 
-    def _gather(self, group) -> dict[tuple[int, int], TreePartial]:
+    def _gather(self, group, partials: dict) -> dict[tuple[int, int], TreePartial]:
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
             if group is not None:
                 raise RuntimeError("reduce(group=...) was given but torch.distributed is not initialized")
-            return self._partials
+            return partials
         world = dist.get_world_size(group)
         if world == 1:
-            return self._partials
-        local_keys = {slot: sorted(tp.nodes) for slot, tp in self._partials.items()}
-        shapes = {slot[0]: tuple(self._shapes[slot[0]]) for slot in self._partials}
+            return partials
+        local_keys = {slot: sorted(tp.nodes) for slot, tp in partials.items()}
+        shapes = {slot[0]: tuple(self._shapes[slot[0]]) for slot in partials}
         meta = [None] * world
         dist.all_gather_object(meta, (len(self._params), local_keys, shapes), group=group)
         counts = {m[0] for m in meta}
@@ -483,7 +496,7 @@ class CanonicalGradAccumulator:
                 numel *= size
             per_rank = [m[1].get(slot, []) for m in meta]
             width = max(len(k) for k in per_rank)
-            mine = self._partials.get(slot, TreePartial()).nodes
+            mine = partials.get(slot, TreePartial()).nodes
             device = next(iter(mine.values())).device if mine else p.device
             send = torch.zeros((width, numel), dtype=torch.float32, device=device)
             for row, key in enumerate(local_keys.get(slot, [])):
@@ -526,6 +539,13 @@ class _OpenLeaf:
 
     def rows(self) -> tuple:
         return tuple(b[: self.filled] for b in self.buffers)
+
+
+def _copy(tree: TreePartial) -> TreePartial:
+    """A partial tree sharing ``tree``'s node tensors (a merge replaces nodes, never writes them)."""
+    out = TreePartial()
+    out.nodes = dict(tree.nodes)
+    return out
 
 
 def _fsdp_shard(fsdp_param, full: torch.Tensor):
