@@ -124,6 +124,29 @@ def case_ops_accum_odd(rank, world):
     return {name: p.grad for name, p in model.named_parameters()}
 
 
+def case_refused(rank, world):
+    """Rank 0's shard ends inside a leaf (a user error): every rank's reduce raises, none hangs."""
+    from _canonical_toy import toy_scale_rows
+
+    g = torch.Generator().manual_seed(0)
+    x, dy = torch.randn(32, 5, generator=g), torch.randn(32, 5, generator=g)
+    w = torch.randn(5, generator=g).requires_grad_()
+    acc = CanonicalGradAccumulator([("w", w)], leaf_tokens=LEAF)
+    start, end = (0, 13) if rank == 0 else (16, 32)
+    with acc.micro_batch(token_offset=start):
+        toy_scale_rows(x[start:end], w).backward(dy[start:end])
+    want = "leaf 3 .* is open" if rank == 0 else "data-parallel rank 0 refused the reduce: ValueError: w"
+    try:
+        acc.reduce(total_tokens=32)
+    except ValueError as err:
+        import re
+
+        if not re.search(want, str(err)):
+            print(f"rank {rank}: {err}", file=sys.stderr)
+        return {"refused": torch.tensor(1 if re.search(want, str(err)) else 2)}
+    return {"refused": torch.tensor(0)}
+
+
 def case_fsdp_accum(rank, world):
     """As ops_accum, with the model sharded by FSDP2 (fully_shard, uneven shards; an empty one at DP 4)."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -16,7 +16,7 @@ from det_core.testing import assert_bitwise_equal
 
 CASES = {
     1: "accum_contiguous,accum_interleaved,ops_accum,ops_accum_odd,hook8,hook12",
-    2: "accum_contiguous,accum_interleaved,ops_accum,ops_accum_odd,fsdp_accum,hook8",
+    2: "accum_contiguous,accum_interleaved,ops_accum,ops_accum_odd,fsdp_accum,hook8,refused",
     3: "accum_contiguous,accum_interleaved,ops_accum,ops_accum_odd,fsdp_accum,hook12",
     4: "accum_contiguous,accum_interleaved,ops_accum,ops_accum_odd,fsdp_accum,hook8",
 }
@@ -94,6 +94,13 @@ def test_odd_micro_batches_carry_open_leaves_dp_1_2_3_4():
         for rank, got in enumerate(run_ranks(world)):
             for name, value in ref.items():
                 assert_bitwise_equal(got[f"ops_accum_odd/{name}"], value, f"{name}, DP={world}, rank {rank}")
+
+
+def test_a_refused_reduce_raises_on_every_rank_instead_of_hanging():
+    """Rank 0's shard ends inside a leaf: rank 0 raises its own error, rank 1 a ValueError naming
+    rank 0's (both join the metadata all-gather first, so neither waits for the other)."""
+    for rank, got in enumerate(run_ranks(2)):
+        assert int(got["refused/refused"]) == 1, f"rank {rank}: code {int(got['refused/refused'])}"
 
 
 def test_fsdp2_sharded_grads_equal_unsharded_dp_2_3_4():

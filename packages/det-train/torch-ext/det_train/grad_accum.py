@@ -385,7 +385,10 @@ class CanonicalGradAccumulator:
         fine; a non-zero one raises). Afterwards the accumulator is empty and reusable. A reduce
         that raises (a wrong ``total_tokens``, missing tokens) writes no ``p.grad`` and keeps every
         deposit and open leaf: add the missing micro-batches or call it again with the right
-        arguments (or build a new accumulator to start over).
+        arguments (or build a new accumulator to start over). Under torch.distributed a rank whose own
+        checks fail (an open leaf, a stale ``p.grad``) raises its error and every other rank a
+        ValueError naming that rank: the checks travel with the first collective, so no rank waits
+        in a collective another rank never joins.
         Collectives: one ``all_gather_object`` (node keys) and one ``all_gather`` per
         (parameter, use) of that parameter's nodes padded to the largest rank's node count;
         peak extra memory per parameter is ``world_size * max_nodes * numel * 4`` bytes.
@@ -396,46 +399,11 @@ class CanonicalGradAccumulator:
         if total_tokens <= 0:
             raise ValueError(f"total_tokens must be a positive int, got {total_tokens!r}")
         total_leaves = num_leaves(total_tokens, self.leaf_tokens)
-        for offset, n in self._spans:
-            if offset + n > total_tokens:
-                raise ValueError(
-                    f"a micro-batch covers tokens [{offset}, {offset + n}) beyond total_tokens={total_tokens}"
-                )
-            if n % self.leaf_tokens and offset + n != total_tokens:
-                raise ValueError(
-                    f"a micro-batch at token {offset} has {n} tokens, not a multiple of leaf_tokens "
-                    f"{self.leaf_tokens}, and its ops use leaf_span / deposit: only the micro-batch ending "
-                    "the global batch may end mid-leaf there (ops using deposit_rows carry the open leaf)"
-                )
-        for (index, use, _), open_leaf in self._carry.items():
-            start, end = open_leaf.start, open_leaf.end
-            if end != total_tokens:
-                raise ValueError(
-                    f"{self._names[index]} (use {use}): leaf {start // self.leaf_tokens} (tokens "
-                    f"[{start}, {start + self.leaf_tokens})) is open, this rank's micro-batches end at "
-                    f"token {end} inside it, and total_tokens={total_tokens}: a leaf must be completed "
-                    "on one rank (data-parallel shards are multiples of leaf_tokens) and micro-batches "
-                    "must cover the batch"
-                )
-        for p in self._params:
-            local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            if local is not None and bool(local.ne(0).any()):
-                raise RuntimeError(
-                    f"{self._names[self._index[id(p)]]}: p.grad already holds a non-zero gradient "
-                    "(from an op that is not canonical-order aware, or a previous step): "
-                    "call zero_grad() before the micro-batches and use det_train ops "
-                    "for every use of the parameter"
-                )
-        # work on copies: a reduce that raises keeps every deposit (call it again with the right
-        # arguments); the node tensors are shared, merges make new ones
-        local = {slot: _copy(tree) for slot, tree in self._partials.items()}
-        for (index, use, leaf), open_leaf in self._carry.items():  # the short last leaf
-            tree = local.setdefault((index, use), TreePartial())
-            try:
-                tree.merge(open_leaf.leaf_partial(leaf, open_leaf.rows()))
-            except ValueError as err:
-                raise ValueError(f"{self._names[index]} (use {use}): {err}") from None
-        partials = self._gather(group, local)
+        try:  # this rank's checks: under data parallelism every rank learns of a refusal (no hang)
+            local, refusal = self._local_partials(total_tokens), None
+        except (ValueError, RuntimeError) as err:
+            local, refusal = {}, err
+        partials = self._gather(group, local, refusal)
         grads: dict[int, torch.Tensor] = {}
         for (index, _use), partial in sorted(partials.items()):
             name = self._names[index]
@@ -469,20 +437,76 @@ class CanonicalGradAccumulator:
                 p.grad = grad if grad.shape == p.shape else grad.view(p.shape)
         self._partials, self._spans, self._carry, self._open_ends = {}, [], {}, set()
 
-    def _gather(self, group, partials: dict) -> dict[tuple[int, int], TreePartial]:
+    def _local_partials(self, total_tokens: int) -> dict[tuple[int, int], TreePartial]:
+        """This rank's checks before a reduce and its partial trees, the open short last leaf
+        summed in (on copies: a reduce that raises keeps every deposit)."""
+        for offset, n in self._spans:
+            if offset + n > total_tokens:
+                raise ValueError(
+                    f"a micro-batch covers tokens [{offset}, {offset + n}) beyond total_tokens={total_tokens}"
+                )
+            if n % self.leaf_tokens and offset + n != total_tokens:
+                raise ValueError(
+                    f"a micro-batch at token {offset} has {n} tokens, not a multiple of leaf_tokens "
+                    f"{self.leaf_tokens}, and its ops use leaf_span / deposit: only the micro-batch ending "
+                    "the global batch may end mid-leaf there (ops using deposit_rows carry the open leaf)"
+                )
+        for (index, use, _), open_leaf in self._carry.items():
+            start, end = open_leaf.start, open_leaf.end
+            if end != total_tokens:
+                raise ValueError(
+                    f"{self._names[index]} (use {use}): leaf {start // self.leaf_tokens} (tokens "
+                    f"[{start}, {start + self.leaf_tokens})) is open, this rank's micro-batches end at "
+                    f"token {end} inside it, and total_tokens={total_tokens}: a leaf must be completed "
+                    "on one rank (data-parallel shards are multiples of leaf_tokens) and micro-batches "
+                    "must cover the batch"
+                )
+        for p in self._params:
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            if grad is not None and bool(grad.ne(0).any()):
+                raise RuntimeError(
+                    f"{self._names[self._index[id(p)]]}: p.grad already holds a non-zero gradient "
+                    "(from an op that is not canonical-order aware, or a previous step): "
+                    "call zero_grad() before the micro-batches and use det_train ops "
+                    "for every use of the parameter"
+                )
+        # the node tensors are shared, merges make new ones
+        local = {slot: _copy(tree) for slot, tree in self._partials.items()}
+        for (index, use, leaf), open_leaf in self._carry.items():  # the short last leaf
+            tree = local.setdefault((index, use), TreePartial())
+            try:
+                tree.merge(open_leaf.leaf_partial(leaf, open_leaf.rows()))
+            except ValueError as err:
+                raise ValueError(f"{self._names[index]} (use {use}): {err}") from None
+        return local
+
+    def _gather(
+        self, group, partials: dict, refusal: Exception | None = None
+    ) -> dict[tuple[int, int], TreePartial]:
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
             if group is not None:
                 raise RuntimeError("reduce(group=...) was given but torch.distributed is not initialized")
+            if refusal is not None:
+                raise refusal
             return partials
         world = dist.get_world_size(group)
         if world == 1:
+            if refusal is not None:
+                raise refusal
             return partials
         local_keys = {slot: sorted(tp.nodes) for slot, tp in partials.items()}
         shapes = {slot[0]: tuple(self._shapes[slot[0]]) for slot in partials}
         meta = [None] * world
-        dist.all_gather_object(meta, (len(self._params), local_keys, shapes), group=group)
+        refused = None if refusal is None else f"{type(refusal).__name__}: {refusal}"
+        dist.all_gather_object(meta, (len(self._params), local_keys, shapes, refused), group=group)
+        if refusal is not None:
+            raise refusal
+        others = [(rank, m[3]) for rank, m in enumerate(meta) if m[3] is not None]
+        if others:  # every rank raises, none waits in a collective the refusing rank never joins
+            rank, message = others[0]
+            raise ValueError(f"data-parallel rank {rank} refused the reduce: {message}")
         counts = {m[0] for m in meta}
         if len(counts) != 1:
             raise RuntimeError(f"ranks track different numbers of parameters: {[m[0] for m in meta]}")
