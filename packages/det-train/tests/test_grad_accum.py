@@ -135,6 +135,51 @@ def test_overlapping_micro_batches_inside_a_leaf_raise():
                 toy_scale_rows(x[second[0] : second[1]], w).backward(dy[second[0] : second[1]])
 
 
+def test_a_micro_batch_that_raises_leaves_no_trace():
+    """An error inside a micro-batch (after some deposits, e.g. a data or logging error) undoes
+    its deposits and open-leaf rows: running it again gives the bits of an undisturbed run."""
+    x, dy = _data(tokens=12)
+    w = torch.randn(D, requires_grad=True)
+    acc = CanonicalGradAccumulator([("w", w)], leaf_tokens=LEAF)
+    cuts = [(0, 5), (5, 7), (7, 12)]
+    for i, (start, end) in enumerate(cuts):
+        with pytest.raises(KeyError):
+            with acc.micro_batch(token_offset=start):
+                toy_scale_rows(x[start:end], w).backward(dy[start:end])
+                raise KeyError(f"failure after the deposits of micro-batch {i}")
+        with acc.micro_batch(token_offset=start):  # the retry
+            toy_scale_rows(x[start:end], w).backward(dy[start:end])
+    acc.reduce(total_tokens=12)
+    assert_bitwise_equal(w.grad, canonical_sum(x * dy, LEAF), "dW after failed and retried micro-batches")
+
+
+def test_open_leaf_buffers_hold_about_the_rows_received():
+    x, dy = _data(tokens=37)
+    w = torch.randn(D, requires_grad=True)
+    acc = CanonicalGradAccumulator([w], leaf_tokens=32)
+    sizes = []
+    for start in range(0, 31, 3):  # 3-token micro-batches inside leaf 0
+        with acc.micro_batch(token_offset=start):
+            toy_scale_rows(x[start : start + 3], w).backward(dy[start : start + 3])
+        (open_leaf,) = acc._carry.values()
+        sizes.append((open_leaf.filled, open_leaf.buffers[0].shape[0]))
+    assert sizes[0] == (3, 3)  # the first micro-batch: exactly its rows
+    assert all(filled <= size <= max(2 * filled, 3) for filled, size in sizes[1:])  # doubling
+    assert sizes[-1][1] <= 32  # never more than one leaf
+
+
+def test_reduce_refuses_a_total_below_the_deposited_tokens():
+    x, dy = _data(tokens=16)
+    w = torch.randn(D, requires_grad=True)
+    acc = CanonicalGradAccumulator([w], leaf_tokens=LEAF)
+    with acc.micro_batch(token_offset=0):
+        toy_scale_rows(x, w).backward(dy)
+    with pytest.raises(ValueError, match=r"cover tokens up to 16, beyond total_tokens=13"):
+        acc.reduce(total_tokens=13)
+    acc.reduce(total_tokens=16)  # the refused reduce kept the deposits
+    assert_bitwise_equal(w.grad, canonical_sum(x * dy, LEAF), "dW after the refused total")
+
+
 def test_micro_batch_without_deposits_keeps_the_open_leaf():
     x, dy = _data(tokens=12)
     w = torch.randn(D, requires_grad=True)

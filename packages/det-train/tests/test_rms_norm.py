@@ -263,3 +263,20 @@ def test_gpu_micro_batch_invariance_and_accuracy():
     for name, got, exp in (("y", y, ref.detach()), ("dx", dx, xd.grad), ("dw", dw, wd.grad)):
         err = (got.double() - exp).abs().max() / exp.abs().max()
         assert err <= TOL[torch.bfloat16], f"{name}: relative error {err:.3g}"
+
+
+def test_cast_weight_under_the_accumulator_gets_an_autograd_gradient_and_reduce_names_it(monkeypatch):
+    """A weight that is not the Parameter itself (a cast, e.g. bf16 compute from fp32 weights) gets
+    an ordinary autograd gradient (the canonical sum of this call's tokens); reduce then finds it in
+    p.grad and says why, instead of an op failing mid-backward."""
+    x, dy = _rows(40, 24, torch.bfloat16, 7).unbind(1)
+    w = torch.nn.Parameter(torch.randn(24))  # fp32 master weight, cast per use
+    acc = CanonicalGradAccumulator([("norm.weight", w)], leaf_tokens=8)
+    with acc.micro_batch(token_offset=0):
+        det_train.rms_norm(x, w.bfloat16()).backward(dy)
+    w2 = w.detach().bfloat16().requires_grad_()
+    monkeypatch.setattr(det_train._leaf_sums, "DEFAULT_LEAF_TOKENS", 8)  # the accumulator's leaves
+    det_train.rms_norm(x, w2).backward(dy)  # the plain backward of the same call
+    assert_bitwise_equal(w.grad, w2.grad.float(), "autograd gradient through the cast")
+    with pytest.raises(RuntimeError, match=r"norm.weight: p.grad already holds .* cast or view"):
+        acc.reduce(total_tokens=40)

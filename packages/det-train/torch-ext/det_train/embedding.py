@@ -230,7 +230,7 @@ class _EmbeddingFunction(torch.autograd.Function):
         if dy2.stride(-1) != 1:
             dy2 = dy2.contiguous()
         acc, leaf, sub, _ = leaf_layout(1)
-        if acc is None:  # the tree over sub-leaves: the tree over leaves of the trees inside them
+        if acc is None or not weight.is_leaf:  # the tree over sub-leaves (of this call's tokens)
             return None, _weight_grad(flat, dy2, v, sub, 0, weight.dtype, node_tables=False)
         # rows of a leaf split between micro-batches are carried to the one completing it
         acc.deposit_rows(weight, (flat, dy2), functools.partial(_leaf_tables, v, sub, leaf // sub))

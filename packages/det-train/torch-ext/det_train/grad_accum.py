@@ -132,6 +132,7 @@ class CanonicalGradAccumulator:
         self._token_offset: int | None = None
         self._tokens: int | None = None  # tokens of the active micro-batch, as the ops report them
         self._open_ends: set[int] = set()  # tokens where micro-batches ended inside a leaf
+        self._max_end = 0  # the last token + 1 any deposit covered
         self._carry: dict[tuple[int, int, int], _OpenLeaf] = {}  # (param index, use, leaf) -> its rows
         self._fsdp: dict[int, object] = {}  # param index -> FSDP2 FSDPParam (see track_fsdp)
         self._shapes: dict[int, torch.Size] = {}  # param index -> full (unsharded) gradient shape
@@ -198,16 +199,40 @@ class CanonicalGradAccumulator:
         self._token_offset = token_offset
         self._tokens = None
         self._uses = {}
+        snapshot = self._snapshot()
         _ACTIVE.append(self)
         try:
             yield self
-        finally:
-            _ACTIVE.pop()
-            self._token_offset = None
+        except BaseException:
+            self._restore(snapshot)  # a micro-batch that raises leaves no deposit: run it again
+            raise
+        else:
             if self._tokens is not None:  # ops deposited: the leaf it continued is no longer open here
                 self._open_ends.discard(token_offset)
                 if (token_offset + self._tokens) % self.leaf_tokens:
                     self._open_ends.add(token_offset + self._tokens)
+        finally:
+            _ACTIVE.pop()
+            self._token_offset = None
+
+    def _snapshot(self) -> tuple:
+        """What a micro-batch can change (node dicts, open leaves and their fill, spans), shallowly."""
+        return (
+            {slot: dict(tree.nodes) for slot, tree in self._partials.items()},
+            dict(self._carry),
+            {key: open_leaf.filled for key, open_leaf in self._carry.items()},
+            list(self._spans),
+            self._max_end,
+        )
+
+    def _restore(self, snapshot: tuple) -> None:
+        nodes, self._carry, filled, self._spans, self._max_end = snapshot
+        self._partials = {}
+        for slot, tree_nodes in nodes.items():
+            self._partials[slot] = TreePartial()
+            self._partials[slot].nodes = tree_nodes
+        for key, count in filled.items():  # rows appended past the old fill are ignored again
+            self._carry[key].filled = count
 
     @property
     def token_offset(self) -> int:
@@ -232,8 +257,13 @@ class CanonicalGradAccumulator:
                 "leaf_span / deposit need leaf-aligned micro-batches: use deposit_rows, which carries "
                 "the open leaf's rows"
             )
-        if self._tokens is None:
-            self._tokens = int(num_tokens)
+        if self._tokens is not None and int(num_tokens) != self._tokens:
+            raise ValueError(
+                f"an op reported {num_tokens} tokens in a micro-batch whose other ops saw {self._tokens}; "
+                "every canonical-order op of a micro-batch must see all its tokens"
+            )
+        self._tokens = int(num_tokens)
+        self._max_end = max(self._max_end, offset + int(num_tokens))
         span = (offset, int(num_tokens))
         if span not in self._spans:
             self._spans.append(span)
@@ -295,6 +325,7 @@ class CanonicalGradAccumulator:
         slot = self._slot(param)
         offset = self._token_offset
         self._tokens = n
+        self._max_end = max(self._max_end, offset + n)
         leaf = self.leaf_tokens
         pos = 0  # own rows consumed so far
         if offset % leaf:  # continue the open leaf an earlier micro-batch left
@@ -418,7 +449,7 @@ class CanonicalGradAccumulator:
                 raise ValueError(
                     f"{name} (use {_use}): {_uncovered_tokens(partial, total_tokens, self.leaf_tokens)} "
                     f"of total_tokens={total_tokens} received no micro-batch on any rank: check "
-                    f"total_tokens and that every micro-batch ran its backward ({err})"
+                    f"total_tokens, that every micro-batch ran its backward and used this parameter ({err})"
                 ) from None
             grads[index] = root if index not in grads else grads[index] + root
         missing = [self._names[i] for i in range(len(self._params)) if i not in grads]
@@ -435,11 +466,16 @@ class CanonicalGradAccumulator:
             else:
                 grad = grad.to(device=p.device, dtype=p.dtype)
                 p.grad = grad if grad.shape == p.shape else grad.view(p.shape)
-        self._partials, self._spans, self._carry, self._open_ends = {}, [], {}, set()
+        self._partials, self._spans, self._carry, self._open_ends, self._max_end = {}, [], {}, set(), 0
 
     def _local_partials(self, total_tokens: int) -> dict[tuple[int, int], TreePartial]:
         """This rank's checks before a reduce and its partial trees, the open short last leaf
         summed in (on copies: a reduce that raises keeps every deposit)."""
+        if self._max_end > total_tokens:
+            raise ValueError(
+                f"micro-batches on this rank cover tokens up to {self._max_end}, beyond "
+                f"total_tokens={total_tokens}: pass the global batch's token count"
+            )
         for offset, n in self._spans:
             if offset + n > total_tokens:
                 raise ValueError(
@@ -458,17 +494,18 @@ class CanonicalGradAccumulator:
                     f"{self._names[index]} (use {use}): leaf {start // self.leaf_tokens} (tokens "
                     f"[{start}, {start + self.leaf_tokens})) is open, this rank's micro-batches end at "
                     f"token {end} inside it, and total_tokens={total_tokens}: a leaf must be completed "
-                    "on one rank (data-parallel shards are multiples of leaf_tokens) and micro-batches "
-                    "must cover the batch"
+                    "on one rank (data-parallel shards are multiples of leaf_tokens), micro-batches "
+                    "must cover the batch, and the parameter must be used in each of them"
                 )
         for p in self._params:
             grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
             if grad is not None and bool(grad.ne(0).any()):
                 raise RuntimeError(
                     f"{self._names[self._index[id(p)]]}: p.grad already holds a non-zero gradient "
-                    "(from an op that is not canonical-order aware, or a previous step): "
-                    "call zero_grad() before the micro-batches and use det_train ops "
-                    "for every use of the parameter"
+                    "(from an op that is not canonical-order aware, a det_train op that received a "
+                    "cast or view of the parameter (p.to(...), p * 1: autograd then carries its "
+                    "gradient), or a previous step): call zero_grad() before the micro-batches and "
+                    "give det_train ops the Parameter itself for every use"
                 )
         # the node tensors are shared, merges make new ones
         local = {slot: _copy(tree) for slot, tree in self._partials.items()}
@@ -540,14 +577,15 @@ class CanonicalGradAccumulator:
 
 
 class _OpenLeaf:
-    """The rows a parameter's unfinished leaf has received so far, copied into buffers of one leaf
-    (each row is copied once, however many micro-batches the leaf is split into)."""
+    """The rows a parameter's unfinished leaf has received so far, copied into buffers that grow by
+    doubling up to one leaf (each row is copied at most twice, however many micro-batches the leaf
+    is split into; the buffers hold at most 2x the rows received, and never more than a leaf)."""
 
-    __slots__ = ("start", "filled", "buffers", "leaf_partial")
+    __slots__ = ("start", "filled", "buffers", "leaf_tokens", "leaf_partial")
 
     def __init__(self, start: int, rows: tuple, leaf_tokens: int, leaf_partial: LeafPartial) -> None:
-        self.start, self.filled = start, 0
-        self.buffers = tuple(r.new_empty((leaf_tokens, *r.shape[1:])) for r in rows)
+        self.start, self.filled, self.leaf_tokens = start, 0, leaf_tokens
+        self.buffers = tuple(r.new_empty((int(r.shape[0]), *r.shape[1:])) for r in rows)
         self.append(rows, leaf_partial)
 
     @property
@@ -556,6 +594,12 @@ class _OpenLeaf:
 
     def append(self, rows: tuple, leaf_partial: LeafPartial) -> None:
         n = int(rows[0].shape[0])
+        if self.filled + n > self.buffers[0].shape[0]:
+            size = min(self.leaf_tokens, max(2 * self.buffers[0].shape[0], self.filled + n))
+            grown = tuple(b.new_empty((size, *b.shape[1:])) for b in self.buffers)
+            for new, old in zip(grown, self.buffers, strict=True):
+                new[: self.filled].copy_(old[: self.filled])
+            self.buffers = grown
         for buffer, r in zip(self.buffers, rows, strict=True):
             buffer[self.filled : self.filled + n].copy_(r)
         self.filled += n

@@ -194,7 +194,7 @@ class _RMSNormFunction(torch.autograd.Function):
         dx = dx.view(ctx.x_shape)
         if not (has_w and ctx.needs_input_grad[1]):
             return dx, None, None, None
-        if acc is None:
+        if acc is None or not weight.is_leaf:  # a cast / view of a parameter: an autograd gradient
             return dx, finish_param_grad(None, weight, 0, fold_chunks(partial, sub // rows)), None, None
         if acc.token_offset % leaf == 0 and m % leaf == 0:  # whole leaves: this pass's chunk sums
             first_leaf, _ = acc.leaf_span(m)
