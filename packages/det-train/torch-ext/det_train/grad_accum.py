@@ -94,8 +94,14 @@ class CanonicalGradAccumulator:
     (``reduce`` raises when it finds such a gradient in ``p.grad``).
 
     Memory: besides the partial trees (fp32 nodes of each parameter's shape), an open leaf holds its
-    rows until it is complete: for a Linear of ``K`` inputs and ``N`` outputs, ``rows * (N + K) *
-    2`` bytes in bf16 (nothing when micro-batches are multiples of ``leaf_tokens``).
+    rows until it is complete: for a bf16 Linear of ``K`` inputs and ``N`` outputs ``(N + K) * 2``
+    bytes per row, in buffers that grow by doubling (at most twice the rows received, never more
+    than one leaf); nothing when micro-batches are multiples of ``leaf_tokens``.
+
+    A micro-batch whose ``with`` block raises leaves no deposit behind (the accumulator is as
+    before it), so it can be run again. A det_train op given a cast or view of a tracked parameter
+    (``p.to(torch.bfloat16)``, ``p * 1``) returns an ordinary autograd gradient for it (the
+    canonical sum of that call's tokens), which ``reduce`` then reports as a non-zero ``p.grad``.
 
     Raises:
         ValueError: bad ``leaf_tokens``, a micro-batch that starts inside a leaf no earlier
