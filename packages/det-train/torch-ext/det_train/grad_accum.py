@@ -140,6 +140,9 @@ class CanonicalGradAccumulator:
         self._open_ends: set[int] = set()  # tokens where micro-batches ended inside a leaf
         self._max_end = 0  # the last token + 1 any deposit covered
         self._carry: dict[tuple[int, int, int], _OpenLeaf] = {}  # (param index, use, leaf) -> its rows
+        # (destination, source) row copies into open leaves, run as one _foreach_copy_ per micro-batch
+        # (one launch, not one per row tensor and parameter) or before a leaf's rows are read
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._fsdp: dict[int, object] = {}  # param index -> FSDP2 FSDPParam (see track_fsdp)
         self._shapes: dict[int, torch.Size] = {}  # param index -> full (unsharded) gradient shape
 
@@ -210,9 +213,11 @@ class CanonicalGradAccumulator:
         try:
             yield self
         except BaseException:
+            self._pending = []
             self._restore(snapshot)  # a micro-batch that raises leaves no deposit: run it again
             raise
         else:
+            self._flush()  # the micro-batch's tensors can go: their open-leaf rows are copied
             if self._tokens is not None:  # ops deposited: the leaf it continued is no longer open here
                 self._open_ends.discard(token_offset)
                 if (token_offset + self._tokens) % self.leaf_tokens:
@@ -226,7 +231,7 @@ class CanonicalGradAccumulator:
         return (
             {slot: dict(tree.nodes) for slot, tree in self._partials.items()},
             dict(self._carry),
-            {key: open_leaf.filled for key, open_leaf in self._carry.items()},
+            {key: (open_leaf.filled, open_leaf.buffers) for key, open_leaf in self._carry.items()},
             list(self._spans),
             self._max_end,
         )
@@ -237,8 +242,8 @@ class CanonicalGradAccumulator:
         for slot, tree_nodes in nodes.items():
             self._partials[slot] = TreePartial()
             self._partials[slot].nodes = tree_nodes
-        for key, count in filled.items():  # rows appended past the old fill are ignored again
-            self._carry[key].filled = count
+        for key, (count, buffers) in filled.items():  # rows appended since are ignored again
+            self._carry[key].filled, self._carry[key].buffers = count, buffers
 
     @property
     def token_offset(self) -> int:
@@ -345,9 +350,10 @@ class CanonicalGradAccumulator:
                     "parameter was not used in every micro-batch that split the leaf"
                 )
             pos = min(n, open_leaf.start + leaf - offset)  # own rows that belong to the open leaf
-            open_leaf.append(tuple(r[:pos] for r in rows), leaf_partial)
+            open_leaf.append(tuple(r[:pos] for r in rows), leaf_partial, self)
             if open_leaf.end < open_leaf.start + leaf:  # still open: this micro-batch ended inside it
                 return
+            self._flush()
             self._merge(slot, leaf_partial(offset // leaf, open_leaf.rows()))
             del self._carry[key]
         full = (n - pos) // leaf * leaf
@@ -365,8 +371,16 @@ class CanonicalGradAccumulator:
         if pos + full < n:
             start = offset + pos + full
             self._carry[(*slot, start // leaf)] = _OpenLeaf(
-                start, tuple(r[pos + full :] for r in rows), leaf, leaf_partial
+                start, tuple(r[pos + full :] for r in rows), leaf, leaf_partial, self
             )
+
+    def _flush(self) -> None:
+        """Run the pending open-leaf row copies (one multi-tensor copy where torch has one)."""
+        if self._pending:
+            dst, src = zip(*self._pending, strict=True)
+            self._pending = []
+            with torch.no_grad():  # the views were made in the backward; the copy is not a graph op
+                _COPY(list(dst), list(src))
 
     def _merge(self, slot: tuple[int, int], partial: TreePartial) -> None:
         mine = self._partials.setdefault(slot, TreePartial())
@@ -585,34 +599,47 @@ class CanonicalGradAccumulator:
 class _OpenLeaf:
     """The rows a parameter's unfinished leaf has received so far, copied into buffers that grow by
     doubling up to one leaf (each row is copied at most twice, however many micro-batches the leaf
-    is split into; the buffers hold at most 2x the rows received, and never more than a leaf)."""
+    is split into; the buffers hold at most 2x the rows received, and never more than a leaf).
+    The copies are queued on the accumulator (``_pending``) and run together."""
 
     __slots__ = ("start", "filled", "buffers", "leaf_tokens", "leaf_partial")
 
-    def __init__(self, start: int, rows: tuple, leaf_tokens: int, leaf_partial: LeafPartial) -> None:
+    def __init__(self, start: int, rows: tuple, leaf_tokens: int, leaf_partial: LeafPartial, acc) -> None:
         self.start, self.filled, self.leaf_tokens = start, 0, leaf_tokens
         self.buffers = tuple(r.new_empty((int(r.shape[0]), *r.shape[1:])) for r in rows)
-        self.append(rows, leaf_partial)
+        self.append(rows, leaf_partial, acc)
 
     @property
     def end(self) -> int:
         return self.start + self.filled
 
-    def append(self, rows: tuple, leaf_partial: LeafPartial) -> None:
+    def append(self, rows: tuple, leaf_partial: LeafPartial, acc) -> None:
         n = int(rows[0].shape[0])
         if self.filled + n > self.buffers[0].shape[0]:
+            acc._flush()  # the old buffers' rows are complete before they are copied on
             size = min(self.leaf_tokens, max(2 * self.buffers[0].shape[0], self.filled + n))
             grown = tuple(b.new_empty((size, *b.shape[1:])) for b in self.buffers)
-            for new, old in zip(grown, self.buffers, strict=True):
-                new[: self.filled].copy_(old[: self.filled])
+            acc._pending.extend(
+                (new[: self.filled], old[: self.filled]) for new, old in zip(grown, self.buffers, strict=True)
+            )
             self.buffers = grown
-        for buffer, r in zip(self.buffers, rows, strict=True):
-            buffer[self.filled : self.filled + n].copy_(r)
+        acc._pending.extend(
+            (buffer[self.filled : self.filled + n], r) for buffer, r in zip(self.buffers, rows, strict=True)
+        )
         self.filled += n
         self.leaf_partial = leaf_partial  # the latest call's function sums the leaf
 
     def rows(self) -> tuple:
         return tuple(b[: self.filled] for b in self.buffers)
+
+
+def _copy_each(dst: list, src: list) -> None:
+    for d, s in zip(dst, src, strict=True):
+        d.copy_(s)
+
+
+# torch._foreach_copy_ (torch >= 2.1) copies a list of tensors in a few launches
+_COPY = getattr(torch, "_foreach_copy_", None) or _copy_each
 
 
 def _copy(tree: TreePartial) -> TreePartial:
