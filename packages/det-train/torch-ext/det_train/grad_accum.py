@@ -317,6 +317,10 @@ class CanonicalGradAccumulator:
         micro-batch prepends them to its own rows of that leaf, and ``reduce`` sums them if the
         leaf ends the global batch. So every leaf is summed from all its rows by one call.
 
+        **Determinism:** ``leaf_partial`` sees the rows of whole leaves (and of the short last
+        leaf) exactly as one unsplit micro-batch would give them, so the partial trees, and
+        ``p.grad`` after ``reduce``, have the bits of one batch for any micro-batch sizes.
+
         Raises:
             ValueError: rows of different lengths or a length other than another op reported for
                 this micro-batch; an open leaf of ``param`` that does not end where this
