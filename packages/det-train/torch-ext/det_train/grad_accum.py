@@ -268,13 +268,7 @@ class CanonicalGradAccumulator:
                 "leaf_span / deposit need leaf-aligned micro-batches: use deposit_rows, which carries "
                 "the open leaf's rows"
             )
-        if self._tokens is not None and int(num_tokens) != self._tokens:
-            raise ValueError(
-                f"an op reported {num_tokens} tokens in a micro-batch whose other ops saw {self._tokens}; "
-                "every canonical-order op of a micro-batch must see all its tokens"
-            )
-        self._tokens = int(num_tokens)
-        self._max_end = max(self._max_end, offset + int(num_tokens))
+        self._note_tokens(int(num_tokens), "an op")
         span = (offset, int(num_tokens))
         if span not in self._spans:
             self._spans.append(span)
@@ -331,16 +325,11 @@ class CanonicalGradAccumulator:
         n = int(rows[0].shape[0])
         if any(int(r.shape[0]) != n for r in rows):
             raise ValueError(f"deposit_rows: rows of different lengths {[int(r.shape[0]) for r in rows]}")
-        if self._tokens is not None and n != self._tokens:  # checked before _slot counts a use
+        if self._token_offset is not None:  # before _slot counts a use (outside: _slot raises)
             name = self._names[self._index[id(param)]] if id(param) in self._index else "a parameter"
-            raise ValueError(
-                f"{name}: an op deposited rows of {n} tokens in a micro-batch whose other ops saw "
-                f"{self._tokens}; every canonical-order op of a micro-batch must see all its tokens"
-            )
+            self._note_tokens(n, f"{name}: an op")
         slot = self._slot(param)
         offset = self._token_offset
-        self._tokens = n
-        self._max_end = max(self._max_end, offset + n)
         leaf = self.leaf_tokens
         pos = 0  # own rows consumed so far
         if offset % leaf:  # continue the open leaf an earlier micro-batch left
@@ -377,6 +366,16 @@ class CanonicalGradAccumulator:
             self._carry[(*slot, start // leaf)] = _OpenLeaf(
                 start, tuple(r[pos + full :] for r in rows), leaf, leaf_partial, self
             )
+
+    def _note_tokens(self, n: int, who: str) -> None:
+        """Record the micro-batch's token count; every canonical-order op must report the same."""
+        if self._tokens is not None and n != self._tokens:
+            raise ValueError(
+                f"{who} reported {n} tokens in a micro-batch whose other ops saw {self._tokens}; "
+                "every canonical-order op of a micro-batch must see all its tokens"
+            )
+        self._tokens = n
+        self._max_end = max(self._max_end, self._token_offset + n)
 
     def _flush(self) -> None:
         """Run the pending open-leaf row copies (one multi-tensor copy where torch has one)."""
@@ -500,11 +499,7 @@ class CanonicalGradAccumulator:
                 f"micro-batches on this rank cover tokens up to {self._max_end}, beyond "
                 f"total_tokens={total_tokens}: pass the global batch's token count"
             )
-        for offset, n in self._spans:
-            if offset + n > total_tokens:
-                raise ValueError(
-                    f"a micro-batch covers tokens [{offset}, {offset + n}) beyond total_tokens={total_tokens}"
-                )
+        for offset, n in self._spans:  # (a span past total_tokens raised above, with _max_end)
             if n % self.leaf_tokens and offset + n != total_tokens:
                 raise ValueError(
                     f"a micro-batch at token {offset} has {n} tokens, not a multiple of leaf_tokens "

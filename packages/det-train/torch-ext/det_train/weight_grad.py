@@ -671,7 +671,12 @@ def bias_grad_partial(dy: torch.Tensor, *, leaf_tokens: int, first_leaf: int = 0
     """The canonical-order db = sum of dY over tokens of one run, as a ``TreePartial`` of (N,) nodes
     over global leaves ``first_leaf ...``: each leaf the canonical tree over its sub-leaves
     (``_leaf_sums.sub_leaf_tokens``, 1024 tokens of an 8192-token leaf), each sub-leaf a fold of
-    64-token column sums (one program per sub-leaf and column block: a long leaf stays parallel)."""
+    64-token column sums (one program per sub-leaf and column block: a long leaf stays parallel).
+
+    ``dy``: ``(T, N)`` bf16 / fp16 / fp32, any strides; the nodes are fp32. The run starts on a leaf
+    boundary. **Determinism:** the nodes depend only on the run's tokens and global leaf indices,
+    so leaf-aligned runs merge to the bits of one run (the tree over sub-leaves, whatever
+    ``leaf_tokens`` above them)."""
     sub = sub_leaf_tokens(leaf_tokens)
     ratio = leaf_tokens // sub
     return coarsen(TreePartial().add_leaves(first_leaf * ratio, bias_grad_leaves(dy, sub)), ratio)
