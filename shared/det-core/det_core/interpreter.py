@@ -1,0 +1,173 @@
+"""Host-independent arithmetic for the Triton interpreter (``TRITON_INTERPRET=1``).
+
+Triton's interpreter computes a kernel with numpy. Two of the numpy calls it makes are not the same
+on every x86-64 CPU: ``tl.dot`` is ``np.matmul``, an OpenBLAS sgemm whose kernel (FMA or not,
+blocking, edge tiles) is chosen per CPU and per tile shape, and ``tl.exp`` / ``exp2`` / ``log`` /
+``log2`` are numpy's SIMD float32 routines, whose AVX-512, AVX2 and scalar versions differ in the
+last bits (seen 2026-12-01: an AVX2 host, ``OPENBLAS_CORETYPE=Haswell`` or
+``NPY_DISABLE_CPU_FEATURES=X86_V3`` each change kernel results). ``install()`` replaces these five
+operations of the interpreter with versions built only from separately rounded IEEE-754 operations
+(multiply, add, divide, ``frexp``, ``ldexp``, casts), which numpy computes identically on every host:
+
+* ``dot(a, b, acc)``: a sequential fp32 fold over K starting from the accumulator,
+  ``acc + a[:, 0] b[0, :] + a[:, 1] b[1, :] + ...``, each product and each sum rounded to fp32
+  (``np.add.accumulate`` is a scan, so its order is fixed by definition). bf16 operands (stored as
+  raw uint16 by the interpreter, which would otherwise multiply the bit patterns:
+  triton-lang/triton#11584) are widened to fp32 exactly.
+* ``exp2``, ``exp``, ``log2``, ``log``: range reduction and a Taylor / atanh series evaluated in
+  float64, rounded once to the input's dtype; under 1e-15 relative error before that rounding, so
+  the results are float32's correctly rounded values in all but a vanishing share of cases (and the
+  same bits everywhere in every case).
+
+The GPU path is untouched (compiled kernels never call the interpreter). Method: the classic
+reductions ``2^x = 2^n 2^f`` with ``|f| <= 1/2``, ``ln m = 2 atanh((m - 1)/(m + 1))`` with
+``m`` in ``[sqrt(1/2), sqrt(2))`` (J.-M. Muller, *Elementary Functions*, 3rd ed., ch. 11).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+__all__ = ["exp", "exp2", "fixed_order_dot", "install", "log", "log2"]
+
+_LN2 = math.log(2.0)
+_LOG2E = 1.0 / _LN2
+_SQRT_HALF = math.sqrt(0.5)
+# 2^f = e^(f ln 2) = sum t^k / k!, t = f ln 2, |t| <= 0.347: 14 terms reach 4e-18
+_EXP_COEFFS = [1.0 / math.factorial(k) for k in range(14, -1, -1)]
+# ln m = 2 s sum s^(2k) / (2k + 1), s = (m - 1)/(m + 1), |s| <= 0.1716: 12 terms reach 2e-20
+_ATANH_COEFFS = [1.0 / (2 * k + 1) for k in range(12, -1, -1)]
+_FLOAT_RESULTS = (np.float16, np.float32, np.float64)
+
+
+def _horner(coeffs: list[float], t: np.ndarray) -> np.ndarray:
+    p = np.full_like(t, coeffs[0])
+    for c in coeffs[1:]:
+        p = p * t + c
+    return p
+
+
+def _as_float64(x: np.ndarray) -> np.ndarray:
+    if x.dtype.type not in _FLOAT_RESULTS:
+        raise TypeError(f"det_core.interpreter: transcendental of dtype {x.dtype} (float16/32/64 expected)")
+    return np.asarray(x, dtype=np.float64)
+
+
+def _exp2_f64(x: np.ndarray) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        xc = np.clip(x, -1100.0, 1100.0)  # beyond the float64 range: 0 or inf after ldexp
+        n = np.rint(xc)
+        n = np.where(np.isnan(n), 0.0, n)
+        f = xc - n  # exact: |xc| < 2^52
+        r = np.ldexp(_horner(_EXP_COEFFS, f * _LN2), n.astype(np.int64))
+        return np.where(np.isnan(x), np.nan, r)
+
+
+def _ln_f64(x: np.ndarray) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        m, e = np.frexp(x)  # x = m 2^e, m in [0.5, 1)
+        small = m < _SQRT_HALF
+        m = np.where(small, m * 2.0, m)
+        e = np.where(small, e - 1, e).astype(np.float64)
+        s = (m - 1.0) / (m + 1.0)
+        r = e * _LN2 + 2.0 * s * _horner(_ATANH_COEFFS, s * s)
+        r = np.where(x == 0, -np.inf, r)
+        r = np.where(x == np.inf, np.inf, r)
+        return np.where((x < 0) | np.isnan(x), np.nan, r)
+
+
+def _round_to(r: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    with np.errstate(over="ignore"):  # beyond the dtype's range: inf, as IEEE rounding says
+        return r.astype(dtype)
+
+
+def exp2(x: np.ndarray) -> np.ndarray:
+    """``2**x`` elementwise, the same bits on every host; float16/32/64 in, same dtype out."""
+    return _round_to(_exp2_f64(_as_float64(x)), x.dtype)
+
+
+def exp(x: np.ndarray) -> np.ndarray:
+    """``e**x`` elementwise as ``2**(x log2 e)`` in float64; float16/32/64 in, same dtype out."""
+    return _round_to(_exp2_f64(_as_float64(x) * _LOG2E), x.dtype)
+
+
+def log(x: np.ndarray) -> np.ndarray:
+    """Natural logarithm elementwise (``-inf`` at 0, NaN below); float16/32/64 in, same dtype out."""
+    return _round_to(_ln_f64(_as_float64(x)), x.dtype)
+
+
+def log2(x: np.ndarray) -> np.ndarray:
+    """Base-2 logarithm elementwise (``-inf`` at 0, NaN below); float16/32/64 in, same dtype out."""
+    return _round_to(_ln_f64(_as_float64(x)) * _LOG2E, x.dtype)
+
+
+def fixed_order_dot(a: np.ndarray, b: np.ndarray, acc: np.ndarray) -> np.ndarray:
+    """``acc + a @ b`` as a sequential fold over K in ``acc``'s dtype, the same bits on every host.
+
+    Args:
+        a: ``(..., M, K)`` float array; b: ``(..., K, N)``; acc: ``(..., M, N)`` float array whose
+            dtype is the accumulation dtype (operands are widened to it; exact for bf16/fp16 -> fp32).
+
+    Returns:
+        ``(..., M, N)`` array of ``acc``'s dtype: ``((acc + a[:, 0] b[0]) + a[:, 1] b[1]) + ...``, every
+        product and sum rounded separately.
+    """
+    dtype = acc.dtype
+    products = a.astype(dtype)[..., :, :, None] * b.astype(dtype)[..., None, :, :]  # (..., M, K, N)
+    start = np.broadcast_to(acc, products.shape[:-2] + acc.shape[-1:])[..., None, :]
+    terms = np.concatenate([start, products], axis=-2)
+    return np.add.accumulate(terms, axis=-2)[..., -1, :]
+
+
+def _bf16_bits_to_f32(data: np.ndarray) -> np.ndarray:
+    return (data.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def install() -> None:
+    """Make the interpreter's dot, exp, exp2, log and log2 host-independent (idempotent).
+
+    Called by ``det_core.runtime`` when the interpreter is active. Integer and fp8 dots keep
+    Triton's own path (integer sums are exact; fp8 is not used by our kernels).
+
+    Raises:
+        RuntimeError: this Triton's interpreter lacks the builder methods replaced here (its
+            results could then depend on the host CPU; pin a supported Triton, >= 3.4).
+    """
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    names = ("create_dot", "create_exp", "create_exp2", "create_log", "create_log2")
+    missing = [n for n in names if not hasattr(builder, n)]
+    if missing or not hasattr(interpreter, "TensorHandle"):
+        raise RuntimeError(
+            f"det_core.interpreter: this Triton's interpreter has no {missing or ['TensorHandle']}; "
+            "its results would depend on the host CPU. Use Triton >= 3.4 (CI pins 3.9)."
+        )
+    if getattr(builder, "_det_core_host_independent", False):
+        return
+    handle = interpreter.TensorHandle
+    triton_dot = builder.create_dot
+
+    def operand(h):
+        if h.dtype == tl.bfloat16:
+            return _bf16_bits_to_f32(h.data)
+        return h.data
+
+    def create_dot(self, a, b, d, *args, **kwargs):
+        floats = all(h.dtype.is_floating() and h.dtype.primitive_bitwidth >= 16 for h in (a, b, d))
+        if not floats or d.data.dtype.type not in _FLOAT_RESULTS:
+            return triton_dot(self, a, b, d, *args, **kwargs)
+        return handle(fixed_order_dot(operand(a), operand(b), d.data), d.dtype.scalar)
+
+    def unary(fn):
+        return lambda self, arg: handle(fn(arg.data), arg.dtype.scalar)
+
+    builder.create_dot = create_dot
+    builder.create_exp = unary(exp)
+    builder.create_exp2 = unary(exp2)
+    builder.create_log = unary(log)
+    builder.create_log2 = unary(log2)
+    builder._det_core_host_independent = True
