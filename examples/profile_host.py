@@ -47,18 +47,12 @@ def _count_launch(kernel, grid, *args, **kwargs):
 
 
 def stub_launches() -> None:
-    """Replace every Triton launch (``runtime.launch`` in det_core and the vendored copies, and
-    ``kernel[grid]`` of jitted and interpreted kernels) by a counter."""
+    """Replace every Triton launch (``det_core.runtime.launch`` and ``kernel[grid]`` of jitted and
+    interpreted kernels) by a counter."""
     import triton.runtime.interpreter as interpreter
     import triton.runtime.jit as jit
 
-    for package in (
-        "det_core",
-        "det_train._vendor.det_core",
-        "det_attn._vendor.det_core",
-        "adamw_sr._vendor.det_core",
-    ):
-        importlib.import_module(f"{package}.runtime").launch = _count_launch
+    importlib.import_module("det_core.runtime").launch = _count_launch
 
     def getitem(kernel, grid):
         return lambda *args, **kwargs: _count_launch(kernel, grid)

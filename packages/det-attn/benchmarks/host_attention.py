@@ -47,7 +47,7 @@ import triton.runtime.interpreter as interpreter  # noqa: E402
 import triton.runtime.jit as jit  # noqa: E402
 from det_attn import _fwd_kernel, _kernels, attention  # noqa: E402
 from det_attn import flash_attention as fa  # noqa: E402
-from det_attn._vendor.det_core import runtime  # noqa: E402
+from det_core import runtime  # noqa: E402
 
 KERNELS = ("attn_fwd_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")
 

@@ -4,10 +4,12 @@
 * ``det_core.sr``      stochastic rounding fp32 -> bf16 (Triton + torch reference)
 * ``det_core.reduce``  the canonical reduction order (leaves + fixed pairwise tree)
 * ``det_core.runtime`` GPU / Triton-interpreter dispatch checks
+* ``det_core.interpreter`` host-independent arithmetic for the Triton interpreter (CPU path)
 * ``det_core.testing`` the determinism-test harness and pytest plugin (dev only, not vendored)
 
-The runtime modules use only the standard library, torch, triton and relative imports, so
-``tools/vendor_det_core.py`` can copy them into each Hub kernel. Submodules are imported on
+The runtime modules use only the standard library, torch, triton and relative imports (numpy only
+in ``interpreter``, under ``TRITON_INTERPRET=1``), so the Hub build (``tools/build_hub.py``) can
+copy them into each built kernel. Submodules are imported on
 first use: importing ``det_core`` (or its pytest plugin) must not import triton, which reads
 ``TRITON_INTERPRET`` when kernels are decorated.
 """

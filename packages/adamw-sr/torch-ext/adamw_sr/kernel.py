@@ -30,8 +30,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from ._vendor.det_core import rng, runtime, sr
+from det_core import rng, runtime, sr
 
 # Fixed launch configs, keyed by where the kernel runs. The step is elementwise and its random
 # bits are keyed by global element index, so NO entry changes any result bit (the ablation

@@ -12,10 +12,10 @@ import numbers
 from collections import OrderedDict
 
 import torch
+from det_core import rng, runtime
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import kernel
-from ._vendor.det_core import rng, runtime
 
 __all__ = ["AdamWSR", "adamw_sr_step", "default_base_indices", "local_segments"]
 

@@ -14,8 +14,7 @@ from __future__ import annotations
 import math
 
 import torch
-
-from ._vendor.det_core import rng, sr
+from det_core import rng, sr
 
 
 def pow_by_squaring(base: float, exponent: int) -> float:

@@ -7,7 +7,7 @@ batch row's end read as zeros, stores past it dropped), so both paths give the s
 
 from __future__ import annotations
 
-from ._vendor.det_core import runtime
+from det_core import runtime
 
 try:  # Triton >= 3.4; older versions take the pointer loads (the same bits)
     from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401

@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-from ._vendor.det_core import rng
+from det_core import rng
 
 DROPOUT_STREAM: tl.constexpr = tl.constexpr(2)  # == rng.STREAM_ATTN_DROPOUT (checked by the host module)
 

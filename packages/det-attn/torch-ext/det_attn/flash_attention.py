@@ -13,9 +13,9 @@ import numbers
 from dataclasses import dataclass
 
 import torch
+from det_core import rng, runtime
 
 from . import _descriptors, _fwd_kernel, _kernels
-from ._vendor.det_core import rng, runtime
 
 __all__ = ["MAX_SEQLEN", "SUPPORTED_HEAD_DIMS", "attention", "attention_varlen"]
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
-
-from ._vendor.det_core import rng
+from det_core import rng
 
 __all__ = ["attention_reference", "attention_varlen_reference", "dropout_keep_mask"]
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from det_core import runtime
+from det_core.reduce import TreePartial, num_leaves
+from det_core.sr import round_nearest_bf16
 
-from ._vendor.det_core import runtime
-from ._vendor.det_core.reduce import TreePartial, num_leaves
-from ._vendor.det_core.sr import round_nearest_bf16
 from .grad_accum import DEFAULT_LEAF_TOKENS, current_accumulator
 
 __all__ = [

@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from det_core import runtime
+from det_core.runtime import as_index, check_kernel_device
 
 from ._leaf_sums import leaf_layout, tree_in_place
-from ._vendor.det_core import runtime
-from ._vendor.det_core.runtime import as_index, check_kernel_device
 
 __all__ = ["cross_entropy"]
 

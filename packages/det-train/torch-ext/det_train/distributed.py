@@ -19,8 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-from ._vendor.det_core.reduce import TreePartial
+from det_core.reduce import TreePartial
 
 __all__ = ["DeterministicAllreduceState", "deterministic_allreduce_hook", "rank_tree_sum", "reduce_gradients"]
 

@@ -28,11 +28,11 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from det_core import runtime
+from det_core.reduce import TreePartial, num_leaves
+from det_core.runtime import check_kernel_device
 
 from ._leaf_sums import cast_out, coarsen, dyadic_nodes, leaf_layout, tree_combine
-from ._vendor.det_core import runtime
-from ._vendor.det_core.reduce import TreePartial, num_leaves
-from ._vendor.det_core.runtime import check_kernel_device
 
 __all__ = ["Embedding", "embedding"]
 

@@ -23,9 +23,8 @@ import contextlib
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
-
-from ._vendor.det_core.reduce import TreePartial, num_leaves
-from ._vendor.det_core.runtime import as_index
+from det_core.reduce import TreePartial, num_leaves
+from det_core.runtime import as_index
 
 __all__ = ["DEFAULT_LEAF_TOKENS", "CanonicalGradAccumulator", "current_accumulator"]
 

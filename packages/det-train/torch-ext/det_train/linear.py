@@ -15,9 +15,9 @@ import functools
 import math
 
 import torch
+from det_core import runtime
+from det_core.reduce import TreePartial, num_leaves
 
-from ._vendor.det_core import runtime
-from ._vendor.det_core.reduce import TreePartial, num_leaves
 from .grad_accum import DEFAULT_LEAF_TOKENS, current_accumulator
 from .matmul import _check_bias, launch_linear, launch_matmul
 from .weight_grad import bias_grad_partial, weight_grad_partial

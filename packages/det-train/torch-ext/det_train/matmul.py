@@ -20,9 +20,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from det_core import runtime
 
 from . import configs
-from ._vendor.det_core import runtime
 from .configs import MatmulConfig, layout_of, matmul_config
 
 __all__ = ["matmul", "matmul_partial"]

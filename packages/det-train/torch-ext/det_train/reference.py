@@ -8,8 +8,7 @@ sums, det_core's tree), which the kernels follow with their own fixed in-leaf fo
 from __future__ import annotations
 
 import torch
-
-from ._vendor.det_core.reduce import TreePartial, num_leaves
+from det_core.reduce import TreePartial, num_leaves
 
 __all__ = ["linear_fp64", "matmul_fp64", "weight_grad_canonical", "weight_grad_fp64"]
 

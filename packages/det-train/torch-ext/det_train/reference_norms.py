@@ -7,8 +7,7 @@ except ``embedding_weight_grad_reference``, which follows the kernel's canonical
 from __future__ import annotations
 
 import torch
-
-from ._vendor.det_core.reduce import TreePartial, num_leaves
+from det_core.reduce import TreePartial, num_leaves
 
 __all__ = [
     "cross_entropy_reference",

@@ -23,10 +23,10 @@ import numbers
 import torch
 import triton
 import triton.language as tl
+from det_core import runtime
+from det_core.runtime import check_kernel_device
 
 from ._leaf_sums import finish_param_grad, fold_chunks, leaf_layout, leaf_subtrees
-from ._vendor.det_core import runtime
-from ._vendor.det_core.runtime import check_kernel_device
 
 __all__ = ["RMSNorm", "rms_norm"]
 

@@ -16,8 +16,8 @@ import warnings
 from collections.abc import Iterator
 
 import torch
+from det_core import runtime
 
-from ._vendor.det_core import runtime
 from .linear import linear
 from .matmul import _check_operands, _forward_matmul, launch_matmul
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from det_core import runtime
 
-from ._vendor.det_core import runtime
 from .configs import matmul_config
 from .linear import _check_linear, param_grads
 from .matmul import launch_matmul, matmul_partial

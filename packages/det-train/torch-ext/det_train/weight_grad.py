@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from det_core import runtime
+from det_core.reduce import TreePartial, num_leaves
 
 from ._leaf_sums import coarsen, sub_leaf_tokens
-from ._vendor.det_core import runtime
-from ._vendor.det_core.reduce import TreePartial, num_leaves
 from .configs import BIAS_GRAD_BLOCK_T, WeightGradConfig, check_weight_grad_config, weight_grad_config
 from .matmul import (
     _INTERPRET,
