@@ -149,6 +149,10 @@ def test_bad_input():
         det_train.cross_entropy(logits, targets.float())
     with pytest.raises(TypeError, match="not supported"):
         det_train.cross_entropy(logits.double(), targets)
+    with pytest.raises(TypeError, match=r"logits must be a torch.Tensor, got numpy.ndarray .*from_numpy"):
+        det_train.cross_entropy(logits.float().numpy(), targets)
+    with pytest.raises(TypeError, match=r"targets must be a torch.Tensor, got builtins.list"):
+        det_train.cross_entropy(logits, targets.tolist())
     with pytest.raises(ValueError, match="reduction"):
         det_train.cross_entropy(logits, targets, reduction="avg")
     with pytest.raises(ValueError, match="reduction='mean' only"):

@@ -245,6 +245,12 @@ def cross_entropy(
     Reference: the softmax cross-entropy gradient ``softmax - onehot``; kernel layout after
     Liger-Kernel ``ops/cross_entropy.py`` (which computes the gradient in the forward instead).
     """
+    for name, value in (("logits", logits), ("targets", targets)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"cross_entropy: {name} must be a torch.Tensor, got {type(value).__module__}."
+                f"{type(value).__qualname__} (convert it with torch.as_tensor / torch.from_numpy)"
+            )
     if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(
             f"cross_entropy: logits dtype {logits.dtype} is not supported (float32, bfloat16, float16)"
