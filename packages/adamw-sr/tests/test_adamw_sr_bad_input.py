@@ -373,3 +373,65 @@ def test_tensor_hyperparameters_are_accepted_like_torch_adamw():
         AdamWSR([torch.nn.Parameter(torch.ones(4))], betas=(torch.tensor(1.0), 0.9))
     with pytest.raises(ValueError, match="eps as a tensor must have 1 element"):
         AdamWSR([torch.nn.Parameter(torch.ones(4))], eps=torch.ones(2))
+
+
+# --------------------------------------------------------------------------- torch's flags, as torch decides
+
+
+def test_foreach_true_is_refused_like_torch_refuses_foreach_with_fused():
+    # the step is always one fused launch; torch.optim.AdamW(fused=True, foreach=True) raises too
+    with pytest.raises(ValueError, match="foreach=True asks for torch's multi-tensor implementation"):
+        AdamWSR([torch.zeros(3)], foreach=True)
+    opt = AdamWSR([torch.zeros(3)])
+    for flags in ({"foreach": True}, {"foreach": False}, {"fused": False}):
+        with pytest.raises(ValueError, match="foreach must be None and fused None or True"):
+            opt.add_param_group({"params": [torch.zeros(2)], **flags})
+    assert len(opt.param_groups) == 1
+
+
+def test_fused_true_runs_where_the_fused_step_runs_and_raises_elsewhere(monkeypatch):
+    # under the interpreter fused=True is what the step is: the same bits as the default
+    def run(**kw):
+        p = torch.nn.Parameter(torch.randn(40, generator=torch.Generator().manual_seed(0)).bfloat16())
+        opt = AdamWSR([p], lr=1e-2, seed=3, **kw)
+        p.grad = torch.ones_like(p)
+        opt.step()
+        return p.detach(), opt
+
+    (got, opt), (want, _) = run(fused=True), run()
+    assert_bitwise_equal(got, want)
+    assert opt.param_groups[0]["fused"] is True
+    # elsewhere, at construction (torch checks fused=True's devices before any step as well)
+    with pytest.raises(RuntimeError, match=r"AdamWSR\(fused=True\).*meta"):
+        AdamWSR([torch.zeros(3, device="meta")], fused=True)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match=r"AdamWSR\(fused=True\).*TRITON_INTERPRET"):
+        AdamWSR([torch.zeros(3)], fused=True)
+    with pytest.raises(ValueError, match="fused must be None or True"):
+        AdamWSR([torch.zeros(3)], fused="yes")
+
+
+def test_capturable_true_with_cpu_params_is_refused_like_torch():
+    # torch.optim.AdamW's step asserts capturable params are on a capturable device; ours says so
+    # at construction, for an added group, and at a step of a loaded group, before any state moves
+    with pytest.raises(ValueError, match="capturable=True .* needs CUDA params; these are on cpu"):
+        AdamWSR([torch.zeros(3)], capturable=True)
+    p = torch.nn.Parameter(torch.randn(16).bfloat16())
+    opt = AdamWSR([p], lr=1e-2)
+    with pytest.raises(ValueError, match="capturable=True"):
+        opt.add_param_group({"params": [torch.zeros(2)], "capturable": True})
+    assert len(opt.param_groups) == 1
+    p.grad = torch.ones_like(p)
+    opt.step()
+    state = opt.state_dict()
+    state["param_groups"][0]["capturable"] = True  # e.g. a GPU run's state_dict loaded on a CPU
+    opt.load_state_dict(state)
+    unchanged = _bad_step_leaves_everything_untouched(opt, [p])
+    with pytest.raises(ValueError, match="capturable=True"):
+        opt.step()
+    assert unchanged() and float(opt.state[p]["step"]) == 1.0
+
+
+def test_a_module_instead_of_its_parameters_names_the_fix():
+    with pytest.raises(TypeError, match=r"got the module Linear; pass model.parameters\(\)"):
+        AdamWSR(torch.nn.Linear(3, 2))

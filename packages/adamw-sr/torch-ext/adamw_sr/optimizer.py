@@ -462,9 +462,14 @@ class AdamWSR(torch.optim.Optimizer):
         lr: learning rate, float or 1-element tensor (a CUDA tensor for graph capture).
         betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW`` (decoupled decay
             ``p *= 1 - lr * weight_decay``).
-        foreach, fused: accepted for compatibility; ``None`` or ``True`` (the step is always fused),
-            ``False`` raises.
-        capturable: keep ``step`` on the device so ``step()`` can be captured in a CUDA graph.
+        foreach: ``None`` only. The step is always one fused launch: ``False`` raises, and so does
+            ``True`` (torch's multi-tensor implementation, which torch.optim.AdamW also refuses
+            together with ``fused=True``).
+        fused: ``None`` or ``True`` (the step is always fused); ``True`` is checked as torch checks
+            it: the params must be on a device the fused step runs on (CUDA, or CPU with
+            ``TRITON_INTERPRET=1``). ``False`` raises.
+        capturable: keep ``step`` on the device so ``step()`` can be captured in a CUDA graph;
+            CUDA params only (``True`` with CPU params raises, as in torch).
         differentiable: must be ``False``.
         seed: Philox seed of the rounding, an integer (int or numpy integer, not bool) with
             ``0 <= seed < 2**64``; saved in the param groups (a group may give its own).
@@ -474,11 +479,14 @@ class AdamWSR(torch.optim.Optimizer):
     Raises:
         ValueError: an out-of-range hyperparameter (as ``torch.optim.AdamW``: ``lr < 0``, a beta
             outside ``[0, 1)``, ``eps < 0``, ``weight_decay < 0``, NaN; a seed outside
-            ``[0, 2**64)``), an unsupported flag, an empty or non-contiguous param, params on
-            several devices.
-        TypeError: fp16, complex or integer params; a seed that is a bool or not an integer.
-        RuntimeError: from ``step``: sparse gradients, or a step captured in a CUDA graph with
-            ``capturable=False``.
+            ``[0, 2**64)``), an unsupported flag (``foreach`` not ``None``, ``fused=False``,
+            ``differentiable=True``, ``capturable=True`` with non-CUDA params), an empty or
+            non-contiguous param, params on several devices.
+        TypeError: ``params`` is a module (pass ``model.parameters()``); fp16, complex or integer
+            params; a seed that is a bool or not an integer.
+        RuntimeError: ``fused=True`` with params where the fused step cannot run (CPU without the
+            Triton interpreter); from ``step``: sparse gradients, or a step captured in a CUDA
+            graph with ``capturable=False``.
 
     Gradients with NaN or Inf are not rejected: as in ``torch.optim.AdamW`` they propagate into
     the moments and the weights (``amsgrad``'s maximum propagates NaN like ``torch.maximum``).
@@ -526,17 +534,31 @@ class AdamWSR(torch.optim.Optimizer):
         seed = rng.as_seed(seed, "AdamWSR")
         if stochastic_rounding not in (None, True, False):
             raise ValueError(f"stochastic_rounding must be None, True or False, got {stochastic_rounding!r}")
-        for name, value in (("foreach", foreach), ("fused", fused)):
-            if value is False:
-                raise ValueError(
-                    f"AdamWSR always runs its fused Triton step; {name}=False is not supported "
-                    "(use torch.optim.AdamW for an unfused step)."
-                )
+        if isinstance(params, torch.nn.Module):
+            raise TypeError(
+                f"AdamWSR: params must be an iterable of tensors or param-group dicts, got the module "
+                f"{type(params).__name__}; pass model.parameters()"
+            )
+        if fused is False or foreach is False:
+            name = "fused" if fused is False else "foreach"
+            raise ValueError(
+                f"AdamWSR always runs its fused Triton step; {name}=False is not supported "
+                "(use torch.optim.AdamW for an unfused step)."
+            )
+        if foreach:
+            # torch.optim.AdamW refuses fused=True with foreach=True; AdamWSR is always fused
+            raise ValueError(
+                "AdamWSR always runs its fused Triton step (one launch over all tensors); foreach=True asks "
+                "for torch's multi-tensor implementation, which it does not have (torch.optim.AdamW refuses "
+                "foreach=True together with fused=True too). Leave foreach=None."
+            )
+        if fused not in (None, True):
+            raise ValueError(f"AdamWSR: fused must be None or True, got {fused!r}")
         if differentiable:
             raise ValueError("AdamWSR does not support differentiable=True (its step is a Triton kernel)")
         defaults = dict(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-            maximize=maximize, foreach=None, capturable=capturable, differentiable=False, fused=None,
+            maximize=maximize, foreach=None, capturable=capturable, differentiable=False, fused=fused,
             seed=seed, stochastic_rounding=stochastic_rounding, base_index=None,
         )  # fmt: skip
         self._base_index_cache = {}
@@ -557,7 +579,10 @@ class AdamWSR(torch.optim.Optimizer):
             TypeError: a param is fp16, complex or not floating point; the group's ``seed`` is not
                 an integer (a bool or a float).
             ValueError: a param is empty or non-contiguous, on another device than the others,
-                ``base_index`` does not give one entry per param, or ``seed`` is outside ``[0, 2**64)``.
+                ``base_index`` does not give one entry per param, or ``seed`` is outside ``[0, 2**64)``;
+                the group sets ``foreach``, ``fused=False``, or ``capturable=True`` with non-CUDA params.
+            RuntimeError: ``fused=True`` with params where the fused step cannot run (CPU without
+                the Triton interpreter).
         """
         super().add_param_group(param_group)
         group = self.param_groups[-1]
@@ -573,6 +598,16 @@ class AdamWSR(torch.optim.Optimizer):
             if problem:
                 self.param_groups.pop()
                 raise (TypeError if "dtype" in problem else ValueError)(f"AdamWSR: {problem}")
+        try:
+            if group["foreach"] is not None or group["fused"] not in (None, True):
+                raise ValueError(
+                    f"AdamWSR: a param group's foreach must be None and fused None or True (the step is "
+                    f"always fused), got foreach={group['foreach']!r}, fused={group['fused']!r}"
+                )
+            self._check_device_flags(group)
+        except (RuntimeError, ValueError):
+            self.param_groups.pop()
+            raise
         try:
             group["seed"] = rng.as_seed(group["seed"], "AdamWSR")
         except (TypeError, ValueError):
@@ -592,6 +627,23 @@ class AdamWSR(torch.optim.Optimizer):
                 )
         self._base_index_cache = {}
         self._segments_cache = {}
+
+    @staticmethod
+    def _check_device_flags(group: dict) -> None:
+        """The device flags of a group against its params' device, as torch checks them: ``fused=True``
+        needs a device the fused step runs on (CUDA, or CPU with the Triton interpreter), and
+        ``capturable=True`` (step counts on the device, for CUDA-graph capture) needs CUDA params."""
+        if not group["params"]:
+            return
+        device = _local(group["params"][0]).device
+        if group.get("fused"):
+            runtime.check_kernel_device(*(_local(p) for p in group["params"]), op="AdamWSR(fused=True)")
+        if group.get("capturable") and device.type != "cuda":
+            raise ValueError(
+                f"AdamWSR: capturable=True keeps the step counts on the device for CUDA-graph capture, "
+                f"which needs CUDA params; these are on {device.type} (torch.optim.AdamW refuses "
+                "capturable=True there too): pass capturable=False"
+            )
 
     @staticmethod
     def _param_problem(p: torch.Tensor) -> str | None:
@@ -767,6 +819,8 @@ class AdamWSR(torch.optim.Optimizer):
             self._check_grads(with_grad)
             if with_grad:  # CPU params need the Triton interpreter: say so before any state is touched
                 runtime.check_kernel_device(*(_local(p) for p in with_grad), op="AdamWSR.step")
+                if group["capturable"] and _local(with_grad[0]).device.type != "cuda":
+                    self._check_device_flags(group)  # a loaded param group may set capturable
             work.append((group, with_grad))
         check_states = self._state_flags["unchecked"] or torch.compiler.is_compiling()
         if check_states:
