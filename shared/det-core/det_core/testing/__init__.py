@@ -2,7 +2,9 @@
 
 Four kinds of test (STYLE.md): run-to-run, slice/batch invariance, decomposition invariance,
 golden digests and resume-replay. Each helper raises ``AssertionError`` with a report that
-names the first mismatching element, both values and their bit patterns.
+names the first mismatching element, both values and their bit patterns. When a model fails
+them, ``find_divergence`` (``det_core.testing.divergence``) names the first module output and the
+first gradient whose bits differ between two decompositions of one step.
 """
 
 from __future__ import annotations
@@ -25,8 +27,23 @@ __all__ = [
     "bits",
     "contiguous_splits",
     "digest",
+    "find_divergence",
     "run_in_fresh_process",
+    "DivergenceReport",
+    "Difference",
 ]
+
+# det_core.testing.divergence (the divergence finder) loads on first use, so that
+# `python -m det_core.testing.divergence` finds it not yet imported
+_DIVERGENCE = ("find_divergence", "DivergenceReport", "Difference")
+
+
+def __getattr__(name: str):
+    if name in _DIVERGENCE:
+        from . import divergence
+
+        return getattr(divergence, name)
+    raise AttributeError(f"module 'det_core.testing' has no attribute {name!r}")
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
