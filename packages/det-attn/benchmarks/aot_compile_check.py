@@ -1,4 +1,5 @@
-"""Compile det_attn's forward kernel for sm_90a on a machine without a GPU: the table's entries and
+"""Compile det_attn's kernels for sm_90a on a machine without a GPU: every table entry (forward,
+backward preprocess, dK/dV and dQ; padded batch and packed, causal or not, dropout or not) and
 every forward variant of ``ablate_attention.FWD_VARIANTS``; report registers, spills, shared memory.
 
 Uses Triton's ahead-of-time path (``triton.compile`` of an ``ASTSource`` for ``GPUTarget("cuda",
@@ -11,12 +12,18 @@ alike). A CPU-side check, not a test; depends on Triton internals. To check what
 runs, use Triton 3.6 (the wheel extracted at /tmp/tri36):
 
     PYTHONPATH=/tmp/tri36 python packages/det-attn/benchmarks/aot_compile_check.py [--only WORD]
+
+``--ptx-digest`` compiles without line info (``TRITON_DISABLE_LINE_INFO=1``: source file names and
+line numbers are not code, and they move whenever code moves between files) and adds per entry the
+sha256 of its PTX and of its SASS (``cuobjdump -sass`` of the cubin, bundled with Triton): a
+refactor that must keep the kernels' bits compares these before and after.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import math
 import os
 import subprocess
@@ -34,7 +41,7 @@ sys.path[:0] = [
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from det_attn import _fwd_kernel  # noqa: E402
+from det_attn import _fwd_kernel, _kernels  # noqa: E402
 from det_attn import flash_attention as fa  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -64,29 +71,66 @@ def _ptxas_v(ptx: str) -> str:
     raise RuntimeError(err)
 
 
-def _launch_args(cfg, head_dim: int, causal: bool, dropout: bool):
-    """(positional values, constexprs and options) of the forward launch at B, H, T with ``cfg``."""
+def _sass_digest(cubin: bytes) -> str:
+    """sha256 of the SASS of ``cubin`` (the bundled ``cuobjdump -sass``), or why there is none."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return "n/a (no bundled cuobjdump)"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        out = subprocess.run([str(tool), "-sass", str(path)], capture_output=True, text=True)
+    if out.returncode != 0:
+        return "n/a (cuobjdump failed)"
+    # the dump names the temporary file; the rest is code
+    sass = "\n".join(line for line in out.stdout.splitlines() if "k.cubin" not in line)
+    return hashlib.sha256(sass.encode()).hexdigest()[:16]
+
+
+def _plan(cfg, head_dim: int, causal: bool, dropout: bool, packed: bool):
+    """The launcher's plan at B, H, T with ``cfg`` in the table (padded batch, or ``packed``)."""
     q = torch.empty((B * T, H, head_dim), dtype=torch.bfloat16, device="meta")
+    dense = None if packed else (B, T, T)
     saved = fa._GPU_CONFIGS[head_dim]
     fa._GPU_CONFIGS[head_dim] = cfg
     try:
-        plan = fa._plan(q, q, (B, T, T), B, T, T, 1.0 / math.sqrt(head_dim), causal, dropout)
+        return fa._plan(q, q, dense, B, T, T, 1.0 / math.sqrt(head_dim), causal, dropout)
     finally:
         fa._GPU_CONFIGS[head_dim] = saved
-    drop = fa._dropout_args(0.1 if dropout else 0.0, 1234 if dropout else None, 0, 0)
-    if plan.fwd_tma:
-        tensors = [f"tensordesc<bf16{list(d.block_shape)}>" for d in plan.fwd_descs]
-    else:
-        tensors = ["*bf16"] * 4
-    values = [*tensors, "*fp32", "*fp32", "*fp32", *plan.fwd.sizes, *drop, *plan.fwd_strides]
-    return values, dict(plan.fwd.meta), plan.fwd_tma
 
 
-def compile_forward(name: str, cfg, head_dim: int, causal: bool, dropout: bool) -> str:
-    """Compile one entry; print its line; return its status (OK, SPILL, SMEM, FAIL)."""
-    fn = _fwd_kernel.attn_fwd_kernel
-    values, meta, tma = _launch_args(cfg, head_dim, causal, dropout)
+def _drop(dropout: bool) -> tuple:
+    return fa._dropout_args(0.1 if dropout else 0.0, 1234 if dropout else None, 0, 0)
+
+
+def _launch_args(kernel: str, plan, dropout: bool, packed: bool):
+    """(kernel, positional values, constexprs and options, host descriptors) of one launch of
+    ``plan``: pointers as Triton type strings, then the plan's sizes and strides."""
+    cu = ["*i32"] * 2 if packed else ["*fp32"] * 2  # a padded batch passes an fp32 buffer
+    drop = _drop(dropout)
+    if kernel == "fwd":
+        if plan.fwd_tma:
+            tensors = [f"tensordesc<bf16{list(d.block_shape)}>" for d in plan.fwd_descs]
+        else:
+            tensors = ["*bf16"] * 4
+        values = [*tensors, "*fp32", *cu, *plan.fwd.sizes, *drop, *plan.fwd_strides]
+        return _fwd_kernel.attn_fwd_kernel, values, dict(plan.fwd.meta), plan.fwd_tma
+    if kernel == "pre":
+        values = ["*bf16", "*bf16", "*fp32", *plan.pre_args]
+        return _kernels.attn_bwd_preprocess_kernel, values, dict(plan.pre_meta), False
+    if kernel == "dkdv":
+        values = [*["*bf16"] * 4, "*fp32", "*fp32", "*bf16", "*bf16", *cu]
+        values += [*plan.dkdv_sizes, *drop, *plan.dkdv_strides]
+        return _kernels.attn_bwd_dkdv_kernel, values, dict(plan.dkdv_meta), False
+    values = [*["*bf16"] * 4, "*fp32", "*fp32", "*bf16", *cu, *plan.dq_sizes, *drop, *plan.dq_strides]
+    return _kernels.attn_bwd_dq_kernel, values, dict(plan.dq_meta), False
+
+
+def compile_entry(label: str, fn, values: list, meta: dict, tma: bool, digest: bool) -> str:
+    """Compile one launch; print its line; return its status (OK, SPILL, SMEM, FAIL)."""
     options = {k: meta.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in meta}
+    options.setdefault("num_warps", 4)
+    options.setdefault("num_stages", 3)
     constexprs = {p.name: p.default for p in fn.params if p.is_constexpr}
     constexprs.update(meta)
     signature, attrs = {}, {}
@@ -112,7 +156,6 @@ def compile_forward(name: str, cfg, head_dim: int, causal: bool, dropout: bool) 
         constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
         attrs=attrs,
     )
-    label = f"D{head_dim} {'causal' if causal else 'full'}{' dropout' if dropout else ''} {name}"
     try:
         kernel = triton.compile(src, target=TARGET, options=options)
     except Exception as exc:  # report every entry
@@ -134,40 +177,66 @@ def compile_forward(name: str, cfg, head_dim: int, causal: bool, dropout: bool) 
     threads = 32 * options["num_warps"]
     per_sm = min(SM_REGS // (threads * (-(-regs // 8) * 8)) if regs else 0, SM_SMEM // (smem + 1024))
     status = "FAIL" if not regs else "SMEM" if smem > SMEM_LIMIT else "SPILL" if spills else "OK"
-    print(
+    line = (
         f"{label}: {status} regs={regs} spill_stores={spills}B smem={smem / 1024:.1f}KiB "
         f"programs/SM={per_sm} wgmma={'wgmma.mma_async' in ptx} tma={'cp.async.bulk.tensor' in ptx} "
         f"host_descriptors={tma} warps={options['num_warps']} stages={options['num_stages']}"
         + (f" maxnreg={options['maxnreg']}" if options.get("maxnreg") else "")
     )
+    if digest:
+        line += f" ptx_sha256={hashlib.sha256(ptx.encode()).hexdigest()[:16]}"
+        line += f" sass_sha256={_sass_digest(kernel.asm['cubin'])}"
+    print(line)
     return status
+
+
+def _entries() -> list:
+    """(label, plan, kernel, dropout, packed) of every entry: per head dim, causal or not and
+    dropout or not, the table's forward, preprocess, dK/dV and dQ on a padded batch, the same
+    packed, then each forward variant (padded; with dropout for causal only)."""
+    from ablate_attention import FWD_VARIANTS
+
+    entries = []
+    for head_dim, table in sorted(fa._GPU_CONFIGS.items(), reverse=True):
+        for causal in (True, False):
+            kind = f"D{head_dim} {'causal' if causal else 'full'}"
+            for dropout in (False, True):
+                for packed in (False, True):
+                    plan = _plan(table, head_dim, causal, dropout, packed)
+                    for kernel in ("fwd", "pre", "dkdv", "dq"):
+                        if kernel == "pre" and (dropout or causal or packed):
+                            continue  # one preprocess launch per head dim: it reads none of these
+                        name = "table" if kernel == "fwd" and not packed else f"table {kernel}"
+                        name += " packed" if packed else ""
+                        label = f"{kind}{' dropout' if dropout else ''} {name}"
+                        entries.append((label, plan, kernel, dropout, packed))
+            for name, change in FWD_VARIANTS.get(head_dim, []):
+                cfg = dataclasses.replace(table, **change)
+                for dropout in (False, True) if causal else (False,):  # dropout: no cap, own stages
+                    plan = _plan(cfg, head_dim, causal, dropout, False)
+                    label = f"{kind}{' dropout' if dropout else ''} {name}"
+                    entries.append((label, plan, "fwd", dropout, False))
+    return entries
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="", help="compile the entries whose name contains this")
+    parser.add_argument("--only", default="", help="compile the entries whose label contains this")
+    parser.add_argument(
+        "--ptx-digest", action="store_true", help="compile without line info; print PTX and SASS sha256"
+    )
     args = parser.parse_args(argv)
-    from ablate_attention import FWD_VARIANTS
-
-    print(f"Triton {triton.__version__}, target sm_90a")
-    entries = []
-    for head_dim, table in sorted(fa._GPU_CONFIGS.items(), reverse=True):
-        for causal in (True, False):
-            entries.append(("table", table, head_dim, causal, False))
-            entries.append(("table", table, head_dim, causal, True))
-            for name, change in FWD_VARIANTS.get(head_dim, []):
-                cfg = dataclasses.replace(table, **change)
-                entries.append((name, cfg, head_dim, causal, False))
-                if causal:  # dropout: no register cap, fwd_dropout_stages
-                    entries.append((name, cfg, head_dim, causal, True))
+    if args.ptx_digest:
+        os.environ["TRITON_DISABLE_LINE_INFO"] = "1"  # read at compile time; part of the cache key
+    print(f"Triton {triton.__version__}, target sm_90a" + (", no line info" if args.ptx_digest else ""))
     bad = []
-    for name, cfg, head_dim, causal, dropout in entries:
-        if args.only and args.only not in name:
+    for label, plan, kernel, dropout, packed in _entries():
+        if args.only and args.only not in label:
             continue
-        status = compile_forward(name, cfg, head_dim, causal, dropout)
+        fn, values, meta, tma = _launch_args(kernel, plan, dropout, packed)
+        status = compile_entry(label, fn, values, meta, tma, args.ptx_digest)
         if status != "OK":
-            kind = f"{'causal' if causal else 'full'}{' dropout' if dropout else ''}"
-            bad.append(f"D{head_dim} {kind} {name}: {status}")
+            bad.append(f"{label}: {status}")
     print("\n".join(["", "not OK:", *bad]) if bad else "\nall entries compile without spills")
     # spills are reported, not failed: a few bytes can be the faster choice (the D128 pointer
     # loads under the table's cap spill 76 bytes and run two programs per SM); a compile failure
