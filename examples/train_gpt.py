@@ -391,7 +391,9 @@ def train(
         acc = det_train.CanonicalGradAccumulator(named_params, leaf_tokens=cfg.leaf_tokens)
     start = 0
     if resume_from is not None:
-        ckpt = torch.load(resume_from, map_location=device, weights_only=False)
+        # weights_only: tensors and plain containers only; a checkpoint carrying code (a pickled
+        # callable or class) is refused instead of run
+        ckpt = torch.load(resume_from, map_location=device, weights_only=True)
         if ckpt["config"] != dataclasses.asdict(cfg):
             raise ValueError("checkpoint was written with another config; resume with the same one")
         model.load_state_dict(ckpt["model"])
@@ -418,6 +420,8 @@ def train(
             rate = (step + 1 - start) * tokens_per_step / (time.perf_counter() - t0)
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:,.0f}")
         if save_at is not None and step + 1 == save_at and rank == 0:
+            # tensors and plain types only (the config as a dict, the step as an int): what
+            # torch.load(weights_only=True) accepts
             torch.save(
                 {
                     "model": model.state_dict(),
@@ -470,7 +474,7 @@ def train_spawned_many(jobs: list[tuple[TrainConfig, dict]], world: int) -> list
     with tempfile.TemporaryDirectory() as tmp:
         init_file, out_file = os.path.join(tmp, "pg"), os.path.join(tmp, "result.pt")
         mp.spawn(_dp_worker, args=(world, jobs, init_file, out_file), nprocs=world, join=True)
-        return torch.load(out_file, weights_only=False)
+        return torch.load(out_file, weights_only=True)  # tensors, strings, numbers, lists, dicts
 
 
 def train_spawned(cfg: TrainConfig, world: int, **kwargs) -> dict:
