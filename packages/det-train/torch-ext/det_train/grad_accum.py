@@ -442,9 +442,12 @@ class CanonicalGradAccumulator:
         checks fail (an open leaf, a stale ``p.grad``) raises its error and every other rank a
         ValueError naming that rank: the checks travel with the first collective, so no rank waits
         in a collective another rank never joins.
-        Collectives: one ``all_gather_object`` (node keys) and one ``all_gather`` per
-        (parameter, use) of that parameter's nodes padded to the largest rank's node count;
-        peak extra memory per parameter is ``world_size * max_nodes * numel * 4`` bytes.
+        Collectives (``dp_reduce.py``, the fixed-order owner reduction): one ``all_gather_object``
+        (node keys and refusals), then per gradient bucket one ``all_to_all_single`` sending every
+        node's slice to the rank that owns it (under FSDP2: FSDP2's shard) and, for replicated
+        parameters, one ``all_gather_single`` of the finished gradient in ``p.dtype``. Per rank, bytes
+        and transient memory are O(numel) and do not grow with the world size (docs/det-train.md,
+        "Data parallel"); under FSDP2 no rank holds an unsharded gradient. One process: no collective.
         """
         if _ACTIVE:
             raise RuntimeError("reduce() inside a micro_batch context; call it after the last micro-batch")
@@ -456,7 +459,15 @@ class CanonicalGradAccumulator:
             local, refusal = self._local_partials(total_tokens), None
         except (ValueError, RuntimeError) as err:
             local, refusal = {}, err
-        partials = self._gather(group, local, refusal)
+        from . import dp_reduce
+
+        if dp_reduce.group_size(group) > 1:  # data parallel: every rank's nodes go to their owners
+            self._reduce_across_ranks(group, local, refusal, total_tokens)
+            self._partials, self._spans, self._carry, self._open_ends, self._max_end = {}, [], {}, set(), 0
+            return
+        if refusal is not None:
+            raise refusal
+        partials = local
         grads: dict[int, torch.Tensor] = {}
         for (index, _use), partial in sorted(partials.items()):
             name = self._names[index]
@@ -535,63 +546,56 @@ class CanonicalGradAccumulator:
                 raise ValueError(f"{self._names[index]} (use {use}): {err}") from None
         return local
 
-    def _gather(
-        self, group, partials: dict, refusal: Exception | None = None
-    ) -> dict[tuple[int, int], TreePartial]:
+    def _reduce_across_ranks(
+        self, group, partials: dict, refusal: Exception | None, total_tokens: int
+    ) -> None:
+        """Data parallel: set every ``p.grad`` by the fixed-order owner reduction (``dp_reduce``).
+
+        The checks of the one-process path run on the merged node keys of all ranks before any
+        data moves (the same on every rank, so every rank raises alike).
+        """
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()):
-            if group is not None:
-                raise RuntimeError("reduce(group=...) was given but torch.distributed is not initialized")
-            if refusal is not None:
-                raise refusal
-            return partials
-        world = dist.get_world_size(group)
-        if world == 1:
-            if refusal is not None:
-                raise refusal
-            return partials
-        local_keys = {slot: sorted(tp.nodes) for slot, tp in partials.items()}
-        shapes = {slot[0]: tuple(self._shapes[slot[0]]) for slot in partials}
-        meta = [None] * world
-        refused = None if refusal is None else f"{type(refusal).__name__}: {refusal}"
-        dist.all_gather_object(meta, (len(self._params), local_keys, shapes, refused), group=group)
-        if refusal is not None:
-            raise refusal
-        others = [(rank, m[3]) for rank, m in enumerate(meta) if m[3] is not None]
-        if others:  # every rank raises, none waits in a collective the refusing rank never joins
-            rank, message = others[0]
-            raise ValueError(f"data-parallel rank {rank} refused the reduce: {message}")
-        counts = {m[0] for m in meta}
-        if len(counts) != 1:
-            raise RuntimeError(f"ranks track different numbers of parameters: {[m[0] for m in meta]}")
-        slots = sorted(set().union(*(m[1] for m in meta)))
-        merged: dict[tuple[int, int], TreePartial] = {}
-        for slot in slots:
-            p = self._params[slot[0]]
-            shape = next(m[2][slot[0]] for m in meta if slot[0] in m[2])  # full shape (FSDP2: unsharded)
-            numel = 1
-            for size in shape:
-                numel *= size
-            per_rank = [m[1].get(slot, []) for m in meta]
-            width = max(len(k) for k in per_rank)
-            mine = partials.get(slot, TreePartial()).nodes
-            device = next(iter(mine.values())).device if mine else p.device
-            send = torch.zeros((width, numel), dtype=torch.float32, device=device)
-            for row, key in enumerate(local_keys.get(slot, [])):
-                send[row] = mine[key].reshape(-1)
-            recv = [torch.empty_like(send) for _ in range(world)]
-            dist.all_gather(recv, send, group=group)
-            tree = TreePartial()
-            for rank, keys in enumerate(per_rank):
-                part = TreePartial()
-                part.nodes = {key: recv[rank][row].view(shape) for row, key in enumerate(keys)}
-                try:
-                    tree.merge(part)
-                except ValueError as err:
-                    raise ValueError(f"{self._names[slot[0]]}: rank {rank}: {err}") from None
-            merged[slot] = tree
-        return merged
+        from . import dp_reduce
+
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        specs = []
+        for index, (name, p) in enumerate(zip(self._names, self._params, strict=True)):
+            fsdp_param = self._fsdp.get(index)
+            if fsdp_param is not None and refusal is None:
+                refusal = _fsdp_layout_error(name, fsdp_param, world, rank)
+            specs.append(
+                dp_reduce.GradSpec(name, tuple(p.shape), p.dtype, p.device, sharded=fsdp_param is not None)
+            )
+        keys = dp_reduce.exchange_node_keys(partials, specs, group, refusal)
+        total_leaves = num_leaves(total_tokens, self.leaf_tokens)
+        trees = dp_reduce.merge_node_keys(keys, self._names)
+        for (index, use), tree in trees.items():
+            name = self._names[index]
+            if any((i << level) >= total_leaves for level, i in tree.nodes):  # first leaf of a node
+                raise ValueError(
+                    f"{name}: deposits reach past leaf {total_leaves - 1} "
+                    f"(total_tokens={total_tokens}, leaf_tokens={self.leaf_tokens})"
+                )
+            try:
+                tree.result(total_leaves)
+            except ValueError as err:
+                raise ValueError(
+                    f"{name} (use {use}): {_uncovered_tokens(tree, total_tokens, self.leaf_tokens)} "
+                    f"of total_tokens={total_tokens} received no micro-batch on any rank: check "
+                    f"total_tokens, that every micro-batch ran its backward and used this parameter ({err})"
+                ) from None
+        missing = [self._names[i] for i in range(len(self._params)) if all(slot[0] != i for slot in trees)]
+        if missing:
+            raise RuntimeError(
+                f"no canonical-order gradient was deposited for {missing}: their gradients come from "
+                "ops that are not canonical-order aware (use det_train ops), or they were not used; "
+                "leave unused parameters out of the accumulator"
+            )
+        grads = dp_reduce.owner_reduce(specs, partials, keys, total_leaves, group)
+        for index, grad in grads.items():
+            p = self._params[index]
+            p.grad = _fsdp_shard(self._fsdp[index], grad) if index in self._fsdp else grad
 
 
 class _OpenLeaf:
@@ -647,15 +651,32 @@ def _copy(tree: TreePartial) -> TreePartial:
     return out
 
 
-def _fsdp_shard(fsdp_param, full: torch.Tensor):
-    """This rank's shard of a full gradient, as FSDP2 lays it out (torch.chunk along the shard dim)."""
-    info = fsdp_param.mesh_info
-    dim = fsdp_param.fsdp_placement.dim
-    chunks = list(torch.chunk(full, info.shard_mesh_size, dim=dim))
-    local = chunks[info.shard_mesh_rank] if info.shard_mesh_rank < len(chunks) else full.new_empty(0)
-    if local.numel() == 0:
-        local = full.new_empty(fsdp_param.sharded_size)
-    return fsdp_param.to_sharded_dtensor(local.contiguous())
+def _fsdp_layout_error(name: str, fsdp_param, world: int, rank: int) -> Exception | None:
+    """Why the owner reduction cannot write this FSDP2 parameter's shard, or None: it owns the dim-0
+    ``torch.chunk`` of rank ``rank`` of the reduce group, which must be FSDP2's shard."""
+    info, dim = fsdp_param.mesh_info, fsdp_param.fsdp_placement.dim
+    if dim != 0:
+        return ValueError(f"{name}: FSDP2 shards it along dim {dim}; the reduction supports Shard(0) only")
+    if (info.shard_mesh_size, info.shard_mesh_rank) != (world, rank):
+        return ValueError(
+            f"{name}: FSDP2 shards it over {info.shard_mesh_size} ranks (this one: {info.shard_mesh_rank}) "
+            f"but reduce's group has {world} (this one: {rank}): pass the FSDP2 shard group as group "
+            "(HSDP / 2-D meshes are not supported)"
+        )
+    return None
+
+
+def _fsdp_shard(fsdp_param, grad: torch.Tensor):
+    """``grad`` as FSDP2's sharded gradient (a DTensor): ``grad`` is this rank's shard (the owner
+    reduction's result) or, in one process, the full gradient, cut by FSDP2's layout (torch.chunk
+    along the shard dim)."""
+    if tuple(grad.shape) != tuple(fsdp_param.sharded_size):
+        info = fsdp_param.mesh_info
+        chunks = list(torch.chunk(grad, info.shard_mesh_size, dim=fsdp_param.fsdp_placement.dim))
+        grad = chunks[info.shard_mesh_rank] if info.shard_mesh_rank < len(chunks) else grad.new_empty(0)
+        if grad.numel() == 0:
+            grad = grad.new_empty(fsdp_param.sharded_size)
+    return fsdp_param.to_sharded_dtensor(grad.contiguous())
 
 
 def _uncovered_tokens(partial: TreePartial, total_tokens: int, leaf_tokens: int) -> str:
