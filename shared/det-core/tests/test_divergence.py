@@ -303,3 +303,17 @@ def test_on_cuda_the_same_module_and_no_divergence_for_the_clean_model():
     assert report.first_output.count is not None and report.first_output.inputs_agree is True
     assert not find_divergence(on_cuda(models.make_clean), step, 1, 3).diverged
     assert not find_divergence(on_cuda(models.make_clean), step, 3).diverged
+
+
+def test_the_docs_example_runs_and_names_the_mixing_module(capsys):
+    page = (HERE.parents[2] / "docs" / "det-core.md").read_text()
+    section = page.split("## Finding where a step diverges", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace = {"__name__": "__docs_example__"}
+    exec(compile(code, "<det-core.md example>", "exec"), namespace)
+    report = namespace["report"]
+    assert report.first_output.name == "mix" and report.first_output.inputs_agree is True
+    assert report.outputs_before_first == 2 and report.first_gradient.name == "fc1.weight"
+    printed = capsys.readouterr().out
+    assert printed.startswith("find_divergence: split_a=1 (1 micro-batch) vs split_b=3 (3 micro-batches)\n")
+    assert "\n  mix: float32 (6, 8): " in printed and "also differ (outputs, 2): fc2, <root>" in printed

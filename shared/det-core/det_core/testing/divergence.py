@@ -516,8 +516,8 @@ def find_divergence(
             ``keep_tensors`` is a string.
         ValueError: ``batch_dim`` negative; ``make_model`` returned different initial weights in the
             two runs (it must seed); ``step`` never called ``model``.
-        Exceptions raised by ``make_model``, ``step`` and ``gradients`` pass through (the hooks
-        are removed first).
+        Exception: whatever ``make_model``, ``step`` or ``gradients`` raise, unchanged (the hooks
+            are removed first).
 
     **Determinism:** the tool only reads: hooks detach and copy, never modify a tensor, and use no
     RNG, so a step behaves as without the tool, with one exception: copying every output to the
