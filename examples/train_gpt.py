@@ -588,14 +588,17 @@ def main(argv=None) -> int:
             cfg, micro_batch_seqs=finer
         ),
     }
-    ok = True
+    digests = {"first run": result["digest"]}
+    for name, run_cfg in runs.items():  # each run shows its own progress bar
+        other = (
+            train_spawned(run_cfg, args.dp, progress=True) if args.dp > 1 else train(run_cfg, progress=True)
+        )
+        digests[name] = other["digest"]
+    ok = len(set(digests.values())) == 1
     print(f"{'run':<40} digest")
-    print(f"{'first run':<40} {result['digest']}")
-    for name, run_cfg in runs.items():
-        other = train_spawned(run_cfg, args.dp) if args.dp > 1 else train(run_cfg)
-        same = other["digest"] == result["digest"]
-        ok &= same
-        print(f"{name:<40} {other['digest']}  {'MATCH' if same else 'DIFFERENT'}")
+    for name, value in digests.items():
+        mark = "" if name == "first run" else ("  MATCH" if value == result["digest"] else "  DIFFERENT")
+        print(f"{name:<40} {value}{mark}")
     if cfg.kernels != "det":
         print("(--reference uses non-deterministic torch parts: differences are expected)")
     print("verify:", "all digests match" if ok else "DIGESTS DIFFER")

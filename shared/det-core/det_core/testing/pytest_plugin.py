@@ -1,4 +1,4 @@
-"""pytest plugin: ``gpu`` and ``slow`` markers, and the CPU interpreter switch.
+"""pytest plugin: ``gpu``, ``slow`` and ``long`` markers, and the CPU interpreter switch.
 
 Load with ``-p det_core.testing.pytest_plugin`` (the root pyproject does). Without a CUDA GPU
 it sets ``TRITON_INTERPRET=1`` (before any test module imports triton) and skips ``gpu`` tests
@@ -25,6 +25,9 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one")
     config.addinivalue_line("markers", "slow: long test; run with --run-slow or DET_RUN_SLOW=1")
+    config.addinivalue_line(
+        "markers", "long: a test of minutes that always runs; scheduled first so it overlaps the rest"
+    )
     if not _cuda_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -34,6 +37,9 @@ def pytest_collection_modifyitems(config, items):
     run_slow = config.getoption("--run-slow") or os.environ.get("DET_RUN_SLOW") == "1"
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run `nox -s tests_gpu` on a GPU machine)")
     skip_slow = pytest.mark.skip(reason="slow: pass --run-slow")
+    # long tests first: pytest-xdist hands out tests in this order, so a worker starts on a long
+    # one while the others share the rest, instead of one worker finishing it alone at the end
+    items.sort(key=lambda item: "long" not in item.keywords)
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip_gpu)
