@@ -280,3 +280,41 @@ def test_cast_weight_under_the_accumulator_gets_an_autograd_gradient_and_reduce_
     assert_bitwise_equal(w.grad, w2.grad.float(), "autograd gradient through the cast")
     with pytest.raises(RuntimeError, match=r"norm.weight: p.grad already holds .* cast or view"):
         acc.reduce(total_tokens=40)
+
+
+def test_offset_is_gemmas_fp32_one_plus_weight():
+    """offset=1.0 scales by ``1.0 + weight.float()`` in fp32 (Gemma's form): the bits of offset 0 with
+    that fp32 scale as the weight (y and dX), the weight gradient unchanged (``dy * x_hat``), and
+    within bf16 rounding of the fp64 reference."""
+    x, dy = _rows(33, 40, torch.bfloat16, 4).unbind(1)
+    w = (0.1 * torch.randn(40, generator=torch.Generator().manual_seed(2))).bfloat16()
+
+    def run(weight, offset):
+        xr, wr = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        y = det_train.rms_norm(xr, wr, 1e-6, offset=offset)
+        y.backward(dy)
+        return y.detach(), xr.grad, wr.grad
+
+    y, dx, dw = run(w, 1.0)
+    _, _, dw_plain = run(w, 0.0)
+    assert_bitwise_equal(dw, dw_plain, "dweight does not depend on the offset")
+    x, dy = x.float(), dy.float()  # fp32 outputs on both sides: no output rounding in the comparison
+    y32, dx32, _ = run(w.float(), 1.0)
+    y0, dx0, _ = run(1.0 + w.float(), 0.0)
+    assert_bitwise_equal(y32, y0, "y: offset 1 vs fp32 (1 + w) as the weight")
+    assert_bitwise_equal(dx32, dx0, "dx: offset 1 vs fp32 (1 + w) as the weight")
+    x, dy = x.bfloat16(), dy.bfloat16()
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    ref = rms_norm_reference(xd, wd, eps=1e-6, offset=1.0)
+    ref.backward(dy.double())
+    for name, got, exp in (("y", y, ref.detach()), ("dx", dx, xd.grad), ("dw", dw, wd.grad)):
+        err = (got.double() - exp).abs().max() / exp.abs().max()
+        assert err <= TOL[torch.bfloat16], f"{name}: relative error {err:.3g}"
+    norm = det_train.RMSNorm(40, eps=1e-6, offset=1.0)
+    assert torch.equal(norm.weight, torch.zeros(40)) and "offset=1.0" in repr(norm)  # a scale of one
+    with pytest.raises(ValueError, match="offset must be finite"):
+        det_train.rms_norm(x, w, offset=float("inf"))
+    with pytest.raises(ValueError, match="there is none"):
+        det_train.rms_norm(x, None, offset=1.0)
+    with pytest.raises(TypeError, match="offset must be a real number"):
+        det_train.RMSNorm(40, offset="1")

@@ -22,6 +22,8 @@ _EXPORTS = {
     "deterministic_mode": "routing",
     "rms_norm": "rms_norm",
     "RMSNorm": "rms_norm",
+    "layer_norm": "layer_norm",
+    "LayerNorm": "layer_norm",
     "embedding": "embedding",
     "Embedding": "embedding",
     "cross_entropy": "cross_entropy",

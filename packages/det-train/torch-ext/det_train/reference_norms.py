@@ -12,16 +12,29 @@ from det_core.reduce import TreePartial, num_leaves
 __all__ = [
     "cross_entropy_reference",
     "embedding_weight_grad_reference",
+    "layer_norm_reference",
     "rms_norm_reference",
 ]
 
 
-def rms_norm_reference(x, weight=None, eps=None, compute_dtype=torch.float64):
-    """``x * rsqrt(mean(x**2, -1) + eps) * weight`` in ``compute_dtype`` (last dim normalised)."""
+def rms_norm_reference(x, weight=None, eps=None, compute_dtype=torch.float64, offset=0.0):
+    """``x * rsqrt(mean(x**2, -1) + eps) * (offset + weight)`` in ``compute_dtype`` (last dim
+    normalised; ``offset=1.0`` is Gemma's ``1 + weight``)."""
     eps = torch.finfo(x.dtype).eps if eps is None else eps
     xc = x.to(compute_dtype)
     y = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
-    return y * weight.to(compute_dtype) if weight is not None else y
+    return y * (offset + weight.to(compute_dtype)) if weight is not None else y
+
+
+def layer_norm_reference(x, weight=None, bias=None, eps=1e-5, compute_dtype=torch.float64):
+    """``(x - mean) * rsqrt(var + eps) * weight + bias`` over the last dim in ``compute_dtype``
+    (the biased variance, as ``torch.nn.LayerNorm``)."""
+    xc = x.to(compute_dtype)
+    centred = xc - xc.mean(-1, keepdim=True)
+    y = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.to(compute_dtype)
+    return y + bias.to(compute_dtype) if bias is not None else y
 
 
 def cross_entropy_reference(

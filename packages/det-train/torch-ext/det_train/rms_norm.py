@@ -53,6 +53,7 @@ def _rms_norm_fwd_kernel(
     stride_y,
     eps,
     HAS_WEIGHT: tl.constexpr,
+    OFFSET: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -63,7 +64,10 @@ def _rms_norm_fwd_kernel(
     rstd = 1.0 / tl.sqrt(mean_sq + eps)
     y = x * rstd
     if HAS_WEIGHT:
-        y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if OFFSET != 0.0:  # the (offset + weight) scale, e.g. Gemma's fp32 (1 + w)
+            w = w + OFFSET
+        y = y * w
     tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(rstd_ptr + row, rstd)
 
@@ -82,6 +86,7 @@ def _rms_norm_bwd_kernel(
     stride_x,
     stride_dx,
     HAS_WEIGHT: tl.constexpr,
+    OFFSET: tl.constexpr,
     ROWS_PER_CHUNK: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -90,6 +95,8 @@ def _rms_norm_bwd_kernel(
     mask = cols < D
     if HAS_WEIGHT:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if OFFSET != 0.0:
+            w = w + OFFSET
     dw_acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for r in range(0, ROWS_PER_CHUNK):
         # rows past M (short last chunk): dy = 0 adds exact zeros to dw_acc and dx is not stored
@@ -125,6 +132,18 @@ def _check_eps(eps, op: str) -> float | None:
     return value
 
 
+def _check_offset(offset, weight, op: str) -> float:
+    """``offset`` as a finite float (it is a compile-time constant of the kernels), 0.0 without weight."""
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Real):
+        raise TypeError(f"{op}: offset must be a real number, got {type(offset).__name__}")
+    value = float(offset)
+    if not math.isfinite(value):
+        raise ValueError(f"{op}: offset must be finite, got {offset!r}")
+    if value != 0.0 and weight is None:
+        raise ValueError(f"{op}: offset={value} scales a weight, but there is none (pass a weight)")
+    return value + 0.0  # -0.0 -> 0.0: one kernel for both
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor | None, d: int) -> None:
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"rms_norm: x must be a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
@@ -149,7 +168,7 @@ _BOUND = runtime.PlanCache()
 
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps, d):
+    def forward(ctx, x, weight, eps, d, offset):
         x2 = x.reshape(-1, d)
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
@@ -162,18 +181,19 @@ class _RMSNormFunction(torch.autograd.Function):
         y = torch.empty(x.shape, dtype=out_dtype, device=x.device)  # not a view: FSDP2 hooks want a base
         rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
         if m > 0:
-            key = ("fwd", d, x2.stride(0), eps.hex(), weight is not None)
+            key = ("fwd", d, x2.stride(0), eps.hex(), weight is not None, offset)
             bound = _BOUND.get(key)
             if bound is None:
                 block_d = runtime.next_power_of_2(d)
                 bound = _BOUND.put(key, runtime.BoundLaunch(
                     _rms_norm_fwd_kernel, 4,
                     (d, x2.stride(0), d, eps),  # y is contiguous: row stride D
-                    HAS_WEIGHT=weight is not None, BLOCK_D=block_d, num_warps=_num_warps(block_d),
+                    HAS_WEIGHT=weight is not None, OFFSET=offset, BLOCK_D=block_d,
+                    num_warps=_num_warps(block_d),
                 ))  # fmt: skip
             bound((m,), x2, weight if weight is not None else x2, y, rstd)
         ctx.save_for_backward(x2, weight, rstd)
-        ctx.d, ctx.x_shape = d, x.shape
+        ctx.d, ctx.x_shape, ctx.offset = d, x.shape, offset
         return y
 
     @staticmethod
@@ -188,25 +208,26 @@ class _RMSNormFunction(torch.autograd.Function):
         has_w = weight is not None
         if m == 0:
             dw = torch.zeros_like(weight) if has_w and ctx.needs_input_grad[1] else None
-            return torch.empty(ctx.x_shape, dtype=x2.dtype, device=x2.device), dw, None, None
+            return torch.empty(ctx.x_shape, dtype=x2.dtype, device=x2.device), dw, None, None, None
         acc, leaf, sub, rows = leaf_layout(MAX_ROWS_PER_CHUNK) if has_w else (None, 1, 1, MAX_ROWS_PER_CHUNK)
-        dx, partial = _backward(dy2, x2, weight, rstd, rows)
+        dx, partial = _backward(dy2, x2, weight, rstd, rows, ctx.offset)
         dx = dx.view(ctx.x_shape)
         if not (has_w and ctx.needs_input_grad[1]):
-            return dx, None, None, None
+            return dx, None, None, None, None
         if acc is None or not weight.is_leaf:  # a cast / view of a parameter: an autograd gradient
-            return dx, finish_param_grad(None, weight, 0, fold_chunks(partial, sub // rows)), None, None
+            dw = finish_param_grad(None, weight, 0, fold_chunks(partial, sub // rows))
+            return dx, dw, None, None, None
         if acc.token_offset % leaf == 0 and m % leaf == 0:  # whole leaves: this pass's chunk sums
             first_leaf, _ = acc.leaf_span(m)
             finish_param_grad(acc, weight, first_leaf, fold_chunks(partial, sub // rows), leaf // sub)
-            return dx, None, None, None
+            return dx, None, None, None, None
         # rows of a leaf split between micro-batches: the accumulator sums each leaf from all its rows
-        leaves = functools.partial(_dweight_leaves, weight, leaf, sub, rows)
+        leaves = functools.partial(_dweight_leaves, weight, leaf, sub, rows, ctx.offset)
         acc.deposit_rows(weight, (dy2, x2, rstd), leaves)
-        return dx, None, None, None
+        return dx, None, None, None, None
 
 
-def _backward(dy2, x2, weight, rstd, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _backward(dy2, x2, weight, rstd, rows: int, offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """dX ``(M, D)`` and the fp32 chunk sums ``(ceil(M / rows), D)`` of ``dy * x_hat`` (``(1,)``
     without weight) of rows ``dy2``, ``x2`` (M, D) with their saved ``rstd``."""
     m, d = x2.shape
@@ -214,24 +235,25 @@ def _backward(dy2, x2, weight, rstd, rows: int) -> tuple[torch.Tensor, torch.Ten
     dx = torch.empty((m, d), dtype=x2.dtype, device=x2.device)
     n_chunks = runtime.cdiv(m, rows)
     partial = torch.empty((n_chunks, d) if has_w else (1,), dtype=torch.float32, device=x2.device)
-    key = ("bwd", m, d, dy2.stride(0), x2.stride(0), has_w, rows)
+    key = ("bwd", m, d, dy2.stride(0), x2.stride(0), has_w, rows, offset)
     bound = _BOUND.get(key)
     if bound is None:
         block_d = runtime.next_power_of_2(d)
         bound = _BOUND.put(key, runtime.BoundLaunch(
             _rms_norm_bwd_kernel, 6,
             (m, d, dy2.stride(0), x2.stride(0), d),  # dx is contiguous: row stride D
-            HAS_WEIGHT=has_w, ROWS_PER_CHUNK=rows, BLOCK_D=block_d, num_warps=_num_warps(block_d),
+            HAS_WEIGHT=has_w, OFFSET=offset, ROWS_PER_CHUNK=rows, BLOCK_D=block_d,
+            num_warps=_num_warps(block_d),
         ))  # fmt: skip
     bound((n_chunks,), dy2, x2, weight if has_w else x2, rstd, dx, partial)
     return dx, partial
 
 
-def _dweight_leaves(weight, leaf: int, sub: int, rows: int, first_leaf: int, leaf_rows: tuple):
+def _dweight_leaves(weight, leaf: int, sub: int, rows: int, offset: float, first_leaf: int, leaf_rows: tuple):
     """The accumulator's leaf-sum function of the RMSNorm weight: rows ``(dy, x, rstd)`` of whole
     leaves, through the backward kernel (its dX is discarded), so the bits of an aligned call."""
     dy2, x2, rstd = leaf_rows
-    _, partial = _backward(dy2, x2, weight, rstd, rows)
+    _, partial = _backward(dy2, x2, weight, rstd, rows, offset)
     return leaf_subtrees(fold_chunks(partial, sub // rows), first_leaf, weight.shape, leaf // sub)
 
 
@@ -240,8 +262,11 @@ def rms_norm(
     weight: torch.Tensor | None = None,
     eps: float | None = None,
     normalized_shape: tuple[int, ...] | None = None,
+    *,
+    offset: float = 0.0,
 ) -> torch.Tensor:
-    """Root-mean-square normalisation over the trailing ``normalized_shape`` dims, times ``weight``.
+    """Root-mean-square normalisation over the trailing ``normalized_shape`` dims, times
+    ``offset + weight``.
 
     Args:
         x: ``(..., *normalized_shape)`` float32 / bfloat16 / float16, on CUDA (or CPU under
@@ -250,6 +275,10 @@ def rms_norm(
         eps: added to the mean square, finite and ``>= 0``; None means ``torch.finfo(x.dtype).eps``
             (as torch.nn.RMSNorm).
         normalized_shape: trailing dims normalised together; default ``weight.shape`` or ``x.shape[-1:]``.
+        offset: added to the weight in fp32 before it scales the row: ``y = x_hat * (offset + w)``
+            (``w`` widened to fp32 first, then one fp32 add: Gemma's ``1.0 + weight.float()``, whose
+            weight is stored zero-centred); 0.0 (default) is the plain ``x_hat * w``. Finite;
+            needs a ``weight``. The weight gradient is the same either way (``dy * x_hat``).
 
     Returns:
         ``y`` of ``x``'s shape, dtype ``promote_types(x.dtype, weight.dtype)`` (``x.dtype`` without
@@ -269,7 +298,8 @@ def rms_norm(
         TypeError: ``x`` or ``weight`` not a tensor; non-float or unsupported dtypes.
         ValueError: weight shape or size mismatch (a weight whose shape is not ``x``'s trailing
             dims), trailing shape mismatch, normalized size 0 (must be >= 1) or over 65536,
-            ``eps`` negative, NaN or infinite; tensors on different devices.
+            ``eps`` negative, NaN or infinite; ``offset`` not finite, or non-zero without a
+            weight; tensors on different devices.
         RuntimeError: CPU tensors without the Triton interpreter, or another unsupported device.
     """
     for name, t in (("x", x), ("weight", weight)):
@@ -306,30 +336,36 @@ def rms_norm(
         eps = torch.finfo(x.dtype).eps
     if weight is not None and not weight.is_contiguous():
         raise ValueError("rms_norm: weight must be contiguous (it is read as a flat vector of D elements)")
-    return _RMSNormFunction.apply(x, weight, float(eps), d)
+    offset = _check_offset(offset, weight, "rms_norm")
+    return _RMSNormFunction.apply(x, weight, float(eps), d, offset)
 
 
 class RMSNorm(torch.nn.RMSNorm):
     """Drop-in for ``torch.nn.RMSNorm`` running ``det_train.rms_norm`` (same arguments, init and
-    state_dict): ``y = x / sqrt(mean(x**2) + eps) * weight`` over the trailing ``normalized_shape``.
+    state_dict): ``y = x / sqrt(mean(x**2) + eps) * (offset + weight)`` over the trailing
+    ``normalized_shape`` (``offset`` 0 by default: torch's ``x_hat * weight``).
 
     Args:
         normalized_shape: int or tuple, the trailing dims normalized together; their product ``D``
             is at most 65536.
         eps: finite and ``>= 0``; None (default) means ``torch.finfo(x.dtype).eps`` at each call.
-        elementwise_affine: learn a ``weight`` of shape ``normalized_shape`` (initialised to ones).
+        elementwise_affine: learn a ``weight`` of shape ``normalized_shape``, initialised to
+            ``1 - offset`` (ones by default; zeros for Gemma's ``offset=1.0``: a scale of 1).
         device, dtype: of ``weight``: float32, bfloat16 or float16, on CUDA (or CPU under
             ``TRITON_INTERPRET=1``).
+        offset: keyword-only, added to the weight in fp32 (``rms_norm``'s ``offset``; Gemma-style
+            norms store ``weight`` zero-centred and scale by ``1 + weight``). Not in the state_dict.
 
     Forward: ``x`` of shape ``(..., *normalized_shape)`` (float32 / bfloat16 / float16) gives ``y``
     of ``x``'s shape in ``promote_types(x.dtype, weight.dtype)``; fp32 math.
 
     Raises:
-        TypeError: at construction, a weight ``dtype`` other than float32, bfloat16, float16.
-        ValueError: at construction, ``eps`` negative, NaN or infinite. At forward, as
-            ``rms_norm``: TypeError for unsupported dtypes; ValueError for a trailing shape other
-            than ``normalized_shape`` or ``D`` over 65536; RuntimeError / ValueError for device
-            problems.
+        TypeError: at construction, a weight ``dtype`` other than float32, bfloat16, float16, or
+            an ``offset`` that is not a real number.
+        ValueError: at construction, ``eps`` negative, NaN or infinite, ``offset`` not finite or
+            non-zero without a weight. At forward, as ``rms_norm``: TypeError for unsupported
+            dtypes; ValueError for a trailing shape other than ``normalized_shape`` or ``D`` over
+            65536; RuntimeError / ValueError for device problems.
 
     **Determinism:** bitwise run to run; each row's output and input gradient do not depend on
     the number of rows, its position or the other rows. The weight gradient is a sum over tokens in
@@ -337,7 +373,9 @@ class RMSNorm(torch.nn.RMSNorm):
     ``CanonicalGradAccumulator``. Not guaranteed across GPU models, Triton versions or the CPU
     interpreter; details in ``rms_norm``.
 
-    Method: Zhang & Sennrich, "Root Mean Square Layer Normalization" (NeurIPS 2019).
+    Method: Zhang & Sennrich, "Root Mean Square Layer Normalization" (NeurIPS 2019); the
+    ``1 + weight`` form is Gemma's (Gemma Team, "Gemma: Open Models Based on Gemini Research and
+    Technology", 2024; transformers ``GemmaRMSNorm``).
     """
 
     def __init__(
@@ -347,6 +385,8 @@ class RMSNorm(torch.nn.RMSNorm):
         elementwise_affine: bool = True,
         device=None,
         dtype=None,
+        *,
+        offset: float = 0.0,
     ) -> None:
         eps = _check_eps(eps, "det_train.RMSNorm")
         if (
@@ -357,7 +397,20 @@ class RMSNorm(torch.nn.RMSNorm):
             raise TypeError(
                 f"det_train.RMSNorm: weight dtype {dtype} is not supported (float32, bfloat16, float16)"
             )
+        offset = _check_offset(offset, True if elementwise_affine else None, "det_train.RMSNorm")
         super().__init__(normalized_shape, eps, elementwise_affine, device=device, dtype=dtype)
+        self.offset = offset
+        if offset != 0.0:
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Weight to ``1 - offset`` (a scale of one), as ``torch.nn.RMSNorm`` sets ones."""
+        if self.weight is not None:
+            with torch.no_grad():
+                self.weight.fill_(1.0 - getattr(self, "offset", 0.0))
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (f", offset={self.offset}" if self.offset else "")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, tuple(self.normalized_shape))
+        return rms_norm(x, self.weight, self.eps, tuple(self.normalized_shape), offset=self.offset)

@@ -1,0 +1,381 @@
+"""Deterministic, row-invariant LayerNorm forward and backward (Triton).
+
+``y = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias`` over the trailing ``normalized_shape``
+(Ba, Kiros & Hinton, "Layer Normalization", 2016; the biased variance, as ``torch.nn.LayerNorm``).
+Same structure as ``rms_norm.py`` (kernel layout after Liger-Kernel ``ops/layer_norm.py``).
+
+Reduction orders (fixed; the table in docs/det-train.md names what changes bits):
+- forward and dX: one program per row, fp32 math over the whole row in one block of
+  ``next_pow2(D)`` elements (``tl.sum`` for the mean, then for the variance of ``x - mean``), so a
+  row's bits depend on the row and D alone;
+- dweight = sum over tokens of ``dy * x_hat`` in the canonical order, exactly as RMSNorm's weight:
+  each backward program folds ``rows_per_chunk`` consecutive tokens sequentially in fp32, the
+  chunks of a sub-leaf are folded in chunk order (``_leaf_sums.fold_chunks``) and the sub-leaves
+  combined by the canonical tree (``_leaf_sums.tree_in_place``), or deposited into the active
+  ``CanonicalGradAccumulator``;
+- dbias = sum over tokens of ``dy``: ``weight_grad.bias_grad_partial``, the canonical order of a
+  Linear's bias gradient (same bits as a Linear bias given the same ``dy``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+
+import torch
+import triton
+import triton.language as tl
+from det_core import runtime
+from det_core.reduce import TreePartial, num_leaves
+from det_core.runtime import check_kernel_device
+
+from ._leaf_sums import cast_out, finish_param_grad, fold_chunks, leaf_layout, leaf_subtrees
+from .grad_accum import DEFAULT_LEAF_TOKENS
+from .weight_grad import bias_grad_partial
+
+__all__ = ["LayerNorm", "layer_norm"]
+
+# Fixed config table (never timed), keyed by D only. BLOCK_D and num_warps change bits (tl.sum's
+# tree over a row); MAX_ROWS_PER_CHUNK fixes the fold step of dweight inside a sub-leaf.
+MAX_D = 65536
+MAX_ROWS_PER_CHUNK = 16
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _num_warps(block_d: int) -> int:
+    """Warps per row program, a function of BLOCK_D only (changes bits of tl.sum)."""
+    return 1 if block_d <= 256 else 4 if block_d <= 2048 else 8 if block_d <= 8192 else 16
+
+
+@triton.jit
+def _layer_norm_fwd_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    mean_ptr,
+    rstd_ptr,
+    D,
+    stride_x,
+    stride_y,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=0) / D
+    xc = tl.where(mask, x - mean, 0.0)
+    var = tl.sum(xc * xc, axis=0) / D
+    rstd = 1.0 / tl.sqrt(var + eps)
+    y = xc * rstd
+    if HAS_WEIGHT:
+        y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + cols, cast_out(y, y_ptr), mask=mask)
+    tl.store(mean_ptr + row, mean)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _layer_norm_bwd_kernel(
+    dy_ptr,
+    x_ptr,
+    w_ptr,
+    mean_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dw_partial_ptr,
+    M,
+    D,
+    stride_dy,
+    stride_x,
+    stride_dx,
+    HAS_WEIGHT: tl.constexpr,
+    ROWS_PER_CHUNK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for r in range(0, ROWS_PER_CHUNK):
+        # rows past M (short last chunk): dy = 0 adds exact zeros to dw_acc and dx is not stored
+        row = tl.minimum(chunk.to(tl.int64) * ROWS_PER_CHUNK + r, M - 1)
+        lmask = mask & ((chunk.to(tl.int64) * ROWS_PER_CHUNK + r + cols * 0) < M)
+        dy = tl.load(dy_ptr + row * stride_dy + cols, mask=lmask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + row)
+        rstd = tl.load(rstd_ptr + row)
+        x_hat = tl.where(mask, (x - mean) * rstd, 0.0)
+        if HAS_WEIGHT:
+            wdy = dy * w
+            dw_acc += dy * x_hat
+        else:
+            wdy = dy
+        c1 = tl.sum(x_hat * wdy, axis=0) / D
+        c2 = tl.sum(wdy, axis=0) / D
+        dx = (wdy - (x_hat * c1 + c2)) * rstd
+        tl.store(dx_ptr + row * stride_dx + cols, cast_out(dx, dx_ptr), mask=lmask)
+    if HAS_WEIGHT:
+        tl.store(dw_partial_ptr + chunk.to(tl.int64) * D + cols, dw_acc, mask=mask)
+
+
+# Launches with their sizes, strides and constexprs bound (runtime.BoundLaunch), by what they are
+# computed from: a call keys only its tensors (host time per launch).
+_BOUND = runtime.PlanCache()
+
+
+class _LayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, d):
+        x2 = x.reshape(-1, d)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        m = x2.shape[0]
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # not a view: FSDP2 hooks want a base
+        mean = torch.empty((m,), dtype=torch.float32, device=x.device)
+        rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
+        if m > 0:
+            key = ("fwd", d, x2.stride(0), eps.hex(), weight is not None, bias is not None)
+            bound = _BOUND.get(key)
+            if bound is None:
+                block_d = runtime.next_power_of_2(d)
+                bound = _BOUND.put(key, runtime.BoundLaunch(
+                    _layer_norm_fwd_kernel, 6,
+                    (d, x2.stride(0), d, eps),  # y is contiguous: row stride D
+                    HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_D=block_d,
+                    num_warps=_num_warps(block_d),
+                ))  # fmt: skip
+            w_arg = weight if weight is not None else x2
+            b_arg = bias if bias is not None else x2
+            bound((m,), x2, w_arg, b_arg, y, mean, rstd)
+        ctx.save_for_backward(x2, weight, mean, rstd)
+        ctx.d, ctx.x_shape, ctx.bias = d, x.shape, bias
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        runtime.check_first_order("det_train.layer_norm")
+        x2, weight, mean, rstd = ctx.saved_tensors
+        bias, d = ctx.bias, ctx.d
+        dy2 = dy.reshape(-1, d)
+        if dy2.stride(-1) != 1:
+            dy2 = dy2.contiguous()
+        m = x2.shape[0]
+        want_w = weight is not None and ctx.needs_input_grad[1]
+        want_b = bias is not None and ctx.needs_input_grad[2]
+        if m == 0:
+            dw = torch.zeros_like(weight) if want_w else None
+            db = torch.zeros_like(bias) if want_b else None
+            return torch.empty(ctx.x_shape, dtype=x2.dtype, device=x2.device), dw, db, None, None
+        acc, leaf, sub, rows = leaf_layout(MAX_ROWS_PER_CHUNK)
+        dx, partial = _backward(dy2, x2, weight, mean, rstd, rows)
+        dw = _weight_grad(acc, weight, partial, dy2, x2, mean, rstd, leaf, sub, rows) if want_w else None
+        db = _bias_grad(acc, bias, dy2, leaf) if want_b else None
+        return dx.view(ctx.x_shape), dw, db, None, None
+
+
+def _weight_grad(acc, weight, partial, dy2, x2, mean, rstd, leaf, sub, rows):
+    """dweight for autograd (None when deposited into ``acc``), as RMSNorm's weight."""
+    if acc is None or not weight.is_leaf:  # a cast / view of a parameter: an autograd gradient
+        return finish_param_grad(None, weight, 0, fold_chunks(partial, sub // rows))
+    m = x2.shape[0]
+    if acc.token_offset % leaf == 0 and m % leaf == 0:  # whole leaves: this pass's chunk sums
+        first_leaf, _ = acc.leaf_span(m)
+        finish_param_grad(acc, weight, first_leaf, fold_chunks(partial, sub // rows), leaf // sub)
+        return None
+    # rows of a leaf split between micro-batches: the accumulator sums each leaf from all its rows
+    leaves = functools.partial(_dweight_leaves, weight, leaf, sub, rows)
+    acc.deposit_rows(weight, (dy2, x2, mean, rstd), leaves)
+    return None
+
+
+def _bias_grad(acc, bias, dy2, leaf: int):
+    """dbias = the canonical sum of ``dy`` over tokens (a Linear bias's order); None when deposited."""
+    if acc is not None and bias.is_leaf:
+        acc.deposit_rows(bias, (dy2,), functools.partial(_bias_leaves, leaf))
+        return None
+    leaf = leaf if acc is not None else DEFAULT_LEAF_TOKENS
+    return bias_grad_partial(dy2, leaf_tokens=leaf).result(num_leaves(dy2.shape[0], leaf)).to(bias.dtype)
+
+
+def _backward(dy2, x2, weight, mean, rstd, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """dX ``(M, D)`` and the fp32 chunk sums ``(ceil(M / rows), D)`` of ``dy * x_hat`` (``(1,)``
+    without weight) of rows ``dy2``, ``x2`` (M, D) with their saved ``mean`` and ``rstd``."""
+    m, d = x2.shape
+    has_w = weight is not None
+    dx = torch.empty((m, d), dtype=x2.dtype, device=x2.device)
+    n_chunks = runtime.cdiv(m, rows)
+    partial = torch.empty((n_chunks, d) if has_w else (1,), dtype=torch.float32, device=x2.device)
+    key = ("bwd", m, d, dy2.stride(0), x2.stride(0), has_w, rows)
+    bound = _BOUND.get(key)
+    if bound is None:
+        block_d = runtime.next_power_of_2(d)
+        bound = _BOUND.put(key, runtime.BoundLaunch(
+            _layer_norm_bwd_kernel, 7,
+            (m, d, dy2.stride(0), x2.stride(0), d),  # dx is contiguous: row stride D
+            HAS_WEIGHT=has_w, ROWS_PER_CHUNK=rows, BLOCK_D=block_d, num_warps=_num_warps(block_d),
+        ))  # fmt: skip
+    bound((n_chunks,), dy2, x2, weight if has_w else x2, mean, rstd, dx, partial)
+    return dx, partial
+
+
+def _dweight_leaves(weight, leaf: int, sub: int, rows: int, first_leaf: int, leaf_rows: tuple) -> TreePartial:
+    """The accumulator's leaf-sum function of the LayerNorm weight: rows ``(dy, x, mean, rstd)`` of
+    whole leaves, through the backward kernel (its dX is discarded), so the bits of an aligned call."""
+    dy2, x2, mean, rstd = leaf_rows
+    _, partial = _backward(dy2, x2, weight, mean, rstd, rows)
+    return leaf_subtrees(fold_chunks(partial, sub // rows), first_leaf, weight.shape, leaf // sub)
+
+
+def _bias_leaves(leaf_tokens: int, first_leaf: int, rows: tuple) -> TreePartial:
+    """The accumulator's leaf-sum function of the LayerNorm bias: rows ``(dy,)`` of whole leaves."""
+    return bias_grad_partial(rows[0], leaf_tokens=leaf_tokens, first_leaf=first_leaf)
+
+
+def _check_eps(eps, op: str) -> float:
+    """``eps`` as a finite float ``>= 0`` (a negative one can make ``var + eps`` negative: NaN rows)."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"{op}: eps must be a real number, got {type(eps).__name__}")
+    value = float(eps)
+    if not (math.isfinite(value) and value >= 0.0):
+        raise ValueError(f"{op}: eps must be a finite number >= 0, got {eps!r}; torch's default is 1e-5")
+    return value
+
+
+def _normalized(normalized_shape) -> tuple[int, ...]:
+    if isinstance(normalized_shape, numbers.Integral):
+        return (int(normalized_shape),)
+    return tuple(int(s) for s in normalized_shape)
+
+
+def layer_norm(
+    x: torch.Tensor,
+    normalized_shape: int | tuple[int, ...],
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """Layer normalisation over the trailing ``normalized_shape`` dims (``F.layer_norm``'s signature).
+
+    ``y = (x - mean) / sqrt(var + eps) * weight + bias`` with the mean and the biased variance over
+    the ``D = prod(normalized_shape)`` trailing elements of each row.
+
+    Args:
+        x: ``(..., *normalized_shape)`` float32 / bfloat16 / float16, on CUDA (or CPU under
+            ``TRITON_INTERPRET=1``). Rows may be strided; a non-unit last stride is copied.
+        normalized_shape: int or tuple, the trailing dims normalised together; ``1 <= D <= 65536``.
+        weight, bias: ``normalized_shape`` (any of the three dtypes, contiguous) or None.
+        eps: added to the variance, finite and ``>= 0`` (default 1e-5, as torch).
+
+    Returns:
+        ``y`` of ``x``'s shape and dtype (as ``torch.nn.functional.layer_norm``; fp32 math, one
+        rounding to nearest even).
+
+    Gradients: dX row-local; dweight = sum over tokens of ``dy * x_hat`` and dbias = sum of ``dy``,
+    both in the canonical order (deposited into the active ``CanonicalGradAccumulator`` if any;
+    their autograd gradients are None then).
+
+    **Determinism:** bitwise run to run; a row's y and dX do not depend on the number of rows, its
+    position or the other rows (one program per row, config keyed by D only). dweight and dbias
+    are invariant to micro-batch splits of any size and to leaf-aligned data-parallel splits under
+    a ``CanonicalGradAccumulator``; without one they are the canonical sums over the call's own
+    tokens (leaf size ``DEFAULT_LEAF_TOKENS``), which equal the accumulator's with that leaf size.
+    Bits may differ between GPU models, Triton versions and the CPU interpreter (``tl.sum``'s
+    tree, ``sqrt`` lowering, FMA contraction); they are not torch's bits (another summation order).
+
+    Raises:
+        TypeError: ``x``, ``weight`` or ``bias`` not a tensor or of an unsupported dtype; ``eps``
+            not a real number.
+        ValueError: ``x`` not ending with ``normalized_shape``; a ``weight`` / ``bias`` of another
+            shape or not contiguous; ``D`` of 0 or over 65536; ``eps`` negative, NaN or infinite;
+            tensors on different devices.
+        RuntimeError: CPU tensors without the Triton interpreter, or another unsupported device.
+
+    Method: Ba, Kiros & Hinton, "Layer Normalization" (2016); the backward
+    ``dx = rstd * (w dy - mean(w dy) - x_hat * mean(w dy * x_hat))``.
+    """
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"layer_norm: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t is not None and t.dtype not in _DTYPES:
+            raise TypeError(
+                f"layer_norm: {name} dtype {t.dtype} is not supported (float32, bfloat16, float16)"
+            )
+    shape = _normalized(normalized_shape)
+    d = math.prod(shape)
+    trailing = tuple(x.shape[max(x.dim() - len(shape), 0) :])
+    if x.dim() < len(shape) or trailing != shape:
+        raise ValueError(
+            f"layer_norm: x of shape {tuple(x.shape)} does not end with normalized_shape {shape}"
+        )
+    if d == 0 or d > MAX_D:
+        raise ValueError(f"layer_norm: normalized size {d} must be in [1, {MAX_D}] (one row per program)")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is None:
+            continue
+        if tuple(t.shape) != shape:
+            raise ValueError(
+                f"layer_norm: {name} of shape {tuple(t.shape)} must have normalized_shape {shape}"
+            )
+        if not t.is_contiguous():
+            raise ValueError(
+                f"layer_norm: {name} must be contiguous (it is read as a flat vector of D elements)"
+            )
+    check_kernel_device(x, *(t for t in (weight, bias) if t is not None), op="layer_norm")
+    return _LayerNormFunction.apply(x, weight, bias, _check_eps(eps, "layer_norm"), d)
+
+
+class LayerNorm(torch.nn.LayerNorm):
+    """Drop-in for ``torch.nn.LayerNorm`` running ``det_train.layer_norm`` (same arguments, init and
+    state_dict): ``y = (x - mean) / sqrt(var + eps) * weight + bias`` over ``normalized_shape``.
+
+    Args:
+        normalized_shape: int or tuple, the trailing dims normalized together (``D <= 65536``).
+        eps: finite and ``>= 0`` (default 1e-5).
+        elementwise_affine: learn ``weight`` (ones) and, with ``bias=True``, ``bias`` (zeros).
+        bias: learn the additive ``bias`` (default True).
+        device, dtype: of the parameters: float32, bfloat16 or float16.
+
+    Forward: ``x (..., *normalized_shape)`` gives ``y`` of ``x``'s shape and dtype; fp32 math.
+
+    Raises:
+        TypeError: at construction, a parameter ``dtype`` other than float32 / bfloat16 / float16;
+            at forward, as ``layer_norm``.
+        ValueError: at construction, ``eps`` negative, NaN or infinite; at forward, as
+            ``layer_norm`` (shapes, devices).
+
+    **Determinism:** bitwise run to run; each row's output and input gradient are row invariant.
+    ``weight`` and ``bias`` gradients are sums over tokens in the canonical order: equal bits for
+    any micro-batch split and leaf-aligned data-parallel split under a ``CanonicalGradAccumulator``.
+    Not torch's bits, nor guaranteed across GPU models or Triton versions; details in ``layer_norm``.
+
+    Method: Ba, Kiros & Hinton, "Layer Normalization" (2016).
+    """
+
+    def __init__(
+        self,
+        normalized_shape: int | tuple[int, ...],
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
+        eps = _check_eps(eps, "det_train.LayerNorm")
+        if elementwise_affine and dtype is not None and dtype not in _DTYPES:
+            raise TypeError(
+                f"det_train.LayerNorm: dtype {dtype} is not supported (float32, bfloat16, float16)"
+            )
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm(x, tuple(self.normalized_shape), self.weight, self.bias, self.eps)
