@@ -2,14 +2,18 @@
 
 Two paths (docs/det-train.md, "Reductions"):
 
-1. **The general one: ``CanonicalGradAccumulator.reduce(total_tokens, group)``** (grad_accum.py).
-   Every rank's partial canonical trees are exchanged and every rank finishes the same tree, so the
-   reduced gradient is bitwise identical on every rank *and* for any DP degree, micro-batch count
-   and leaf-aligned split of the global batch. ``reduce_gradients`` below is that call.
-2. **``deterministic_allreduce_hook``, a DDP communication hook**: all-gathers each gradient bucket
-   from every rank and sums the W copies in the fixed pairwise tree over rank index, in fp32. Every
-   rank gets identical bits and the result is run-to-run reproducible for a fixed W; it is
-   invariant across DP degrees only in the aligned case described in its docstring.
+1. **The general one: ``CanonicalGradAccumulator.reduce(total_tokens, group)``** (grad_accum.py,
+   dp_reduce.py). Every rank's partial canonical trees go to the owners of their element ranges
+   (an all-to-all), each owner finishes the canonical tree for its range and, for replicated
+   parameters, the finished gradients are all-gathered; under FSDP2 the owner's range is its shard.
+   The reduced gradient is bitwise identical on every rank *and* for any DP degree, micro-batch
+   count and leaf-aligned split of the global batch; per-rank bytes and memory do not grow with the
+   DP degree. ``reduce_gradients`` below is that call.
+2. **``deterministic_allreduce_hook``, a DDP communication hook**: sends each rank's slice of a
+   gradient bucket to the slice's owner (an all-to-all), which sums the W slices in the fixed
+   pairwise tree over rank index in fp32; an all-gather returns the sums. Every rank gets
+   identical bits and the result is run-to-run reproducible for a fixed W; it is invariant across
+   DP degrees only in the aligned case described in its docstring.
 
 We add the deterministic reduction on top of torch's collectives; we do not write a communication
 runtime.
@@ -20,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from det_core.reduce import TreePartial
+
+from .dp_reduce import all_gather_single
 
 __all__ = ["DeterministicAllreduceState", "deterministic_allreduce_hook", "rank_tree_sum", "reduce_gradients"]
 
@@ -33,7 +39,8 @@ def reduce_gradients(accumulator, total_tokens: int, group=None) -> None:
         group: data-parallel process group (None: the default group).
 
     **Determinism:** ``p.grad`` is bitwise identical on every rank and for every DP degree /
-    micro-batch split whose boundaries are leaf-aligned (tested with gloo for DP 1, 2, 3, 4). Do not
+    micro-batch split whose boundaries are leaf-aligned (tested with gloo for DP 1, 2, 3, 4, 5, 8,
+    and FSDP2 over 2, 3, 4 ranks). Do not
     also wrap the model in DDP (or keep every micro-batch under ``no_sync``): the accumulator does the
     communication, and det_train ops return no autograd gradient for the tracked parameters.
     """
@@ -69,7 +76,7 @@ class DeterministicAllreduceState:
 
 # no `from __future__ import annotations` here: DDP checks the hook's annotations as objects
 def deterministic_allreduce_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: all-gather the bucket, sum over ranks in a fixed tree, in fp32.
+    """DDP communication hook: each bucket slice summed on its owner in a fixed tree over ranks, in fp32.
 
     Register with ``ddp_model.register_comm_hook(state, deterministic_allreduce_hook)`` where
     ``state`` is a ``DeterministicAllreduceState``, a process group, or None (default group,
@@ -82,8 +89,13 @@ def deterministic_allreduce_hook(state, bucket: dist.GradBucket) -> torch.future
     Returns:
         A future holding the reduced bucket (same dtype; the sum is computed in fp32 and rounded once).
 
-    Cost: an all-gather (each rank receives W buckets: W times the bucket's memory and W-1 times
-    the traffic of a ring all-reduce's reduce-scatter half) instead of an all-reduce.
+    Method: rank r owns elements ``[r * c, (r + 1) * c)`` of the bucket (``c = ceil(numel / W)``);
+    one ``all_to_all_single`` gives it every rank's copy of them, it sums the W copies by
+    ``rank_tree_sum``, and one ``all_gather_single`` (in the bucket's dtype) returns every owner's
+    sums to every rank. Per rank that moves ``2 * (W - 1) / W`` bucket sizes each way and holds
+    about 2 bucket sizes transiently, as a ring all-reduce does (the hook before this held W
+    gathered copies). The all-to-all is waited for in the hook (on NCCL a wait on the current
+    stream, not on the host); the all-gather is returned as the future.
 
     **Determinism:** every rank gets identical bits, run to run, for a fixed DP degree W (NCCL's
     ring / tree all-reduce guarantees neither across W). Invariance *across* DP degrees holds only
@@ -99,15 +111,22 @@ def deterministic_allreduce_hook(state, bucket: dist.GradBucket) -> torch.future
         state = DeterministicAllreduceState(group=state)
     group = state.group
     buffer = bucket.buffer()
-    world = dist.get_world_size(group)
-    gathered = [torch.empty_like(buffer) for _ in range(world)]
-    future = dist.all_gather(gathered, buffer, group=group, async_op=True).get_future()
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    numel = buffer.numel()
+    chunk = -(-numel // world)
+    sizes = [max(0, min(chunk, numel - r * chunk)) for r in range(world)]  # elements each rank owns
+    copies = torch.empty(world * sizes[rank], dtype=buffer.dtype, device=buffer.device)
+    dist.all_to_all_single(copies, buffer, [sizes[rank]] * world, sizes, group=group)
+    total = rank_tree_sum(list(copies.view(world, sizes[rank])))
+    if state.average:
+        total = total / world
+    contribution = torch.empty(chunk, dtype=buffer.dtype, device=buffer.device)
+    contribution[: sizes[rank]].copy_(total)  # the one rounding to the bucket's dtype
+    gathered = torch.empty(world * chunk, dtype=buffer.dtype, device=buffer.device)
+    future = all_gather_single(gathered, contribution, group=group, async_op=True).get_future()
 
     def finish(_fut):
-        total = rank_tree_sum(gathered)
-        if state.average:
-            total = total / world
-        buffer.copy_(total.to(buffer.dtype))
+        buffer.copy_(gathered[:numel])
         return buffer
 
     return future.then(finish)

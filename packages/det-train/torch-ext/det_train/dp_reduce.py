@@ -45,6 +45,7 @@ from det_core.reduce import TreePartial
 __all__ = [
     "BUCKET_NUMEL",
     "GradSpec",
+    "all_gather_single",
     "bucket_layout",
     "exchange_node_keys",
     "group_size",
@@ -389,7 +390,7 @@ def _reduce_bucket(bucket, pieces, specs, partials, keys, uses, out, total_leave
         contribution[: finished.numel()].copy_(finished)  # the one rounding to the parameter dtype
     del mine
     gathered = torch.empty(world * chunk, dtype=dtype, device=device)
-    _all_gather_single(gathered, contribution, group)
+    all_gather_single(gathered, contribution, group)
     dst, src, offset = [], [], 0
     for piece in pieces:
         n = piece.hi - piece.lo
@@ -399,10 +400,12 @@ def _reduce_bucket(bucket, pieces, specs, partials, keys, uses, out, total_leave
     _copy_all(dst, src)
 
 
-def _all_gather_single(output: torch.Tensor, inp: torch.Tensor, group) -> None:
-    # torch 2.13 renamed all_gather_into_tensor (deprecated there); torch 2.11 has only the old name
+def all_gather_single(output: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
+    """``torch.distributed.all_gather_single`` (torch 2.13; ``all_gather_into_tensor``, its name
+    before and deprecated there, on torch 2.11): ``output`` (W * n) gets every rank's ``inp`` (n)
+    in rank order. Returns the work handle when ``async_op``. **Determinism:** a copy."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, inp, group=group)
+    return gather(output, inp, group=group, async_op=async_op)
 
 
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
