@@ -145,8 +145,36 @@ def test_module_drop_in():
     mod.load_state_dict(ref.state_dict())
     ids = torch.tensor([[1, 2, 2], [10, 0, 1]])
     assert_bitwise_equal(mod(ids), ref(ids), "Embedding module")
-    with pytest.raises(ValueError, match="padding_idx"):
-        det_train.Embedding(11, 4, padding_idx=0)
+    with pytest.raises(ValueError, match="max_norm"):
+        det_train.Embedding(11, 4, max_norm=1.0)
+
+
+def test_padding_idx_row_gets_a_zero_gradient_and_the_others_their_definition():
+    """As torch.nn.Embedding(padding_idx=...): the padded tokens' rows are looked up, but add nothing
+    to the gradient; every other row is the canonical sum, bit for bit (the definition with the
+    padded tokens' dy zeroed), also through the accumulator with a cut inside a leaf."""
+    ids = torch.tensor([3, 0, 3, 5, 0, 0, 1, 3, 5, 0, 2, 3])
+    dy = torch.randn(12, 4, generator=torch.Generator().manual_seed(3))
+    ref = torch.nn.Embedding(6, 4, padding_idx=-6)
+    mod = det_train.Embedding(6, 4, padding_idx=-6)
+    assert mod.padding_idx == 0 and bool((mod.weight[0] == 0).all())  # torch's init of the row
+    mod.load_state_dict(ref.state_dict())
+    assert_bitwise_equal(mod(ids), ref(ids), "forward with padding_idx")
+    mod(ids).backward(dy)
+    masked = torch.where((ids == 0)[:, None], 0.0, dy)
+    plain = embedding_weight_grad_reference(ids, masked, 6, sub_leaf_tokens(DEFAULT_LEAF_TOKENS))
+    assert_bitwise_equal(mod.weight.grad, plain, "dW with padding_idx vs definition")
+    assert bool((mod.weight.grad[0] == 0).all()) and not bool(mod.weight.grad[0].signbit().any())
+    want = embedding_weight_grad_reference(ids, masked, 6, 8)
+    w = mod.weight.detach().clone().requires_grad_()
+    acc = CanonicalGradAccumulator([w], leaf_tokens=8)
+    for start, end in ((0, 5), (5, 12)):
+        with acc.micro_batch(token_offset=start):
+            det_train.embedding(ids[start:end], w, padding_idx=0).backward(dy[start:end])
+    acc.reduce(total_tokens=12)
+    assert_bitwise_equal(w.grad, want, "dW with padding_idx through the accumulator")
+    with pytest.raises(ValueError, match="padding_idx 6 must lie in"):
+        det_train.embedding(ids, w, padding_idx=6)
 
 
 def test_bad_input_and_empty():

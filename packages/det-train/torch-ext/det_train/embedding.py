@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from det_core import runtime
 from det_core.reduce import TreePartial, num_leaves
-from det_core.runtime import check_kernel_device
+from det_core.runtime import as_index, check_kernel_device
 
 from ._leaf_sums import cast_out, coarsen, dyadic_nodes, leaf_layout, tree_combine
 
@@ -209,9 +209,9 @@ def _weight_grad(ids, dy, v: int, leaf: int, first_leaf: int, out_dtype, node_ta
 
 class _EmbeddingFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ids, weight):
+    def forward(ctx, ids, weight, padding_idx):
         ctx.save_for_backward(ids)
-        ctx.weight = weight
+        ctx.weight, ctx.padding_idx = weight, padding_idx
         return weight[ids]
 
     @staticmethod
@@ -220,21 +220,23 @@ class _EmbeddingFunction(torch.autograd.Function):
         (ids,) = ctx.saved_tensors
         weight = ctx.weight
         if not ctx.needs_input_grad[1]:
-            return None, None
+            return None, None, None
         v, d = weight.shape
         flat = ids.reshape(-1)
         m = flat.shape[0]
         if m == 0:
-            return None, torch.zeros_like(weight)
+            return None, torch.zeros_like(weight), None
         dy2 = dy.reshape(m, d)
         if dy2.stride(-1) != 1:
             dy2 = dy2.contiguous()
+        if ctx.padding_idx is not None:  # padded tokens add exact zeros: their row's gradient is +0.0
+            dy2 = torch.where((flat == ctx.padding_idx).unsqueeze(1), 0.0, dy2)
         acc, leaf, sub, _ = leaf_layout(1)
         if acc is None or not weight.is_leaf:  # the tree over sub-leaves (of this call's tokens)
-            return None, _weight_grad(flat, dy2, v, sub, 0, weight.dtype, node_tables=False)
+            return None, _weight_grad(flat, dy2, v, sub, 0, weight.dtype, node_tables=False), None
         # rows of a leaf split between micro-batches are carried to the one completing it
         acc.deposit_rows(weight, (flat, dy2), functools.partial(_leaf_tables, v, sub, leaf // sub))
-        return None, None
+        return None, None, None
 
 
 def _leaf_tables(v: int, sub: int, ratio: int, first_leaf: int, rows: tuple) -> TreePartial:
@@ -243,13 +245,16 @@ def _leaf_tables(v: int, sub: int, ratio: int, first_leaf: int, rows: tuple) -> 
     return coarsen(_weight_grad(rows[0], rows[1], v, sub, first_leaf * ratio, None, node_tables=True), ratio)
 
 
-def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None = None) -> torch.Tensor:
     """Look up rows of ``weight``: ``out[..., :] = weight[ids[...], :]``.
 
     Args:
         ids: integer tensor (int32 / int64) of any shape ``(...)`` with values in ``[0, V)``;
             flattened row-major it gives the local token index.
         weight: ``(V, D)`` float tensor on the same device (CUDA, or CPU under ``TRITON_INTERPRET=1``).
+        padding_idx: as ``torch.nn.functional.embedding``: tokens with this id get their row in the
+            forward but contribute nothing to the gradient (row ``padding_idx`` of the gradient is
+            +0.0); negative values count from ``V``. None (default): no padding id.
 
     Returns:
         ``(..., D)`` in ``weight.dtype``.
@@ -266,8 +271,9 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     interpreter). It depends on which tokens share a leaf (as every canonical-order sum does).
 
     Raises:
-        TypeError: ids not integer or weight not floating point.
-        ValueError: weight not 2-D, an id out of range (checked on the host: one device sync).
+        TypeError: ids not integer or weight not floating point; ``padding_idx`` not an int.
+        ValueError: weight not 2-D, ``padding_idx`` outside ``[-V, V)``, an id out of range
+            (checked on the host: one device sync).
             The id range check is skipped while a CUDA graph is being captured
             (``torch.cuda.is_current_stream_capturing()``): no device value can be read then, as
             for torch's own ops that cannot check device values during capture; keeping ids in
@@ -282,13 +288,20 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.dim() != 2:
         raise ValueError(f"embedding: weight must be (V, D), got shape {tuple(weight.shape)}")
     check_kernel_device(ids, weight, op="embedding")
+    if padding_idx is not None:
+        padding_idx = as_index(padding_idx, "padding_idx", "embedding")
+        if not -weight.shape[0] <= padding_idx < weight.shape[0]:
+            raise ValueError(
+                f"embedding: padding_idx {padding_idx} must lie in [-{weight.shape[0]}, {weight.shape[0]})"
+            )
+        padding_idx %= weight.shape[0]
     # no device value can be read during CUDA graph capture: the range check is skipped there
     capturing = ids.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if ids.numel() and not capturing:
         lo, hi = (int(v) for v in torch.aminmax(ids))
         if lo < 0 or hi >= weight.shape[0]:
             raise ValueError(f"embedding: ids must lie in [0, {weight.shape[0]}), got min {lo}, max {hi}")
-    return _EmbeddingFunction.apply(ids.to(torch.int64), weight)
+    return _EmbeddingFunction.apply(ids.to(torch.int64), weight, padding_idx)
 
 
 class Embedding(torch.nn.Embedding):
@@ -298,8 +311,10 @@ class Embedding(torch.nn.Embedding):
     Args:
         num_embeddings: ``V``, the number of rows of ``weight`` ``(V, D)``.
         embedding_dim: ``D``, the size of each row.
-        padding_idx, max_norm, scale_grad_by_freq, sparse: must keep their defaults (None, None,
-            False, False); see Raises.
+        padding_idx: as ``torch.nn.Embedding``: that row is initialised to zeros and gets a +0.0
+            gradient (padded tokens contribute nothing).
+        max_norm, scale_grad_by_freq, sparse: must keep their defaults (None, False, False); see
+            Raises.
         norm_type, _weight, _freeze, device, dtype: as ``torch.nn.Embedding``; ``weight`` is floating point
             (float32 by default), on CUDA (or CPU under ``TRITON_INTERPRET=1``).
 
@@ -307,8 +322,7 @@ class Embedding(torch.nn.Embedding):
     ``(..., D)`` in ``weight.dtype``.
 
     Raises:
-        ValueError: at construction, ``padding_idx`` (its row would get no gradient), ``max_norm``,
-            ``scale_grad_by_freq`` or ``sparse=True`` (mask padded tokens in the loss instead). At
+        ValueError: at construction, ``max_norm``, ``scale_grad_by_freq`` or ``sparse=True``. At
             forward, as ``embedding``: an id outside ``[0, V)`` (checked on the host: one device
             sync; skipped during CUDA graph capture). TypeError: ids not int32 / int64, weight not
             floating point. RuntimeError: device problems.
@@ -322,13 +336,13 @@ class Embedding(torch.nn.Embedding):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        if self.padding_idx is not None or self.max_norm is not None or self.sparse:
+        if self.max_norm is not None or self.sparse:
             raise ValueError(
-                "det_train.Embedding supports plain lookups only: padding_idx, max_norm and sparse=True "
-                "are not supported (mask padded tokens in the loss instead)"
+                "det_train.Embedding supports plain lookups (and padding_idx) only: max_norm and "
+                "sparse=True are not supported"
             )
         if self.scale_grad_by_freq:
             raise ValueError("det_train.Embedding: scale_grad_by_freq is not supported")
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return embedding(ids, self.weight)
+        return embedding(ids, self.weight, self.padding_idx)
