@@ -405,7 +405,7 @@ def build_chunk_table(segments: torch.Tensor, block: int) -> torch.Tensor:
         return torch.zeros((0, CHUNK_TABLE_COLUMNS), dtype=torch.int64)
     slot, local_start, length, global_start = segments.unbind(1)
     lead = global_start & 3  # elements between the 4-aligned window start and the segment start
-    n_windows = (length + lead + block - 1) // block
+    n_windows = runtime.cdiv(length + lead, block)  # elementwise on the int64 tensors
     seg_of_window = torch.repeat_interleave(torch.arange(len(segments)), n_windows)
     first_window = torch.cumsum(n_windows, 0) - n_windows
     k = torch.arange(int(n_windows.sum())) - first_window[seg_of_window]
@@ -450,20 +450,20 @@ def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-_CHUNK_TABLES: dict = {}
+# device chunk tables by segments: they depend on shapes and indices, not addresses, so launch plans
+# of the same params with new gradient tensors share one
+_CHUNK_TABLES = runtime.PlanCache(limit=16)
 
 
 def _chunk_table(segments: torch.Tensor, block: int, device: torch.device) -> tuple[torch.Tensor, bool]:
-    """The device chunk table of ``segments`` (cached: it depends on shapes and indices, not addresses)."""
+    """The device chunk table of ``segments`` and whether every window starts 8-aligned (cached)."""
     key = (device, block, segments.numpy().tobytes())
     hit = _CHUNK_TABLES.get(key)
     if hit is None:
         chunks = build_chunk_table(segments, block)
         # windows start 8-aligned in every tensor only if each local window start is a multiple of 8
         starts_aligned = bool(((chunks[:, 1] % 8) == 0).all()) if len(chunks) else True
-        if len(_CHUNK_TABLES) >= 16:
-            _CHUNK_TABLES.clear()
-        hit = _CHUNK_TABLES[key] = (to_device_async(chunks, device), starts_aligned)
+        hit = _CHUNK_TABLES.put(key, (to_device_async(chunks, device), starts_aligned))
     return hit
 
 

@@ -7,9 +7,9 @@ Reading order: the global element index (plain tensors and DTensor shards), the 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
-from collections import OrderedDict
 
 import torch
 from det_core import rng, runtime
@@ -44,7 +44,7 @@ def default_base_indices(numels) -> list[int]:
     out, offset = [], 0
     for n in numels:
         out.append(offset)
-        offset = -(-(offset + int(n)) // BASE_INDEX_ALIGNMENT) * BASE_INDEX_ALIGNMENT
+        offset = runtime.cdiv(offset + int(n), BASE_INDEX_ALIGNMENT) * BASE_INDEX_ALIGNMENT
     return out
 
 
@@ -155,38 +155,62 @@ def local_segments(param: torch.Tensor, base_index: int) -> list[tuple[int, int,
 
 # --------------------------------------------------------------------------- functional step
 
-_PLAN_CACHE: OrderedDict = OrderedDict()
-_PLAN_CACHE_SIZE = 64
+# launch tables by addresses, dtypes and index segments (one per param list in use; rebuilt on a miss)
+_PLAN_CACHE = runtime.PlanCache(limit=64)
 
 
-def _get_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, segments: torch.Tensor):
+@dataclasses.dataclass(frozen=True)
+class _StepLaunch:
+    """One fused launch: the tensors of each role and the options, as the kernel reads them.
+
+    ``params``, ``grads``, ``exp_avgs``, ``exp_avg_sqs``: plain (local) tensors, one per param;
+    ``max_exp_avg_sqs``: the same with ``amsgrad``, else ``[]``; ``steps``: fp32 ``[T]`` on the
+    device, each tensor's step after incrementing; ``hyper``: fp64 ``[5]`` on the device (lr,
+    beta1, beta2, eps, weight_decay); ``segments``: int64 CPU ``[S, 4]`` (slot, local start,
+    length, global start); ``seed``: the Philox seed; ``stochastic``: round bf16 params
+    stochastically.
+    """
+
+    params: list
+    grads: list
+    exp_avgs: list
+    exp_avg_sqs: list
+    max_exp_avg_sqs: list
+    steps: torch.Tensor
+    hyper: torch.Tensor
+    segments: torch.Tensor
+    seed: int
+    amsgrad: bool
+    maximize: bool
+    stochastic: bool
+
+    def op_args(self) -> tuple:
+        """The custom op's arguments in schema order (its schema spells each one out)."""
+        # seed travels as a decimal string: the schema's int is 64-bit signed, a seed is unsigned
+        return (
+            self.params, self.grads, self.exp_avgs, self.exp_avg_sqs, self.max_exp_avg_sqs, self.steps,
+            self.hyper, self.segments, str(self.seed), self.amsgrad, self.maximize, self.stochastic,
+        )  # fmt: skip
+
+
+def _get_plan(launch: _StepLaunch) -> kernel.LaunchPlan:
+    roles = (launch.params, launch.grads, launch.exp_avgs, launch.exp_avg_sqs, launch.max_exp_avg_sqs)
     key = (
-        params[0].device,
+        launch.params[0].device,
         # element offsets depend on element size: the same addresses with other dtypes need another plan
-        tuple(t.dtype for t in (params[0], grads[0], exp_avgs[0])),
-        tuple(t.dtype for t in grads),
-        tuple(t.data_ptr() for t in params),
-        tuple(t.data_ptr() for t in grads),
-        tuple(t.data_ptr() for t in exp_avgs),
-        tuple(t.data_ptr() for t in exp_avg_sqs),
-        tuple(t.data_ptr() for t in max_exp_avg_sqs),
-        segments.numpy().tobytes(),
+        tuple(t.dtype for t in (launch.params[0], launch.grads[0], launch.exp_avgs[0])),
+        tuple(t.dtype for t in launch.grads),
+        *(tuple(t.data_ptr() for t in tensors) for tensors in roles),
+        launch.segments.numpy().tobytes(),
     )
     plan = _PLAN_CACHE.get(key)
     if plan is None:
-        if params[0].device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if launch.params[0].device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "adamw_sr: the launch tables of this step are not built yet, and building them copies "
                 "host memory, which CUDA graph capture forbids. Run one step (warm-up) before capturing."
             )
-        plan = kernel.LaunchPlan(
-            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, segments, params[0].device
-        )
-        _PLAN_CACHE[key] = plan
-        if len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
-            _PLAN_CACHE.popitem(last=False)
-    else:
-        _PLAN_CACHE.move_to_end(key)
+        plan = _PLAN_CACHE.put(key, kernel.LaunchPlan(*roles, launch.segments, launch.params[0].device))
     return plan
 
 
@@ -207,46 +231,51 @@ def _fused_step_op(
     maximize: bool,
     stochastic: bool,
 ) -> None:
-    # seed travels as a decimal string: the schema's int is 64-bit signed, a seed is unsigned
     _fused_step_impl(
-        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hyper, segments, seed, amsgrad,
-        maximize, stochastic,
+        _StepLaunch(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            max_exp_avg_sqs,
+            steps,
+            hyper,
+            segments,
+            int(seed),
+            amsgrad,
+            maximize,
+            stochastic,
+        )  # fmt: skip
+    )
+
+
+def _fused_step_impl(launch: _StepLaunch) -> None:
+    plan = _get_plan(launch)
+    roles = (
+        launch.params, launch.grads, launch.exp_avgs, launch.exp_avg_sqs,
+        launch.max_exp_avg_sqs or launch.exp_avg_sqs,
     )  # fmt: skip
-
-
-def _fused_step_impl(
-    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hyper, segments, seed, amsgrad, maximize,
-    stochastic,
-) -> None:  # fmt: skip
-    plan = _get_plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, segments)
-    roles = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs or exp_avg_sqs)
     kernel.launch_fused_step(
-        plan, roles, steps, hyper, seed=int(seed), amsgrad=amsgrad, maximize=maximize,
-        param_bf16=params[0].dtype == torch.bfloat16, stochastic=stochastic,
+        plan, roles, launch.steps, launch.hyper, seed=launch.seed, amsgrad=launch.amsgrad,
+        maximize=launch.maximize, param_bf16=launch.params[0].dtype == torch.bfloat16,
+        stochastic=launch.stochastic,
     )  # fmt: skip
 
 
-def _fused_step(
-    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hyper, segments, seed, amsgrad, maximize,
-    stochastic,
-) -> None:  # fmt: skip
+def _fused_step(launch: _StepLaunch) -> None:
     """The step through the custom op when a compiler or a dispatch mode (e.g. fake tensors) is
     watching; in plain eager mode straight to the launch, skipping the op's per-tensor dispatch
     checks (a third of ``step()``'s host time at 2,000 tensors), and bumping the version counters of
     the tensors written in place, as the op would."""
-    args = (
-        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hyper, segments, seed, amsgrad,
-        maximize, stochastic,
-    )  # fmt: skip
     if (
         torch.compiler.is_compiling()
         or _get_current_dispatch_mode() is not None
-        or type(params[0]) not in (torch.Tensor, torch.nn.Parameter)
+        or type(launch.params[0]) not in (torch.Tensor, torch.nn.Parameter)
     ):
-        _fused_step_op(*args)
+        _fused_step_op(*launch.op_args())
         return
-    _fused_step_impl(*args)
-    _increment_versions([*params, *exp_avgs, *exp_avg_sqs, *max_exp_avg_sqs])
+    _fused_step_impl(launch)
+    _increment_versions([*launch.params, *launch.exp_avgs, *launch.exp_avg_sqs, *launch.max_exp_avg_sqs])
 
 
 def _increment_versions(tensors: list[torch.Tensor]) -> None:
@@ -400,11 +429,23 @@ def adamw_sr_step(
             if p.numel()
         ]
         segments = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
-    hyper = _hyper_tensor(lr, beta1, beta2, eps, weight_decay, device)
+    hyper = _hyper_tensor(lr, (beta1, beta2), eps, weight_decay, device)
     _fused_step(
-        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else [], steps, hyper, segments,
-        str(int(seed)), amsgrad, maximize, stochastic_rounding is not False,
-    )  # fmt: skip
+        _StepLaunch(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            max_exp_avg_sqs if amsgrad else [],
+            steps,
+            hyper,
+            segments,
+            int(seed),
+            amsgrad,
+            maximize,
+            stochastic_rounding is not False,
+        )  # fmt: skip
+    )
 
 
 def _check_steps(steps: torch.Tensor) -> None:
@@ -429,17 +470,31 @@ def _check_steps(steps: torch.Tensor) -> None:
         )
 
 
-def _hyper_tensor(lr, beta1, beta2, eps, weight_decay, device) -> torch.Tensor:
-    """fp64 ``[lr, beta1, beta2, eps, weight_decay]`` on ``device`` (lr may be a device tensor)."""
-    rest = [float(beta1), float(beta2), float(eps), float(weight_decay)]
+def _hyper_tensor(
+    lr, betas, eps, weight_decay, device, cache: runtime.PlanCache | None = None
+) -> torch.Tensor:
+    """fp64 ``[lr, beta1, beta2, eps, weight_decay]`` on ``device`` (lr may be a device tensor).
+
+    With ``cache``, kept by value: a float lr's tensor whole, a tensor lr's constant tail (groups
+    with equal hyperparameters share the read-only tensor; the key holds no ``id(group)``, which
+    torch 2.11's dynamo cannot trace).
+    """
+    rest = (*betas, eps, weight_decay)
     if isinstance(lr, torch.Tensor):
-        return torch.cat(
-            [
-                lr.detach().reshape(1).to(device=device, dtype=torch.float64),
-                torch.tensor(rest, dtype=torch.float64).to(device),
-            ]
-        )
-    return torch.tensor([float(lr), *rest], dtype=torch.float64).to(device)
+        key = (device, rest, "tensor")
+        const = None if cache is None else cache.get(key)
+        if const is None:
+            const = torch.tensor(rest, dtype=torch.float64).to(device)
+            if cache is not None:
+                cache.put(key, const)
+        return torch.cat([lr.detach().reshape(1).to(device=device, dtype=torch.float64), const])
+    key = (device, rest, float(lr))
+    hyper = None if cache is None else cache.get(key)
+    if hyper is None:
+        hyper = kernel.to_device_async(torch.tensor([float(lr), *rest], dtype=torch.float64), device)
+        if cache is not None:
+            cache.put(key, hyper)
+    return hyper
 
 
 # --------------------------------------------------------------------------- the optimizer
@@ -562,8 +617,8 @@ class AdamWSR(torch.optim.Optimizer):
             seed=seed, stochastic_rounding=stochastic_rounding, base_index=None,
         )  # fmt: skip
         self._base_index_cache = {}
-        self._segments_cache: dict = {}
-        self._hyper_cache: dict = {}
+        self._segments_cache = runtime.PlanCache(limit=64)  # param list -> its launch's index segments
+        self._hyper_cache = runtime.PlanCache(limit=256)  # hyperparameter values -> their device tensor
         # "unchecked": a loaded state not yet validated (states this class creates are valid by
         # construction, so the per-tensor state check runs once per load, not every step). A dict
         # mutated in place: dynamo (torch 2.11) refuses setattr on the optimizer while tracing
@@ -626,7 +681,7 @@ class AdamWSR(torch.optim.Optimizer):
                     f"got {base!r} for {len(group['params'])} params"
                 )
         self._base_index_cache = {}
-        self._segments_cache = {}
+        self._segments_cache.clear()
 
     @staticmethod
     def _check_device_flags(group: dict) -> None:
@@ -681,26 +736,6 @@ class AdamWSR(torch.optim.Optimizer):
             self._base_index_cache.update(out)
         return self._base_index_cache
 
-    def _hyper(self, group: dict, device: torch.device) -> torch.Tensor:
-        rest = (*group["betas"], group["eps"], group["weight_decay"])
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor):
-            # keyed by values only: groups with equal hyperparameters share the read-only tensor, and
-            # no id(group) (torch 2.11's dynamo cannot trace id() of a dict: a graph break)
-            key = (device, rest, "tensor")
-            const = self._hyper_cache.get(key)
-            if const is None:
-                const = self._hyper_cache[key] = torch.tensor(rest, dtype=torch.float64).to(device)
-            return torch.cat([lr.detach().reshape(1).to(device=device, dtype=torch.float64), const])
-        key = (device, rest, float(lr))
-        hyper = self._hyper_cache.get(key)
-        if hyper is None:
-            if len(self._hyper_cache) > 256:
-                self._hyper_cache.clear()
-            hyper = torch.tensor([float(lr), *rest], dtype=torch.float64)
-            hyper = self._hyper_cache[key] = kernel.to_device_async(hyper, device)
-        return hyper
-
     def _segments(self, ps: list[torch.Tensor], base: dict[int, int]) -> torch.Tensor:
         """``(slot, local_start, length, global_start)`` rows of one launch (cached per param list)."""
         key = tuple(id(p) for p in ps)
@@ -709,10 +744,7 @@ class AdamWSR(torch.optim.Optimizer):
             rows = []
             for slot, p in enumerate(ps):
                 rows.extend((slot, *seg) for seg in local_segments(p, base[id(p)]))
-            segments = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
-            if len(self._segments_cache) >= 64:
-                self._segments_cache.clear()
-            self._segments_cache[key] = segments
+            segments = self._segments_cache.put(key, torch.tensor(rows, dtype=torch.int64).reshape(-1, 4))
         return segments
 
     # ----------------------------------------------------------------- state
@@ -740,7 +772,7 @@ class AdamWSR(torch.optim.Optimizer):
                 if isinstance(step, torch.Tensor) and step is saved[pid].get("step"):
                     self.state[p]["step"] = step.clone()  # torch would alias the caller's step tensor
         self._base_index_cache = {}
-        self._segments_cache = {}
+        self._segments_cache.clear()
         self._state_flags = {"unchecked": True}
 
     def _check_state(self, p: torch.Tensor, state: dict, amsgrad: bool) -> None:
@@ -896,7 +928,9 @@ class AdamWSR(torch.optim.Optimizer):
                     p, dtype=torch.float32, memory_format=torch.preserve_format
                 )
         torch._foreach_add_([s["step"] for s in all_states], 1.0)
-        hyper = self._hyper(group, device)
+        hyper = _hyper_tensor(
+            group["lr"], group["betas"], group["eps"], group["weight_decay"], device, self._hyper_cache
+        )
         # one launch per (param dtype, grad dtype): the kernel is specialized on both
         by_dtype: dict = {}
         for p, state in zip(with_grad, all_states, strict=True):
@@ -909,16 +943,18 @@ class AdamWSR(torch.optim.Optimizer):
             if steps.device != device:
                 steps = kernel.to_device_async(steps, device)
             _fused_step(
-                [_local(p) for p in ps],
-                [_local(p.grad) for p in ps],
-                [_local(s["exp_avg"]) for s in states],
-                [_local(s["exp_avg_sq"]) for s in states],
-                [_local(s["max_exp_avg_sq"]) for s in states] if amsgrad else [],
-                steps,
-                hyper,
-                segments,
-                str(group["seed"]),
-                amsgrad,
-                group["maximize"],
-                param_dtype == torch.bfloat16 and group["stochastic_rounding"] is not False,
+                _StepLaunch(
+                    params=[_local(p) for p in ps],
+                    grads=[_local(p.grad) for p in ps],
+                    exp_avgs=[_local(s["exp_avg"]) for s in states],
+                    exp_avg_sqs=[_local(s["exp_avg_sq"]) for s in states],
+                    max_exp_avg_sqs=[_local(s["max_exp_avg_sq"]) for s in states] if amsgrad else [],
+                    steps=steps,
+                    hyper=hyper,
+                    segments=segments,
+                    seed=group["seed"],
+                    amsgrad=amsgrad,
+                    maximize=group["maximize"],
+                    stochastic=param_dtype == torch.bfloat16 and group["stochastic_rounding"] is not False,
+                )
             )
