@@ -219,56 +219,24 @@ def build_optimizer(cfg: TrainConfig, model: GPT, *, capturable: bool = False) -
     return torch.optim.AdamW(model.parameters(), **hyper, fused=fused, capturable=capturable)
 
 
-class FSDPGradients:
-    """FSDP2 (``fully_shard``) with canonical-order gradients from the accumulator.
+def shard_with_fsdp2(model: GPT, world: int, device) -> None:
+    """FSDP2 (``fully_shard``) over ``world`` ranks; the gradients come from the accumulator.
 
-    FSDP2 all-gathers each parameter into a persistent unsharded ``nn.Parameter`` for forward and
-    backward; the det_train ops deposit their leaf sums for *that* tensor and return no autograd
-    gradient, so FSDP's own reduce-scatter (whose summation order is not canonical) has nothing to
-    do. After ``acc.reduce`` every rank holds the full canonical gradient; ``to_shards`` keeps this
-    rank's rows (FSDP2's ``torch.chunk`` layout along dim 0, uneven shards included) as the sharded
-    DTensor parameter's gradient. AdamWSR then updates the shards, drawing its stochastic-rounding
+    FSDP2 all-gathers each parameter into an unsharded ``nn.Parameter`` for forward and backward;
+    the det_train ops deposit their leaf sums for *that* tensor and return no autograd gradient, so
+    FSDP's own reduce-scatter (whose summation order is not canonical) has nothing to do. The
+    accumulator tracks the sharded parameters (``acc.track_fsdp(model)``): ``acc.reduce`` sends each
+    tree node's slice to the rank whose FSDP2 shard holds it (``torch.chunk`` along dim 0, uneven
+    shards included) and writes that rank's canonical shard as the sharded DTensor's gradient; no
+    rank holds an unsharded gradient. AdamWSR then updates the shards, drawing its stochastic-rounding
     bits by global element index (from the DTensor placement), so the result is the unsharded one.
-    Uses FSDP2 internals (``FSDPParam._unsharded_param``, ``sharded_param``): checked on torch 2.13.
     """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
-    def __init__(self, model: GPT, world: int, rank: int, device) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        self.world, self.rank = world, rank
-        fully_shard(model, mesh=init_device_mesh(torch.device(device).type, (world,)))
-        # our outputs are never modified in place, which is what this FSDP2 warning is about
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        state = model._get_fsdp_state()
-        groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
-        model.unshard()  # the first all-gather creates FSDP's persistent unsharded parameters
-        self.fsdp_params = [fp for group in groups for fp in group.fsdp_params]
-        names = {id(p): name for name, p in model.named_parameters()}
-        model.reshard()
-        names.update({id(p): name for name, p in model.named_parameters()})
-        self.named_unsharded = [(names[id(fp.sharded_param)], fp._unsharded_param) for fp in self.fsdp_params]
-
-    def to_shards(self) -> None:
-        from torch.distributed.tensor import DTensor
-
-        for fp in self.fsdp_params:
-            full, sharded = fp._unsharded_param.grad, fp.sharded_param
-            fp._unsharded_param.grad = None
-            chunks = torch.chunk(full, self.world, dim=0)
-            local = chunks[self.rank] if self.rank < len(chunks) else full.new_empty((0, *full.shape[1:]))
-            if local.shape != sharded.to_local().shape:
-                raise RuntimeError(
-                    f"FSDP shard layout changed: {tuple(local.shape)} vs {tuple(sharded.to_local().shape)}"
-                )
-            sharded.grad = DTensor.from_local(
-                local.contiguous(),
-                sharded.device_mesh,
-                sharded.placements,
-                run_check=False,
-                shape=sharded.shape,
-                stride=sharded.stride(),
-            )
+    fully_shard(model, mesh=init_device_mesh(torch.device(device).type, (world,)))
+    # our outputs are never modified in place, which is what this FSDP2 warning is about
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -278,9 +246,7 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def train_step(
-    model, opt, acc, cfg: TrainConfig, data, step: int, rank: int, world: int, device, fsdp=None
-) -> float:
+def train_step(model, opt, acc, cfg: TrainConfig, data, step: int, rank: int, world: int, device) -> float:
     """One optimizer step on the global batch of ``step``; returns this rank's share of the mean loss.
 
     This rank takes its contiguous slice of the batch's sequences and cuts it into micro-batches
@@ -306,8 +272,6 @@ def train_step(
         loss_sum += loss.detach().float()
     if acc is not None:
         acc.reduce(total_tokens=global_tokens, group=dist.group.WORLD if world > 1 else None)
-        if fsdp is not None:
-            fsdp.to_shards()
     elif world > 1:  # reference DP: an all-reduce whose order NCCL/gloo chooses
         for p in model.parameters():
             dist.all_reduce(p.grad)
@@ -364,7 +328,6 @@ def train(
     train_data, val_data = load_corpus()
     model = build_model(cfg, device)
     named_params = list(model.named_parameters())
-    sharding = None
     if fsdp:
         if cfg.kernels != "det" or world < 2 or resume_from or save_at:
             raise ValueError("fsdp needs the det kernels, world >= 2, and no checkpointing (not implemented)")
@@ -374,8 +337,8 @@ def train(
                 f"fsdp: ranks would run {sorted(counts)} micro-batches; FSDP's collectives need the same "
                 "count on every rank: choose micro_batch_seqs so that every rank's slice has as many"
             )
-        sharding = FSDPGradients(model, world, rank, device)
-        named_params = sharding.named_unsharded
+        shard_with_fsdp2(model, world, device)
+        named_params = list(model.named_parameters())  # the sharded (DTensor) parameters
     opt = build_optimizer(cfg, model)
     acc = None
     if cfg.kernels == "det":
@@ -389,6 +352,8 @@ def train(
                 "leaf_tokens that divides every rank's first token (or another batch / rank count)"
             )
         acc = det_train.CanonicalGradAccumulator(named_params, leaf_tokens=cfg.leaf_tokens)
+        if fsdp:
+            acc.track_fsdp(model)  # deposits for FSDP2's unsharded parameters count for the shards
     start = 0
     if resume_from is not None:
         # weights_only: tensors and plain containers only; a checkpoint carrying code (a pickled
@@ -408,7 +373,7 @@ def train(
     tokens_per_step = cfg.batch_seqs * cfg.seq_len
     t0 = time.perf_counter()
     for step in bar:
-        loss = train_step(model, opt, acc, cfg, train_data, step, rank, world, device, sharding)
+        loss = train_step(model, opt, acc, cfg, train_data, step, rank, world, device)
         if world > 1:  # display only: the weights never see this sum
             t = torch.tensor([loss], dtype=torch.float64, device=device)
             dist.all_reduce(t)

@@ -3,7 +3,7 @@ bits of the unsharded single-process run (gloo on CPU; 2 and 3 ranks, the 3-rank
 
 Gradients come from det_train.CanonicalGradAccumulator (canonical order over all ranks'
 micro-batches), not from FSDP's reduce-scatter; AdamWSR keys its stochastic rounding by global
-element index read from the DTensor placement (examples/train_gpt.py: ``FSDPGradients``)."""
+element index read from the DTensor placement (examples/train_gpt.py: ``shard_with_fsdp2``)."""
 
 from __future__ import annotations
 
