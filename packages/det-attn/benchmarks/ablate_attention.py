@@ -5,17 +5,17 @@ Shapes: B4 H32 causal bf16 at T1024 and T4096 with D128, and T4096 with D64. For
 - the SDPA peers (full calls, as in ``bench_attention.py``): forward and forward+backward ms;
 - ``table``: det_attn's fixed table through the public ``attention`` (full call: autograd, host
   code, launches) -- the number the targets are judged on;
-- every candidate config through the launchers directly (``_forward`` / ``_backward``, no
-  autograd): forward ms, backward ms (preprocess + dK/dV + dQ), their sum as forward+backward,
-  and the ratios to cuDNN and efficient. A candidate is the table with one kernel's config changed,
-  so each compile is shared;
+- every candidate config through the launchers directly (``_plans.launch_forward`` /
+  ``launch_backward`` on the candidate's plan, no checks or autograd): forward ms, backward ms
+  (preprocess + dK/dV + dQ), their sum as forward+backward, and the ratios to cuDNN and
+  efficient. A candidate is the table with one kernel's config changed, so each compile is shared;
 - at T1024 for the table: the same direct calls replayed from a CUDA graph (``graph`` rows), which
   removes host overhead (and the L2 flush): a large gap to the direct rows means host-bound calls;
 - bits: each candidate's O, LSE, dQ, dK, dV against the table's, at the first shape of its head
   dim (T1024 for D128, T4096 for D64): ``same`` or the tensors that differ; and against the
   first earlier candidate with the same order-defining fields, if any (e.g. two forward configs
   with the same BN but other BM/warps: ``same`` there shows BM/warps are bit-neutral). The column "order
-  fields changed" lists the fields the candidate changes that ``flash_attention._Config`` names
+  fields changed" lists the fields the candidate changes that ``_configs.Config`` names
   as bit-changing; ``same`` with ``-`` confirms the changed fields are bit-neutral; a difference
   with ``-`` means a field not named changes bits too (then name it so in the table).
 
@@ -23,7 +23,7 @@ Finally a per-kernel device-time profile of the table at T1024 (torch.profiler).
 
 Reading: pick, per head dim, the candidate with the best ``fwd+bwd`` at both T whose forward is the
 best (forward and backward kernels are independent), then set those fields in
-``flash_attention._GPU_CONFIGS``. Printed and written to ``OUT/det-attn_ablation.md``.
+``_configs.GPU_CONFIGS``. Printed and written to ``OUT/det-attn_ablation.md``.
 
 ``--forward``: the forward kernel's variants only (``FWD_VARIANTS``: block shapes, stages,
 register caps, pointer loads instead of host TMA descriptors; ``_fwd_kernel``),
@@ -32,7 +32,7 @@ by side with SDPA cuDNN, each timed twice: eager ``triton.testing.do_bench`` (L2
 launch cost included) and ``do_bench_cudagraph`` (device time of a CUDA-graph replay, no host
 cost). Per variant and shape: ``det`` (two runs give the same O and LSE bits) and ``bits`` against
 the table's O and LSE (``same`` is expected unless a field named as bits-changing in
-``flash_attention._Config`` changed; then against the first variant with the same such fields).
+``_configs.Config`` changed; then against the first variant with the same such fields).
 The table itself is timed through ``attention()`` too (the public call under ``no_grad``, with its
 host microseconds per call). A failing variant is reported and the rest go on; past the time
 budget (``--budget``, 135 s) the remaining variants are listed as skipped. Written to
@@ -161,28 +161,31 @@ def _table_call_times(b, h, t, d) -> tuple:
     return fwd, _bench(both)
 
 
+def _direct_forward(q, k, v, causal: bool, scale: float):
+    """``(o, lse2)`` of the plan's launch alone (no checks, no autograd; the plan of the table's
+    current row, which the ablation swaps): q, k, v ``(B, T, H, D)``, no dropout."""
+    from det_attn import _plans
+
+    plan = _plans.padded_plan(q, k, v, None, causal, scale, False)
+    return _plans.launch_forward(plan, *_plans.kernel_inputs(q, k, v, plan.dense), None, None, None)
+
+
 class _Direct:
-    """The launchers without autograd or argument checks, on one shape's packed inputs."""
+    """The launchers without autograd or argument checks, on one shape's inputs (causal)."""
 
     def __init__(self, b, h, t, d):
-        q, k, v, do = _inputs(b, h, t, d, "bthd")
-        self.q, self.k, self.v, self.do = (x.view(b * t, h, d) for x in (q, k, v, do))
-        self.dense, self.t, self.scale = (b, t, t), t, 1.0 / math.sqrt(d)
+        self.q, self.k, self.v, do = _inputs(b, h, t, d, "bthd")
+        self.do, self.scale = do.view(b * t, h, d), 1.0 / math.sqrt(d)
 
     def fwd(self):
-        from det_attn import flash_attention as fa
-
-        return fa._forward(
-            self.q, self.k, self.v, None, None, self.dense, self.t, self.scale, True, 0.0, None, 0, 0
-        )
+        return _direct_forward(self.q, self.k, self.v, True, self.scale)
 
     def bwd(self, o, lse2):
-        from det_attn import flash_attention as fa
+        from det_attn import _plans
 
-        return fa._backward(
-            self.do, self.q, self.k, self.v, o, lse2, None, None, self.dense, self.t, self.t,
-            self.scale, True, 0.0, None, 0, 0,
-        )  # fmt: skip
+        plan = _plans.padded_plan(self.q, self.k, self.v, None, True, self.scale, False)
+        q, k, v = _plans.kernel_inputs(self.q, self.k, self.v, plan.dense)
+        return _plans.launch_backward(plan, self.do, q, k, v, o, lse2, None, None, None)
 
     def all(self):
         o, lse2 = self.fwd()
@@ -250,10 +253,10 @@ def _profile_table(b, h, t, d) -> str:
 
 
 def run() -> str:
-    from det_attn import flash_attention as fa
+    from det_attn import _configs
 
     began = time.perf_counter()
-    saved = dict(fa._GPU_CONFIGS)
+    saved = dict(_configs.GPU_CONFIGS)
     head = (
         "| shape | variant | order fields changed | fwd ms | bwd ms | fwd+bwd ms | fwd/cuDNN "
         "| fwd+bwd/cuDNN | fwd+bwd/eff | bits |"
@@ -282,7 +285,7 @@ def run() -> str:
                 if change and time.perf_counter() - began > BUDGET_S:
                     skipped.append(f"{shape} {name}")
                     continue
-                fa._GPU_CONFIGS[d] = dataclasses.replace(base, **change)
+                _configs.GPU_CONFIGS[d] = dataclasses.replace(base, **change)
                 order = ",".join(
                     k for k, val in change.items() if k in ORDER_FIELDS and getattr(base, k) != val
                 )
@@ -295,7 +298,7 @@ def run() -> str:
                         outs = direct.all()
                         bits = _differs(outs, reference_bits[d][1]) + " vs table" if change else "(table)"
                         # candidates with equal order fields should agree with the first of their class
-                        key = (d, *(getattr(fa._GPU_CONFIGS[d], fld) for fld in ORDER_FIELDS))
+                        key = (d, *(getattr(_configs.GPU_CONFIGS[d], fld) for fld in ORDER_FIELDS))
                         if key in reference_bits and change and reference_bits[key][0] != "table (direct)":
                             first, ref = reference_bits[key]
                             bits += f"; {_differs(outs, ref)} vs {first}"
@@ -326,14 +329,14 @@ def run() -> str:
                         f"| {shape} | {name} | {order or '-'} | error: {type(exc).__name__} | | | | | | |"
                     )
                 finally:
-                    fa._GPU_CONFIGS[d] = base
+                    _configs.GPU_CONFIGS[d] = base
                 torch.cuda.empty_cache()
             print(
                 f"[ablate] {shape} done at {time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True
             )
     finally:
-        fa._GPU_CONFIGS.clear()
-        fa._GPU_CONFIGS.update(saved)
+        _configs.GPU_CONFIGS.clear()
+        _configs.GPU_CONFIGS.update(saved)
     text = "\n".join(lines)
     if skipped:
         text += "\n\nSkipped (time budget): " + "; ".join(skipped)
@@ -356,7 +359,7 @@ FWD_SHAPES = [  # (B, H, T, D, causal)
     (4, 32, 4096, 128, False),
     (4, 32, 4096, 64, True),
 ]
-FWD_BITS_FIELDS = ("fwd_block_n",)  # named bits-changing in flash_attention._Config
+FWD_BITS_FIELDS = ("fwd_block_n",)  # named bits-changing in _configs.Config
 FWD_BUDGET_S = 135.0
 
 
@@ -395,14 +398,13 @@ FWD_VARIANTS = {
 
 
 class _FwdCase:
-    """One forward shape: packed inputs for the launchers, (B, H, T, D) copies for SDPA."""
+    """One forward shape: (B, T, H, D) inputs, and (B, H, T, D) copies for SDPA."""
 
     def __init__(self, b, h, t, d, causal, device="cuda"):
         g = torch.Generator(device=device).manual_seed(t + d + causal)
         self.qkv = [
             torch.randn((b, t, h, d), generator=g, device=device, dtype=torch.bfloat16) for _ in range(3)
         ]
-        self.packed = [x.view(b * t, h, d) for x in self.qkv]
         self.sdpa = [x.transpose(1, 2).contiguous() for x in self.qkv]
         self.b, self.h, self.t, self.d, self.causal = b, h, t, d, causal
         self.scale = 1.0 / math.sqrt(d)
@@ -410,11 +412,7 @@ class _FwdCase:
         self.flops = 4 * b * h * t * t * d / (2 if causal else 1)
 
     def direct(self):
-        from det_attn import flash_attention as fa
-
-        q, k, v = self.packed
-        dense = (self.b, self.t, self.t)
-        return fa._forward(q, k, v, None, None, dense, self.t, self.scale, self.causal, 0.0, None, 0, 0)
+        return _direct_forward(*self.qkv, self.causal, self.scale)
 
     def public(self):
         from det_attn import attention
@@ -483,14 +481,14 @@ def _forward_rows(case, name, fields, fn, cud, ref, budget_left) -> tuple:
 
 def run_forward(variants: dict, budget_s: float, out: Path | None = None, shapes=FWD_SHAPES) -> tuple:
     """The forward-only ablation; returns (markdown text, rows for the JSON)."""
-    from det_attn import flash_attention as fa
+    from det_attn import _configs
 
     began = time.perf_counter()
 
     def budget_left():
         return budget_s - (time.perf_counter() - began)
 
-    saved = dict(fa._GPU_CONFIGS)
+    saved = dict(_configs.GPU_CONFIGS)
     rows, skipped, notes = [], [], []
     cases = [_FwdCase(*shape) for shape in shapes]
     cudnn, refs, class_refs = {}, {}, {}
@@ -537,7 +535,7 @@ def run_forward(variants: dict, budget_s: float, out: Path | None = None, shapes
                     if budget_left() <= 0:
                         skipped.append(f"{name} @ {case.name}")
                         continue
-                    fa._GPU_CONFIGS[d] = cfg
+                    _configs.GPU_CONFIGS[d] = cfg
                     try:
                         ref = refs.get(case.name)
                         key = (case.name, *(getattr(cfg, f) for f in FWD_BITS_FIELDS))
@@ -562,14 +560,14 @@ def run_forward(variants: dict, budget_s: float, out: Path | None = None, shapes
                             notes.append(f"CUDA context broken after {name} @ {case.name}: stopped there.")
                             raise _Stop from exc
                     finally:
-                        fa._GPU_CONFIGS[d] = base
+                        _configs.GPU_CONFIGS[d] = base
                 log(f"{name} done")
                 flush()
     except _Stop:
         pass
     finally:
-        fa._GPU_CONFIGS.clear()
-        fa._GPU_CONFIGS.update(saved)
+        _configs.GPU_CONFIGS.clear()
+        _configs.GPU_CONFIGS.update(saved)
     flush()
     text = _forward_markdown(rows, [c.name for c in cases])
     if skipped:

@@ -4,7 +4,7 @@ every forward variant of ``ablate_attention.FWD_VARIANTS``; report registers, sp
 
 Uses Triton's ahead-of-time path (``triton.compile`` of an ``ASTSource`` for ``GPUTarget("cuda",
 90, 32)``) with the launch arguments the launcher would pass at B4 H32 T4096 bf16 (built by
-``flash_attention._plan`` on meta tensors, specialized as Triton 3.6 does: ints equal to 1 become
+``_plans.build`` on meta tensors, specialized as Triton 3.6 does: ints equal to 1 become
 constants, multiples of 16 get the divisibility hint), then the ``ptxas`` bundled with Triton
 (``-v``). Per entry: registers, spill bytes, shared memory (> 227 KiB cannot launch on an H200),
 whether the dots became wgmma and the loads TMA, and programs per SM (registers and shared memory
@@ -41,8 +41,7 @@ sys.path[:0] = [
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from det_attn import _fwd_kernel, _kernels  # noqa: E402
-from det_attn import flash_attention as fa  # noqa: E402
+from det_attn import _bwd_kernels, _configs, _fwd_kernel, _plans  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -91,16 +90,16 @@ def _plan(cfg, head_dim: int, causal: bool, dropout: bool, packed: bool):
     """The launcher's plan at B, H, T with ``cfg`` in the table (padded batch, or ``packed``)."""
     q = torch.empty((B * T, H, head_dim), dtype=torch.bfloat16, device="meta")
     dense = None if packed else (B, T, T)
-    saved = fa._GPU_CONFIGS[head_dim]
-    fa._GPU_CONFIGS[head_dim] = cfg
+    saved = _configs.GPU_CONFIGS[head_dim]
+    _configs.GPU_CONFIGS[head_dim] = cfg
     try:
-        return fa._plan(q, q, dense, B, T, T, 1.0 / math.sqrt(head_dim), causal, dropout)
+        return _plans.build(q, q, dense, B, T, T, 1.0 / math.sqrt(head_dim), causal, dropout)
     finally:
-        fa._GPU_CONFIGS[head_dim] = saved
+        _configs.GPU_CONFIGS[head_dim] = saved
 
 
 def _drop(dropout: bool) -> tuple:
-    return fa._dropout_args(0.1 if dropout else 0.0, 1234 if dropout else None, 0, 0)
+    return _plans.dropout_args(0.1 if dropout else 0.0, 1234 if dropout else None, 0, 0)
 
 
 def _launch_args(kernel: str, plan, dropout: bool, packed: bool):
@@ -117,13 +116,13 @@ def _launch_args(kernel: str, plan, dropout: bool, packed: bool):
         return _fwd_kernel.attn_fwd_kernel, values, dict(plan.fwd.meta), plan.fwd_tma
     if kernel == "pre":
         values = ["*bf16", "*bf16", "*fp32", *plan.pre_args]
-        return _kernels.attn_bwd_preprocess_kernel, values, dict(plan.pre_meta), False
+        return _bwd_kernels.attn_bwd_preprocess_kernel, values, dict(plan.pre_meta), False
     if kernel == "dkdv":
         values = [*["*bf16"] * 4, "*fp32", "*fp32", "*bf16", "*bf16", *cu]
         values += [*plan.dkdv_sizes, *drop, *plan.dkdv_strides]
-        return _kernels.attn_bwd_dkdv_kernel, values, dict(plan.dkdv_meta), False
+        return _bwd_kernels.attn_bwd_dkdv_kernel, values, dict(plan.dkdv_meta), False
     values = [*["*bf16"] * 4, "*fp32", "*fp32", "*bf16", *cu, *plan.dq_sizes, *drop, *plan.dq_strides]
-    return _kernels.attn_bwd_dq_kernel, values, dict(plan.dq_meta), False
+    return _bwd_kernels.attn_bwd_dq_kernel, values, dict(plan.dq_meta), False
 
 
 def compile_entry(label: str, fn, values: list, meta: dict, tma: bool, digest: bool) -> str:
@@ -197,7 +196,7 @@ def _entries() -> list:
     from ablate_attention import FWD_VARIANTS
 
     entries = []
-    for head_dim, table in sorted(fa._GPU_CONFIGS.items(), reverse=True):
+    for head_dim, table in sorted(_configs.GPU_CONFIGS.items(), reverse=True):
         for causal in (True, False):
             kind = f"D{head_dim} {'causal' if causal else 'full'}"
             for dropout in (False, True):

@@ -224,10 +224,10 @@ def sweep() -> list[dict]:
     than the table's runs without its register cap); the backward rows give the TFLOP/s of the
     whole backward (preprocess + dK/dV + dQ).
     """
-    from det_attn import flash_attention as fa
+    from det_attn import _configs, attention
 
     results = []
-    saved = dict(fa._GPU_CONFIGS)
+    saved = dict(_configs.GPU_CONFIGS)
     fields = {
         "fwd": ("fwd_block_m", "fwd_block_n", "fwd_warps", "fwd_stages"),
         "dkdv": ("dkdv_block_m", "dkdv_block_n", "dkdv_warps", "dkdv_stages"),
@@ -240,27 +240,27 @@ def sweep() -> list[dict]:
             flops = 4.0 * b * h * t * t * d * 0.5
             q, k, v, do = _inputs(b, h, t, d, "bthd")
             qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
-            o = fa.attention(qg, kg, vg, causal=True)
             for kernel, candidates in (("fwd", SWEEP_FWD), ("dkdv", SWEEP_DKDV), ("dq", SWEEP_DQ)):
                 for config in candidates:
                     change = dict(zip(fields[kernel], config, strict=True))
                     if kernel == "fwd" and config[:2] != (base.fwd_block_m, base.fwd_block_n):
                         change["fwd_maxnreg"] = 0  # the table's register cap fits its own tile only
-                    fa._GPU_CONFIGS[d] = dataclasses.replace(base, **change)
+                    _configs.GPU_CONFIGS[d] = dataclasses.replace(base, **change)
                     if kernel == "fwd":
                         with torch.no_grad():
-                            ms = _bench(lambda q=q, k=k, v=v: fa.attention(q, k, v, causal=True))
+                            ms = _bench(lambda q=q, k=k, v=v: attention(q, k, v, causal=True))
                         tflops = _tflops(flops, ms)
-                    else:
+                    else:  # the backward launches with the forward's plan: a forward per candidate
+                        o = attention(qg, kg, vg, causal=True)
                         ms = _bench(
                             lambda o=o, do=do: o.backward(do, retain_graph=True), grad_to_none=[qg, kg, vg]
                         )
                         tflops = _tflops(2.5 * flops, ms)
                     results.append({"d": d, "kernel": kernel, "config": config, "tflops": tflops})
-                fa._GPU_CONFIGS[d] = base
+                _configs.GPU_CONFIGS[d] = base
     finally:
-        fa._GPU_CONFIGS.clear()
-        fa._GPU_CONFIGS.update(saved)
+        _configs.GPU_CONFIGS.clear()
+        _configs.GPU_CONFIGS.update(saved)
     return results
 
 

@@ -17,11 +17,11 @@ Large CPU tensors cost an ``mmap`` per allocation (B4 T1024 H32 D128 bf16 is 32 
 largest mmap threshold), host time a GPU's caching allocator does not spend; the same for every
 version of the code, so before / after differences stand. With ``--gpu`` the launches are real: the
 wall time per call is the host time when the shape's device time is shorter (a small shape such as
-``1,128,2,128``). Rows: ``attention()`` without grad, the launcher alone (``_forward``: no checks,
-no autograd), ``attention()`` forward with grad, forward + backward (``torch.autograd.grad``); each
-the minimum over repeats of the mean per call. ``DET_ATTN_SRC=DIR`` imports det_attn from ``DIR``
-(a checkout of another version: before / after on the same machine). Not a test, not a benchmark
-of the kernels (``bench_attention.py`` is).
+``1,128,2,128``). Rows: ``attention()`` without grad, the launcher alone (the plan and its forward
+launch, ``_plans``: no checks, no autograd), ``attention()`` forward with grad, forward + backward
+(``torch.autograd.grad``); each the minimum over repeats of the mean per call.
+``DET_ATTN_SRC=DIR`` imports det_attn from ``DIR`` (a checkout of another version: before / after
+on the same machine). Not a test, not a benchmark of the kernels (``bench_attention.py`` is).
 """
 
 from __future__ import annotations
@@ -45,8 +45,15 @@ sys.path[:0] = [
 import torch  # noqa: E402
 import triton.runtime.interpreter as interpreter  # noqa: E402
 import triton.runtime.jit as jit  # noqa: E402
-from det_attn import _fwd_kernel, _kernels, attention  # noqa: E402
+from det_attn import _fwd_kernel, attention  # noqa: E402
 from det_attn import flash_attention as fa  # noqa: E402
+
+try:
+    from det_attn import _bwd_kernels, _plans  # noqa: E402
+except ImportError:  # a version from before the host code was split by role (DET_ATTN_SRC)
+    from det_attn import _kernels as _bwd_kernels  # noqa: E402
+
+    _plans = None
 from det_core import runtime  # noqa: E402
 
 KERNELS = ("attn_fwd_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")
@@ -99,7 +106,7 @@ def stub_all() -> None:
 def direct_path() -> None:
     from triton import knobs
 
-    for module in (_fwd_kernel, _kernels):
+    for module in (_fwd_kernel, _bwd_kernels):
         for name in KERNELS:
             if hasattr(module, name):
                 setattr(module, name, _FakeKernel(getattr(module, name).fn))
@@ -162,12 +169,17 @@ def main(argv=None) -> int:
 
     def launcher():
         seed = next(seeds) if args.dropout else None
-        fa._forward(*flat, None, None, (b, t, t), t, scale, args.causal, args.dropout, seed, 0, 0, t)
+        if _plans is None:
+            fa._forward(*flat, None, None, (b, t, t), t, scale, args.causal, args.dropout, seed, 0, 0, t)
+            return
+        plan = _plans.padded_plan(q, k, v, None, args.causal, scale, args.dropout > 0.0)
+        drop = _plans.dropout_args(args.dropout, seed, 0, 0) if plan.dropout else None
+        _plans.launch_forward(plan, *_plans.kernel_inputs(q, k, v, plan.dense), None, None, drop)
 
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
     rows = (
         ("attention, no grad", lambda: call(q, k, v), False),
-        ("_forward (launcher)", launcher, False),
+        ("launcher (plan + launch)", launcher, False),
         ("attention, grad", lambda: call(qg, kg, vg), True),
         ("forward + backward", lambda: torch.autograd.grad(call(qg, kg, vg), (qg, kg, vg), do), True),
     )
@@ -175,7 +187,7 @@ def main(argv=None) -> int:
     print(f"{mode}: B,T,H,D = {args.shape}, H_kv {h_kv}, causal {args.causal}, dropout {args.dropout}")
     for name, fn, grad in rows:
         print(f"  {name:22s} {_per_call(fn, args.calls, args.repeats, grad, sync):8.1f} us/call")
-    print(f"  plans cached: {len(fa._PLANS)}")
+    print(f"  plans cached: {len(fa._PLANS if _plans is None else _plans.PLANS)}")
     if args.profile:
         import cProfile
         import pstats

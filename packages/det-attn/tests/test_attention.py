@@ -13,8 +13,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from det_attn import attention, attention_varlen, scaled_dot_product_attention
-from det_attn import flash_attention as fa
+from det_attn import _plans, attention, attention_varlen, scaled_dot_product_attention
 from det_attn.reference import attention_reference, attention_varlen_reference, dropout_keep_mask
 from det_core.testing import (
     assert_bitwise_equal,
@@ -140,7 +139,7 @@ def test_dkdv_one_loop_equals_split_loops(monkeypatch):
     # bits of the diagonal / full / tail loops (causal and not, GQA, dropout, ragged lengths, packed)
     import dataclasses
 
-    from det_attn import flash_attention as fa
+    from det_attn import _configs
 
     h_q, h_kv = 2, 1
     seqs = [(*_qkv(1, t, t + 6, h_q, h_kv, seed=t), _randn(1, t, h_q, D, seed=t + 9)) for t in (35, 17)]
@@ -148,8 +147,8 @@ def test_dkdv_one_loop_equals_split_loops(monkeypatch):
     for kw in ({"causal": True, "dropout_p": 0.2, "seed": 5}, {"causal": False}):
         got = {}
         for one_loop in (False, True):
-            cfg = dataclasses.replace(fa._INTERPRETER_CONFIG, dkdv_one_loop=one_loop)
-            monkeypatch.setattr(fa, "_INTERPRETER_CONFIG", cfg)
+            cfg = dataclasses.replace(_configs.INTERPRETER_CONFIG, dkdv_one_loop=one_loop)
+            monkeypatch.setattr(_configs, "INTERPRETER_CONFIG", cfg)
             got[one_loop] = _fwd_bwd(attention_varlen, q, k, v, do, cu_q, cu_k, max_q, max_k, **kw)
         for name, a, b in zip(NAMES, got[False], got[True], strict=True):
             assert_bitwise_equal(a, b, f"{name} {kw}")
@@ -606,15 +605,14 @@ def test_errors_are_the_same_with_warm_caches(monkeypatch):
     calls += [functools.partial(call, **kw) for _, call, kw, _, _ in _bad_dropout_cases()]
     cold = []
     for call in calls:
-        for name in ("_PADDED_CALLS", "_PACKED_CALLS"):
-            monkeypatch.setattr(fa, name, fa.runtime.PlanCache())
+        monkeypatch.setattr(_plans, "PLANS", _plans.runtime.PlanCache())
         cold.append(_error(call))
     q, k, v = _qkv(1, 8, 8, 2, 2)
     cu = torch.tensor([0, 8], dtype=torch.int32)
     attention(q, k, v)
     attention(q, k, v, dropout_p=0.1, seed=0)
     attention_varlen(q[0], k[0], v[0], cu, cu, 8, 8)
-    assert len(fa._PADDED_CALLS) == 1 and len(fa._PACKED_CALLS) == 1
+    assert len(_plans.PLANS) == 3  # without and with dropout, packed
     assert all(cold) and [_error(call) for call in calls] == cold
     # a cached CPU signature still needs the interpreter
     monkeypatch.setenv("TRITON_INTERPRET", "0")

@@ -1,4 +1,4 @@
-"""The forward kernel's switches (``flash_attention._Config`` fields ``fwd_tma``, host TMA
+"""The forward kernel's switches (``_configs.Config`` fields ``fwd_tma``, host TMA
 descriptors, and ``fwd_maxnreg``, a register cap; kernel in ``_fwd_kernel``) on CPU through the
 Triton interpreter, applied to the interpreter's config row (blocks of 32 queries x 16 keys).
 
@@ -16,8 +16,7 @@ import dataclasses
 
 import pytest
 import torch
-from det_attn import attention, attention_varlen
-from det_attn import flash_attention as fa
+from det_attn import _configs, _descriptors, _plans, attention, attention_varlen
 from det_core.testing import assert_bitwise_equal, contiguous_splits
 
 D = 64
@@ -46,9 +45,10 @@ def _qkv(batch, t_q, t_k, h_q, h_kv, seed=0):
 
 def _use(monkeypatch, **change):
     """Run the interpreter's row with ``change`` applied, with an empty plan cache (so
-    ``fa._PLANS`` then holds this config's plans only)."""
-    monkeypatch.setattr(fa, "_INTERPRETER_CONFIG", dataclasses.replace(fa._INTERPRETER_CONFIG, **change))
-    monkeypatch.setattr(fa, "_PLANS", type(fa._PLANS)())
+    ``_plans.PLANS`` then holds this config's plans only)."""
+    cfg = dataclasses.replace(_configs.INTERPRETER_CONFIG, **change)
+    monkeypatch.setattr(_configs, "INTERPRETER_CONFIG", cfg)
+    monkeypatch.setattr(_plans, "PLANS", type(_plans.PLANS)())
 
 
 def _cases():
@@ -91,7 +91,7 @@ def test_bit_neutral_forward_variant_gives_table_bits(variant, table_outputs, mo
         assert_bitwise_equal(o, want[name][0], f"o: {variant}, {name}")
         assert_bitwise_equal(lse, want[name][1], f"lse: {variant}, {name}")
     # the variant ran (not a fallback): its plans carry its switches
-    plans = list(fa._PLANS.values())
+    plans = list(_plans.PLANS.values())
     change = BIT_NEUTRAL[variant]
     assert plans
     # host descriptors serve the padded calls, packed ones take the pointer loads
@@ -141,7 +141,7 @@ def test_host_descriptor_path_keeps_packing_and_tile_position_invariance(monkeyp
             co, clse = attention(q[:, lo:hi], k[:, :hi], v[:, :hi], causal=True, return_lse=True)
             assert_bitwise_equal(co, o[:, lo:hi], f"o: {parts} chunks, {lo}:{hi}")
             assert_bitwise_equal(clse, lse[:, :, lo:hi], f"lse: {parts} chunks, {lo}:{hi}")
-    assert any(plan.fwd_tma for plan in fa._PLANS.values())
+    assert any(plan.fwd_tma for plan in _plans.PLANS.values())
 
 
 def test_host_descriptors_fall_back_to_pointers_with_the_same_bits(monkeypatch):
@@ -156,17 +156,17 @@ def test_host_descriptors_fall_back_to_pointers_with_the_same_bits(monkeypatch):
         return buf[1:].view(t.shape).copy_(t)
 
     with monkeypatch.context() as m:
-        m.setattr(fa.runtime.DescriptorTemplate, "__call__", None)  # a descriptor built would fail
+        m.setattr(_plans.runtime.DescriptorTemplate, "__call__", None)  # a descriptor built would fail
         got = attention(unaligned(q), k, v, causal=True, return_lse=True)
     for name, a, b in zip(("o", "lse"), got, want, strict=True):
         assert_bitwise_equal(a, b, f"{name}: unaligned q")
-    assert [plan.fwd_tma for plan in fa._PLANS.values()] == [True]  # the plan would take descriptors
-    monkeypatch.setattr(fa._descriptors, "_HAS_HOST_DESCRIPTORS", False)
+    assert [plan.fwd_tma for plan in _plans.PLANS.values()] == [True]  # the plan would take descriptors
+    monkeypatch.setattr(_descriptors, "_HAS_HOST_DESCRIPTORS", False)
     _use(monkeypatch)  # plans made anew
     got = attention(q, k, v, causal=True, return_lse=True)
     for name, a, b in zip(("o", "lse"), got, want, strict=True):
         assert_bitwise_equal(a, b, f"{name}: no host descriptors")
-    assert [plan.fwd_tma for plan in fa._PLANS.values()] == [False]
+    assert [plan.fwd_tma for plan in _plans.PLANS.values()] == [False]
 
 
 def test_forward_without_autograd_equals_autograd_forward():

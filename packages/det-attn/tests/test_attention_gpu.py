@@ -293,7 +293,7 @@ def test_error_vs_fp64_at_most_twice_sdpa_flash(d, causal):
     assert (ours[1].double() - rlse).abs().max().item() < 1e-4
 
 
-# forward switches of flash_attention._Config expected to keep the table's bits (the ablation,
+# forward switches of _configs.Config expected to keep the table's bits (the ablation,
 # benchmarks/ablate_attention.py --forward, times them; CPU tests check them on the interpreter)
 FWD_VARIANTS = {
     "pointers": {"fwd_tma": False},  # instead of host TMA descriptors (and no register cap)
@@ -306,7 +306,7 @@ def test_bit_neutral_forward_variants_give_table_bits(variant, monkeypatch):
     # padded (D128 causal GQA with cross lengths, D64 non-causal) and packed (ragged neighbours)
     import dataclasses
 
-    from det_attn import flash_attention as fa
+    from det_attn import _configs
 
     dense128 = _qkv(2, 1537, 1600, 32, 4, 128, seed=800)
     dense64 = _qkv(2, 1000, 1000, 16, 16, 64, seed=801)
@@ -327,7 +327,7 @@ def test_bit_neutral_forward_variants_give_table_bits(variant, monkeypatch):
     want = {name: call() for name, call in calls.items()}
     for d in (64, 128):
         monkeypatch.setitem(
-            fa._GPU_CONFIGS, d, dataclasses.replace(fa._GPU_CONFIGS[d], **FWD_VARIANTS[variant])
+            _configs.GPU_CONFIGS, d, dataclasses.replace(_configs.GPU_CONFIGS[d], **FWD_VARIANTS[variant])
         )
     for name, call in calls.items():
         for repeat in range(2):

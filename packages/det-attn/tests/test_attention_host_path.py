@@ -1,8 +1,8 @@
 """The host path of ``det_attn.attention`` / ``attention_varlen`` on CPU (Triton interpreter).
 
-Per call signature the launcher keeps a plan (``flash_attention._PLANS``: grids, sizes, strides,
-constexprs and ``runtime.BoundLaunch`` objects) and the signature-only checks' outcome
-(``_PADDED_CALLS`` / ``_PACKED_CALLS``). Under the interpreter a bound launch is ``kernel[grid]``
+Per call signature the launcher keeps a plan in one cache (``_plans.PLANS``: grids, sizes,
+strides, constexprs, ``runtime.BoundLaunch`` objects and the signature-only checks' outcome).
+Under the interpreter a bound launch is ``kernel[grid]``
 with the same arguments, so these tests check the plumbing: plans and checks reused, the bound
 launches holding exactly the arguments ``runtime.launch`` gets, dropout still through
 ``runtime.launch`` with its per-call seed, the dropout arguments a launch without dropout fixes
@@ -17,8 +17,7 @@ import fractions
 
 import pytest
 import torch
-from det_attn import attention
-from det_attn import flash_attention as fa
+from det_attn import _bwd_kernels, _checks, _fwd_kernel, _plans, attention
 from det_core.testing import assert_bitwise_equal
 
 D = 64
@@ -39,15 +38,14 @@ def _fwd_bwd(q, k, v, do, **kwargs):
 
 @pytest.fixture
 def fresh_caches(monkeypatch):
-    for name in ("_PLANS", "_PADDED_CALLS", "_PACKED_CALLS"):
-        monkeypatch.setattr(fa, name, fa.runtime.PlanCache())
+    monkeypatch.setattr(_plans, "PLANS", _plans.runtime.PlanCache())
 
 
 @pytest.fixture
 def counts(monkeypatch):
-    """Calls of ``_check_qkv`` and of ``runtime.launch`` (the unbound launches) by det_attn."""
+    """Calls of ``_checks.check_qkv`` and of ``runtime.launch`` (the unbound launches) by det_attn."""
     seen = {"checks": 0, "launches": 0}
-    check, launch = fa._check_qkv, fa.runtime.launch
+    check, launch = _checks.check_qkv, _plans.runtime.launch
 
     def counted_check(*args, **kwargs):
         seen["checks"] += 1
@@ -57,8 +55,8 @@ def counts(monkeypatch):
         seen["launches"] += 1
         return launch(*args, **kwargs)
 
-    monkeypatch.setattr(fa, "_check_qkv", counted_check)
-    monkeypatch.setattr(fa.runtime, "launch", counted_launch)
+    monkeypatch.setattr(_checks, "check_qkv", counted_check)
+    monkeypatch.setattr(_plans.runtime, "launch", counted_launch)
     return seen
 
 
@@ -67,45 +65,45 @@ def test_second_call_reuses_plan_and_checks_and_binds_every_launch(fresh_caches,
     do = _randn(2, 37, 4, D, seed=4)
     first = _fwd_bwd(q, k, v, do, causal=True)
     assert counts == {"checks": 1, "launches": 0}  # no dropout: forward and backward all bound
-    (plan,) = fa._PLANS.values()
+    (plan,) = _plans.PLANS.values()
     second = _fwd_bwd(q, k, v, do, causal=True)
     with torch.no_grad():
         third = attention(q, k, v, causal=True, return_lse=True)
     assert counts == {"checks": 1, "launches": 0}  # the signature's checks passed once
-    assert list(fa._PLANS.values()) == [plan] and len(fa._PADDED_CALLS) == 1
+    assert list(_plans.PLANS.values()) == [plan]
     for name, a, b in zip(NAMES, second, first, strict=True):
         assert_bitwise_equal(a, b, name)
     assert_bitwise_equal(third[0], first[0], "o: no_grad")
     # another signature (causal off) is checked and planned anew
     attention(q, k, v)
-    assert counts["checks"] == 2 and len(fa._PLANS) == 2 and len(fa._PADDED_CALLS) == 2
+    assert counts["checks"] == 2 and len(_plans.PLANS) == 2
 
 
 def test_bound_launches_hold_the_arguments_runtime_launch_gets(fresh_caches):
     q, k, v = _randn(1, 45, 2, D), _randn(1, 45, 1, D), _randn(1, 45, 1, D)
     attention(q, k, v, causal=True)
-    (plan,) = fa._PLANS.values()
+    (plan,) = _plans.PLANS.values()
     no_dropout = (0, 0, 0, 0, 0, 1.0)
     launches = (
-        (plan.fwd.bound, fa._fwd_kernel.attn_fwd_kernel, 7, plan.fwd.sizes, plan.fwd_strides, plan.fwd.meta),
+        (plan.fwd.bound, _fwd_kernel.attn_fwd_kernel, 7, plan.fwd.sizes, plan.fwd_strides, plan.fwd.meta),
         (
-            plan.fwd_pointers.bound, fa._fwd_kernel.attn_fwd_kernel, 7, plan.fwd_pointers.sizes,
+            plan.fwd_pointers.bound, _fwd_kernel.attn_fwd_kernel, 7, plan.fwd_pointers.sizes,
             plan.fwd_strides, plan.fwd_pointers.meta,
         ),
         (
-            plan.dkdv_launch, fa._kernels.attn_bwd_dkdv_kernel, 10, plan.dkdv_sizes, plan.dkdv_strides,
+            plan.dkdv_launch, _bwd_kernels.attn_bwd_dkdv_kernel, 10, plan.dkdv_sizes, plan.dkdv_strides,
             plan.dkdv_meta,
         ),
-        (plan.dq_launch, fa._kernels.attn_bwd_dq_kernel, 9, plan.dq_sizes, plan.dq_strides, plan.dq_meta),
+        (plan.dq_launch, _bwd_kernels.attn_bwd_dq_kernel, 9, plan.dq_sizes, plan.dq_strides, plan.dq_meta),
     )  # fmt: skip
     for bound, kernel, n_leading, sizes, strides, meta in launches:
         assert bound.kernel is kernel and bound.n_leading == n_leading
         assert bound.trailing == (*sizes, *no_dropout, *strides)
         assert bound.kwargs == meta
     pre = plan.pre_launch
-    assert pre.kernel is fa._kernels.attn_bwd_preprocess_kernel and pre.n_leading == 3
+    assert pre.kernel is _bwd_kernels.attn_bwd_preprocess_kernel and pre.n_leading == 3
     assert pre.trailing == plan.pre_args and pre.kwargs == plan.pre_meta
-    assert fa._dropout_args(0.0, None, 5, 7) == no_dropout
+    assert _plans.dropout_args(0.0, None, 5, 7) == no_dropout
 
 
 def test_dropout_goes_through_runtime_launch_with_its_seed(fresh_caches, counts):
@@ -115,7 +113,7 @@ def test_dropout_goes_through_runtime_launch_with_its_seed(fresh_caches, counts)
     assert counts["launches"] == 3  # forward, dK/dV, dQ (the preprocess kernel is bound)
     b = _fwd_bwd(q, k, v, do, causal=True, dropout_p=0.3, seed=11)
     c = _fwd_bwd(q, k, v, do, causal=True, dropout_p=0.3, seed=12)
-    (plan,) = fa._PLANS.values()  # one plan for every seed
+    (plan,) = _plans.PLANS.values()  # one plan for every seed
     assert plan.fwd.bound is None and plan.dkdv_launch is None and plan.dq_launch is None
     assert counts == {"checks": 1, "launches": 9}
     for name, x, y, z in zip(NAMES, a, b, c, strict=True):
@@ -130,21 +128,21 @@ def test_kernels_ignore_dropout_arguments_without_dropout(fresh_caches):
     for dense in (True, False):
         q, k, v = _randn(2, 29, 4, D, seed=20), _randn(2, 35, 2, D, seed=21), _randn(2, 35, 2, D, seed=22)
         do = _randn(58, 4, D, seed=23)
-        q, k, v = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))
         if dense:
             cu_q = cu_k = None
-            call = ((2, 29, 35), 29, 35, 0.125, True, 0.0, None, 0, 0)
+            plan = _plans.padded_plan(q, k, v, None, True, 0.125, False)
         else:
             cu_q = torch.tensor([0, 12, 58], dtype=torch.int32)
             cu_k = torch.tensor([0, 20, 70], dtype=torch.int32)  # causal: keys >= queries
-            call = (None, 46, 50, 0.125, True, 0.0, None, 0, 0)
-        plan, drop = fa._plan_and_dropout(q, k, cu_q, call)
-        assert drop is None
-        want = fa._launch_forward(plan, q, k, v, cu_q, cu_k, None)
-        want += fa._launch_backward(plan, do, q, k, v, *want, cu_q, cu_k, None)
+            q, k, v = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))
+            plan = _plans.packed_plan(q, k, v, None, 2, 46, 50, True, 0.125, False)
+        assert not plan.dropout and plan.dense == ((2, 29, 35) if dense else None)
+        q, k, v = _plans.kernel_inputs(q, k, v, plan.dense)
+        want = _plans.launch_forward(plan, q, k, v, cu_q, cu_k, None)
+        want += _plans.launch_backward(plan, do, q, k, v, *want, cu_q, cu_k, None)
         other = (123, 456, 7, 3, 2**31, 0.5)  # seed words, offsets, threshold, scale
-        got = fa._launch_forward(plan, q, k, v, cu_q, cu_k, other)
-        got += fa._launch_backward(plan, do, q, k, v, *got, cu_q, cu_k, other)
+        got = _plans.launch_forward(plan, q, k, v, cu_q, cu_k, other)
+        got += _plans.launch_backward(plan, do, q, k, v, *got, cu_q, cu_k, other)
         for name, a, b in zip(("o", "lse2", "dq", "dk", "dv"), got, want, strict=True):
             assert_bitwise_equal(a, b, f"{name}: dense={dense}")
 
@@ -159,7 +157,7 @@ def test_other_argument_kinds_are_checked_every_call(fresh_caches, counts):
         assert counts["checks"] == before + 1
     before = counts["checks"]
     assert_bitwise_equal(attention(torch.nn.Parameter(q), k, v, causal=True, softmax_scale=0.5), want)
-    assert counts["checks"] == before + 1 and len(fa._PADDED_CALLS) == 1
+    assert counts["checks"] == before + 1 and len(_plans.PLANS) == 1
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "packed qkv", "transposed", "transposed B1"])

@@ -1,103 +1,23 @@
-"""Triton kernels of deterministic flash attention: shared helpers, backward preprocess, dK/dV, dQ
-(the forward kernel, with its variants, is in ``_fwd_kernel``).
+"""Backward kernels of deterministic flash attention: preprocess (``delta = rowsum(dO * O)``), dK/dV
+and dQ; no atomics (the forward kernel is in ``_fwd_kernel``, the helpers both use in ``_tiles``).
 
 Method: FlashAttention-2 (Dao, 2023, arXiv:2307.08691) as laid out in the Triton tutorial
-"06 fused attention" (online softmax in base 2, fp32 accumulators, causal blocks split into a
-masked diagonal part and an unmasked part). What is different here, and why:
-
-* Every tensor is handled in packed ("varlen") form ``(total_tokens, H, D)`` with ``cu_seqlens``;
-  a program works on one (sequence, head, tile) and its tiles start at the sequence's own first
-  token, so a sequence's bits never depend on its batch or packing neighbours.
-* The backward pass uses no atomics: one kernel owns a KV block and loops over the query blocks
-  (and, for GQA, over the query heads of its KV head) in a fixed ascending order to form dK and
-  dV; a second kernel owns a query block and loops over the KV blocks in ascending order to
-  form dQ. Each gradient element is written once, by one program.
-* Dropout bits come from det-core's Philox, keyed by (seed, sequence, head, query, key)
-  with query/key positions counted inside the sequence.
-
-Softmax bookkeeping is in base 2: ``qk2 = (q . k) * scale * log2(e)``; the saved ``lse2`` is
-``log2(sum_j 2**qk2_j)`` per row, so the natural LSE is ``lse2 * ln(2)``.
+"06 fused attention" (fp32 accumulators, causal blocks split into masked diagonal and ragged-tail
+parts and an unmasked part), with the layout of ``_tiles`` (packed ``(total_tokens, H, D)``, tiles
+aligned to each sequence's first token, base-2 softmax bookkeeping with the saved ``lse2``). The
+backward pass uses no atomics: one kernel owns a KV block and loops over the query blocks (and,
+for GQA, over the query heads of its KV head) in a fixed ascending order to form dK and dV; a
+second kernel owns a query block and loops over the KV blocks in ascending order to form dQ. Each
+gradient element is written once, by one program. Dropout bits come from det-core's Philox, keyed
+by (seed, sequence, head, query, key) with query/key positions counted inside the sequence.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-from det_core import rng
 
-DROPOUT_STREAM: tl.constexpr = tl.constexpr(2)  # == rng.STREAM_ATTN_DROPOUT (checked by the host module)
-
-
-@triton.jit
-def _to_out(x, OUT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
-    # fp32 -> output dtype, round to nearest even. The Triton interpreter truncates fp32 -> bf16
-    # (fp_downcast_rounding is ignored there, seen in 3.9), so under it round with integer ops
-    # (finite values only, which is all attention produces).
-    y = x.to(OUT_DTYPE)
-    if UPCAST:
-        if OUT_DTYPE == tl.bfloat16:
-            b = x.to(tl.uint32, bitcast=True)
-            b = b + 0x7FFF + ((b >> 16) & 1)
-            y = (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return y
-
-
-@triton.jit
-def _dropout_keep(
-    seed_lo, seed_hi, seq, head, offs_q, start_k, threshold, BLOCK_K: tl.constexpr, QK_T: tl.constexpr
-):
-    # Keep mask of a tile of queries `offs_q` and keys start_k .. start_k + BLOCK_K - 1. Philox key
-    # (seed_lo, seed_hi); counter per det-core's RNG contract with step word = sequence id, stream =
-    # attention dropout, index = head << 44 | query << 22 | key (positions inside the sequence).
-    # Four neighbouring keys 4j .. 4j+3 share one Philox call (counter index >> 2); start_k % 4 == 0.
-    offs_j = start_k // 4 + tl.arange(0, BLOCK_K // 4)
-    if QK_T:  # tile laid out [key, query]
-        ctr = (head.to(tl.int64) << 42) + (offs_q[None, :].to(tl.int64) << 20) + offs_j[:, None].to(tl.int64)
-    else:  # tile laid out [query, key]
-        ctr = (head.to(tl.int64) << 42) + (offs_q[:, None].to(tl.int64) << 20) + offs_j[None, :].to(tl.int64)
-    zero = tl.zeros(ctr.shape, tl.uint32)
-    r0, r1, r2, r3 = rng.philox4x32_10(
-        (ctr & 0xFFFFFFFF).to(tl.uint32),
-        (ctr >> 32).to(tl.uint32),
-        zero + seq,
-        zero + DROPOUT_STREAM,
-        zero + seed_lo,
-        zero + seed_hi,
-    )
-    words = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [..., a, b] holds word 2b + a
-    if QK_T:
-        bits = tl.reshape(tl.permute(words, (0, 3, 2, 1)), [BLOCK_K, offs_q.shape[0]])  # key 4j + 2b + a
-    else:
-        bits = tl.reshape(tl.permute(words, (0, 1, 3, 2)), [offs_q.shape[0], BLOCK_K])
-    return bits.to(tl.int64) >= threshold
-
-
-@triton.jit
-def _seq_span(cu_ptr, seq, seqlen, DENSE: tl.constexpr):
-    # (first token, length) of sequence `seq`: from cu_seqlens, or, for a padded batch (DENSE),
-    # seq * seqlen and seqlen (the same numbers, with no dependent load before the first tile).
-    if DENSE:
-        start = seq.to(tl.int64) * seqlen
-        length = tl.zeros([], tl.int32) + seqlen
-    else:
-        start = tl.load(cu_ptr + seq).to(tl.int64)
-        length = (tl.load(cu_ptr + seq + 1) - start).to(tl.int32)
-    return start, length
-
-
-@triton.jit
-def _program_tile(n_tiles, n_heads, HEAVY_LAST: tl.constexpr):
-    # Grid axis 0 is tile-rank-major over heads (rank * n_heads + head) so that every head's
-    # heaviest causal tile is dispatched before any lighter one (longest job first); axis 1 is
-    # the sequence. Which program owns a tile never changes what the tile computes (no effect on bits).
-    pid = tl.program_id(0)
-    rank = pid // n_heads
-    head = pid % n_heads
-    if HEAVY_LAST:
-        tile = n_tiles - 1 - rank
-    else:
-        tile = rank
-    return tile, tl.program_id(1), head
+from ._tiles import dropout_keep, program_tile, seq_span, to_out
 
 
 @triton.jit
@@ -187,7 +107,7 @@ def _dkdv_inner(
             pT = tl.where(visible, pT, 0.0)
         dpT = tl.dot(v, tl.trans(do))
         if DROPOUT:
-            keep = _dropout_keep(seed_lo, seed_hi, seq, head, offs_m, start_n, drop_threshold, BLOCK_N, True)
+            keep = dropout_keep(seed_lo, seed_hi, seq, head, offs_m, start_n, drop_threshold, BLOCK_N, True)
             pdT = tl.where(keep, pT * drop_scale, 0.0)
             dpT = tl.where(keep, dpT * drop_scale, 0.0)
         else:
@@ -253,12 +173,12 @@ def attn_bwd_dkdv_kernel(
 ):
     # One program owns KV block `tile` of KV head `kv_head`: it sums over the query heads of the
     # group (ascending) and, for each, over the query blocks (ascending). No atomics.
-    tile, seq, kv_head = _program_tile(n_tiles, n_heads, False)  # causal: early KV tiles are heavier
-    k_start, k_len = _seq_span(cu_k_ptr, seq, seqlen_k, DENSE)
+    tile, seq, kv_head = program_tile(n_tiles, n_heads, False)  # causal: early KV tiles are heavier
+    k_start, k_len = seq_span(cu_k_ptr, seq, seqlen_k, DENSE)
     start_n = tile * BLOCK_N
     if start_n >= k_len:
         return
-    q_start, q_len = _seq_span(cu_q_ptr, seq, seqlen_q, DENSE)
+    q_start, q_len = seq_span(cu_q_ptr, seq, seqlen_q, DENSE)
     diag = k_len - q_len
     DTYPE = q_ptr.dtype.element_ty
 
@@ -433,8 +353,8 @@ def attn_bwd_dkdv_kernel(
             )
     dk = dk * sm_scale
     out_off = (k_start + offs_n[:, None].to(tl.int64)) * stride_dkt + kv_head * stride_dkh + offs_d[None, :]
-    tl.store(dk_ptr + out_off, _to_out(dk, dk_ptr.dtype.element_ty, UPCAST), mask=col_ok[:, None])
-    tl.store(dv_ptr + out_off, _to_out(dv, dv_ptr.dtype.element_ty, UPCAST), mask=col_ok[:, None])
+    tl.store(dk_ptr + out_off, to_out(dk, dk_ptr.dtype.element_ty, UPCAST), mask=col_ok[:, None])
+    tl.store(dv_ptr + out_off, to_out(dv, dv_ptr.dtype.element_ty, UPCAST), mask=col_ok[:, None])
 
 
 @triton.jit
@@ -489,7 +409,7 @@ def _dq_inner(
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, vT)
         if DROPOUT:
-            keep = _dropout_keep(seed_lo, seed_hi, seq, head, offs_m, start, drop_threshold, BLOCK_N, False)
+            keep = dropout_keep(seed_lo, seed_hi, seq, head, offs_m, start, drop_threshold, BLOCK_N, False)
             dp = tl.where(keep, dp * drop_scale, 0.0)
         ds = p * (dp - delta[:, None])
         if UPCAST:
@@ -545,12 +465,12 @@ def attn_bwd_dq_kernel(
     DENSE: tl.constexpr,
 ):
     # One program owns query block `tile` of one head and loops over KV blocks in ascending order.
-    tile, seq, head = _program_tile(n_tiles, n_heads, True)
-    q_start, q_len = _seq_span(cu_q_ptr, seq, seqlen_q, DENSE)
+    tile, seq, head = program_tile(n_tiles, n_heads, True)
+    q_start, q_len = seq_span(cu_q_ptr, seq, seqlen_q, DENSE)
     start_m = tile * BLOCK_M
     if start_m >= q_len:
         return
-    k_start, k_len = _seq_span(cu_k_ptr, seq, seqlen_k, DENSE)
+    k_start, k_len = seq_span(cu_k_ptr, seq, seqlen_k, DENSE)
     diag = k_len - q_len
     kv_head = head // group
     DTYPE = q_ptr.dtype.element_ty
@@ -642,6 +562,6 @@ def attn_bwd_dq_kernel(
     dq = dq * sm_scale
     tl.store(
         dq_ptr + rows * stride_dqt + head * stride_dqh + offs_d[None, :],
-        _to_out(dq, dq_ptr.dtype.element_ty, UPCAST),
+        to_out(dq, dq_ptr.dtype.element_ty, UPCAST),
         mask=row_ok[:, None],
     )

@@ -2,11 +2,11 @@
 
 Method: FlashAttention-2 (Dao, 2023, arXiv:2307.08691) as in the Triton tutorial "06 fused
 attention": online softmax in base 2, fp32 accumulators, the causal key blocks of a tile split
-into a loop without a mask and a masked loop (diagonal, ragged tail). See ``_kernels`` for the
+into a loop without a mask and a masked loop (diagonal, ragged tail). See ``_tiles`` for the
 layout (packed ``(total_tokens, H, D)``, tiles aligned to each sequence's first token) and the
 softmax bookkeeping (``qk2 = (q . k) * scale * log2(e)``, saved ``lse2``).
 
-Load path (constexpr ``TMA``, ``flash_attention._Config.fwd_tma``): ``False`` pointer loads and
+Load path (constexpr ``TMA``, ``_configs.Config.fwd_tma``): ``False`` pointer loads and
 stores (masked on the ragged tiles), any packing; ``True`` host TMA tensor descriptors over
 ``(B, T, H * D)`` (padded batches only: rows past ``T`` read as zeros, stores past it dropped,
 what the masked pointer loads and stores do). The tiles fed to the dots hold the same values
@@ -18,63 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._kernels import _dropout_keep, _program_tile, _seq_span, _to_out
-
-
-@triton.jit
-def _k_tile(
-    k_src,
-    stride_kt,
-    start,
-    offs_n0,
-    offs_d,
-    k_len,
-    seq,
-    kv_col,
-    BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    MASKED: tl.constexpr,
-    TMA: tl.constexpr,
-):
-    # K block `start .. start + BLOCK_N - 1`, transposed ([HEAD_DIM, BLOCK_N]); keys past k_len are 0
-    if TMA:
-        kT = tl.trans(tl.reshape(k_src.load([seq, start, kv_col]), [BLOCK_N, HEAD_DIM]))
-    else:
-        offs_n = start + offs_n0
-        kT_ptrs = k_src + offs_n[None, :].to(tl.int64) * stride_kt + offs_d[:, None]
-        if MASKED:
-            kT = tl.load(kT_ptrs, mask=offs_n[None, :] < k_len, other=0.0)
-        else:
-            kT = tl.load(kT_ptrs)
-    return kT
-
-
-@triton.jit
-def _v_tile(
-    v_src,
-    stride_kt,
-    start,
-    offs_n0,
-    offs_d,
-    k_len,
-    seq,
-    kv_col,
-    BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    MASKED: tl.constexpr,
-    TMA: tl.constexpr,
-):
-    # V block `start .. start + BLOCK_N - 1` ([BLOCK_N, HEAD_DIM]); keys past k_len are 0
-    if TMA:
-        v = tl.reshape(v_src.load([seq, start, kv_col]), [BLOCK_N, HEAD_DIM])
-    else:
-        offs_n = start + offs_n0
-        v_ptrs = v_src + offs_n[:, None].to(tl.int64) * stride_kt + offs_d[None, :]
-        if MASKED:
-            v = tl.load(v_ptrs, mask=offs_n[:, None] < k_len, other=0.0)
-        else:
-            v = tl.load(v_ptrs)
-    return v
+from ._tiles import dropout_keep, k_tile, program_tile, seq_span, to_out, v_tile
 
 
 @triton.jit
@@ -135,10 +79,10 @@ def _fwd_inner(
     # Key blocks start_n, start_n + BLOCK_N, ... < end_n, ascending: S = Q K^T, softmax step, O += P V.
     offs_n0 = tl.arange(0, BLOCK_N)
     for start in tl.range(start_n, end_n, BLOCK_N):
-        kT = _k_tile(
+        kT = k_tile(
             k_src, stride_kt, start, offs_n0, offs_d, k_len, seq, kv_col, BLOCK_N, HEAD_DIM, MASKED, TMA
         )
-        v = _v_tile(
+        v = v_tile(
             v_src, stride_kt, start, offs_n0, offs_d, k_len, seq, kv_col, BLOCK_N, HEAD_DIM, MASKED, TMA
         )
         if UPCAST:
@@ -149,7 +93,7 @@ def _fwd_inner(
         )
         acc = acc * alpha[:, None]
         if DROPOUT:
-            keep = _dropout_keep(
+            keep = dropout_keep(
                 seed_lo, seed_hi, seq_id, head_id, offs_m, start, drop_threshold, BLOCK_N, False
             )
             p = tl.where(keep, p * drop_scale, 0.0)
@@ -201,12 +145,12 @@ def attn_fwd_kernel(
     DENSE: tl.constexpr,
     TMA: tl.constexpr = False,
 ):
-    tile, seq, head = _program_tile(n_tiles, n_heads, True)  # causal: later query tiles are heavier
-    q_start, q_len = _seq_span(cu_q_ptr, seq, seqlen_q, DENSE)
+    tile, seq, head = program_tile(n_tiles, n_heads, True)  # causal: later query tiles are heavier
+    q_start, q_len = seq_span(cu_q_ptr, seq, seqlen_q, DENSE)
     start_m = tile * BLOCK_M
     if start_m >= q_len:
         return
-    k_start, k_len = _seq_span(cu_k_ptr, seq, seqlen_k, DENSE)
+    k_start, k_len = seq_span(cu_k_ptr, seq, seqlen_k, DENSE)
     diag = k_len - q_len  # bottom-right causal alignment: query i sees keys j <= i + diag
     kv_head = head // group
 
@@ -261,7 +205,7 @@ def attn_fwd_kernel(
     )  # fmt: skip
     acc = acc / l_i[:, None]
     lse2 = m_i + tl.math.log2(l_i)
-    out = _to_out(acc, DTYPE, UPCAST)
+    out = to_out(acc, DTYPE, UPCAST)
     if TMA:
         o_ptr.store([seq, start_m, head * HEAD_DIM], tl.reshape(out, [1, BLOCK_M, HEAD_DIM]))
     else:

@@ -10,7 +10,8 @@ import importlib
 
 import torch
 
-from .flash_attention import _as_dropout_p, _as_seed, attention, attention_varlen
+from ._checks import as_dropout_p, as_seed
+from .flash_attention import attention, attention_varlen
 
 __all__ = ["det_attn_transformers_forward", "register_transformers_attention"]
 
@@ -60,10 +61,10 @@ def det_attn_transformers_forward(
     for name in ("sliding_window", "softcap"):
         if kwargs.get(name) is not None:
             raise ValueError(f"{op}: {name} is not supported")
-    dropout = _as_dropout_p(dropout, "dropout", op)
+    dropout = as_dropout_p(dropout, "dropout", op)
     seed = kwargs.get("det_attn_seed")
     if seed is not None:
-        seed = _as_seed(seed, "det_attn_seed", op)
+        seed = as_seed(seed, "det_attn_seed", op)
     elif dropout > 0.0:
         raise ValueError(
             f"{op}: attention dropout needs a seed: pass det_attn_seed=<int> through the model call"
