@@ -76,9 +76,7 @@ def _gpt_candidates():
         "lean tma quads s4 lpp8 (no flat)": r(table, flat=False),
         "lean tma quads s4 lpp16": r(table, leaves_per_program=16),
         "lean tma quads s3": r(table, num_stages=3),
-        "lean tma quads interleave s3": r(table, interleave=True, flat=False, num_stages=3),
         "lean tma pairs s4 lpp8 (old table)": r(table, quads=False, flat=False),
-        "lean tma pairs s4 lpp8 reg-merge": r(table, quads=False, flat=False, merge_in_registers=True),
         "plain lpp1 s4": W(128, 128, 64, 8, 8, 4, 1),
         "plain lpp2 s4": W(128, 128, 64, 8, 8, 4, 2),
         "plain lpp1 s3 64x128 w4": W(64, 128, 64, 8, 4, 3, 1),
@@ -104,13 +102,9 @@ def _candidates():
     base = W(128, 128, 64, 8, 8, 3, 8)
     r = dataclasses.replace
     dw = {
-        "lean ptr s3 maxnreg128 2/SM": r(base, lean=True, maxnreg=128),
-        "lean tma s3 maxnreg128 2/SM": r(base, lean=True, tma=True, maxnreg=128),
+        "lean ptr s3 1/SM": r(base, lean=True, programs_per_sm=1),
         "lean tma s4 1/SM": r(base, lean=True, tma=True, num_stages=4, programs_per_sm=1),
         "lean tma pairs s4 1/SM": r(base, lean=True, tma=True, pairs=True, num_stages=4, programs_per_sm=1),
-        "lean tma reg-merge s4 1/SM": r(
-            base, lean=True, tma=True, merge_in_registers=True, num_stages=4, programs_per_sm=1
-        ),
     }
     return fwd, dw
 

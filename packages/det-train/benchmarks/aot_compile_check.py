@@ -3,15 +3,19 @@
 Uses Triton's ahead-of-time path (``triton.compile`` of an ``ASTSource`` for ``GPUTarget("cuda",
 90, 32)``) and, when present, the ``ptxas`` bundled with Triton (``-v``) for registers and spills.
 A CPU-side check of the fixed config table: every table entry must compile, use wgmma, pipeline its
-loads, and not spill (the TMA forward and the lean dW kernel of the table included; with
-``maxnreg`` 128 the lean kernel fits two programs per SM). Depends on Triton internals (checked
+loads, and not spill (the TMA forward and the lean dW kernel of the table included). Depends on
+Triton internals (checked
 with Triton 3.9); not a test.
 
-    python packages/det-train/benchmarks/aot_compile_check.py
+    python packages/det-train/benchmarks/aot_compile_check.py [--ptx-digest]
+
+``--ptx-digest`` compiles without line info (``TRITON_DISABLE_LINE_INFO=1``) and prints each entry's
+PTX sha256: a refactor that must keep the kernels shows the same digests before and after.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import os
 import subprocess
@@ -20,6 +24,9 @@ import tempfile
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
+DIGEST = "--ptx-digest" in sys.argv[1:]
+if DIGEST:  # read at compile time: source line numbers would otherwise be part of the PTX
+    os.environ["TRITON_DISABLE_LINE_INFO"] = "1"
 ROOT = Path(__file__).resolve().parents[3]
 sys.path[:0] = [str(ROOT / "packages/det-train/torch-ext"), str(ROOT / "shared/det-core")]
 
@@ -52,7 +59,7 @@ def _ptxas() -> Path | None:
     return None
 
 
-def compile_one(name, fn, types, constexprs, num_warps, num_stages, maxnreg=None) -> bool:
+def compile_one(name, fn, types, constexprs, num_warps, num_stages) -> bool:
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
     attrs = {
         (i,): [["tt.divisibility", 16]]
@@ -67,13 +74,15 @@ def compile_one(name, fn, types, constexprs, num_warps, num_stages, maxnreg=None
     )
     try:
         kernel = triton.compile(
-            src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages, "maxnreg": maxnreg}
+            src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages}
         )
     except Exception as exc:  # report every entry
         print(f"{name}: COMPILE FAILED: {type(exc).__name__}: {str(exc)[-1500:]}")
         return False
     ptx = kernel.asm.get("ptx", "")
     info = f"shared={kernel.metadata.shared} wgmma={'wgmma' in ptx}"
+    if DIGEST:
+        info += f" ptx_sha256={hashlib.sha256(ptx.encode()).hexdigest()[:16]}"
     ptxas = _ptxas()
     ok = True
     if ptxas is not None:
@@ -149,12 +158,20 @@ def main() -> int:
                 quads = w.quads and w.tma and levels >= 2
                 lean = dict(
                     common, MAX_LEVELS=levels - (2 if quads else 1 if w.pairs else 0), PAIRS=w.pairs,
-                    TMA=w.tma, MERGE_ROWS=0 if w.merge_in_registers else min(32, w.block_n),
-                    INTERLEAVE=w.interleave and w.tma, QUADS=quads, FLAT=quads and w.flat,
+                    TMA=w.tma, MERGE_ROWS=min(32, w.block_n), QUADS=quads, FLAT=quads and w.flat,
                 )  # fmt: skip
                 bad += not compile_one(
-                    f"dW {dtype} {cls} lean tma={w.tma} quads={quads} flat={w.flat} maxnreg={w.maxnreg}",
-                    lin._weight_grad_lean_kernel, ltypes, lean, w.num_warps, w.num_stages, maxnreg=w.maxnreg,
+                    f"dW {dtype} {cls} lean tma={w.tma} quads={quads} flat={w.flat} maxnreg=None",
+                    lin._weight_grad_lean_kernel, ltypes, lean, w.num_warps, w.num_stages,
+                )  # fmt: skip
+            if w.lean and w.pairs:  # the same entry when TMA does not apply (pointer loads, pairs)
+                fallback = dict(
+                    common, MAX_LEVELS=levels - 1, PAIRS=True, TMA=False, MERGE_ROWS=min(32, w.block_n),
+                    QUADS=False, FLAT=False,
+                )  # fmt: skip
+                bad += not compile_one(
+                    f"dW {dtype} {cls} lean pointer loads (no TMA)", lin._weight_grad_lean_kernel, wtypes,
+                    fallback, w.num_warps, w.num_stages,
                 )  # fmt: skip
             bad += not compile_one(
                 f"dW {dtype} {cls} one leaf",

@@ -209,7 +209,7 @@ def _sweep(m, k, n, tensors) -> list[dict]:
             # the leaves-in-registers kernel; benchmarks/ablate_matmul.py compares the lean ones
             cfg = dataclasses.replace(
                 base, leaves_per_program=lpp, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
-                lean=False, tma=False, maxnreg=None, pairs=False, quads=False, flat=False, programs_per_sm=2,
+                lean=False, tma=False, pairs=False, quads=False, flat=False, programs_per_sm=2,
             )  # fmt: skip
             ms = _bench(
                 lambda cfg=cfg: weight_grad_partial(

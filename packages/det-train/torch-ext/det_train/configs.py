@@ -4,9 +4,7 @@ A config is looked up by **dtype, operand layout and the shape class of N and K*
 rows M (tokens) takes part in exactly one place, and never in the reduction order: for the
 forward layout ``"nt"`` in the large class, **M selects between two kernels whose bits are
 identical** — the TMA kernel when ``M >= TMA_MIN_ROWS`` (1024; tiles loaded through host tensor
-descriptors, 0.95x / 0.86x cuBLAS at 8192 rows on an H200, 0.96x at 1024 x 4096 x 4096) and the
-pointer kernel below it (0.72x at 1024 rows; in run 4, before launches went through
-``det_core.runtime.launch``, the TMA kernel's host cost made it the slower one there). Both entries
+descriptors) and the pointer kernel below it (measurements: docs/benchmarks). Both entries
 fold K in steps of the same ``block_k`` with the same ``tl.dot``, so a row's bits do not depend on
 which kernel ran (checked on the GPU by
 ``test_gpu_tma_and_pointer_kernels_agree_across_the_row_threshold``,
@@ -26,16 +24,10 @@ steps of ``block_k`` (each step one ``tl.dot``, i.e. a fixed tensor-core instruc
 only tile the output, load the tiles and schedule the work: every entry of one dtype uses the same
 ``block_k``, so every entry gives the same bits (checked by a ``gpu`` test). For the weight gradient
 the token step ``block_t`` changes bits (it is the fold step inside a leaf); ``leaves_per_program``,
-``lean``, ``pairs``, ``interleave``, ``quads``, ``flat``,
-``merge_in_registers``, ``tma``, ``programs_per_sm`` and ``maxnreg`` do not (they choose how much
-of the fixed leaf tree one program computes, where it keeps waiting nodes, how it loads tiles and
-how many programs share an SM).
-
-**Supported dW variants.** ``check_weight_grad_config`` rejects, with a ValueError, combinations
-that ptxas cannot compile: a ``maxnreg`` cap below the fp32 accumulator tiles the lean kernel keeps
-live plus ``MAXNREG_HEADROOM`` registers (Triton 3.6 on an H200: a 128x256 tile at 8 warps — 128
-registers of accumulator — under ``maxnreg=128`` failed with ptxas C7602 "Insufficient registers
-... register target of 154 or higher"), and ``maxnreg`` on a kernel that does not take it.
+``lean``, ``pairs``, ``quads``, ``flat``, ``tma`` and ``programs_per_sm`` do not (they choose how
+much of the fixed leaf tree one program computes, where it keeps waiting nodes, how it loads tiles
+and how many programs share an SM). ``check_weight_grad_config`` rejects the combinations the
+kernels do not implement, with a ValueError, before anything compiles.
 """
 
 from __future__ import annotations
@@ -47,14 +39,12 @@ import torch
 
 __all__ = [
     "BIAS_GRAD_BLOCK_T",
-    "MAXNREG_HEADROOM",
     "WIDE_MIN_ELEMENTS",
     "TMA_MIN_ROWS",
     "MatmulConfig",
     "WeightGradConfig",
     "check_weight_grad_config",
     "layout_of",
-    "live_accumulator_registers",
     "matmul_config",
     "rows_class",
     "shape_class",
@@ -90,13 +80,10 @@ class WeightGradConfig:
     leaves_per_program: int  # leaves of the canonical tree one program combines (a power of 2; 1, 2
     # or 4 in registers, any with lean)
     lean: bool = False  # the persistent tree kernel: waiting nodes in a per-program fp32 scratch
-    # stack (in L2), one tile live in the token loop; with maxnreg=128 two programs fit on an SM
+    # stack (in L2), one tile live in the token loop
     pairs: bool = False  # with lean: the two leaves of each level-1 node summed in registers
     programs_per_sm: int = 2  # resident programs of the persistent tree kernels (sizes the scratch)
-    maxnreg: int | None = None  # register cap per thread (ptxas .maxnreg), None: the compiler's choice
     tma: bool = False  # with lean: dY / X tiles loaded by TMA (when leaves are block_t-aligned)
-    merge_in_registers: bool = False  # with lean: add whole left-sibling tiles in registers
-    interleave: bool = False  # with lean, pairs, tma: both leaves of a pair folded in one loop
     quads: bool = False  # with lean, pairs, tma: four leaves (two pairs) summed in registers
     flat: bool = False  # with quads: a full quad's leaves in one flattened, pipelined loop nest
 
@@ -117,12 +104,7 @@ TMA_MIN_ROWS = 1024
 # (dtype group, layout, shape class of N and K, rows class) -> config. Shape class "large": N >= 256
 # and K >= 256. Rows class "any" except for the large forward ("nt"): "many" (M >= TMA_MIN_ROWS) and
 # "few" (M < TMA_MIN_ROWS) — two kernels with one block_k, so the same bits (module docstring).
-# Measured on an H200 (torch 2.11, Triton 3.6, bf16, 2026-11-29, benchmarks/ablate_matmul.py):
-#   nt, M = 8192, K = 4096, N = 4096 / 14336: TMA 128x256 g8 s4 0.95x / 0.86x cuBLAS, pointer
-#   128x256 g8 s3 0.71x / 0.65x; M = 1024, K = N = 4096: TMA 0.96x, pointer 0.72x (device time in
-#   a CUDA graph and plain do_bench alike, 2026-11-30; M = 2048: 0.95x / 0.73x; N = 14336: 0.87x /
-#   0.72x). Run 4 had TMA 0.49x there: host-bound, before det_core.runtime.launch.
-#   nn (dX) pointer 128x256 s4: 0.92-0.98x cuBLAS (benchmarks/bench_matmul.py).
+# Chosen from benchmarks/ablate_matmul.py on an H200 (the numbers: docs/benchmarks, runs 4-10).
 _MATMUL_TABLE: dict[tuple[str, str, str, str], MatmulConfig] = {
     ("half", "nn", "large", "any"): MatmulConfig(128, 256, 64, 8, 8, 4),
     ("half", "nt", "large", "many"): MatmulConfig(128, 256, 64, 8, 8, 4, tma=True),
@@ -139,19 +121,12 @@ _MATMUL_TABLE: dict[tuple[str, str, str, str], MatmulConfig] = {
 
 # dW = dY^T X: A = dY read transposed (tokens contiguous per column), B = X row-major.
 # Wide (N * K >= WIDE_MIN_ELEMENTS: at least ~2 waves of 128x256 tiles on an H200): 128x256 output
-# tile, one fp32 tile live, TMA loads, 3 stages, persistent lean kernel (a finished leaf waits in the
+# tile, one fp32 tile live, TMA loads, persistent lean kernel (a finished leaf waits in the
 # per-program L2 scratch stack). Large (both >= 256, fewer elements): 128x128 tiles with quads (the
-# four leaves of a level-2 node summed in registers: three tiles live, one program per SM; levels
-# >= 2 merged through the scratch stack), flat (a full quad's token steps as one flattened,
-# software-pipelined loop) and TMA loads, 4 stages: twice the tiles, which these layers need to fill
-# the SMs. Up to 8 leaves per program: a micro-batch of <= 8 leaves is finished in-kernel.
-# Measured on an H200 (torch 2.11, Triton 3.6, device time in a CUDA graph / do_bench, cuBLAS
-# alongside; 2026-11-30, run 10, .probe/probe_long.py), dW vs cuBLAS with 8192-token leaves (the
-# default): 128x256 0.95-0.97x at the issue's 8192-row shapes (1.19x / 0.96x at 4096 rows, 1.24x /
-# 0.94x at 1024), the 128x128 quads entry 0.83-0.92x there; at the GPT layer 16384 x 768 x 2304
-# (54 tiles of 128x256) 128x256 0.51x, 128x128 quads 0.91x. With 4096-token leaves 128x256 ran
-# 0.82-0.88x, with 1024-token leaves the quads entry 0.69-0.80x (runs 8-9): the leaf closes (a
-# wgmma drain and a pipeline fill each) are what cost, hence the 8192-token default leaf.
+# four leaves of a level-2 node summed in registers, levels >= 2 merged through the scratch stack)
+# and flat (a full quad as one flattened, software-pipelined loop): twice the tiles, which these
+# layers need to fill the SMs. Up to 8 leaves per program. Why these entries, and the variants
+# measured against them: docs/det-train.md ("The table's two dW entries") and docs/benchmarks.
 WIDE_MIN_ELEMENTS = 1 << 22
 _WEIGHT_GRAD_TABLE: dict[tuple[str, str], WeightGradConfig] = {
     ("half", "wide"): WeightGradConfig(
@@ -179,16 +154,11 @@ _WEIGHT_GRAD_TABLE: dict[tuple[str, str], WeightGradConfig] = {
         quads=True,
         flat=True,
         programs_per_sm=1,
-        maxnreg=None,
         tma=True,
     ),
     ("half", "small"): WeightGradConfig(64, 64, 64, 8, 4, 3, 1),
     ("fp32", "any"): WeightGradConfig(64, 64, 32, 8, 4, 3, 1),
 }
-
-# Registers per thread a maxnreg cap must leave beside the live fp32 accumulator tiles (addresses,
-# loop state, TMA descriptors): ptxas asked for 154 with a 128-register accumulator (Triton 3.6).
-MAXNREG_HEADROOM = 32
 
 
 def _dtype_group(dtype: torch.dtype) -> str:
@@ -245,50 +215,17 @@ def weight_grad_config(dtype: torch.dtype, n: int, k: int) -> WeightGradConfig:
     return _WEIGHT_GRAD_TABLE[(group, shape)]
 
 
-def live_accumulator_registers(config: WeightGradConfig) -> int:
-    """fp32 registers per thread held by the dW kernel's live accumulator tiles (three with
-    ``quads``, two with ``pairs`` or ``merge_in_registers`` in the lean kernel, else one)."""
-    tiles = 2 if config.lean and (config.pairs or config.merge_in_registers) else 1
-    if config.lean and config.quads:
-        tiles = 3
-    return tiles * config.block_n * config.block_k // (32 * config.num_warps)
-
-
 @functools.lru_cache(maxsize=256)  # configs are frozen (hashable); checked once each, not per launch
 def check_weight_grad_config(config: WeightGradConfig) -> None:
     """Raise ValueError for a dW config outside the supported variants (before any compile).
 
-    Rejected: ``leaves_per_program`` not a power of 2 (or above 4 without ``lean``); ``interleave`` or
-    ``quads`` without ``lean``, ``pairs`` and ``tma``; ``flat`` without ``quads``; ``maxnreg`` on a
-    kernel other than the lean one (it would be ignored); a ``maxnreg`` below
-    ``live_accumulator_registers(config) + MAXNREG_HEADROOM`` (ptxas fails with "Insufficient
-    registers", e.g. a 128x256 tile at 8 warps under ``maxnreg=128`` on Triton 3.6 and 3.9, or
-    spills: ``pairs`` with two 128x128 tiles under ``maxnreg=128`` spills ~1 KB per thread).
+    Rejected: ``leaves_per_program`` not a power of 2 (or above 4 without ``lean``); ``quads``
+    without ``lean``, ``pairs`` and ``tma``; ``flat`` without ``quads``.
     """
     lpp = config.leaves_per_program
     if lpp < 1 or lpp & (lpp - 1) or (lpp > 4 and not config.lean):
         raise ValueError(f"leaves_per_program must be 1, 2 or 4 (any power of 2 with lean), got {lpp}")
-    if (config.interleave or config.quads) and not (config.lean and config.pairs and config.tma):
-        raise ValueError(
-            "interleave and quads are TMA variants of the pairs kernel: they need lean, pairs and tma"
-        )
+    if config.quads and not (config.lean and config.pairs and config.tma):
+        raise ValueError("quads is a TMA variant of the pairs kernel: it needs lean, pairs and tma")
     if config.flat and not config.quads:
         raise ValueError("flat is a variant of quads (a full quad in one flattened loop): set quads=True")
-    if config.maxnreg is None:
-        return
-    if not config.lean:
-        raise ValueError(
-            f"maxnreg={config.maxnreg} applies to the lean dW kernel only; set lean=True or maxnreg=None"
-        )
-    need = live_accumulator_registers(config) + MAXNREG_HEADROOM
-    tiles = live_accumulator_registers(config) * 32 * config.num_warps // (config.block_n * config.block_k)
-    tiles_note = f", {tiles} tiles live" if tiles > 1 else ""
-    if config.maxnreg < need:
-        raise ValueError(
-            f"unsupported dW config: maxnreg={config.maxnreg} leaves no room for the live fp32 accumulator "
-            f"({live_accumulator_registers(config)} registers per thread for "
-            f"{config.block_n}x{config.block_k} at {config.num_warps} warps"
-            f"{tiles_note}); "
-            f"ptxas cannot compile it or must spill. Use maxnreg >= {need}, maxnreg=None, "
-            "or a smaller tile / more warps."
-        )

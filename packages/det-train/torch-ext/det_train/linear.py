@@ -19,7 +19,7 @@ from det_core import runtime
 from det_core.reduce import TreePartial, num_leaves
 
 from .grad_accum import DEFAULT_LEAF_TOKENS, current_accumulator
-from .matmul import _check_bias, launch_linear, launch_matmul
+from .matmul import check_bias, launch_linear, launch_matmul
 from .weight_grad import bias_grad_partial, weight_grad_partial
 
 __all__ = ["Linear", "bias_grad_partial", "linear", "weight_grad_partial"]
@@ -136,7 +136,7 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise TypeError(f"{op}: x ({x.dtype}) and weight ({weight.dtype}) must have one dtype; cast x first")
     runtime.check_kernel_device(x, weight, op=op)
     if bias is not None:
-        _check_bias(bias, weight.shape[0], weight, op)
+        check_bias(bias, weight.shape[0], weight, op)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,7 +15,7 @@ accumulators reproduces the unsplit result bit for bit (see docs/det-train.md, t
 
 from __future__ import annotations
 
-import functools
+import math
 
 import torch
 import triton
@@ -23,55 +23,20 @@ import triton.language as tl
 from det_core import runtime
 
 from . import configs
+from ._tiles import (
+    INTERPRET,
+    bf16_by_bits,
+    dot_precision,
+    grouped_tile,
+    row_major,
+    runtime_programs,
+    store_rounded,
+)
 from .configs import MatmulConfig, layout_of, matmul_config
 
 __all__ = ["matmul", "matmul_partial"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-# Triton read TRITON_INTERPRET when it decorated the kernels below (at import): read it once too, not
-# per launch (an environment lookup each time, several per launch)
-_INTERPRET = runtime.interpreter_active()
-
-
-@triton.jit
-def store_rounded(ptrs, acc, mask, BF16_BY_BITS: tl.constexpr):
-    """Store fp32 ``acc`` rounded to nearest-even in the pointee dtype.
-
-    With ``BF16_BY_BITS`` (Triton interpreter, bf16 output) the rounding is done on the bit pattern:
-    the interpreter's own fp32 -> bf16 cast truncates, unlike the GPU's ``cvt.rn.bf16.f32``.
-    """
-    if BF16_BY_BITS:
-        bits = acc.to(tl.uint32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        rounded = tl.where(acc != acc, 0x7FC0, rounded)  # NaN stays a (quiet) NaN
-        tl.store(ptrs, rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
-    else:
-        tl.store(ptrs, acc.to(ptrs.dtype.element_ty), mask=mask)
-
-
-def bf16_by_bits(dtype: torch.dtype) -> bool:
-    """Whether kernels must round fp32 -> bf16 by bit operations (under the Triton interpreter)."""
-    return dtype == torch.bfloat16 and _INTERPRET
-
-
-@triton.jit
-def _grouped_tile(tile, num_pid_a, num_pid_b, GROUP: tl.constexpr):
-    """``(pid_a, pid_b)`` of output tile number ``tile`` in grouped order (Triton tutorial 03):
-    ``GROUP`` consecutive tiles along ``a`` share a ``b`` column, for L2 reuse. Only the schedule,
-    never the values."""
-    num_pid_in_group = GROUP * num_pid_b
-    first_pid_a = (tile // num_pid_in_group) * GROUP
-    group_size_a = tl.minimum(num_pid_a - first_pid_a, GROUP)
-    pid_a = first_pid_a + ((tile % num_pid_in_group) % group_size_a)
-    pid_b = (tile % num_pid_in_group) // group_size_a
-    return pid_a, pid_b
-
-
-@triton.jit
-def _row_major(t, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """``t`` itself; under the interpreter a row-major copy of a transposed view (through a reshape)."""
-    return tl.reshape(tl.reshape(t, (ROWS * COLS,)), (ROWS, COLS))
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -93,7 +58,7 @@ def _matmul_kernel(
 ):  # fmt: skip
     pid = tl.program_id(0)
     batch = tl.program_id(1).to(tl.int64)
-    pid_m, pid_n = _grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     # rows / columns past the end wrap around: they are computed and never stored, so every load
     # is in bounds without an M or N mask and no other row is touched
@@ -135,7 +100,7 @@ def _matmul_kernel(
             a = a.to(tl.float32)
             b = b.to(tl.float32)
             if B_NK_TILES:  # as in the TMA kernel: a row-major copy for numpy's dot
-                b = _row_major(b, BLOCK_K, BLOCK_N)
+                b = row_major(b, BLOCK_K, BLOCK_N)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += a_k_step
         b_ptrs += b_k_step
@@ -172,7 +137,7 @@ def _matmul_tma_kernel(
     else:
         first, step = tl.program_id(0), num_pid_m * num_pid_n
     for tile_id in range(first, num_pid_m * num_pid_n, step):
-        pid_m, pid_n = _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -184,7 +149,7 @@ def _matmul_tma_kernel(
                 b = b_desc.load([k * BLOCK_K, off_n])
             if UPCAST:  # interpreter: fp32 dot of a row-major copy (numpy sums a transposed view
                 a = a.to(tl.float32)  # in another order); the GPU dot reads either from smem
-                b = _row_major(b.to(tl.float32), BLOCK_K, BLOCK_N)
+                b = row_major(b.to(tl.float32), BLOCK_K, BLOCK_N)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         rows = off_m + tl.arange(0, BLOCK_M)
         cols = off_n + tl.arange(0, BLOCK_N)
@@ -253,7 +218,7 @@ def _make_plan(key, a, b, out, carry, bias, config) -> _Plan:
         config = matmul_config(a.dtype, layout_of(a, b), N, K, rows=M)
     common = dict(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        HAS_BIAS=bias is not None, DOT_PRECISION=_dot_precision(a.dtype),
+        HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(a.dtype),
         BF16_BY_BITS=bf16_by_bits(out.dtype),
     )  # fmt: skip
     descs = _tma_operands(a, b, config, carry) if config.tma else None
@@ -264,7 +229,7 @@ def _make_plan(key, a, b, out, carry, bias, config) -> _Plan:
         plan = _Plan(
             True, (programs,), _matmul_tma_kernel, 4, (M, N, K, out.stride(0), out.stride(1), programs),
             dict(
-                common, B_KMAJOR=b_kmajor, PERSISTENT=config.persistent, UPCAST=_INTERPRET,
+                common, B_KMAJOR=b_kmajor, PERSISTENT=config.persistent, UPCAST=INTERPRET,
                 num_warps=config.num_warps, num_stages=config.num_stages,
             ),
             runtime.DescriptorTemplate(a_desc), runtime.DescriptorTemplate(b_desc),
@@ -291,7 +256,7 @@ def _make_plan(key, a, b, out, carry, bias, config) -> _Plan:
             ),
             dict(
                 common, EVEN_K=K % config.block_k == 0, HAS_CARRY=carry is not None,
-                UPCAST=_INTERPRET and a.dtype != torch.float32, B_NK_TILES=config.b_nk_tiles,
+                UPCAST=INTERPRET and a.dtype != torch.float32, B_NK_TILES=config.b_nk_tiles,
                 num_warps=config.num_warps, num_stages=config.num_stages,
             ),
         )  # fmt: skip
@@ -301,25 +266,6 @@ def _make_plan(key, a, b, out, carry, bias, config) -> _Plan:
 def _launch_tma(plan: _Plan, a_desc, b_desc, out: torch.Tensor, bias) -> torch.Tensor:
     plan.launch(plan.grid, a_desc, b_desc, out, bias if bias is not None else out)
     return out
-
-
-def runtime_programs(device: torch.device) -> int:
-    """Programs of a persistent matmul: one per SM (4 under the interpreter)."""
-    if device.type != "cuda":
-        return 4
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    # cached: a property lookup per launch is measurable host time at ~600 launches per step
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _dot_precision(dtype: torch.dtype) -> str | None:
-    """``tl.dot`` input precision: IEEE for fp32 (Triton's default there is TF32); Triton's
-    default (None) for bf16 / fp16, whose products are exact in the fp32 accumulator."""
-    return "ieee" if dtype == torch.float32 or _INTERPRET else None
 
 
 def _as_batched(t: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -374,7 +320,7 @@ def launch_linear(x2d: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bi
     return out
 
 
-def _check_operands(a: torch.Tensor, b: torch.Tensor, op: str) -> None:
+def check_operands(a: torch.Tensor, b: torch.Tensor, op: str) -> None:
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -407,11 +353,13 @@ def _broadcast(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Te
             f"{tuple(b.shape)} (batch {tuple(a.shape[:-2])} vs {tuple(b.shape[:-2])}); each pair of "
             "batch sizes, aligned from the right, must be equal or 1, as in torch.matmul"
         ) from None
+    # the batch count is explicit: reshape cannot infer -1 for a tensor of 0 elements (K = 0 or M = 0)
+    z = math.prod(batch)
     if b.dim() == 2:  # (..., M, K) @ (K, N): one 3-D launch with B shared (batch stride 0)
-        a3 = a.reshape(-1, *a.shape[-2:])
+        a3 = a.reshape(z, *a.shape[-2:])
         return a3, b, batch
-    a_e = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
-    b_e = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
+    a_e = a.expand(*batch, *a.shape[-2:]).reshape(z, *a.shape[-2:])
+    b_e = b.expand(*batch, *b.shape[-2:]).reshape(z, *b.shape[-2:])
     return a_e, b_e, batch
 
 
@@ -458,14 +406,14 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             "det_train.matmul has no backward: use det_train.linear (canonical-order dW) for trainable "
             "weights, det_train.deterministic_mode() for whole models, or call it under torch.no_grad()"
         )
-    return _forward_matmul(a, b)
+    return forward_matmul(a, b)
 
 
-def _forward_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def forward_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``matmul`` without the autograd check, for kernels registered below autograd
     (``deterministic_mode``'s routed ``mm`` / ``bmm``: autograd records the op's own backward
     there, and the operands still report ``requires_grad``)."""
-    _check_operands(a, b, "det_train.matmul")
+    check_operands(a, b, "det_train.matmul")
     a_v, b_v, batch = _broadcast(a, b)
     M, K = a_v.shape[-2:]
     N = b_v.shape[-1]
@@ -515,7 +463,7 @@ def matmul_partial(
     valid, still deterministic, but different order. Cost: the parts run one after another (a chain,
     not a tree); each hop sends an fp32 ``(M, N)`` accumulator.
     """
-    _check_operands(a, b, "det_train.matmul_partial")
+    check_operands(a, b, "det_train.matmul_partial")
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError("det_train.matmul_partial takes 2-D a and b")
     M, K = a.shape
@@ -530,7 +478,7 @@ def matmul_partial(
     if bias is not None:
         if not finish:
             raise ValueError("bias is added by the last part only: pass finish=True with it")
-        _check_bias(bias, N, a, "det_train.matmul_partial")
+        check_bias(bias, N, a, "det_train.matmul_partial")
     out = torch.empty((M, N), dtype=a.dtype if finish else torch.float32, device=a.device)
     if out.numel() == 0:
         return out
@@ -544,7 +492,7 @@ def matmul_partial(
     return launch_matmul(a, b, out, carry=carry, bias=bias)
 
 
-def _check_bias(bias: torch.Tensor, n: int, like: torch.Tensor, op: str) -> None:
+def check_bias(bias: torch.Tensor, n: int, like: torch.Tensor, op: str) -> None:
     if not isinstance(bias, torch.Tensor) or bias.dim() != 1 or bias.shape[0] != n:
         shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
         raise ValueError(f"{op}: bias must be a 1-D tensor of {n} elements, got {shape}")

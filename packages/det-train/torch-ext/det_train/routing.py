@@ -19,7 +19,7 @@ import torch
 from det_core import runtime
 
 from .linear import linear
-from .matmul import _check_operands, _forward_matmul, launch_matmul
+from .matmul import check_operands, forward_matmul, launch_matmul
 
 __all__ = ["deterministic_mode", "routed_ops"]
 
@@ -28,7 +28,7 @@ _state = {"depth": 0, "library": None}
 
 def _acc32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The unrounded fp32 accumulator of ``a @ b`` (2-D or 3-D), for the scaled variants."""
-    _check_operands(a, b, "deterministic_mode")
+    check_operands(a, b, "deterministic_mode")
     shape = (*a.shape[:-1], b.shape[-1]) if a.dim() >= b.dim() else (b.shape[0], a.shape[0], b.shape[-1])
     out = torch.empty(shape, dtype=torch.float32, device=a.device)
     if out.numel() == 0:
@@ -47,7 +47,7 @@ def _scaled(inp: torch.Tensor, acc: torch.Tensor, beta, alpha, dtype: torch.dtyp
 
 
 def _mm(a, b):
-    return _forward_matmul(a, b)
+    return forward_matmul(a, b)
 
 
 def _addmm(inp, mat1, mat2, *, beta=1, alpha=1):
@@ -58,7 +58,7 @@ def _addmm(inp, mat1, mat2, *, beta=1, alpha=1):
         and inp.dtype == mat1.dtype
         and inp.shape[0] == mat2.shape[1]
     ):
-        _check_operands(mat1, mat2, "deterministic_mode: addmm")
+        check_operands(mat1, mat2, "deterministic_mode: addmm")
         out = torch.empty((mat1.shape[0], mat2.shape[1]), dtype=mat1.dtype, device=mat1.device)
         if out.numel() == 0 or mat1.shape[1] == 0:
             return out.copy_(inp.expand_as(out))
@@ -71,7 +71,7 @@ def _bmm(a, b):
         raise ValueError(f"bmm: expected 3-D tensors, got {tuple(a.shape)} and {tuple(b.shape)}")
     if a.shape[0] != b.shape[0]:
         raise ValueError(f"bmm: batch sizes differ: {a.shape[0]} and {b.shape[0]}")
-    return _forward_matmul(a, b)
+    return forward_matmul(a, b)
 
 
 def _baddbmm(inp, batch1, batch2, *, beta=1, alpha=1):
@@ -79,13 +79,13 @@ def _baddbmm(inp, batch1, batch2, *, beta=1, alpha=1):
 
 
 def _mv(mat, vec):
-    return _forward_matmul(mat, vec.unsqueeze(1)).squeeze(1)
+    return forward_matmul(mat, vec.unsqueeze(1)).squeeze(1)
 
 
 def _dot(a, b):
     if a.dim() != 1 or b.dim() != 1:
         raise ValueError(f"dot: expected 1-D tensors, got {tuple(a.shape)} and {tuple(b.shape)}")
-    return _forward_matmul(a.unsqueeze(0), b.unsqueeze(1)).reshape(())
+    return forward_matmul(a.unsqueeze(0), b.unsqueeze(1)).reshape(())
 
 
 def _linear(x, weight, bias=None):

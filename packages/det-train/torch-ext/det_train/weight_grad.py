@@ -22,16 +22,16 @@ from det_core import runtime
 from det_core.reduce import TreePartial, num_leaves
 
 from ._leaf_sums import coarsen, sub_leaf_tokens
-from .configs import BIAS_GRAD_BLOCK_T, WeightGradConfig, check_weight_grad_config, weight_grad_config
-from .matmul import (
-    _INTERPRET,
-    _dot_precision,
-    _grouped_tile,
-    _row_major,
+from ._tiles import (
+    INTERPRET,
     bf16_by_bits,
+    dot_precision,
+    grouped_tile,
+    row_major,
     runtime_programs,
     store_rounded,
 )
+from .configs import BIAS_GRAD_BLOCK_T, WeightGradConfig, check_weight_grad_config, weight_grad_config
 
 __all__ = ["bias_grad_leaves", "bias_grad_partial", "dw_scratch_shape", "weight_grad_partial"]
 
@@ -68,6 +68,19 @@ def _leaf_sum(
 
 
 @triton.jit
+def _tma_step(
+    dy_desc, x_desc, t, off_n, off_k, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, UPCAST: tl.constexpr
+):
+    """The operands of one token step by TMA: dY^T (BLOCK_N, BLOCK_T) and X (BLOCK_T, BLOCK_K)."""
+    a = tl.trans(dy_desc.load([t, off_n]))
+    b = x_desc.load([t, off_k])
+    if UPCAST:  # interpreter: fp32 dot of a row-major copy, as matmul's TMA kernel
+        a = row_major(a.to(tl.float32), BLOCK_N, BLOCK_T)
+        b = b.to(tl.float32)
+    return a, b
+
+
+@triton.jit
 def _leaf_sum_tma(
     dy_desc, x_desc, tok_start, tok_end, off_n, off_k,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, UPCAST: tl.constexpr,
@@ -76,74 +89,27 @@ def _leaf_sum_tma(
     """``_leaf_sum`` with TMA tile loads (tokens past T zero-filled; leaf ends are BLOCK_T-aligned)."""
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for t in range(tok_start, tok_end, BLOCK_T):
-        a = tl.trans(dy_desc.load([t, off_n]))  # dY^T tile (BLOCK_N, BLOCK_T)
-        b = x_desc.load([t, off_k])  # X tile (BLOCK_T, BLOCK_K)
-        if UPCAST:  # interpreter: fp32 dot of a row-major copy, as matmul's TMA kernel
-            a = _row_major(a.to(tl.float32), BLOCK_N, BLOCK_T)
-            b = b.to(tl.float32)
+        a, b = _tma_step(dy_desc, x_desc, t, off_n, off_k, BLOCK_N, BLOCK_T, UPCAST)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     return acc
-
-
-@triton.jit
-def _leaf_pair_sum_tma(
-    dy_desc, x_desc, left_start, LEAF_TOKENS, off_n, off_k,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """Two full adjacent leaves folded in one loop (step i of both per iteration), then added:
-    each leaf is still its own fold from zero in token order, so the bits are those of two
-    ``_leaf_sum_tma`` calls; one pipeline fill per pair instead of one per leaf."""
-    right_start = left_start + LEAF_TOKENS
-    left = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    right = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for t in range(0, LEAF_TOKENS, BLOCK_T):
-        a0 = tl.trans(dy_desc.load([left_start + t, off_n]))
-        b0 = x_desc.load([left_start + t, off_k])
-        a1 = tl.trans(dy_desc.load([right_start + t, off_n]))
-        b1 = x_desc.load([right_start + t, off_k])
-        if UPCAST:  # interpreter: fp32 dot of row-major copies, as _leaf_sum_tma
-            a0 = _row_major(a0.to(tl.float32), BLOCK_N, BLOCK_T)
-            a1 = _row_major(a1.to(tl.float32), BLOCK_N, BLOCK_T)
-            b0 = b0.to(tl.float32)
-            b1 = b1.to(tl.float32)
-        left = tl.dot(a0, b0, left, input_precision=DOT_PRECISION)
-        right = tl.dot(a1, b1, right, input_precision=DOT_PRECISION)
-    return left + right
 
 
 @triton.jit
 def _pair_node_tma(
     dy_desc, x_desc, start, T, LEAF_TOKENS, off_n, off_k,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERLEAVE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """node(1) = leaf + next leaf: interleaved when both are full (and ``INTERLEAVE``), else one leaf
-    after the other (same bits either way)."""
-    if INTERLEAVE and start + 2 * LEAF_TOKENS <= T:
-        node = _leaf_pair_sum_tma(
-            dy_desc,
-            x_desc,
-            start,
-            LEAF_TOKENS,
-            off_n,
-            off_k,
-            BLOCK_N,
-            BLOCK_K,
-            BLOCK_T,
-            UPCAST,
-            DOT_PRECISION,
-        )
-    else:
-        start1 = start + LEAF_TOKENS
-        node = _leaf_sum_tma(
-            dy_desc, x_desc, start, tl.minimum(start1, T), off_n, off_k, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST,
-            DOT_PRECISION,
-        )  # fmt: skip
-        node = node + _leaf_sum_tma(
-            dy_desc, x_desc, start1, tl.minimum(start1 + LEAF_TOKENS, T), off_n, off_k, BLOCK_N, BLOCK_K,
-            BLOCK_T, UPCAST, DOT_PRECISION,
-        )  # fmt: skip
+    """node(1) = leaf + next leaf, one leaf after the other."""
+    start1 = start + LEAF_TOKENS
+    node = _leaf_sum_tma(
+        dy_desc, x_desc, start, tl.minimum(start1, T), off_n, off_k, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST,
+        DOT_PRECISION,
+    )  # fmt: skip
+    node = node + _leaf_sum_tma(
+        dy_desc, x_desc, start1, tl.minimum(start1 + LEAF_TOKENS, T), off_n, off_k, BLOCK_N, BLOCK_K,
+        BLOCK_T, UPCAST, DOT_PRECISION,
+    )  # fmt: skip
     return node
 
 
@@ -163,11 +129,7 @@ def _quad_node_flat_tma(
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         leaf_start = start + leaf * LEAF_TOKENS
         for t in range(0, LEAF_TOKENS, BLOCK_T):
-            a = tl.trans(dy_desc.load([leaf_start + t, off_n]))
-            b = x_desc.load([leaf_start + t, off_k])
-            if UPCAST:  # interpreter: fp32 dot of a row-major copy, as _leaf_sum_tma
-                a = _row_major(a.to(tl.float32), BLOCK_N, BLOCK_T)
-                b = b.to(tl.float32)
+            a, b = _tma_step(dy_desc, x_desc, leaf_start + t, off_n, off_k, BLOCK_N, BLOCK_T, UPCAST)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         pair = tl.where(leaf % 2 == 0, acc, pair + acc)  # leaf 2i: the pair's left; 2i + 1: the pair
         left = tl.where(leaf == 1, pair, left)  # the quad's left pair waits here
@@ -178,7 +140,7 @@ def _quad_node_flat_tma(
 def _quad_node_tma(
     dy_desc, x_desc, start, T, LEAF_TOKENS, off_n, off_k,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERLEAVE: tl.constexpr, FLAT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FLAT: tl.constexpr,
 ):  # fmt: skip
     """node(2) = node(1) + node(1): with ``FLAT`` one flattened loop nest when all four leaves are
     full, else two ``_pair_node_tma`` (same bits either way)."""
@@ -193,10 +155,10 @@ def _quad_node_tma(
     else:
         node = _pair_node_tma(
             dy_desc, x_desc, start, T, LEAF_TOKENS, off_n, off_k, BLOCK_N, BLOCK_K, BLOCK_T, UPCAST,
-            DOT_PRECISION, INTERLEAVE,
+            DOT_PRECISION,
         ) + _pair_node_tma(
             dy_desc, x_desc, start + 2 * LEAF_TOKENS, T, LEAF_TOKENS, off_n, off_k, BLOCK_N, BLOCK_K,
-            BLOCK_T, UPCAST, DOT_PRECISION, INTERLEAVE,
+            BLOCK_T, UPCAST, DOT_PRECISION,
         )  # fmt: skip
     return node
 
@@ -216,7 +178,7 @@ def _weight_grad_kernel(
     """One aligned subtree of LEAVES leaves (1, 2 or 4) of one dW tile: the node of the canonical tree."""
     pid = tl.program_id(0)
     block = tl.program_id(1)
-    pid_n, pid_k = _grouped_tile(pid, tl.cdiv(N, BLOCK_N), tl.cdiv(K, BLOCK_K), GROUP_N)
+    pid_n, pid_k = grouped_tile(pid, tl.cdiv(N, BLOCK_N), tl.cdiv(K, BLOCK_K), GROUP_N)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_n = (rows % N).to(tl.int64)
@@ -265,7 +227,8 @@ def _push_node(
 ):  # fmt: skip
     """Node ``j`` (of ``nodes``) of one program's tile into the canonical tree: a left sibling waits
     in its scratch ``slot`` level; a right sibling is added to the waiting left ones, level by level,
-    and the result waits one level up or, at the root, is rounded into ``out``."""
+    on chunks of ``MERGE_ROWS`` rows in memory, and the result waits one level up or, at the root,
+    is rounded into ``out``."""
     # the tree merge runs in memory on row chunks: few registers live beside the token loop
     closing = 0  # levels this node closes; the node it makes waits in slot `closing`
     for lv in tl.static_range(MAX_LEVELS):
@@ -276,23 +239,6 @@ def _push_node(
         tl.debug_barrier()  # every thread is done reading the slot being overwritten
         tl.store(slot + tile, node)
         tl.debug_barrier()
-    elif MERGE_ROWS == 0:  # merge in registers: (left + node) level by level, whole tiles
-        for lv in tl.static_range(MAX_LEVELS):
-            if lv < closing:
-                tl.debug_barrier()  # the left sibling was stored by other threads
-                node = tl.load(slot + lv * (BLOCK_N * BLOCK_K) + tile) + node
-        if j + 1 < nodes:
-            tl.debug_barrier()
-            tl.store(slot + closing * (BLOCK_N * BLOCK_K) + tile, node)
-            tl.debug_barrier()
-        else:  # the root: rounded into the output
-            rows = pid_n * BLOCK_N + zero + tl.arange(0, BLOCK_N)
-            cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-            out_ptrs = (
-                out_ptr + block.to(tl.int64) * stride_ob
-                + rows.to(tl.int64)[:, None] * stride_on + cols.to(tl.int64)[None, :] * stride_ok
-            )  # fmt: skip
-            store_rounded(out_ptrs, node, (rows[:, None] < N) & (cols[None, :] < K), BF16_BY_BITS)
     else:  # node -> slot MAX_LEVELS, then (left + node) level by level, chunk by chunk
         tl.store(slot + MAX_LEVELS * (BLOCK_N * BLOCK_K) + tile, node)
         tl.debug_barrier()
@@ -326,7 +272,7 @@ def _weight_grad_lean_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr,
     MAX_LEVELS: tl.constexpr, PAIRS: tl.constexpr, MERGE_ROWS: tl.constexpr, TMA: tl.constexpr,
     EVEN_T: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BF16_BY_BITS: tl.constexpr,
-    INTERLEAVE: tl.constexpr = False, QUADS: tl.constexpr = False, FLAT: tl.constexpr = False,
+    QUADS: tl.constexpr = False, FLAT: tl.constexpr = False,
 ):  # fmt: skip
     """Aligned subtrees of ``leaves`` (a power of 2) leaves of dW tiles, persistent, one accumulator
     tile live during the token loop.
@@ -345,11 +291,8 @@ def _weight_grad_lean_kernel(
     With ``QUADS`` (and ``TMA``) the four leaves of each level-2 node are summed in registers
     (three tiles live) and the stack holds levels >= 2 (``MAX_LEVELS = level - 2``); with ``FLAT``
     a full quad is one flattened, software-pipelined loop nest (``_quad_node_flat_tma``, same bits).
-    With ``TMA`` ``dy_ptr`` / ``x_ptr`` are host tensor descriptors of dY and X (tiles by TMA);
-    with ``INTERLEAVE`` (and ``PAIRS``, ``TMA``) a pair of full leaves is folded in one loop
-    (``_leaf_pair_sum_tma``, same bits).
-    ``MERGE_ROWS == 0``: left siblings are loaded whole and added in registers (less scratch
-    traffic, more registers); else the merge runs on row chunks of ``MERGE_ROWS`` in memory.
+    With ``TMA`` ``dy_ptr`` / ``x_ptr`` are host tensor descriptors of dY and X (tiles by TMA).
+    The tree merge runs on row chunks of ``MERGE_ROWS`` in memory.
     """
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_k = tl.cdiv(K, BLOCK_K)
@@ -359,7 +302,7 @@ def _weight_grad_lean_kernel(
     nodes = leaves // group_leaves
     for tile_id in range(program, blocks * tiles_per_block, num_programs):
         block = tile_id // tiles_per_block
-        pid_n, pid_k = _grouped_tile(tile_id % tiles_per_block, num_pid_n, num_pid_k, GROUP_N)
+        pid_n, pid_k = grouped_tile(tile_id % tiles_per_block, num_pid_n, num_pid_k, GROUP_N)
         offs_n = ((pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N).to(tl.int64)
         offs_k = ((pid_k * BLOCK_K + tl.arange(0, BLOCK_K)) % K).to(tl.int64)
         s0 = run_start + block * (leaves * LEAF_TOKENS)
@@ -368,12 +311,12 @@ def _weight_grad_lean_kernel(
             if QUADS:  # TMA: node(2) = node(1) + node(1), all in registers (three tiles live)
                 node = _quad_node_tma(
                     dy_ptr, x_ptr, start, T, LEAF_TOKENS, pid_n * BLOCK_N, pid_k * BLOCK_K,
-                    BLOCK_N, BLOCK_K, BLOCK_T, UPCAST, DOT_PRECISION, INTERLEAVE, FLAT,
+                    BLOCK_N, BLOCK_K, BLOCK_T, UPCAST, DOT_PRECISION, FLAT,
                 )  # fmt: skip
             elif PAIRS and TMA:  # node(1) = leaf 2j + leaf 2j + 1, in registers
                 node = _pair_node_tma(
                     dy_ptr, x_ptr, start, T, LEAF_TOKENS, pid_n * BLOCK_N, pid_k * BLOCK_K,
-                    BLOCK_N, BLOCK_K, BLOCK_T, UPCAST, DOT_PRECISION, INTERLEAVE,
+                    BLOCK_N, BLOCK_K, BLOCK_T, UPCAST, DOT_PRECISION,
                 )  # fmt: skip
             elif TMA:
                 node = _leaf_sum_tma(
@@ -476,9 +419,7 @@ def weight_grad_partial(
     whatever the layer's size.
 
     Raises:
-        ValueError: an unsupported ``config`` (``configs.check_weight_grad_config``: e.g. a
-            ``maxnreg`` cap below the live accumulator's registers, which ptxas cannot compile).
-        RuntimeError: ptxas rejected a lean-kernel variant on this Triton version.
+        ValueError: an unsupported ``config`` (``configs.check_weight_grad_config``).
 
     **Determinism:** leaf sums are fixed by ``block_t`` (config table) and the leaf's tokens; the
     tree by global leaf indices: any leaf-aligned split of the tokens merges to the same bits, and
@@ -497,7 +438,7 @@ def weight_grad_partial(
         if run.scratch_shape is not None:
             scratch = torch.empty(run.scratch_shape, dtype=torch.float32, device=dy.device)
             operands = (dy, x) if run.descs is None else (run.descs[0](dy), run.descs[1](x))
-            _launch_lean(plan.config, run, operands, out, scratch)
+            run.launch(run.grid, *operands, out, scratch)
         else:
             run.launch(run.grid, dy, x, out)
         if plan.fused:
@@ -558,8 +499,8 @@ def _make_plan(key, dy, x, leaf_tokens, first_leaf, config, finish_dtype) -> _Pl
         even_t = leaf_tokens % config.block_t == 0 and run_tokens == count * size * leaf_tokens
         common = dict(
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_T=config.block_t, GROUP_N=config.group_n,
-            EVEN_T=even_t, UPCAST=_INTERPRET and dy.dtype != torch.float32,
-            DOT_PRECISION=_dot_precision(dy.dtype), BF16_BY_BITS=bf16_by_bits(out_dtype),
+            EVEN_T=even_t, UPCAST=INTERPRET and dy.dtype != torch.float32,
+            DOT_PRECISION=dot_precision(dy.dtype), BF16_BY_BITS=bf16_by_bits(out_dtype),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip
         args = (
@@ -583,10 +524,8 @@ def _make_plan(key, dy, x, leaf_tokens, first_leaf, config, finish_dtype) -> _Pl
                     (programs,), out_shape, out_dtype, scratch_shape, _weight_grad_lean_kernel,
                     (scratch_stride, *args, size, count, programs, *strides),
                     dict(
-                        MAX_LEVELS=levels, PAIRS=config.pairs, TMA=descs is not None,
-                        INTERLEAVE=config.interleave and descs is not None, QUADS=quads,
-                        FLAT=quads and config.flat, maxnreg=config.maxnreg, **common,
-                        MERGE_ROWS=0 if config.merge_in_registers else min(32, config.block_n),
+                        MAX_LEVELS=levels, PAIRS=config.pairs, TMA=descs is not None, QUADS=quads,
+                        FLAT=quads and config.flat, MERGE_ROWS=min(32, config.block_n), **common,
                     ),
                     descs, nodes,
                 )
@@ -600,19 +539,6 @@ def _make_plan(key, dy, x, leaf_tokens, first_leaf, config, finish_dtype) -> _Pl
         token += run_tokens
     plan = _Plan(config, tuple(plan_runs), fused, first_leaf + leaves)
     return _PLANS.put(key, plan)
-
-
-def _launch_lean(config: WeightGradConfig, run: _Run, operands, out, scratch) -> None:
-    try:
-        run.launch(run.grid, *operands, out, scratch)
-    except Exception as exc:  # a variant check_weight_grad_config did not foresee
-        if type(exc).__name__ != "PTXASError":
-            raise
-        raise RuntimeError(
-            f"ptxas could not compile the lean dW kernel for {config} on this Triton version; "
-            "this variant is unsupported here: use the table's config (weight_grad_config) or "
-            "raise maxnreg / set maxnreg=None"
-        ) from exc
 
 
 def _dw_tma_operands(dy: torch.Tensor, x: torch.Tensor, config: WeightGradConfig, leaf_tokens: int):
@@ -646,7 +572,7 @@ def dw_scratch_shape(
         return None
     programs = min(programs_needed, _resident_programs(device, config.programs_per_sm))
     in_registers = 2 if config.quads and tma and level >= 2 else 1 if config.pairs else 0
-    slots = (level - in_registers) + (0 if config.merge_in_registers else 1)
+    slots = (level - in_registers) + 1  # the waiting levels and the merge slot
     return programs, max(slots, 1), config.block_n * config.block_k
 
 
