@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import train_gpt as tg  # noqa: E402  (puts the monorepo's package sources on sys.path)
+import train_gpt as tg  # noqa: E402  (the package sources come from PYTHONPATH: nox -s bench)
 
 EAGER, EAGER_1T, GRAPH = "eager", "eager, backward on the calling thread", "CUDA graph"
 _REPO = Path(__file__).resolve().parent.parent

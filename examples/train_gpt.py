@@ -72,18 +72,11 @@ from pathlib import Path  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 
-# Run from the monorepo: its source folders (det-core, the three kernel packages) come first on the path.
 _HERE = Path(__file__).resolve().parent
-for _src in (
-    "packages/det-attn/torch-ext",
-    "packages/det-train/torch-ext",
-    "packages/adamw-sr/torch-ext",
-    "shared/det-core",
-):
-    if (_HERE.parent / _src).is_dir() and str(_HERE.parent / _src) not in sys.path:
-        sys.path.insert(0, str(_HERE.parent / _src))
-sys.path.insert(0, str(_HERE))
-from gpt import GPT, GPTConfig  # noqa: E402
+try:  # imported as examples.train_gpt (tests, benchmarks), or run as a script (examples/ on sys.path)
+    from examples.gpt import GPT, GPTConfig
+except ModuleNotFoundError:
+    from gpt import GPT, GPTConfig
 
 DATA_PATH = _HERE / "data" / "kjv.txt.gz"
 DATA_SHA256 = "cd45f0c9cedab8e4439bd6486c8952c77cc8b0ecc5d1f6ae3513f2039f47229d"  # of the uncompressed text
@@ -498,8 +491,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _check_sources() -> None:
+    """Exit with the set-up to use when the kernel packages cannot be imported."""
+    import importlib.util
+
+    packages = ("det_core", "det_train", "det_attn", "adamw_sr")
+    missing = [m for m in packages if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(
+            f"cannot import {', '.join(missing)}: run the main job with `nox -s demo`, or put the source "
+            "folders on PYTHONPATH (README.md, 'import the packages from the checkout')"
+        )
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    _check_sources()
     overrides = {k: getattr(args, k) for k in ("steps", "micro_batch_seqs", "batch_seqs", "rounding", "seed")}
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if args.reference:
