@@ -4,7 +4,9 @@
 * fp32 params: at least as close to an fp64 AdamW as torch's fused AdamW is, over 100 steps;
 * the card's headline run at full size (6,000 steps of 1e-4) and weight decay alone (10,000 steps);
 * CUDA-graph capture with lr and step on the device equals eager steps;
-* torch.compile (inductor) of a training step equals eager, bitwise.
+* torch.compile (inductor) of a training step equals eager, bitwise;
+* AMP: the kernel's unscale equals an explicit unscale and the CPU reference; a GradScaler loop
+  skips an inf step on the device without a host sync and equals the explicit-unscale loop.
 """
 
 from __future__ import annotations
@@ -232,3 +234,92 @@ def test_cuda_subnormal_moments_equal_cpu_reference(dtype):
     assert bool((v > 0).any() & (v < torch.finfo(torch.float32).tiny).any())  # subnormals present
     assert_bitwise_equal(opt.state[p]["exp_avg_sq"].cpu(), v, "exp_avg_sq")
     assert_bitwise_equal(p.cpu(), r, "param")
+
+
+@pytest.mark.parametrize(
+    "param_dtype,grad_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)]
+)
+def test_cuda_amp_unscale_equals_explicit_unscale_and_cpu_reference(param_dtype, grad_dtype):
+    # GradScaler's two paths on the GPU: the kernel's unscale (grad_scale) and an explicit
+    # _amp_foreach_non_finite_check_and_unscale_ before a plain step; both equal the CPU reference.
+    # A scale of 3: the reciprocal is inexact, and bf16 gradients are rounded back after the multiply
+    shapes = SHAPES[:3]
+    init = [
+        torch.randn(s, generator=torch.Generator().manual_seed(i)).to(param_dtype)
+        for i, s in enumerate(shapes)
+    ]
+    fused, explicit, refs = [x.cuda() for x in init], [x.cuda() for x in init], [x.clone() for x in init]
+    opt_f, opt_e = (
+        AdamWSR(fused, lr=1e-3, weight_decay=0.1, seed=9),
+        AdamWSR(explicit, lr=1e-3, weight_decay=0.1, seed=9),
+    )
+    states = [(torch.zeros(s), torch.zeros(s)) for s in shapes]
+    bases = default_base_indices(r.numel() for r in refs)
+    scale = torch.tensor(3.0, device="cuda")
+    for step in range(1, 3):
+        grads = [(g.float() * 3.0).to(grad_dtype) for g in _grads(shapes, step, grad_dtype, "cpu")]
+        for p, q, g in zip(fused, explicit, grads, strict=True):
+            p.grad, q.grad = g.cuda(), g.cuda()
+        opt_f.grad_scale, opt_f.found_inf = scale, torch.zeros((), device="cuda")
+        opt_f.step()
+        found = torch.zeros((), device="cuda")
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            [q.grad for q in explicit], found, scale.double().reciprocal().float()
+        )
+        opt_e.step()
+        for r, g, (m, v), base in zip(refs, grads, states, bases, strict=True):
+            adamw_sr_step_reference(
+                r, g, m, v, step=step, lr=1e-3, weight_decay=0.1, seed=9, base_index=base,
+                grad_scale=torch.tensor(3.0), found_inf=torch.zeros(()),
+            )  # fmt: skip
+    assert digest([p.cpu() for p in fused]) == digest([q.cpu() for q in explicit]) == digest(refs)
+    assert digest([opt_f.state[p]["exp_avg"].cpu() for p in fused]) == digest([m for m, _ in states])
+
+
+def test_cuda_grad_scaler_loop_skips_on_device_without_host_sync():
+    # torch.amp.GradScaler("cuda") over a bf16 model: the fused path, an inf step skipped on the
+    # device (params, moments, step counts bitwise untouched), no synchronizing CUDA call in the
+    # loop (set_sync_debug_mode("error") raises on one), and the bits of the loop that unscales
+    # explicitly (the path used before clipping)
+    def run(explicit_unscale, check_sync):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64))
+        model = model.to("cuda", torch.bfloat16)
+        opt = AdamWSR(model.parameters(), lr=1e-3, weight_decay=0.1, seed=2)
+        scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12, growth_interval=3)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        xs = [torch.randn(32, 256, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(6)]
+        snapshots = {}
+
+        def tensors():  # device copies (no sync): params, moments and step counts
+            states = [opt.state[p] for p in model.parameters()]
+            return [t.detach().clone() for p, s in zip(model.parameters(), states, strict=True)
+                    for t in (p, s["exp_avg"], s["exp_avg_sq"], s["step"])]  # fmt: skip
+
+        def iteration(i):
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(model(xs[i]).float().square().mean()).backward()
+            if i == 3:
+                model[1].weight.grad[0, 0] = float("inf")
+                snapshots["before"] = tensors()
+            if explicit_unscale:
+                scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            if i == 3:
+                snapshots["after"] = tensors()
+
+        for i in range(2):  # warm-up: state, launch tables, the step counts moved to the device
+            iteration(i)
+        if check_sync:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            for i in range(2, 6):
+                iteration(i)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert digest([t.cpu() for t in snapshots["before"]]) == digest([t.cpu() for t in snapshots["after"]])
+        assert all(float(opt.state[p]["step"]) == 5.0 for p in model.parameters())  # 6 steps, 1 skipped
+        return digest([t.cpu() for t in tensors()])
+
+    assert run(explicit_unscale=False, check_sync=True) == run(explicit_unscale=True, check_sync=False)

@@ -15,6 +15,11 @@ Layout of a launch (all tensors on one device, one param dtype and one grad dtyp
   can be captured in a CUDA graph and replayed with a new lr and step. With ``PRECOMPUTED`` a tiny
   kernel first turns them into a per-tensor table of fp32 scalars (``scalars``, ``[T, 9]``), so the
   fp64 work runs once per tensor instead of once per program.
+* AMP (``torch.amp.GradScaler``): with ``UNSCALE`` the gradient is multiplied by the fp32 reciprocal
+  of the loss scale (read from ``grad_scale``, computed in fp64 and rounded once, as
+  ``GradScaler.unscale_`` does, and a bf16 gradient rounded back to bf16 as the in-place unscale
+  stores it), so the bits equal an explicit unscale; with ``SKIP_ON_INF`` a nonzero ``found_inf``
+  (read on the device) makes every program write nothing.
 
 Bit-exactness with ``reference.py``: scalars are computed in fp64 from the same sequence of IEEE
 operations (``beta ** step`` by binary exponentiation: multiplications only), rounded once to fp32;
@@ -190,6 +195,9 @@ def _adamw_sr_kernel(
     seed_lo,
     seed_hi,
     rng_stream,
+    # AMP (GradScaler) device scalars, fp32 [1]: the loss scale, and the inf/NaN flag
+    grad_scale_ptr,
+    found_inf_ptr,
     # meta-parameters
     AMSGRAD: tl.constexpr,
     MAXIMIZE: tl.constexpr,
@@ -200,6 +208,8 @@ def _adamw_sr_kernel(
     SUB: tl.constexpr,
     TILE_2D: tl.constexpr,
     PRECOMPUTED: tl.constexpr,
+    UNSCALE: tl.constexpr,
+    SKIP_ON_INF: tl.constexpr,
 ):
     chunk = tl.program_id(0).to(tl.int64)
     row = chunk_table_ptr + chunk * 5
@@ -243,10 +253,20 @@ def _adamw_sr_kernel(
         ) = _step_scalars(steps_ptr, hyper_ptr, slot)
         step = step_f.to(tl.int64)
 
+    # AMP: the gradient is multiplied by the fp32 reciprocal of the scale, computed in fp64 and rounded
+    # once, as GradScaler.unscale_ computes it; a nonzero found_inf leaves the window unvisited (the
+    # skip is read here, on the device: no host sync)
+    inv_scale = 1.0
+    if UNSCALE:
+        inv_scale = (1.0 / tl.load(grad_scale_ptr).to(tl.float64)).to(tl.float32)
+    window_end = BLOCK
+    if SKIP_ON_INF:
+        window_end = tl.where(tl.load(found_inf_ptr) == 0.0, BLOCK, 0)
+
     # Full tiles (nearly all) take the unmasked path: with ALIGNED, vector loads and stores. A loaded
     # segment end has unknown divisibility, so a masked tile cannot be vectorized. Tiles of the window
     # wholly outside the segment are skipped.
-    for sub in range(0, BLOCK, SUB):
+    for sub in range(0, window_end, SUB):
         tile_local = window_local + sub
         if (tile_local >= segment_start) & (tile_local + SUB <= segment_end):
             _step_tile(
@@ -254,9 +274,9 @@ def _adamw_sr_kernel(
                 param_off, grad_off, exp_avg_off, exp_avg_sq_off, max_off,
                 tile_local, segment_start, segment_end, window_global + sub,
                 step, step_size, bias_correction2_sqrt, lr_decay,
-                beta1_f, one_minus_beta1, beta2_f, one_minus_beta2, eps_f,
+                beta1_f, one_minus_beta1, beta2_f, one_minus_beta2, eps_f, inv_scale,
                 seed_lo, seed_hi, rng_stream,
-                AMSGRAD, MAXIMIZE, PARAM_BF16, STOCHASTIC, ALIGNED, False, SUB, TILE_2D,
+                AMSGRAD, MAXIMIZE, PARAM_BF16, STOCHASTIC, ALIGNED, False, SUB, TILE_2D, UNSCALE,
             )  # fmt: skip
         elif (tile_local < segment_end) & (tile_local + SUB > segment_start):
             _step_tile(
@@ -264,9 +284,9 @@ def _adamw_sr_kernel(
                 param_off, grad_off, exp_avg_off, exp_avg_sq_off, max_off,
                 tile_local, segment_start, segment_end, window_global + sub,
                 step, step_size, bias_correction2_sqrt, lr_decay,
-                beta1_f, one_minus_beta1, beta2_f, one_minus_beta2, eps_f,
+                beta1_f, one_minus_beta1, beta2_f, one_minus_beta2, eps_f, inv_scale,
                 seed_lo, seed_hi, rng_stream,
-                AMSGRAD, MAXIMIZE, PARAM_BF16, STOCHASTIC, False, True, SUB, TILE_2D,
+                AMSGRAD, MAXIMIZE, PARAM_BF16, STOCHASTIC, False, True, SUB, TILE_2D, UNSCALE,
             )  # fmt: skip
 
 
@@ -303,10 +323,11 @@ def _step_tile(
     param_off, grad_off, exp_avg_off, exp_avg_sq_off, max_off,
     tile_local, segment_start, segment_end, tile_global,
     step, step_size, bias_correction2_sqrt, lr_decay, beta1_f, one_minus_beta1, beta2_f, one_minus_beta2,
-    eps_f,
+    eps_f, inv_scale,
     seed_lo, seed_hi, rng_stream,
     AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, PARAM_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
     ALIGNED: tl.constexpr, MASKED: tl.constexpr, SUB: tl.constexpr, TILE_2D: tl.constexpr,
+    UNSCALE: tl.constexpr,
 ):  # fmt: skip
     """The update of one tile of SUB elements (``MASKED``: some lie outside the segment)."""
     if TILE_2D:
@@ -326,6 +347,12 @@ def _step_tile(
     g = _load(grad_ptr + g_idx, mask, MASKED).to(tl.float32)
     m = _load(exp_avg_ptr + m_idx, mask, MASKED)
     v = _load(exp_avg_sq_ptr + v_idx, mask, MASKED)
+    if UNSCALE:
+        # the bits of an explicit unscale (torch._amp_foreach_non_finite_check_and_unscale_): one fp32
+        # multiply, written back into a bf16 gradient with round-to-nearest-even, then read as fp32
+        g = g * inv_scale
+        if grad_ptr.dtype.element_ty == tl.bfloat16:
+            g = _round_nearest_even_bf16(g).to(tl.float32)
     if MAXIMIZE:
         g = -g
 
@@ -516,13 +543,18 @@ def launch_fused_step(
     maximize: bool,
     param_bf16: bool,
     stochastic: bool,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
 ):
     """Run the fused step over a prepared ``LaunchPlan`` (no checks: callers validate first).
 
     ``roles`` are the lists the plan was built from, in order: params, grads, exp_avgs, exp_avg_sqs,
-    max_exp_avg_sqs (``exp_avg_sqs`` again without amsgrad). With the config's ``PRECOMPUTED``, two
-    launches in stream order: the per-tensor scalars, then the step. Returns Triton's handle of the
-    step kernel (benchmarks read its register count), or ``None`` when there is nothing to do.
+    max_exp_avg_sqs (``exp_avg_sqs`` again without amsgrad). ``grad_scale`` / ``found_inf``
+    (1-element fp32 tensors on the device, as ``torch.amp.GradScaler`` sets them): gradients are
+    unscaled in the kernel, and a nonzero ``found_inf`` makes the kernel write nothing. With the
+    config's ``PRECOMPUTED``, two launches in stream order: the per-tensor scalars, then the step.
+    Returns Triton's handle of the step kernel (benchmarks read its register count), or ``None``
+    when there is nothing to do.
     """
     if plan.num_chunks == 0:
         return None
@@ -548,6 +580,8 @@ def launch_fused_step(
         p, g, m, v, vmax,
         plan.tensor_table, plan.chunk_table, steps, hyper, plan.scalars,
         seed_lo, seed_hi, rng.STREAM_PARAM_SR,
+        steps if grad_scale is None else grad_scale,  # an unread fp32 pointer when not given
+        steps if found_inf is None else found_inf,
         AMSGRAD=amsgrad,
         MAXIMIZE=maximize,
         PARAM_BF16=param_bf16,
@@ -557,6 +591,8 @@ def launch_fused_step(
         SUB=config["SUB"],
         TILE_2D=config["TILE_2D"],
         PRECOMPUTED=config["PRECOMPUTED"],
+        UNSCALE=grad_scale is not None,
+        SKIP_ON_INF=found_inf is not None,
         num_warps=plan.num_warps,
         **_EXACTNESS_OPTIONS,
     )  # fmt: skip

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from typing import Optional
 
 import torch
 from det_core import rng, runtime
@@ -168,7 +169,8 @@ class _StepLaunch:
     device, each tensor's step after incrementing; ``hyper``: fp64 ``[5]`` on the device (lr,
     beta1, beta2, eps, weight_decay); ``segments``: int64 CPU ``[S, 4]`` (slot, local start,
     length, global start); ``seed``: the Philox seed; ``stochastic``: round bf16 params
-    stochastically.
+    stochastically; ``grad_scale``, ``found_inf``: AMP's 1-element fp32 device tensors or ``None``
+    (unscale the gradients in the kernel; write nothing when ``found_inf`` is nonzero).
     """
 
     params: list
@@ -183,6 +185,8 @@ class _StepLaunch:
     amsgrad: bool
     maximize: bool
     stochastic: bool
+    grad_scale: torch.Tensor | None = None
+    found_inf: torch.Tensor | None = None
 
     def op_args(self) -> tuple:
         """The custom op's arguments in schema order (its schema spells each one out)."""
@@ -190,6 +194,7 @@ class _StepLaunch:
         return (
             self.params, self.grads, self.exp_avgs, self.exp_avg_sqs, self.max_exp_avg_sqs, self.steps,
             self.hyper, self.segments, str(self.seed), self.amsgrad, self.maximize, self.stochastic,
+            self.grad_scale, self.found_inf,
         )  # fmt: skip
 
 
@@ -230,22 +235,26 @@ def _fused_step_op(
     amsgrad: bool,
     maximize: bool,
     stochastic: bool,
+    grad_scale: Optional[torch.Tensor],  # noqa: UP045 (torch 2.11's schema inference knows Optional)
+    found_inf: Optional[torch.Tensor],  # noqa: UP045
 ) -> None:
     _fused_step_impl(
         _StepLaunch(
-            params,
-            grads,
-            exp_avgs,
-            exp_avg_sqs,
-            max_exp_avg_sqs,
-            steps,
-            hyper,
-            segments,
-            int(seed),
-            amsgrad,
-            maximize,
-            stochastic,
-        )  # fmt: skip
+            params=params,
+            grads=grads,
+            exp_avgs=exp_avgs,
+            exp_avg_sqs=exp_avg_sqs,
+            max_exp_avg_sqs=max_exp_avg_sqs,
+            steps=steps,
+            hyper=hyper,
+            segments=segments,
+            seed=int(seed),
+            amsgrad=amsgrad,
+            maximize=maximize,
+            stochastic=stochastic,
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+        )
     )
 
 
@@ -258,7 +267,7 @@ def _fused_step_impl(launch: _StepLaunch) -> None:
     kernel.launch_fused_step(
         plan, roles, launch.steps, launch.hyper, seed=launch.seed, amsgrad=launch.amsgrad,
         maximize=launch.maximize, param_bf16=launch.params[0].dtype == torch.bfloat16,
-        stochastic=launch.stochastic,
+        stochastic=launch.stochastic, grad_scale=launch.grad_scale, found_inf=launch.found_inf,
     )  # fmt: skip
 
 
@@ -300,6 +309,8 @@ def _(
     amsgrad,
     maximize,
     stochastic,
+    grad_scale,
+    found_inf,
 ):
     return None
 
@@ -323,6 +334,8 @@ def adamw_sr_step(
     seed: int = 0,
     base_indices: list[int] | None = None,
     segments: torch.Tensor | None = None,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
 ) -> None:
     """One fused AdamW(-SR) step over many tensors of one dtype, in place, in one kernel launch.
 
@@ -348,18 +361,30 @@ def adamw_sr_step(
             the running offset with each param starting on a multiple of 8).
         segments: advanced: int64 CPU ``[S, 4]`` rows ``(slot, local_start, length, global_start)``
             mapping local elements to global indices (overrides ``base_indices``; see ``local_segments``).
+        grad_scale: AMP: a 1-element fp32 tensor, the loss scale the gradients carry
+            (``torch.amp.GradScaler``'s scale); the kernel multiplies each gradient by its fp32
+            reciprocal (computed in fp64, rounded once) as ``GradScaler.unscale_`` would, a bf16
+            gradient rounded back to bf16 as the in-place unscale stores it, so the bits equal an
+            explicit unscale followed by this step. The gradients in memory are not changed.
+        found_inf: AMP: a 1-element fp32 tensor; when nonzero the kernel writes nothing (params
+            and states bitwise untouched), read on the device, so no host sync. ``steps`` is only
+            read: a caller keeping step counts advances them by ``found_inf == 0``. Both are
+            moved to the params' device when they are elsewhere (as torch's fused AdamW does).
 
     Raises:
-        TypeError: unsupported dtypes; a seed that is not an integer (a bool, a float).
+        TypeError: unsupported dtypes; a seed that is not an integer (a bool, a float);
+            ``grad_scale`` or ``found_inf`` not an fp32 tensor.
         ValueError: mismatched lengths, shapes, devices or layouts; a seed outside ``[0, 2**64)``;
             a step outside ``[1, 2**24 - 1]`` or not an integer; ``lr < 0``, a beta outside
-            ``[0, 1)``, ``eps < 0`` or ``weight_decay < 0`` (NaN included). Every check runs before
-            anything is written: a rejected call leaves params and states untouched.
+            ``[0, 1)``, ``eps < 0`` or ``weight_decay < 0`` (NaN included); ``grad_scale`` or
+            ``found_inf`` with other than 1 element. Every check runs before anything is written:
+            a rejected call leaves params and states untouched.
 
     **Determinism:** each element's result is a pure function of its inputs, the hyperparameters,
-    ``(seed, step)`` and its global index: identical run to run, for any grouping of tensors into
-    launches, any split of a tensor into shards with matching indices, and bitwise equal to
-    ``reference.adamw_sr_step_reference``. Not guaranteed across Triton versions or GPU models.
+    ``(seed, step)``, ``grad_scale`` and its global index: identical run to run, for any grouping
+    of tensors into launches, any split of a tensor into shards with matching indices, and bitwise
+    equal to ``reference.adamw_sr_step_reference``. Not guaranteed across Triton versions or GPU
+    models.
     """
     max_exp_avg_sqs = list(max_exp_avg_sqs or [])
     seed = rng.as_seed(seed, "adamw_sr_step")
@@ -407,6 +432,8 @@ def adamw_sr_step(
     if steps.shape != (n,) or steps.dtype != torch.float32 or steps.device != device:
         raise ValueError(f"adamw_sr_step: steps must be float32 of shape ({n},) on {device}")
     _check_steps(steps)
+    grad_scale = _amp_scalar(grad_scale, "grad_scale", device, "adamw_sr_step")
+    found_inf = _amp_scalar(found_inf, "found_inf", device, "adamw_sr_step")
     if segments is None:
         if base_indices is None:
             base_indices = default_base_indices(p.numel() for p in params)
@@ -432,20 +459,40 @@ def adamw_sr_step(
     hyper = _hyper_tensor(lr, (beta1, beta2), eps, weight_decay, device)
     _fused_step(
         _StepLaunch(
-            params,
-            grads,
-            exp_avgs,
-            exp_avg_sqs,
-            max_exp_avg_sqs if amsgrad else [],
-            steps,
-            hyper,
-            segments,
-            int(seed),
-            amsgrad,
-            maximize,
-            stochastic_rounding is not False,
-        )  # fmt: skip
+            params=params,
+            grads=grads,
+            exp_avgs=exp_avgs,
+            exp_avg_sqs=exp_avg_sqs,
+            max_exp_avg_sqs=max_exp_avg_sqs if amsgrad else [],
+            steps=steps,
+            hyper=hyper,
+            segments=segments,
+            seed=int(seed),
+            amsgrad=amsgrad,
+            maximize=maximize,
+            stochastic=stochastic_rounding is not False,
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+        )
     )
+
+
+def _amp_scalar(value, name: str, device: torch.device, op: str) -> torch.Tensor | None:
+    """``grad_scale`` / ``found_inf`` (``torch.amp.GradScaler``'s 1-element fp32 tensors) on ``device``.
+
+    Raises:
+        TypeError: not a tensor, or not float32. ValueError: not exactly 1 element.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
+        kind = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+        raise TypeError(
+            f"{op}: {name} must be a float32 tensor (as torch.amp.GradScaler sets it), got {kind}"
+        )
+    if value.numel() != 1:
+        raise ValueError(f"{op}: {name} must have 1 element, got shape {tuple(value.shape)}")
+    return value if value.device == device else value.to(device, non_blocking=True)
 
 
 def _check_steps(steps: torch.Tensor) -> None:
@@ -543,8 +590,15 @@ class AdamWSR(torch.optim.Optimizer):
             Triton interpreter); from ``step``: sparse gradients, or a step captured in a CUDA
             graph with ``capturable=False``.
 
-    Gradients with NaN or Inf are not rejected: as in ``torch.optim.AdamW`` they propagate into
-    the moments and the weights (``amsgrad``'s maximum propagates NaN like ``torch.maximum``).
+    AMP: a drop-in for torch's fused AdamW under ``torch.amp.GradScaler`` too: ``scaler.step(opt)``
+    passes the loss scale and the inf flag (``_step_supports_amp_scaling``), the kernel unscales
+    the gradients (the bits of an explicit ``scaler.unscale_``) and skips a step with inf/NaN
+    gradients on the device, leaving params, moments and step counts bitwise untouched (see
+    ``step``).
+
+    Without a GradScaler, NaN or Inf gradients are not rejected: as in ``torch.optim.AdamW`` they
+    propagate into the moments and the weights (``amsgrad``'s maximum propagates NaN like
+    ``torch.maximum``).
     Params whose ``grad`` is ``None`` are skipped and their ``step`` does not advance, as in torch.
     ``step`` is fp32 (torch's layout), which counts exactly up to ``2**24`` (16.7M steps); past it
     the count stops advancing, as in ``torch.optim.AdamW``, and the rounding bits of a step repeat.
@@ -564,6 +618,10 @@ class AdamWSR(torch.optim.Optimizer):
     "Adam" (ICLR 2015); AMSGrad (Reddi et al., ICLR 2018); stochastic rounding (Gupta et al.,
     ICML 2015); Philox4x32-10 (Salmon et al., SC'11).
     """
+
+    # torch.amp.GradScaler hands a fused-AMP optimizer its scale and inf flag as the attributes
+    # grad_scale / found_inf instead of unscaling the gradients and syncing on found_inf itself
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -820,10 +878,17 @@ class AdamWSR(torch.optim.Optimizer):
                 ``seed`` outside ``[0, 2**64)`` or ``lr``, ``betas``, ``eps``, ``weight_decay``
                 outside torch.optim.AdamW's ranges (param_groups are re-checked at each eager step).
             TypeError: a gradient dtype other than fp32/bf16; a group's ``seed`` not an integer, a
-                hyperparameter not a real number.
+                hyperparameter not a real number; ``grad_scale`` / ``found_inf`` not fp32 tensors.
 
         Every check runs before any state changes: a rejected step leaves params and state
         (the step counters included) untouched.
+
+        AMP: ``torch.amp.GradScaler.step(opt)`` sets ``opt.grad_scale`` and ``opt.found_inf`` for
+        the call (this class has ``_step_supports_amp_scaling``, as torch's fused AdamW); the step
+        then unscales the gradients in the kernel (the bits of ``scaler.unscale_(opt)`` followed by
+        a step) and, where ``found_inf`` is nonzero, writes nothing and leaves every step count as
+        it is, decided on the device (no host sync; the counts live on the params' device from
+        the first such step on).
         """
         loss = None
         if closure is not None:
@@ -862,10 +927,19 @@ class AdamWSR(torch.optim.Optimizer):
                         self._check_state(p, self.state[p], group["amsgrad"])
             if not torch.compiler.is_compiling():
                 self._state_flags["unchecked"] = False
+        # set by torch.amp.GradScaler.step for the length of this call (None: not under a GradScaler,
+        # or grad_scale None when the gradients were unscaled already)
+        amp = (getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        if (amp[0] is not None or amp[1] is not None) and any(with_grad for _, with_grad in work):
+            device = next(_local(ps[0]).device for _, ps in work if ps)
+            amp = tuple(
+                _amp_scalar(value, name, device, "AdamWSR.step")
+                for value, name in zip(amp, ("grad_scale", "found_inf"), strict=True)
+            )
         base = self._base_indices()
         for group, with_grad in work:
             if with_grad:
-                self._group_step(group, with_grad, base)
+                self._group_step(group, with_grad, base, *amp)
         return loss
 
     @staticmethod
@@ -909,13 +983,20 @@ class AdamWSR(torch.optim.Optimizer):
                 "param's local shape; make it contiguous (e.g. in a post-accumulate-grad hook)"
             )
 
-    def _group_step(self, group: dict, with_grad: list[torch.Tensor], base: dict[int, int]) -> None:
+    def _group_step(
+        self,
+        group: dict,
+        with_grad: list[torch.Tensor],
+        base: dict[int, int],
+        grad_scale: torch.Tensor | None = None,
+        found_inf: torch.Tensor | None = None,
+    ) -> None:
         amsgrad, capturable = group["amsgrad"], group["capturable"]
         device = _local(with_grad[0]).device
         all_states = [self.state[p] for p in with_grad]  # one (Python-level) tensor hash per param
         for p, state in zip(with_grad, all_states, strict=True):
             if len(state) == 0:
-                step_device = device if capturable else torch.device("cpu")
+                step_device = device if capturable or found_inf is not None else torch.device("cpu")
                 state["step"] = torch.tensor(0.0, dtype=torch.float32, device=step_device)
                 state["exp_avg"] = torch.zeros_like(
                     p, dtype=torch.float32, memory_format=torch.preserve_format
@@ -927,7 +1008,14 @@ class AdamWSR(torch.optim.Optimizer):
                 state["max_exp_avg_sq"] = torch.zeros_like(
                     p, dtype=torch.float32, memory_format=torch.preserve_format
                 )
-        torch._foreach_add_([s["step"] for s in all_states], 1.0)
+        if found_inf is None:
+            torch._foreach_add_([s["step"] for s in all_states], 1.0)
+        else:
+            # a skipped step leaves the counts as they are, decided on the device: the counts move
+            # there (once; torch's fused AdamW keeps them there too) and advance after the launch
+            for state in all_states:
+                if state["step"].device != device:
+                    state["step"] = kernel.to_device_async(state["step"], device)
         hyper = _hyper_tensor(
             group["lr"], group["betas"], group["eps"], group["weight_decay"], device, self._hyper_cache
         )
@@ -942,6 +1030,8 @@ class AdamWSR(torch.optim.Optimizer):
             steps = torch.stack([s["step"] for s in states]).to(torch.float32)
             if steps.device != device:
                 steps = kernel.to_device_async(steps, device)
+            if found_inf is not None:
+                steps = steps + 1.0  # the step number of this step; the counts advance below
             _fused_step(
                 _StepLaunch(
                     params=[_local(p) for p in ps],
@@ -956,5 +1046,10 @@ class AdamWSR(torch.optim.Optimizer):
                     amsgrad=amsgrad,
                     maximize=group["maximize"],
                     stochastic=param_dtype == torch.bfloat16 and group["stochastic_rounding"] is not False,
+                    grad_scale=grad_scale,
+                    found_inf=found_inf,
                 )
             )
+        if found_inf is not None:  # + 1 where no inf was found, + 0.0 (the same bits) where one was
+            advance = (found_inf == 0).to(torch.float32).reshape(())
+            torch._foreach_add_([s["step"] for s in all_states], [advance] * len(all_states))

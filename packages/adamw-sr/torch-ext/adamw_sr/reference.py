@@ -122,6 +122,8 @@ def adamw_sr_step_reference(
     seed: int = 0,
     base_index: int = 0,
     global_index: torch.Tensor | None = None,
+    grad_scale: torch.Tensor | float | None = None,
+    found_inf: torch.Tensor | float | None = None,
 ) -> None:
     """One AdamW-SR step on one tensor, in place, in plain torch (any device; CPU for checking).
 
@@ -139,6 +141,13 @@ def adamw_sr_step_reference(
         base_index: global index of ``param``'s first element (its elements are consecutive).
         global_index: int64 tensor of ``param``'s shape giving each element's global index; overrides
             ``base_index`` (e.g. for a column shard).
+        grad_scale: AMP: the loss scale ``grad`` carries (``torch.amp.GradScaler``'s fp32 scale; a
+            float is taken as fp32). ``grad`` is multiplied by the fp32 reciprocal of it, computed
+            in fp64 and rounded once, and a bf16 ``grad`` is rounded back to bf16 (nearest even):
+            what ``GradScaler.unscale_`` (``torch._amp_foreach_non_finite_check_and_unscale_``)
+            stores. ``grad`` itself is not changed.
+        found_inf: AMP: when nonzero the step is skipped: nothing is written (the caller keeps
+            its step count where it was).
 
     Raises:
         TypeError: a tensor has an unsupported dtype.
@@ -151,8 +160,15 @@ def adamw_sr_step_reference(
     for name, state in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("max_exp_avg_sq", max_exp_avg_sq)):
         if state is not None and state.dtype != torch.float32:
             raise TypeError(f"{name} must be float32, got {state.dtype}")
+    if found_inf is not None and float(found_inf) != 0.0:
+        return  # GradScaler found inf/NaN gradients: the step is skipped
     s = step_scalars(step, lr, beta1, beta2, eps, weight_decay)
     g = grad.to(torch.float32)
+    if grad_scale is not None:
+        inv_scale = torch.as_tensor(grad_scale, dtype=torch.float32).double().reciprocal().float()
+        g = g * inv_scale
+        if grad.dtype == torch.bfloat16:
+            g = round_nearest_bf16_torch(g).to(torch.float32)
     if maximize:
         g = -g
     p = param.to(torch.float32)
