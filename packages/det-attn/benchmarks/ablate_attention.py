@@ -74,7 +74,6 @@ CANDIDATES = {  # most informative first: the time budget may cut the tail of a 
     128: [
         ("fwd 64,64,4,3", _c(FWD, (64, 64, 4, 3))),  # two programs per SM: short sequences
         ("fwd 128,64,8,3", _c(FWD, (128, 64, 8, 3))),
-        ("dkdv one loop", {"dkdv_one_loop": True}),
         ("dkdv 32,128,8,3", _c(DKDV, (32, 128, 8, 3))),
         ("dq 128,32,8,3", _c(DQ, (128, 32, 8, 3))),
         ("dq 64,64,8,3", _c(DQ, (64, 64, 8, 3))),
@@ -83,7 +82,6 @@ CANDIDATES = {  # most informative first: the time budget may cut the tail of a 
         ("dq 64,32,8,3", _c(DQ, (64, 32, 8, 3))),
     ],
     64: [
-        ("dkdv one loop", {"dkdv_one_loop": True}),
         ("fwd 128,64,4,3", _c(FWD, (128, 64, 4, 3))),
         ("dkdv 32,64,4,3", _c(DKDV, (32, 64, 4, 3))),
         ("fwd 64,64,4,3", _c(FWD, (64, 64, 4, 3))),

@@ -134,26 +134,6 @@ print(digest([o, lse, q.grad, k.grad, v.grad]))
     assert run_in_fresh_process(code, env={"TRITON_INTERPRET": "1"}) == here
 
 
-def test_dkdv_one_loop_equals_split_loops(monkeypatch):
-    # the table's bit-neutral dkdv_one_loop switch: one masked loop over all query blocks gives the
-    # bits of the diagonal / full / tail loops (causal and not, GQA, dropout, ragged lengths, packed)
-    import dataclasses
-
-    from det_attn import _configs
-
-    h_q, h_kv = 2, 1
-    seqs = [(*_qkv(1, t, t + 6, h_q, h_kv, seed=t), _randn(1, t, h_q, D, seed=t + 9)) for t in (35, 17)]
-    q, k, v, do, cu_q, cu_k, max_q, max_k = _pack(seqs)
-    for kw in ({"causal": True, "dropout_p": 0.2, "seed": 5}, {"causal": False}):
-        got = {}
-        for one_loop in (False, True):
-            cfg = dataclasses.replace(_configs.INTERPRETER_CONFIG, dkdv_one_loop=one_loop)
-            monkeypatch.setattr(_configs, "INTERPRETER_CONFIG", cfg)
-            got[one_loop] = _fwd_bwd(attention_varlen, q, k, v, do, cu_q, cu_k, max_q, max_k, **kw)
-        for name, a, b in zip(NAMES, got[False], got[True], strict=True):
-            assert_bitwise_equal(a, b, f"{name} {kw}")
-
-
 # --------------------------------------------------------------------------- batch and packing invariance
 
 

@@ -41,9 +41,6 @@ class Config:
     # changes: 128 KiB for the D128 row at 2 stages; 128 x 128 tiles at 3 stages would exceed the
     # H200's 227 KiB); 0 = fwd_stages. No effect on bits.
     fwd_dropout_stages: int = 0
-    # dK/dV kernel: all query blocks in one masked loop instead of diagonal / full / tail loops
-    # (fewer registers, a mask on every step). No effect on bits.
-    dkdv_one_loop: bool = False
     # Forward load path: host TMA descriptors over (B, T, H * D) for padded batches (packed calls,
     # inputs not 16-byte aligned and Triton without host descriptors take the pointer loads: the
     # same bits); False: pointer loads always. See _fwd_kernel.

@@ -269,7 +269,6 @@ def build(q, k, dense, batch, max_q, max_k, scale, causal, dropout, on_cpu=False
     dkdv_meta = dict(
         BLOCK_M=cfg.dkdv_block_m,
         BLOCK_N=cfg.dkdv_block_n,
-        ONE_LOOP=cfg.dkdv_one_loop,
         num_warps=cfg.dkdv_warps,
         num_stages=cfg.dkdv_stages,
         **common,
