@@ -266,7 +266,7 @@ def owner_reduce(
     keys: list[dict[Slot, list[Key]]],
     total_leaves: int,
     group=None,
-    bucket_numel: int = BUCKET_NUMEL,
+    bucket_numel: int | None = None,
 ) -> dict[int, torch.Tensor]:
     """Reduce every rank's partial trees to the canonical gradients (a collective on ``group``).
 
@@ -277,7 +277,8 @@ def owner_reduce(
         keys: ``exchange_node_keys``'s result (checked with ``merge_node_keys``: no overlaps, no gaps).
         total_leaves: leaves of the global batch (``TreePartial.result``'s argument).
         group: the process group (None: the default group).
-        bucket_numel: elements per bucket (the same on every rank; no effect on the bits).
+        bucket_numel: elements per bucket (None: ``BUCKET_NUMEL``, read at the call); the same on
+            every rank; no effect on the bits.
 
     Returns:
         ``{param index: gradient}`` for every parameter with a slot on some rank, in the spec's
@@ -303,7 +304,7 @@ def owner_reduce(
             out[index] = torch.empty((end - first, *spec.shape[1:]), dtype=spec.dtype, device=spec.device)
         else:
             out[index] = torch.empty(spec.shape, dtype=spec.dtype, device=spec.device)
-    for bucket in bucket_layout(specs, world, bucket_numel):
+    for bucket in bucket_layout(specs, world, BUCKET_NUMEL if bucket_numel is None else bucket_numel):
         pieces = tuple(p for p in bucket.pieces if p.param in uses)
         if pieces:
             _reduce_bucket(bucket, pieces, specs, partials, keys, uses, out, total_leaves, group)
@@ -385,9 +386,11 @@ def _reduce_bucket(bucket, pieces, specs, partials, keys, uses, out, total_leave
     dtype = specs[pieces[0].param].dtype
     chunk = bucket.chunk
     contribution = torch.empty(chunk, dtype=dtype, device=device)
-    if mine:
-        finished = torch.cat(mine) if len(mine) > 1 else mine[0]
-        contribution[: finished.numel()].copy_(finished)  # the one rounding to the parameter dtype
+    pos, dst = 0, []
+    for total in mine:  # this rank's elements of the bucket, in order
+        dst.append(contribution[pos : pos + total.numel()])
+        pos += total.numel()
+    _copy_all(dst, mine)  # the one rounding to the parameter dtype
     del mine
     gathered = torch.empty(world * chunk, dtype=dtype, device=device)
     all_gather_single(gathered, contribution, group)
