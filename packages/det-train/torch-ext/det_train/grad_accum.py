@@ -37,6 +37,8 @@ DEFAULT_LEAF_TOKENS = 8192
 
 # A leaf-sum function of an op: (global index of the first leaf, rows of whole leaves) -> partial tree.
 LeafPartial = Callable[[int, tuple], TreePartial]
+# An op's resumable leaf fold: (token step, fold(rows, acc or None) -> new fp32 fold of the param's shape).
+LeafFold = tuple[int, Callable[[tuple, torch.Tensor | None], torch.Tensor]]
 
 # The active accumulator. A plain module global, not thread-local: autograd runs CUDA backward
 # functions on its own device threads, which must still see the accumulator of `micro_batch`.
@@ -230,7 +232,11 @@ class CanonicalGradAccumulator:
         return (
             {slot: dict(tree.nodes) for slot, tree in self._partials.items()},
             dict(self._carry),
-            {key: (open_leaf.filled, open_leaf.buffers) for key, open_leaf in self._carry.items()},
+            {
+                key: (open_leaf.filled, open_leaf.buffers)
+                for key, open_leaf in self._carry.items()
+                if isinstance(open_leaf, _OpenLeaf)  # an _OpenFold is replaced, never changed
+            },
             list(self._spans),
             self._max_end,
         )
@@ -294,7 +300,9 @@ class CanonicalGradAccumulator:
         self._shapes[index] = param.shape
         return index, use
 
-    def deposit_rows(self, param: torch.Tensor, rows: tuple, leaf_partial: LeafPartial) -> None:
+    def deposit_rows(
+        self, param: torch.Tensor, rows: tuple, leaf_partial: LeafPartial, fold: LeafFold | None = None
+    ) -> None:
         """Deposit ``param``'s gradient over this micro-batch's tokens, given as rows: any boundaries.
 
         Args:
@@ -305,14 +313,22 @@ class CanonicalGradAccumulator:
                 sums over ``leaf_rows`` (rows of whole leaves starting at global leaf
                 ``first_leaf``; only the last leaf of the global batch may be short). It is called
                 now for the whole leaves, later (next micro-batch or ``reduce``) for an open leaf.
+            fold: the op's resumable leaf fold, ``(step, fold_fn)``: ``fold_fn(leaf_rows, acc)``
+                returns a new fp32 tensor of ``param``'s shape, ``acc`` (the fold of the leaf's
+                earlier tokens, or None) continued over ``leaf_rows`` in steps of ``step`` tokens;
+                over a whole leaf from None it equals that leaf's node of ``leaf_partial``.
 
-        The rows of the leaf this micro-batch leaves unfinished are copied and kept; the next
-        micro-batch prepends them to its own rows of that leaf, and ``reduce`` sums them if the
-        leaf ends the global batch. So every leaf is summed from all its rows by one call.
+        The leaf this micro-batch leaves unfinished stays open. With ``fold`` its fp32 fold is kept
+        (one tensor of ``param``'s shape; rows past the last whole step, fewer than ``step``, are
+        copied) and the next micro-batch's ``fold_fn`` continues it; without, its rows are copied
+        and kept, the next micro-batch prepends them to its own rows of that leaf, and one
+        ``leaf_partial`` call sums them. ``reduce`` finishes a leaf that ends the global batch.
 
         **Determinism:** ``leaf_partial`` sees the rows of whole leaves (and of the short last
-        leaf) exactly as one unsplit micro-batch would give them, so the partial trees, and
-        ``p.grad`` after ``reduce``, have the bits of one batch for any micro-batch sizes.
+        leaf) exactly as one unsplit micro-batch would give them, and ``fold_fn`` continues a leaf
+        only at multiples of ``step`` tokens from its start (a shorter remainder waits for the next
+        rows), so the partial trees, and ``p.grad`` after ``reduce``, have the bits of one batch
+        for any micro-batch sizes.
 
         Raises:
             ValueError: rows of different lengths or a length other than another op reported for
@@ -342,12 +358,22 @@ class CanonicalGradAccumulator:
                     "parameter was not used in every micro-batch that split the leaf"
                 )
             pos = min(n, open_leaf.start + leaf - offset)  # own rows that belong to the open leaf
-            open_leaf.append(tuple(r[:pos] for r in rows), leaf_partial, self)
-            if open_leaf.end < open_leaf.start + leaf:  # still open: this micro-batch ended inside it
-                return
-            self._flush()
-            self._merge(slot, leaf_partial(offset // leaf, open_leaf.rows()))
-            del self._carry[key]
+            head = tuple(r[:pos] for r in rows)
+            if isinstance(open_leaf, _OpenFold):
+                done = open_leaf.start + leaf == offset + pos
+                advanced = open_leaf.advance(head, done)
+                if not done:
+                    self._carry[key] = advanced
+                    return
+                self._merge(slot, TreePartial().add_node(0, offset // leaf, advanced))
+                del self._carry[key]
+            else:
+                open_leaf.append(head, leaf_partial, self)
+                if open_leaf.end < open_leaf.start + leaf:  # still open: this micro-batch ended inside it
+                    return
+                self._flush()
+                self._merge(slot, leaf_partial(offset // leaf, open_leaf.rows()))
+                del self._carry[key]
         full = (n - pos) // leaf * leaf
         first = (offset + pos) // leaf
         for j in range(first, first + full // leaf + (pos + full < n)):  # leaves this call starts
@@ -362,9 +388,11 @@ class CanonicalGradAccumulator:
             self._merge(slot, leaf_partial(first, whole))
         if pos + full < n:
             start = offset + pos + full
-            self._carry[(*slot, start // leaf)] = _OpenLeaf(
-                start, tuple(r[pos + full :] for r in rows), leaf, leaf_partial, self
-            )
+            tail = tuple(r[pos + full :] for r in rows)
+            if fold is not None:
+                self._carry[(*slot, start // leaf)] = _OpenFold(start, fold).advance(tail, False)
+            else:
+                self._carry[(*slot, start // leaf)] = _OpenLeaf(start, tail, leaf, leaf_partial, self)
 
     def _note_tokens(self, n: int, who: str) -> None:
         """Record the micro-batch's token count; every canonical-order op must report the same."""
@@ -541,6 +569,9 @@ class CanonicalGradAccumulator:
         for (index, use, leaf), open_leaf in self._carry.items():  # the short last leaf
             tree = local.setdefault((index, use), TreePartial())
             try:
+                if isinstance(open_leaf, _OpenFold):
+                    tree.merge(TreePartial().add_node(0, leaf, open_leaf.advance((), True)))
+                    continue
                 tree.merge(open_leaf.leaf_partial(leaf, open_leaf.rows()))
             except ValueError as err:
                 raise ValueError(f"{self._names[index]} (use {use}): {err}") from None
@@ -596,6 +627,48 @@ class CanonicalGradAccumulator:
         for index, grad in grads.items():
             p = self._params[index]
             p.grad = _fsdp_shard(self._fsdp[index], grad) if index in self._fsdp else grad
+
+
+class _OpenFold:
+    """An unfinished leaf as its op's fp32 fold: ``acc`` covers tokens ``[start, folded_end)`` (a
+    multiple of ``step`` tokens), ``rest`` holds copies of the rows after it (fewer than ``step``).
+    Immutable: ``advance`` returns a new state, so a micro-batch that raises leaves the old one."""
+
+    __slots__ = ("start", "folded_end", "acc", "rest", "fold")
+
+    def __init__(self, start: int, fold: LeafFold, folded_end=None, acc=None, rest=()) -> None:
+        self.start, self.fold, self.acc, self.rest = start, fold, acc, rest
+        self.folded_end = start if folded_end is None else folded_end
+
+    @property
+    def end(self) -> int:
+        return self.folded_end + (int(self.rest[0].shape[0]) if self.rest else 0)
+
+    def advance(self, rows: tuple, finish: bool):
+        """The state after the next ``rows`` of the leaf, or (``finish``: they end the leaf or the
+        batch) the leaf's fp32 sum."""
+        step, fold_fn = self.fold
+        n = int(rows[0].shape[0]) if rows else 0
+        acc, done = self.acc, self.folded_end
+        if self.rest:  # complete the waiting partial step first (a copy of fewer than `step` rows)
+            need = min(step - int(self.rest[0].shape[0]), n)
+            if need:
+                rows_in = tuple(torch.cat([a, b[:need]]) for a, b in zip(self.rest, rows, strict=True))
+                rows = tuple(r[need:] for r in rows)
+                n -= need
+            else:
+                rows_in = self.rest
+            if int(rows_in[0].shape[0]) < step and not finish:
+                return _OpenFold(self.start, self.fold, done, acc, rows_in)
+            acc, done = fold_fn(rows_in, acc), done + int(rows_in[0].shape[0])
+        whole = n if finish else n // step * step
+        if whole:
+            acc = fold_fn(tuple(r[:whole] for r in rows), acc)
+            done += whole
+        if finish:
+            return acc
+        rest = tuple(r[whole:].clone() for r in rows) if whole < n else ()
+        return _OpenFold(self.start, self.fold, done, acc, rest)
 
 
 class _OpenLeaf:

@@ -18,9 +18,10 @@ import torch
 from det_core import runtime
 from det_core.reduce import TreePartial, num_leaves
 
+from .configs import weight_grad_config
 from .grad_accum import DEFAULT_LEAF_TOKENS, current_accumulator
 from .matmul import check_bias, launch_linear, launch_matmul
-from .weight_grad import bias_grad_partial, weight_grad_partial
+from .weight_grad import bias_grad_partial, weight_grad_fold, weight_grad_partial
 
 __all__ = ["Linear", "bias_grad_partial", "linear", "weight_grad_partial"]
 
@@ -84,8 +85,10 @@ def param_grads(
     if acc is not None and tokens:
         leaf = acc.leaf_tokens
         if want_w:
-            if weight.is_leaf:  # rows of an open leaf are carried to the micro-batch completing it
-                acc.deposit_rows(weight, (dy2d, x2d), functools.partial(_weight_leaves, leaf))
+            if weight.is_leaf:  # an open leaf's fp32 fold is carried to the micro-batch completing it
+                step = weight_grad_config(dy2d.dtype, dy2d.shape[1], x2d.shape[1]).block_t
+                fold = (step, _weight_fold)
+                acc.deposit_rows(weight, (dy2d, x2d), functools.partial(_weight_leaves, leaf), fold)
             else:
                 grad_w = weight_grad_partial(dy2d, x2d, leaf_tokens=leaf, finish_dtype=weight.dtype)
         if want_b:
@@ -112,6 +115,11 @@ def param_grads(
 def _weight_leaves(leaf_tokens: int, first_leaf: int, rows: tuple) -> TreePartial:
     """The accumulator's leaf-sum function of a Linear weight: rows ``(dY, X)`` of whole leaves."""
     return weight_grad_partial(rows[0], rows[1], leaf_tokens=leaf_tokens, first_leaf=first_leaf)
+
+
+def _weight_fold(rows: tuple, acc: torch.Tensor | None) -> torch.Tensor:
+    """The accumulator's resumable fold of a Linear weight: ``acc`` continued over rows ``(dY, X)``."""
+    return weight_grad_fold(rows[0], rows[1], acc)
 
 
 def _bias_leaves(leaf_tokens: int, first_leaf: int, rows: tuple) -> TreePartial:

@@ -33,7 +33,13 @@ from ._tiles import (
 )
 from .configs import BIAS_GRAD_BLOCK_T, WeightGradConfig, check_weight_grad_config, weight_grad_config
 
-__all__ = ["bias_grad_leaves", "bias_grad_partial", "dw_scratch_shape", "weight_grad_partial"]
+__all__ = [
+    "bias_grad_leaves",
+    "bias_grad_partial",
+    "dw_scratch_shape",
+    "weight_grad_fold",
+    "weight_grad_partial",
+]
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -45,11 +51,25 @@ def _leaf_sum(
     EVEN_T: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """fp32 (BLOCK_N, BLOCK_K) tile of sum_t dY[t, n] X[t, k] over one leaf, folded in BLOCK_T steps."""
+    return _fold(
+        tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32), dy_ptr, x_ptr, tok_start, tok_end, offs_n, offs_k,
+        stride_dyt, stride_dyn, stride_xt, stride_xk, dy_t_step, x_t_step, BLOCK_N, BLOCK_K, BLOCK_T, EVEN_T,
+        UPCAST, DOT_PRECISION,
+    )  # fmt: skip
+
+
+@triton.jit
+def _fold(
+    acc, dy_ptr, x_ptr, tok_start, tok_end, offs_n, offs_k,
+    stride_dyt, stride_dyn, stride_xt, stride_xk, dy_t_step, x_t_step,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+    EVEN_T: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``acc`` + the fold of sum_t dY[t, n] X[t, k] over tokens [tok_start, tok_end) in BLOCK_T steps."""
     offs_t = tl.arange(0, BLOCK_T)
     tok = (tok_start + offs_t).to(tl.int64)
     a_ptrs = dy_ptr + tok[None, :] * stride_dyt + offs_n[:, None] * stride_dyn  # dY^T tile (BLOCK_N, BLOCK_T)
     b_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xk  # X tile (BLOCK_T, BLOCK_K)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for t in range(tok_start, tok_end, BLOCK_T):
         if EVEN_T:
             a = tl.load(a_ptrs)
@@ -217,6 +237,41 @@ def _weight_grad_kernel(
     )  # fmt: skip
     mask = (rows[:, None] < N) & (cols[None, :] < K)
     store_rounded(out_ptrs, node, mask, BF16_BY_BITS)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _weight_grad_fold_kernel(
+    # pointers: dY (T, N) and X (T, K) (or their TMA descriptors), the fold so far and the result
+    # (N, K) fp32 contiguous (may be the same tensor)
+    dy_ptr, x_ptr, acc_ptr, out_ptr,
+    T, N, K, stride_dyt, stride_dyn, stride_xt, stride_xk, dy_t_step, x_t_step,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, GROUP_N: tl.constexpr,
+    RESUME: tl.constexpr, TMA: tl.constexpr, EVEN_T: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One dW tile of a leaf's fold continued over T more tokens: ``out = fold(acc; tokens 0..T)``,
+    the steps of ``_leaf_sum`` / ``_leaf_sum_tma`` starting from the stored fp32 accumulator
+    (``RESUME``) or from zero: split at a step, a leaf's fold has the bits of one fold."""
+    pid_n, pid_k = grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(K, BLOCK_K), GROUP_N)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    tile = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    mask = (rows[:, None] < N) & (cols[None, :] < K)
+    if RESUME:
+        acc = tl.load(acc_ptr + tile, mask=mask, other=0.0)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if TMA:  # tokens past T are zero-filled by the descriptors
+        for t in range(0, T, BLOCK_T):
+            a, b = _tma_step(dy_ptr, x_ptr, t, pid_n * BLOCK_N, pid_k * BLOCK_K, BLOCK_N, BLOCK_T, UPCAST)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    else:
+        acc = _fold(
+            acc, dy_ptr, x_ptr, 0, T, (rows % N).to(tl.int64), (cols % K).to(tl.int64),
+            stride_dyt, stride_dyn, stride_xt, stride_xk, dy_t_step, x_t_step,
+            BLOCK_N, BLOCK_K, BLOCK_T, EVEN_T, UPCAST, DOT_PRECISION,
+        )  # fmt: skip
+    tl.store(out_ptr + tile, acc, mask=mask)
 
 
 @triton.jit
@@ -579,6 +634,63 @@ def dw_scratch_shape(
 def _resident_programs(device: torch.device, per_sm: int = 2) -> int:
     """Programs of the persistent dW tree kernels: ``per_sm`` per SM (their scratch is sized by this)."""
     return per_sm * runtime_programs(device)
+
+
+def weight_grad_fold(dy: torch.Tensor, x: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
+    """A leaf's dW fold continued over the tokens of ``dy`` / ``x``: ``acc`` + dY^T X in ``block_t`` steps.
+
+    Args:
+        dy: ``(T, N)`` output gradient rows of one leaf, in token order; bf16 / fp16 / fp32.
+        x: ``(T, K)`` the layer's input rows, same dtype and device.
+        acc: fp32 ``(N, K)`` contiguous, the fold of the leaf's earlier tokens (None: the leaf's
+            first tokens, the fold starts from zero). Not modified.
+
+    Returns:
+        A new fp32 ``(N, K)`` tensor: the fold so far. With ``acc=None`` over a whole leaf it is that
+        leaf's node of ``weight_grad_partial`` (bitwise).
+
+    **Determinism:** the fold's steps are ``weight_grad_partial``'s (the table's ``block_t``, the
+    same dot): resumed at a multiple of ``block_t`` tokens from the start of the leaf, a fold split
+    into any number of calls gives the bits of one call. A ``T`` that is not a multiple of
+    ``block_t`` masks the last step, as the short last leaf of a batch does, so only the call
+    that ends the leaf (or the batch) may have one.
+
+    Method: the sequential fp32 fold of ``weight_grad_partial``'s leaves, resumed from its stored
+    accumulator (the "main grad" of gradient accumulation, Megatron-LM's ``main_grad``).
+    """
+    T, N = dy.shape
+    K = x.shape[1]
+    resume = acc is not None
+    key = (
+        dy.shape, dy.stride(), x.shape, x.stride(), dy.dtype, dy.device, dy.data_ptr() % 16 == 0,
+        x.data_ptr() % 16 == 0, resume,
+    )  # fmt: skip
+    plan = _FOLD_PLANS.get(key)
+    if plan is None:
+        config = weight_grad_config(dy.dtype, N, K)
+        descs = _dw_tma_operands(dy, x, config, config.block_t)
+        meta = dict(
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_T=config.block_t, GROUP_N=config.group_n,
+            RESUME=resume, TMA=descs is not None, EVEN_T=T % config.block_t == 0,
+            UPCAST=INTERPRET and dy.dtype != torch.float32, DOT_PRECISION=dot_precision(dy.dtype),
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
+        scalars = (
+            T, N, K, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
+            config.block_t * dy.stride(0), config.block_t * x.stride(0),
+        )  # fmt: skip
+        grid = (runtime.cdiv(N, config.block_n) * runtime.cdiv(K, config.block_k),)
+        launch = runtime.BoundLaunch(_weight_grad_fold_kernel, 4, scalars, **meta)
+        templates = None if descs is None else tuple(map(runtime.DescriptorTemplate, descs))
+        plan = _FOLD_PLANS.put(key, (grid, launch, templates))
+    grid, launch, templates = plan
+    out = torch.empty((N, K), dtype=torch.float32, device=dy.device)
+    operands = (dy, x) if templates is None else (templates[0](dy), templates[1](x))
+    launch(grid, *operands, out if acc is None else acc, out)
+    return out
+
+
+_FOLD_PLANS = runtime.PlanCache()
 
 
 def bias_grad_leaves(dy: torch.Tensor, leaf_tokens: int) -> torch.Tensor:
