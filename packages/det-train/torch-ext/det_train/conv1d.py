@@ -1,0 +1,142 @@
+"""transformers' ``Conv1D`` (GPT-2, GPT): ``y = x @ W + b`` with ``W`` stored ``(in_features, out_features)``.
+
+Not a convolution: a linear layer whose weight is the transpose of ``nn.Linear``'s (Radford et al.,
+"Improving Language Understanding by Generative Pre-Training", 2018). The same kernels as
+``linear``, with the operand roles swapped where the layout differs:
+
+- forward ``x @ W`` and dX ``= dY @ W^T`` are ``matmul`` (fixed K order, no split-K: row invariant);
+- dW ``= X^T dY`` (``(in, out)``) is ``weight_grad_partial(x, dy)``: the canonical token order of a
+  Linear's dW with the two per-token operands exchanged (its ``dY^T X`` of ``(x, dy)``), so the
+  same leaves, folds and tree; db is a Linear's bias gradient. With an active
+  ``CanonicalGradAccumulator`` both are deposited there (``linear.param_grads``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from det_core import runtime
+
+from .linear import param_grads
+from .matmul import launch_matmul
+
+__all__ = ["Conv1D", "conv1d"]
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class _Conv1DFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        x2d = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+        n = weight.shape[1]
+        y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+        if y.numel() and x2d.shape[1]:
+            launch_matmul(x2d, weight, y, bias=bias)
+        elif y.numel():
+            y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
+        ctx.save_for_backward(x2d, weight)
+        ctx.weight, ctx.bias, ctx.x_shape = weight, bias, x.shape  # the Parameters: deposits key by identity
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        runtime.check_first_order("det_train.conv1d")
+        x2d, weight = ctx.saved_tensors
+        k, n = weight.shape
+        dy2d = dy.reshape(x2d.shape[0], n)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.empty(ctx.x_shape, dtype=dy.dtype, device=dy.device)
+            if grad_x.numel() and n:
+                launch_matmul(dy2d, weight.t(), grad_x)
+            else:
+                grad_x.zero_()
+        bias = ctx.bias
+        want_w, want_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
+        # dW (in, out) = X^T dY: a Linear's dW with the per-token operands exchanged
+        grad_w, _ = param_grads(x2d, dy2d, ctx.weight, None, want_w, False)
+        _, grad_b = param_grads(dy2d, x2d, ctx.weight, bias, False, want_b)
+        return grad_x, grad_w, grad_b
+
+
+def conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Deterministic ``y = x @ weight + bias`` with ``weight (in_features, out_features)`` (transformers'
+    ``Conv1D``), with autograd.
+
+    Args:
+        x: ``(*, in_features)`` bfloat16 / float16 / float32.
+        weight: ``(in_features, out_features)``, same dtype and device.
+        bias: optional ``(out_features,)``, same dtype; added in fp32 before the single rounding.
+
+    Returns:
+        ``(*, out_features)`` in ``x``'s dtype.
+
+    Gradients: dX = dY W^T (``matmul``); dW = X^T dY and db = the sum of dY over the flattened
+    tokens, in the canonical order of ``linear`` (deposited into the active
+    ``CanonicalGradAccumulator`` if any; their autograd gradients are None then).
+
+    **Determinism:** as ``linear``: run to run bitwise; y and dX row invariant; dW and db equal
+    bits for any split into micro-batches (any sizes) and leaf-aligned data-parallel ranks under
+    the accumulator. Not equal to ``torch.addmm``'s bits, nor across GPU models or Triton versions.
+
+    Raises:
+        TypeError: non-tensors, unsupported or mismatched dtypes.
+        ValueError: shapes (x's last dim vs ``in_features``, bias length), devices differ.
+        RuntimeError: CPU tensors without the Triton interpreter.
+
+    Method: transformers ``pytorch_utils.Conv1D`` (Radford et al., 2018) on ``linear``'s kernels.
+    """
+    op = "det_train.conv1d"
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is None and name == "bias":
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != x.dtype or t.dtype not in _DTYPES:
+            raise TypeError(
+                f"{op}: {name} has dtype {t.dtype}; x, weight and bias need one dtype of bfloat16, "
+                f"float16, float32 (x is {x.dtype})"
+            )
+    if weight.dim() != 2:
+        raise ValueError(f"{op}: weight must be 2-D (in_features, out_features), got {tuple(weight.shape)}")
+    if x.dim() < 1 or x.shape[-1] != weight.shape[0]:
+        raise ValueError(
+            f"{op}: x's last dim must equal in_features={weight.shape[0]} (weight rows), got x of "
+            f"shape {tuple(x.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (weight.shape[1],):
+        raise ValueError(f"{op}: bias must have shape ({weight.shape[1]},), got {tuple(bias.shape)}")
+    runtime.check_kernel_device(x, weight, *(() if bias is None else (bias,)), op=op)
+    return _Conv1DFunction.apply(x, weight, bias)
+
+
+class Conv1D(torch.nn.Module):
+    """Drop-in for transformers' ``Conv1D`` (``pytorch_utils.Conv1D``): same constructor ``(nf, nx)``,
+    parameters (``weight (nx, nf)``, ``bias (nf,)``), init and state_dict; forward is ``conv1d``.
+
+    Args:
+        nf: output features (``out_features``); nx: input features (``in_features``).
+        device, dtype: of the parameters (bfloat16 / float16 / float32).
+
+    Forward: ``x (*, nx)`` in the parameters' dtype gives ``(*, nf)``.
+
+    Raises: as ``conv1d`` (at forward).
+
+    **Determinism:** as ``conv1d``: row-invariant output and input gradient; canonical-order weight
+    and bias gradients (accumulator-aware).
+    """
+
+    def __init__(self, nf: int, nx: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.nf, self.nx = nf, nx
+        self.weight = torch.nn.Parameter(torch.empty(nx, nf, device=device, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(nf, device=device, dtype=dtype))
+        torch.nn.init.normal_(self.weight, std=0.02)
+
+    def extra_repr(self) -> str:
+        return f"nf={self.nf}, nx={self.nx}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return conv1d(x, self.weight, self.bias)

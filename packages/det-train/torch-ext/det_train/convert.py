@@ -1,0 +1,418 @@
+"""``det_train.convert(model)``: make a model's layers deterministic in one call.
+
+Replaces, in place, every module whose computation has a deterministic det_train counterpart with
+that counterpart, keeping the very same ``nn.Parameter`` objects (so optimizer state, parameter
+names, ``state_dict`` keys and tied weights are untouched), and refuses, naming them all, the
+modules it cannot convert that would break the invariances (unless allowed):
+
+- ``nn.Linear`` (and subclasses that keep its ``forward``) -> ``det_train.Linear``;
+- ``nn.Embedding`` (``padding_idx`` included) -> ``det_train.Embedding``; Gemma's scaled word
+  embedding (an ``nn.Embedding`` times its ``embed_scale``) -> ``ScaledEmbedding``;
+- ``nn.LayerNorm`` -> ``det_train.LayerNorm``;
+- ``nn.RMSNorm`` and transformers' RMSNorm classes (Llama, Qwen2/3, Mistral, ...: a ``weight`` and
+  an ``eps`` / ``variance_epsilon``, forward ``x * rsqrt(mean(x**2) + eps) * weight``) ->
+  ``det_train.RMSNorm``; Gemma-style ones (``x_hat * (1 + weight.float())``) ->
+  ``det_train.RMSNorm(offset=1.0)``;
+- transformers' ``Conv1D`` (GPT-2) -> ``det_train.Conv1D``;
+- a transformers causal LM's ``loss_function`` -> ``det_train.causal_lm_loss``.
+
+RMSNorm-like classes are recognised by structure and confirmed by a probe (their own forward on a
+small fp32 input with a probe weight, through ``torch.func.functional_call``, compared with both
+forms); ``register_conversion`` adds a class of one's own.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import numbers
+import sys
+import warnings
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from .conv1d import Conv1D
+from .embedding import Embedding, embedding
+from .hf_loss import causal_lm_loss
+from .layer_norm import LayerNorm
+from .linear import Linear
+from .rms_norm import RMSNorm
+
+__all__ = ["ConversionError", "ScaledEmbedding", "convert", "register_conversion"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# modules without parameters that still break the invariances (their forward depends on the batch
+# or on a global random generator): named, never silently kept
+_BATCH_DEPENDENT = (
+    nn.modules.batchnorm._BatchNorm,
+    nn.modules.instancenorm._InstanceNorm,
+    nn.GroupNorm,
+    nn.LocalResponseNorm,
+    nn.SyncBatchNorm,
+)
+_DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+# modules that are deterministic and row-invariant already (det_train's own)
+_DETERMINISTIC = (Linear, Embedding, LayerNorm, RMSNorm, Conv1D)
+# attention implementations that are det_attn (transformers' ``config._attn_implementation``)
+_DET_ATTENTION = "det_attn_transformers_forward"
+# transformers' loss types whose loss is ``ForCausalLMLoss``, replaced by ``causal_lm_loss``
+_CAUSAL_LM_LOSS = ("ForCausalLM",)
+
+_REGISTRY: dict[type, Callable[[nn.Module], nn.Module]] = {}
+
+
+class ConversionError(ValueError):
+    """``convert`` found modules it cannot make deterministic; ``problems`` lists
+    ``(qualified name, class name, reason)`` for each. Nothing was changed."""
+
+    def __init__(self, problems: list[tuple[str, str, str]]) -> None:
+        self.problems = problems
+        lines = [f"  {name or '<model>'} ({cls}): {reason}" for name, cls, reason in problems]
+        super().__init__(
+            f"det_train.convert: {len(problems)} module(s) cannot be made deterministic, so the model "
+            "was left unchanged:\n" + "\n".join(lines) + "\nReplace or fix them, register a conversion "
+            "(det_train.register_conversion), or keep them as they are, knowingly, with "
+            "convert(model, allow=[qualified names, class names or classes]) or strict=False."
+        )
+
+
+class ScaledEmbedding(Embedding):
+    """``det_train.Embedding`` times a constant: Gemma's scaled word embedding
+    (``embedding(ids) * embed_scale.to(weight.dtype)``, transformers' ``Gemma*ScaledWordEmbedding``).
+
+    Built by ``convert`` from such a module (its ``weight``, ``padding_idx`` and non-persistent
+    ``embed_scale`` buffer are kept). Forward: ``ids (...)`` int32 / int64 gives ``(..., D)`` in
+    ``weight.dtype``; errors as ``det_train.embedding``.
+
+    **Determinism:** the lookup and the elementwise scale are exact and row invariant; the weight
+    gradient is ``det_train.embedding``'s canonical-order sum of the scaled ``dy``.
+    """
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return embedding(ids, self.weight, self.padding_idx) * self.embed_scale.to(self.weight.dtype)
+
+
+def register_conversion(cls: type, factory: Callable[[nn.Module], nn.Module]) -> None:
+    """Make ``convert`` replace modules of exactly ``cls`` by ``factory(module)``.
+
+    ``factory`` must return a module that reuses ``module``'s Parameter objects (``convert``
+    checks it) and computes its forward with det_train ops. A registration takes precedence over
+    the built-in recognition. Raises TypeError if ``cls`` is not an ``nn.Module`` subclass or
+    ``factory`` is not callable.
+
+    **Determinism:** registration only; the converted module is as deterministic as its forward.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise TypeError(f"register_conversion: cls must be an nn.Module subclass, got {cls!r}")
+    if not callable(factory):
+        raise TypeError(f"register_conversion: factory must be callable, got {type(factory).__name__}")
+    _REGISTRY[cls] = factory
+
+
+def _rebuilt(module: nn.Module, cls: type, **attrs) -> nn.Module:
+    """A ``cls`` instance with ``module``'s state (parameters, buffers, hooks, flags and plain
+    attributes; containers copied, tensors shared) plus ``attrs``."""
+    new = cls.__new__(cls)
+    for key, value in module.__dict__.items():
+        new.__dict__[key] = copy.copy(value) if isinstance(value, (dict, set, list)) else value
+    for key, value in attrs.items():
+        setattr(new, key, value)
+    return new
+
+
+def _own_params(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in module._parameters.items() if v is not None}
+
+
+def _dtype_problem(module: nn.Module) -> str | None:
+    bad = sorted({str(p.dtype) for p in _own_params(module).values() if p.dtype not in _DTYPES})
+    return (
+        f"parameters of dtype {', '.join(bad)} (det_train supports bfloat16, float16, float32)"
+        if bad
+        else None
+    )
+
+
+def _uses_forward(module: nn.Module, base: type) -> bool:
+    return isinstance(module, base) and type(module).forward is base.forward
+
+
+def _is_transformers_conv1d(module: nn.Module) -> bool:
+    cls = type(module)
+    return cls.__name__ == "Conv1D" and cls.__module__ == "transformers.pytorch_utils"
+
+
+def _probe_rms_norm(module: nn.Module, eps: float) -> float | None:
+    """The ``offset`` (0.0 or 1.0) whose form ``x_hat * (offset + weight)`` ``module``'s forward
+    computes, or None. Two probes: ordinary rows, and rows whose mean square is about ``eps`` (so
+    where eps is added matters)."""
+    weight = module.weight
+    d = weight.numel()
+    g = torch.Generator().manual_seed(0)
+    w = (0.5 * torch.randn(weight.shape, generator=g)).to(device=weight.device)
+    rows = [torch.randn(3, d, generator=g)]
+    if eps > 0:
+        rows.append(rows[0] * math.sqrt(eps))
+    found = None
+    for offset in (0.0, 1.0):
+        ok = True
+        for x in rows:
+            x = x.to(weight.device)
+            with torch.no_grad():
+                out = torch.func.functional_call(module, {"weight": w}, (x,))
+            xd = x.double()
+            ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * (offset + w.double())
+            if out.shape != ref.shape or not torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-6):
+                ok = False
+                break
+        if ok:
+            found = offset
+    return found
+
+
+def _rms_norm_like(module: nn.Module) -> tuple[float, float] | str | None:
+    """``(eps, offset)`` of a transformers-style RMSNorm, a reason it is not convertible, or None
+    when ``module`` does not look like one (a weight vector and an eps, nothing else)."""
+    params = _own_params(module)
+    if set(params) != {"weight"} or module._modules or params["weight"].dim() != 1:
+        return None
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        return None
+    eps = float(eps)
+    if params["weight"].is_meta:
+        return "an RMSNorm-like module on the meta device: convert after the weights are materialised"
+    try:
+        offset = _probe_rms_norm(module, eps)
+    except Exception as err:  # any forward that cannot take one (rows, D) tensor is not an RMSNorm
+        return f"looks like an RMSNorm (weight, eps) but its forward failed on a probe row: {err}"
+    if offset is None:
+        return (
+            "looks like an RMSNorm (weight, eps) but its forward is neither x * rsqrt(mean(x**2) + eps) "
+            "* weight nor ... * (1 + weight): register_conversion(...) a det_train equivalent"
+        )
+    return eps, offset
+
+
+def _replacement(module: nn.Module) -> nn.Module | str | None:
+    """The deterministic replacement of ``module``, a reason it cannot be converted, or None when
+    it needs none (deterministic already, or no parameters of its own and nothing batch-dependent)."""
+    cls = type(module)
+    if cls in _REGISTRY:
+        return _REGISTRY[cls](module)
+    if isinstance(module, _DETERMINISTIC):  # det_train's own (ScaledEmbedding included): converted already
+        return None
+    if "forward" in module.__dict__:
+        return (
+            "its forward was replaced on the instance (accelerate or kernels hooks?): call "
+            "det_train.convert before dispatching, kernelizing or wrapping the model"
+        )
+    problem = _dtype_problem(module)
+    if _uses_forward(module, nn.Linear):
+        return problem or _rebuilt(module, Linear)
+    if _uses_forward(module, nn.Embedding) or (
+        isinstance(module, nn.Embedding)
+        and hasattr(module, "embed_scale")
+        and not isinstance(module, Embedding)
+    ):
+        if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
+            return "max_norm, sparse=True and scale_grad_by_freq are not supported by det_train.Embedding"
+        if problem:
+            return problem
+        if _uses_forward(module, nn.Embedding):
+            return _rebuilt(module, Embedding)
+        return _scaled_embedding(module)
+    if _uses_forward(module, nn.LayerNorm):
+        return problem or _rebuilt(module, LayerNorm)
+    if _uses_forward(module, nn.RMSNorm):
+        return problem or _rebuilt(module, RMSNorm, offset=0.0)
+    if _is_transformers_conv1d(module):
+        return problem or _rebuilt(module, Conv1D)
+    if isinstance(module, _BATCH_DEPENDENT):
+        return "normalises over the batch (or over groups by a torch reduction): no deterministic replacement"
+    if isinstance(module, _DROPOUT) and module.p > 0:
+        return (
+            f"dropout with p={module.p} draws from torch's global generator (its mask depends on the "
+            "batch's shape and split): set the dropout probabilities in the model's config to 0"
+        )
+    norm = _rms_norm_like(module)
+    if isinstance(norm, tuple):
+        if problem:
+            return problem
+        eps, offset = norm
+        weight = module.weight
+        return _rebuilt(
+            module,
+            RMSNorm,
+            normalized_shape=tuple(weight.shape),
+            eps=eps,
+            elementwise_affine=True,
+            offset=offset,
+        )
+    if isinstance(norm, str):
+        return norm
+    params = _own_params(module)
+    if params:
+        return f"no deterministic replacement (parameters: {', '.join(params)})"
+    return None
+
+
+def _scaled_embedding(module: nn.Module) -> nn.Module | str:
+    """Gemma's ``embedding * embed_scale``, confirmed by comparing the module's own forward with
+    ``ScaledEmbedding``'s on probe ids (exact: a gather and one elementwise product)."""
+    new = _rebuilt(module, ScaledEmbedding)
+    ids = torch.arange(min(module.num_embeddings, 8), device=module.weight.device)
+    try:
+        with torch.no_grad():
+            same = torch.equal(
+                module(ids),
+                torch.nn.functional.embedding(ids, module.weight)
+                * module.embed_scale.to(module.weight.dtype),
+            )
+    except Exception as err:
+        return (
+            f"an nn.Embedding with its own forward and an embed_scale; its forward failed on probe ids: {err}"
+        )
+    if not same:
+        return (
+            "an nn.Embedding with its own forward (not embedding * embed_scale): no deterministic replacement"
+        )
+    return new
+
+
+def _attention_problem(module: nn.Module, seen: set) -> str | None:
+    """A reason the transformers model ``module``'s attention implementation is not det_attn (each
+    config checked once: a causal LM and its base model share one)."""
+    config = getattr(module, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if impl is None or not hasattr(module, "loss_type") or id(config) in seen:
+        return None
+    seen.add(id(config))
+    interface = getattr(sys.modules.get("transformers.modeling_utils"), "ALL_ATTENTION_FUNCTIONS", None)
+    fn = interface.get(impl) if interface is not None and hasattr(interface, "get") else None
+    if getattr(fn, "__name__", None) == _DET_ATTENTION:
+        return None
+    return (
+        f"attention implementation {impl!r} (config._attn_implementation) is not deterministic (its "
+        "backward accumulates with atomics, its rows depend on the batch): load the model with "
+        "attn_implementation='det_attn' after `import det_attn` (det_attn.register_transformers_attention())"
+    )
+
+
+def _loss_plan(module: nn.Module) -> str | None:
+    """``"replace"`` if ``module`` is a transformers model with the causal-LM loss, a reason if its
+    built-in loss is another plain-torch loss, None if it has none."""
+    loss_type = getattr(module, "loss_type", None)
+    if loss_type is None or "_loss_function" in module.__dict__:
+        return None
+    if loss_type in _CAUSAL_LM_LOSS:
+        return "replace"
+    return (
+        f"its built-in loss {loss_type!r} is plain torch (a mean over each micro-batch): compute the "
+        "loss with det_train.cross_entropy(..., num_global_tokens=N), or set model.loss_function"
+    )
+
+
+def _allowed(name: str, module: nn.Module, allow: set) -> bool:
+    cls = type(module)
+    return (
+        name in allow
+        or cls in allow
+        or cls.__name__ in allow
+        or f"{cls.__module__}.{cls.__qualname__}" in allow
+    )
+
+
+def _check_params_kept(old: nn.Module, new: nn.Module, name: str) -> None:
+    before = {k: id(v) for k, v in _own_params(old).items()}
+    after = {k: id(v) for k, v in _own_params(new).items()}
+    if before != after:
+        raise RuntimeError(
+            f"det_train.convert: the replacement of {name or '<model>'} ({type(old).__name__}) does not "
+            f"reuse its Parameter objects ({sorted(before)} -> {sorted(after)}); a registered factory "
+            "must keep them"
+        )
+
+
+def convert(model: nn.Module, *, strict: bool = True, allow: Iterable = ()) -> nn.Module:
+    """Replace ``model``'s layers by det_train's deterministic ones, in place; return ``model``.
+
+    See the module docstring for what becomes what. The replacements reuse the original
+    ``nn.Parameter`` objects (and buffers, hooks and attributes), so an optimizer built before or
+    after, ``named_parameters()``, ``state_dict()`` keys, checkpoints and tied weights are the
+    same. A module shared by several parents is replaced everywhere. For a transformers model it
+    also checks ``config._attn_implementation`` (must be det_attn's) and installs
+    ``causal_lm_loss`` as the ``loss_function`` of causal LMs.
+
+    Args:
+        model: any ``nn.Module`` (a transformers ``PreTrainedModel`` or plain torch), with its
+            weights materialised (not on the meta device). Convert before wrapping it (FSDP, DDP,
+            ``torch.compile``, accelerate dispatch, ``kernels.kernelize``).
+        strict: raise ``ConversionError`` (listing every problem) if a module cannot be made
+            deterministic; ``False`` keeps such modules, with a ``UserWarning`` naming them.
+        allow: qualified module names (as in ``named_modules()``; ``""`` is the model itself),
+            class names or classes whose problems are accepted: such a module that cannot be
+            converted is kept as it is without an error (e.g. a frozen ``nn.Conv1d`` stem; for a
+            transformers model's attention or loss check, its name). Convertible modules are
+            converted whether listed or not.
+
+    Returns:
+        ``model`` itself, converted.
+
+    **Determinism:** after conversion every converted layer has det_train's guarantees (run to
+    run; row invariant forward and input gradients; parameter gradients in the canonical order,
+    split-invariant under a ``CanonicalGradAccumulator``). What the conversion cannot see is not
+    covered: functional calls in a ``forward`` (``F.scaled_dot_product_attention``, bare matmuls:
+    use ``det_attn`` and ``deterministic_mode()``), parameter-free modules that reduce with torch
+    ops, losses computed inline. Not converted: a norm applied per attention head (Qwen3's
+    ``q_norm``) sums its weight gradient over tokens x heads, which the accumulator refuses at the
+    first backward.
+
+    Raises:
+        ConversionError (a ValueError): with ``strict``, one or more modules that cannot be made
+            deterministic (each named, with its class and why), before anything is changed.
+        TypeError: ``model`` is not an ``nn.Module``.
+        RuntimeError: a registered factory that does not reuse the module's Parameters.
+
+    Method: module replacement keeping parameter identity (as ``torch.ao.quantization`` swaps
+    modules), with structural recognition of transformers' norm classes.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"det_train.convert: model must be an nn.Module, got {type(model).__name__}")
+    allow = set(allow)
+    replacements: dict[int, nn.Module] = {}
+    loss_modules, problems, configs = [], [], set()
+    for name, module in model.named_modules():
+        kept = _allowed(name, module, allow)  # its problems are accepted; what converts, converts
+        for verdict in (_attention_problem(module, configs), _loss_plan(module)):
+            if verdict == "replace":
+                loss_modules.append(module)
+            elif verdict is not None and not kept:
+                problems.append((name, type(module).__name__, verdict))
+        new = _replacement(module)
+        if isinstance(new, str):
+            if not kept:
+                problems.append((name, type(module).__name__, new))
+        elif new is not None:
+            _check_params_kept(module, new, name)
+            replacements[id(module)] = new
+    if problems:
+        if strict:
+            raise ConversionError(problems)
+        lines = "; ".join(f"{n or '<model>'} ({c}): {r}" for n, c, r in problems)
+        warnings.warn(
+            f"det_train.convert(strict=False) kept {len(problems)} module(s): {lines}", stacklevel=2
+        )
+    for parent in list(model.modules()):
+        for child_name, child in list(parent._modules.items()):
+            if child is not None and id(child) in replacements:
+                parent._modules[child_name] = replacements[id(child)]
+    root = replacements.get(id(model))
+    if root is not None:  # the caller holds this object: it takes the replacement's class and state
+        model.__class__ = type(root)
+        model.__dict__.update(root.__dict__)
+    for module in loss_modules:
+        module.loss_function = causal_lm_loss
+    return model
