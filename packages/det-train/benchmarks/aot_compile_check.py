@@ -173,6 +173,20 @@ def main() -> int:
                     f"dW {dtype} {cls} lean pointer loads (no TMA)", lin._weight_grad_lean_kernel, wtypes,
                     fallback, w.num_warps, w.num_stages,
                 )  # fmt: skip
+            for tma in (True, False):  # the open leaf's resumable fold (gradient accumulation)
+                ftypes = {"dy_ptr": tname, "x_ptr": tname, "acc_ptr": "*fp32", "out_ptr": "*fp32"}
+                if tma:
+                    ftypes["dy_ptr"] = f"tensordesc<{tname[1:]}[{w.block_t}, {w.block_n}]>"
+                    ftypes["x_ptr"] = f"tensordesc<{tname[1:]}[{w.block_t}, {w.block_k}]>"
+                block_k = w.block_k if tma else min(w.block_k, 128)  # weight_grad_fold's pointer tile
+                fold = dict(
+                    BLOCK_N=w.block_n, BLOCK_K=block_k, BLOCK_T=w.block_t, GROUP_N=w.group_n, RESUME=True,
+                    TMA=tma, EVEN_T=True, UPCAST=False, DOT_PRECISION=None, stride_dyn=1, stride_xk=1,
+                )  # fmt: skip
+                bad += not compile_one(
+                    f"dW {dtype} {cls} fold tma={tma}", lin._weight_grad_fold_kernel, ftypes, fold,
+                    w.num_warps, w.num_stages,
+                )  # fmt: skip
             bad += not compile_one(
                 f"dW {dtype} {cls} one leaf",
                 lin._weight_grad_kernel,

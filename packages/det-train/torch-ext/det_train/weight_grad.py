@@ -15,6 +15,8 @@ What a launch leaves unfinished (subtrees of several runs) is merged by ``TreePa
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -669,6 +671,8 @@ def weight_grad_fold(dy: torch.Tensor, x: torch.Tensor, acc: torch.Tensor | None
     if plan is None:
         config = weight_grad_config(dy.dtype, N, K)
         descs = _dw_tma_operands(dy, x, config, config.block_t)
+        if descs is None and config.block_k > 128:  # pointer loads of a 128x256 tile spill: 128x128
+            config = dataclasses.replace(config, block_k=128)  # (the tile does not change bits)
         meta = dict(
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_T=config.block_t, GROUP_N=config.group_n,
             RESUME=resume, TMA=descs is not None, EVEN_T=T % config.block_t == 0,
