@@ -418,10 +418,16 @@ def test_gpu_micro_batch_invariance_real_sizes():
     whole = _accumulated_grads(x, w, b, dy, 8192, 1)  # the default leaf: one leaf
     assert_bitwise_equal(whole[0], dw, "plain dW == accumulator dW")
     assert_bitwise_equal(whole[1], db, "plain db == accumulator db")
-    for parts in (3, 7):  # cuts inside the leaf: its rows of dY and X carried to the next micro-batch
+    for parts in (2, 3, 7, 8, 16):  # cuts inside the leaf: dW's fp32 fold carried (3, 7: off the step)
         got = _accumulated_grads(x, w, b, dy, 8192, parts, aligned=False)
         assert_bitwise_equal(got[0], whole[0], f"dW, {parts} cuts inside the leaf")
         assert_bitwise_equal(got[1], whole[1], f"db, {parts} cuts inside the leaf")
+    x2, w2, dy2 = x[:, :768], _randn(2304, 768, seed=48), _randn(t, 2304, seed=49)  # the 128x128 entry
+    b2 = _randn(2304, seed=50)
+    whole2 = _accumulated_grads(x2, w2, b2, dy2, 8192, 1)
+    for parts in (4, 8, 16):
+        got = _accumulated_grads(x2, w2, b2, dy2, 8192, parts, aligned=False)
+        assert_bitwise_equal(got[0], whole2[0], f"dW 2304x768, {parts} micro-batches inside the leaf")
 
 
 @pytest.mark.gpu
