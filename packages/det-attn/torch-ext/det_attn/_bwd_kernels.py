@@ -212,106 +212,20 @@ def attn_bwd_dkdv_kernel(
         delta_base = delta_ptr + head * stride_lh + q_start
         seq_id = seq + seq_offset
         head_id = head + head_offset
-        # diagonal (masked), fully visible (unmasked), ragged tail (masked), ascending
-        dk, dv = _dkdv_inner(
-            dk,
-            dv,
-            k,
-            v,
-            q_base,
-            do_base,
-            lse2_base,
-            delta_base,
-            stride_qt,
-            stride_dot,
-            offs_n,
-            start_n,
-            offs_d,
-            begin,
-            diag_end,
-            q_len,
-            diag,
-            qk_scale,
-            seed_lo,
-            seed_hi,
-            seq_id,
-            head_id,
-            drop_threshold,
-            drop_scale,
-            BLOCK_M,
-            BLOCK_N,
-            True,
-            CAUSAL,
-            DROPOUT,
-            UPCAST,
-            DTYPE,
-        )
-        dk, dv = _dkdv_inner(
-            dk,
-            dv,
-            k,
-            v,
-            q_base,
-            do_base,
-            lse2_base,
-            delta_base,
-            stride_qt,
-            stride_dot,
-            offs_n,
-            start_n,
-            offs_d,
-            full_begin,
-            full_end,
-            q_len,
-            diag,
-            qk_scale,
-            seed_lo,
-            seed_hi,
-            seq_id,
-            head_id,
-            drop_threshold,
-            drop_scale,
-            BLOCK_M,
-            BLOCK_N,
-            False,
-            CAUSAL,
-            DROPOUT,
-            UPCAST,
-            DTYPE,
-        )
-        dk, dv = _dkdv_inner(
-            dk,
-            dv,
-            k,
-            v,
-            q_base,
-            do_base,
-            lse2_base,
-            delta_base,
-            stride_qt,
-            stride_dot,
-            offs_n,
-            start_n,
-            offs_d,
-            tail_begin,
-            q_len,
-            q_len,
-            diag,
-            qk_scale,
-            seed_lo,
-            seed_hi,
-            seq_id,
-            head_id,
-            drop_threshold,
-            drop_scale,
-            BLOCK_M,
-            BLOCK_N,
-            True,
-            CAUSAL,
-            DROPOUT,
-            UPCAST,
-            DTYPE,
-        )
+        # the diagonal (masked), the fully visible blocks (unmasked), the ragged tail (masked):
+        # one call, unrolled into three loops that differ only in the range and MASKED
+        for part in tl.static_range(3):
+            if part == 0:
+                lo, hi = begin, diag_end
+            elif part == 1:
+                lo, hi = full_begin, full_end
+            else:
+                lo, hi = tail_begin, q_len
+            dk, dv = _dkdv_inner(
+                dk, dv, k, v, q_base, do_base, lse2_base, delta_base, stride_qt, stride_dot, offs_n, start_n,
+                offs_d, lo, hi, q_len, diag, qk_scale, seed_lo, seed_hi, seq_id, head_id, drop_threshold,
+                drop_scale, BLOCK_M, BLOCK_N, part != 1, CAUSAL, DROPOUT, UPCAST, DTYPE,
+            )  # fmt: skip
     dk = dk * sm_scale
     out_off = (k_start + offs_n[:, None].to(tl.int64)) * stride_dkt + kv_head * stride_dkh + offs_d[None, :]
     tl.store(dk_ptr + out_off, to_out(dk, dk_ptr.dtype.element_ty, UPCAST), mask=col_ok[:, None])
@@ -462,64 +376,18 @@ def attn_bwd_dq_kernel(
         end = tl.minimum(k_len, start_m + BLOCK_M + diag)
     seq_id = seq + seq_offset
     head_id = head + head_offset
-    dq = _dq_inner(
-        dq,
-        q,
-        do,
-        lse2,
-        delta,
-        k_base,
-        v_base,
-        stride_kt,
-        offs_m,
-        offs_d,
-        0,
-        full_end,
-        k_len,
-        diag,
-        qk_scale,
-        seed_lo,
-        seed_hi,
-        seq_id,
-        head_id,
-        drop_threshold,
-        drop_scale,
-        BLOCK_N,
-        False,
-        CAUSAL,
-        DROPOUT,
-        UPCAST,
-        DTYPE,
-    )
-    dq = _dq_inner(
-        dq,
-        q,
-        do,
-        lse2,
-        delta,
-        k_base,
-        v_base,
-        stride_kt,
-        offs_m,
-        offs_d,
-        full_end,
-        end,
-        k_len,
-        diag,
-        qk_scale,
-        seed_lo,
-        seed_hi,
-        seq_id,
-        head_id,
-        drop_threshold,
-        drop_scale,
-        BLOCK_N,
-        True,
-        CAUSAL,
-        DROPOUT,
-        UPCAST,
-        DTYPE,
-    )
+    # the key blocks every row of this tile sees entirely (unmasked), then the rest (diagonal,
+    # ragged tail; masked): one call, unrolled into two loops that differ in the range and MASKED
+    for part in tl.static_range(2):
+        if part == 0:
+            lo, hi = 0, full_end
+        else:
+            lo, hi = full_end, end
+        dq = _dq_inner(
+            dq, q, do, lse2, delta, k_base, v_base, stride_kt, offs_m, offs_d, lo, hi, k_len, diag, qk_scale,
+            seed_lo, seed_hi, seq_id, head_id, drop_threshold, drop_scale, BLOCK_N, part == 1, CAUSAL,
+            DROPOUT, UPCAST, DTYPE,
+        )  # fmt: skip
     dq = dq * sm_scale
     tl.store(
         dq_ptr + rows * stride_dqt + head * stride_dqh + offs_d[None, :],

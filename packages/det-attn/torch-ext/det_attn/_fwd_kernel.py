@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._tiles import dropout_keep, k_tile, program_tile, seq_span, to_out, v_tile
+from ._tiles import dropout_keep, kv_tile, program_tile, seq_span, to_out
 
 
 @triton.jit
@@ -62,7 +62,7 @@ def _fwd_inner(
     seed_lo,
     seed_hi,
     seq,
-    kv_col,
+    col,
     seq_id,
     head_id,
     drop_threshold,
@@ -79,11 +79,11 @@ def _fwd_inner(
     # Key blocks start_n, start_n + BLOCK_N, ... < end_n, ascending: S = Q K^T, softmax step, O += P V.
     offs_n0 = tl.arange(0, BLOCK_N)
     for start in tl.range(start_n, end_n, BLOCK_N):
-        kT = k_tile(
-            k_src, stride_kt, start, offs_n0, offs_d, k_len, seq, kv_col, BLOCK_N, HEAD_DIM, MASKED, TMA
+        kT = kv_tile(
+            k_src, stride_kt, start, offs_n0, offs_d, k_len, seq, col, BLOCK_N, HEAD_DIM, MASKED, TMA, True
         )
-        v = v_tile(
-            v_src, stride_kt, start, offs_n0, offs_d, k_len, seq, kv_col, BLOCK_N, HEAD_DIM, MASKED, TMA
+        v = kv_tile(
+            v_src, stride_kt, start, offs_n0, offs_d, k_len, seq, col, BLOCK_N, HEAD_DIM, MASKED, TMA, False
         )
         if UPCAST:
             kT = kT.to(tl.float32)
@@ -191,18 +191,18 @@ def attn_fwd_kernel(
         end = tl.minimum(k_len, start_m + BLOCK_M + diag)
     seq_id = seq + seq_offset
     head_id = head + head_offset
-    # the unmasked key blocks [0, full_end), then the masked ones [full_end, end): the same arguments
-    # but the range and MASKED
-    acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_src, v_src, stride_kt, offs_m, offs_d, 0, full_end, k_len, diag, qk_scale,
-        seed_lo, seed_hi, seq, kv_col, seq_id, head_id, drop_threshold, drop_scale,
-        BLOCK_N, HEAD_DIM, False, CAUSAL, DROPOUT, UPCAST, DTYPE, TMA,
-    )  # fmt: skip
-    acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_src, v_src, stride_kt, offs_m, offs_d, full_end, end, k_len, diag, qk_scale,
-        seed_lo, seed_hi, seq, kv_col, seq_id, head_id, drop_threshold, drop_scale,
-        BLOCK_N, HEAD_DIM, True, CAUSAL, DROPOUT, UPCAST, DTYPE, TMA,
-    )  # fmt: skip
+    # the unmasked key blocks [0, full_end), then the masked ones [full_end, end): one call,
+    # unrolled into two loops that differ only in the range and MASKED
+    for part in tl.static_range(2):
+        if part == 0:
+            lo, hi = 0, full_end
+        else:
+            lo, hi = full_end, end
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, k_src, v_src, stride_kt, offs_m, offs_d, lo, hi, k_len, diag, qk_scale,
+            seed_lo, seed_hi, seq, kv_col, seq_id, head_id, drop_threshold, drop_scale,
+            BLOCK_N, HEAD_DIM, part == 1, CAUSAL, DROPOUT, UPCAST, DTYPE, TMA,
+        )  # fmt: skip
     acc = acc / l_i[:, None]
     lse2 = m_i + tl.math.log2(l_i)
     out = to_out(acc, DTYPE, UPCAST)

@@ -49,59 +49,41 @@ def seq_span(cu_ptr, seq, seqlen, DENSE: tl.constexpr):
 
 
 @triton.jit
-def k_tile(
-    k_src,
-    stride_kt,
+def kv_tile(
+    src,
+    stride_t,
     start,
     offs_n0,
     offs_d,
     k_len,
     seq,
-    kv_col,
+    col,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr,
     TMA: tl.constexpr,
+    TRANS: tl.constexpr,
 ):
-    # K block `start .. start + BLOCK_N - 1`, transposed ([HEAD_DIM, BLOCK_N]); keys past k_len are 0
+    # Key block `start .. start + BLOCK_N - 1` of K or V: [BLOCK_N, HEAD_DIM], or with TRANS
+    # [HEAD_DIM, BLOCK_N] (K^T for the scores); keys past k_len are 0. TMA: `src` is a host
+    # descriptor over (B, T, H_kv * D), read at (sequence `seq`, column `col` of the head).
     if TMA:
-        kT = tl.trans(tl.reshape(k_src.load([seq, start, kv_col]), [BLOCK_N, HEAD_DIM]))
+        tile = tl.reshape(src.load([seq, start, col]), [BLOCK_N, HEAD_DIM])
+        if TRANS:
+            tile = tl.trans(tile)
     else:
         offs_n = start + offs_n0
-        kT_ptrs = k_src + offs_n[None, :].to(tl.int64) * stride_kt + offs_d[:, None]
-        if MASKED:
-            kT = tl.load(kT_ptrs, mask=offs_n[None, :] < k_len, other=0.0)
+        if TRANS:
+            ptrs = src + offs_n[None, :].to(tl.int64) * stride_t + offs_d[:, None]
+            in_seq = offs_n[None, :] < k_len
         else:
-            kT = tl.load(kT_ptrs)
-    return kT
-
-
-@triton.jit
-def v_tile(
-    v_src,
-    stride_kt,
-    start,
-    offs_n0,
-    offs_d,
-    k_len,
-    seq,
-    kv_col,
-    BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    MASKED: tl.constexpr,
-    TMA: tl.constexpr,
-):
-    # V block `start .. start + BLOCK_N - 1` ([BLOCK_N, HEAD_DIM]); keys past k_len are 0
-    if TMA:
-        v = tl.reshape(v_src.load([seq, start, kv_col]), [BLOCK_N, HEAD_DIM])
-    else:
-        offs_n = start + offs_n0
-        v_ptrs = v_src + offs_n[:, None].to(tl.int64) * stride_kt + offs_d[None, :]
+            ptrs = src + offs_n[:, None].to(tl.int64) * stride_t + offs_d[None, :]
+            in_seq = offs_n[:, None] < k_len
         if MASKED:
-            v = tl.load(v_ptrs, mask=offs_n[:, None] < k_len, other=0.0)
+            tile = tl.load(ptrs, mask=in_seq, other=0.0)
         else:
-            v = tl.load(v_ptrs)
-    return v
+            tile = tl.load(ptrs)
+    return tile
 
 
 @triton.jit
