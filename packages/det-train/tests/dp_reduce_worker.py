@@ -208,6 +208,41 @@ def job_main(rank, world, micro_batch_seqs, batch_seqs=8, bucket_numel=None, fsd
         dp_reduce.BUCKET_NUMEL = saved
 
 
+TIED_TOKENS, TIED_LEAF = 48, 4  # 12 leaves
+
+
+def tied_batch():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(TIED_TOKENS, 37, generator=g)
+    dy = torch.randn(3, TIED_TOKENS, 37, generator=g)
+    return x, dy, torch.randn(37, generator=g), torch.randn(37, generator=g)
+
+
+def job_tied(rank, world, bucket_numel=16):
+    """``w`` used twice per micro-batch (two slots, the same node keys: one group holding each piece
+    twice) and ``v`` once, fp32; rank shards of 3, 3, 2, 2, 2 ... leaves (1 or 2 nodes each), each
+    cut into micro-batches of 5 tokens (open leaves carried), buckets of ``bucket_numel``
+    elements: 37-element gradients cut across buckets."""
+    from _canonical_toy import toy_scale_rows
+    from det_core.testing import contiguous_splits
+
+    x, dy, w0, v0 = tied_batch()
+    w, v = w0.clone().requires_grad_(), v0.clone().requires_grad_()
+    acc = det_train.CanonicalGradAccumulator([("w", w), ("v", v)], leaf_tokens=TIED_LEAF)
+    start, end = contiguous_splits(TIED_TOKENS, world, TIED_LEAF)[rank]
+    saved, dp_reduce.BUCKET_NUMEL = dp_reduce.BUCKET_NUMEL, bucket_numel
+    try:
+        for s in range(start, end, 5):
+            e = min(s + 5, end)
+            with acc.micro_batch(token_offset=s):
+                for use, param, scale in ((0, w, 1.0), (1, w, 2.0), (2, v, 1.0)):
+                    toy_scale_rows(x[s:e] * scale, param).backward(dy[use, s:e])
+        acc.reduce(total_tokens=TIED_TOKENS)
+    finally:
+        dp_reduce.BUCKET_NUMEL = saved
+    return {"w": w.grad, "v": v.grad}
+
+
 def job_refused(rank, world, refusing=1):
     """Rank ``refusing``'s shard ends inside a leaf: its reduce raises its own error and every other
     rank's a ValueError naming it; none waits in a collective. Returns 1 per rank that raised as

@@ -28,12 +28,19 @@ from det_train import dp_reduce  # noqa: E402
 # per DP degree: (job name, kwargs) run in order in one process group; "main" = the main job
 JOBS = {
     2: [("main", dict(micro_batch_seqs=2)), ("main", dict(micro_batch_seqs=2, fsdp=True))],
-    3: [("main", dict(micro_batch_seqs=2)), ("main", dict(micro_batch_seqs=3, fsdp=True)), ("refused", {})],
+    3: [
+        ("main", dict(micro_batch_seqs=2)),
+        ("main", dict(micro_batch_seqs=3, fsdp=True)),
+        ("refused", {}),
+        ("tied", {}),
+    ],
     4: [("main", dict(micro_batch_seqs=2)), ("main", dict(micro_batch_seqs=2, fsdp=True))],
-    # 2, 2, 2, 1, 1 sequences in buckets of 4099 elements; then 4 sequences on 5 ranks: one empty
+    # 2, 2, 2, 1, 1 sequences in buckets of 4099 elements; then 4 sequences on 5 ranks: one empty;
+    # the toy with a parameter used twice in buckets of 50 elements
     5: [
         ("main", dict(micro_batch_seqs=2, bucket_numel=4099)),
         ("main", dict(micro_batch_seqs=1, batch_seqs=4)),
+        ("tied", dict(bucket_numel=50)),
     ],
     8: [("main", dict(micro_batch_seqs=1))],
 }
@@ -110,6 +117,22 @@ def test_fsdp2_gives_the_bits_of_one_process_and_never_unshards(world):
 
 def test_a_refusing_rank_makes_every_rank_raise():
     assert [r[2]["code"] for r in ranks(3)] == [1, 1, 1]
+
+
+def test_a_parameter_used_twice_dp_3_and_5():
+    """Two uses of one parameter (two trees with the same node keys, added in use order after the
+    owner's trees), 1- and 2-node shards, open leaves, buckets that cut the gradients: the bits of
+    one process, which are the canonical tree of each use's tokens, use 0 + use 1."""
+    from det_core.reduce import canonical_sum
+
+    want = worker.job_tied(0, 1)
+    x, dy, _, _ = worker.tied_batch()
+    definition = canonical_sum(x * dy[0], worker.TIED_LEAF) + canonical_sum(2.0 * x * dy[1], worker.TIED_LEAF)
+    assert_bitwise_equal(want["w"], definition, "w: one process vs the definition")
+    for world, job in ((3, 3), (5, 2)):
+        for rank, results in enumerate(ranks(world)):
+            for name in ("w", "v"):
+                assert_bitwise_equal(results[job][name], want[name], f"{name}, DP={world}, rank {rank}")
 
 
 def _data_bytes(step: dict) -> tuple[int, int]:

@@ -327,16 +327,30 @@ def _reduce_bucket(bucket, pieces, specs, partials, keys, uses, out, total_leave
         a, b = pieces[k].owned[r]
         return b - a
 
-    send, send_sizes = [], [0] * world
-    for r in range(world):
-        for signature, members in groups.items():
-            for key in signature[rank]:
-                for k, slot in members:
-                    a, b = pieces[k].owned[r]
-                    if b > a:
-                        send.append(partials[slot].nodes[key].reshape(-1)[a:b])
-                        send_sizes[r] += b - a
-    widths = [sum(owned(k, rank) for k, _ in members) for members in groups.values()]
+    def owned_by(members: list, r: int) -> int:  # elements rank r owns of a group's members
+        return sum(owned(k, r) for k, _ in members)
+
+    # the send buffer: for each owner r, for each group, for each of this rank's keys, for each
+    # member, the node's slice that r owns
+    send_sizes = [
+        sum(len(sig[rank]) * owned_by(members, r) for sig, members in groups.items()) for r in range(world)
+    ]
+    (signature, members), *others = groups.items()
+    if not bucket.sharded and not others and len(members) == len(pieces) and len(signature[rank]) == 1:
+        # one use per parameter, one node per slot here: owners of a replicated bucket's elements
+        # never decrease along the bucket, so its whole pieces in order are that buffer
+        node = signature[rank][0]
+        send = [partials[slot].nodes[node].reshape(-1)[pieces[k].lo : pieces[k].hi] for k, slot in members]
+    else:
+        send = []
+        for r in range(world):
+            for signature, members in groups.items():
+                for key in signature[rank]:
+                    for k, slot in members:
+                        a, b = pieces[k].owned[r]
+                        if b > a:
+                            send.append(partials[slot].nodes[key].reshape(-1)[a:b])
+    widths = [owned_by(members, rank) for members in groups.values()]
     recv_sizes = [sum(len(sig[q]) * w for sig, w in zip(groups, widths, strict=True)) for q in range(world)]
     send_buffer = torch.cat(send) if send else torch.empty(0, device=device)
     del send
