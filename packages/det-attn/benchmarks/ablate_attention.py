@@ -367,14 +367,9 @@ def _fwd(bm, bn, warps, stages, **more):
 
 # (name, fields changed on the table's row): "BM,BN,warps,stages", "rN" a cap of N registers (never
 # with dropout), "pointers" pointer loads instead of host TMA descriptors (with the table's pointer
-# tiles, fwd_pointers, unless named). The table (run 8's ablation, confirmed in run 9): D128
-# 128,64,8,2 r128 with host descriptors, pointer tiles the same; D64 128,64,8,3 with descriptors.
-# sm_90a AOT (benchmarks/aot_compile_check.py, Triton 3.6, causal, no dropout): D128 table 126 regs
-# 96 KiB (2 programs per SM); its pointer tiles 128 regs, 76 bytes spilled, 96 KiB (2 per SM); old
-# table 192 regs 225 KiB; 128,64,8,3 r128 126 regs 129 KiB; no cap 138 regs 96 KiB; pointers no cap
-# 182 regs 96 KiB (these four: 1 program per SM); pointers 64,4,3 / 64,4,2 168 regs, 112 / 80 KiB
-# (2 per SM). D64 table 109 regs 65 KiB, so its r128 variant compiles to the same code (a control:
-# equal times expected); pointers 125 regs. Most informative first: the budget may cut the tail.
+# tiles, fwd_pointers, unless named). aot_compile_check.py reports each one's registers, spills and
+# shared memory for sm_90a; D64's r128 is a control (its row needs fewer than 128 registers:
+# equal times expected). Most informative first: the budget may cut the tail.
 FWD_VARIANTS = {
     128: [
         # BN 128: other bits than the table (every variant with BN 64 should keep the table's)
