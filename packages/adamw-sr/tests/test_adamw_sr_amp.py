@@ -6,7 +6,8 @@ a plain step, bit for bit, and equals the reference;
 (b) a step with a nonzero ``found_inf`` leaves params, moments and step counts bitwise untouched, and
 the run goes on as if it had not happened; (c) a real ``torch.amp.GradScaler`` loop on CPU takes the
 fused path (no ``unscale_``, no host-synced ``_maybe_opt_step``) and equals the loop that unscales
-explicitly, including a step skipped for an inf gradient. The same bits on the GPU:
+explicitly, including a step skipped for an inf gradient. As torch's fused AdamW, a step leaves
+``p.grad`` unscaled, and a skipped step leaves it as it was. The same bits on the GPU:
 test_adamw_sr_gpu.py.
 """
 
@@ -76,9 +77,9 @@ def test_a_fused_unscale_equals_explicit_unscale_and_the_reference(param_dtype, 
                 r, g, m, v, vm, step=step, lr=3e-2, weight_decay=0.1, amsgrad=amsgrad, seed=11, base_index=b,
                 grad_scale=scale_t, found_inf=torch.zeros(()),
             )  # fmt: skip
-        # the kernel reads the scaled gradients and leaves them as they were
-        for p, g in zip(fused, grads, strict=True):
-            assert_bitwise_equal(p.grad, g, "gradient after the step")
+        # the kernel writes the gradients back unscaled, as unscale_ (and torch's fused AdamW) leave them
+        for i, (p, q) in enumerate(zip(fused, explicit, strict=True)):
+            assert_bitwise_equal(p.grad, q.grad, f"gradient {i} after the step")
     for i, (p, q, r, (m, _, _)) in enumerate(zip(fused, explicit, refs, states, strict=True)):
         assert_bitwise_equal(p, q, f"param {i}: fused vs explicit unscale")
         assert_bitwise_equal(p, r, f"param {i}: fused vs reference")
@@ -112,8 +113,9 @@ def test_b_found_inf_step_leaves_everything_bitwise_untouched(amsgrad):
 
     step(1, 0.0)
     before = digest(_state(params, opt))
-    step(2, 1.0)  # inf found: nothing moves
+    step(2, 1.0)  # inf found: nothing moves, the gradients included
     assert digest(_state(params, opt)) == before
+    assert digest([p.grad for p in params]) == digest(_scaled_grads(2, torch.bfloat16, 1024.0))
     assert all(float(opt.state[p]["step"]) == 1.0 for p in params)
     step(2, 2.0)  # found_inf is a sum over devices: any nonzero value skips
     assert digest(_state(params, opt)) == before
@@ -152,10 +154,13 @@ def test_b_functional_step_skips_and_unscales_like_the_optimizer():
                   found_inf=torch.ones(()))  # fmt: skip
     assert digest([p, m, v]) == before
     r, rm, rv = p.clone(), m.clone(), v.clone()
-    adamw_sr_step([p], [g], [m], [v], None, torch.ones(1), lr=1e-2, grad_scale=torch.tensor(3.0))
+    g_kernel = g.clone()
+    adamw_sr_step([p], [g_kernel], [m], [v], None, torch.ones(1), lr=1e-2, grad_scale=torch.tensor(3.0))
     adamw_sr_step_reference(r, g, rm, rv, step=1, lr=1e-2, grad_scale=3.0)
     assert_bitwise_equal(p, r)
     assert_bitwise_equal(m, rm)
+    _explicit_unscale([g], torch.tensor(3.0))
+    assert_bitwise_equal(g_kernel, g, "the gradient written back unscaled")
 
 
 @pytest.mark.parametrize(

@@ -273,6 +273,7 @@ def test_cuda_amp_unscale_equals_explicit_unscale_and_cpu_reference(param_dtype,
                 grad_scale=torch.tensor(3.0), found_inf=torch.zeros(()),
             )  # fmt: skip
     assert digest([p.cpu() for p in fused]) == digest([q.cpu() for q in explicit]) == digest(refs)
+    assert digest([p.grad.cpu() for p in fused]) == digest([q.grad.cpu() for q in explicit])  # left unscaled
     assert digest([opt_f.state[p]["exp_avg"].cpu() for p in fused]) == digest([m for m, _ in states])
 
 

@@ -18,8 +18,9 @@ Layout of a launch (all tensors on one device, one param dtype and one grad dtyp
 * AMP (``torch.amp.GradScaler``): with ``UNSCALE`` the gradient is multiplied by the fp32 reciprocal
   of the loss scale (read from ``grad_scale``, computed in fp64 and rounded once, as
   ``GradScaler.unscale_`` does, and a bf16 gradient rounded back to bf16 as the in-place unscale
-  stores it), so the bits equal an explicit unscale; with ``SKIP_ON_INF`` a nonzero ``found_inf``
-  (read on the device) makes every program write nothing.
+  stores it), so the bits equal an explicit unscale, and the unscaled gradient is written back (as
+  torch's fused AdamW does); with ``SKIP_ON_INF`` a nonzero ``found_inf`` (read on the device)
+  makes every program write nothing.
 
 Bit-exactness with ``reference.py``: scalars are computed in fp64 from the same sequence of IEEE
 operations (``beta ** step`` by binary exponentiation: multiplications only), rounded once to fp32;
@@ -349,10 +350,12 @@ def _step_tile(
     v = _load(exp_avg_sq_ptr + v_idx, mask, MASKED)
     if UNSCALE:
         # the bits of an explicit unscale (torch._amp_foreach_non_finite_check_and_unscale_): one fp32
-        # multiply, written back into a bf16 gradient with round-to-nearest-even, then read as fp32
+        # multiply, rounded to nearest-even into a bf16 gradient; stored back unscaled, as torch's
+        # fused AdamW and GradScaler.unscale_ leave it (exact: the value has the gradient's dtype)
         g = g * inv_scale
         if grad_ptr.dtype.element_ty == tl.bfloat16:
             g = _round_nearest_even_bf16(g).to(tl.float32)
+        _store(grad_ptr + g_idx, g.to(grad_ptr.dtype.element_ty), mask, MASKED)
     if MAXIMIZE:
         g = -g
 
@@ -551,7 +554,8 @@ def launch_fused_step(
     ``roles`` are the lists the plan was built from, in order: params, grads, exp_avgs, exp_avg_sqs,
     max_exp_avg_sqs (``exp_avg_sqs`` again without amsgrad). ``grad_scale`` / ``found_inf``
     (1-element fp32 tensors on the device, as ``torch.amp.GradScaler`` sets them): gradients are
-    unscaled in the kernel, and a nonzero ``found_inf`` makes the kernel write nothing. With the
+    unscaled in the kernel (and written back unscaled), and a nonzero ``found_inf`` makes the
+    kernel write nothing. With the
     config's ``PRECOMPUTED``, two launches in stream order: the per-tensor scalars, then the step.
     Returns Triton's handle of the step kernel (benchmarks read its register count), or ``None``
     when there is nothing to do.

@@ -170,7 +170,8 @@ class _StepLaunch:
     beta1, beta2, eps, weight_decay); ``segments``: int64 CPU ``[S, 4]`` (slot, local start,
     length, global start); ``seed``: the Philox seed; ``stochastic``: round bf16 params
     stochastically; ``grad_scale``, ``found_inf``: AMP's 1-element fp32 device tensors or ``None``
-    (unscale the gradients in the kernel; write nothing when ``found_inf`` is nonzero).
+    (unscale the gradients in the kernel and write them back unscaled; write nothing when
+    ``found_inf`` is nonzero).
     """
 
     params: list
@@ -189,12 +190,11 @@ class _StepLaunch:
     found_inf: torch.Tensor | None = None
 
     def op_args(self) -> tuple:
-        """The custom op's arguments in schema order (its schema spells each one out)."""
+        """The custom ops' arguments in schema order (the schema spells each one out), AMP's aside."""
         # seed travels as a decimal string: the schema's int is 64-bit signed, a seed is unsigned
         return (
             self.params, self.grads, self.exp_avgs, self.exp_avg_sqs, self.max_exp_avg_sqs, self.steps,
             self.hyper, self.segments, str(self.seed), self.amsgrad, self.maximize, self.stochastic,
-            self.grad_scale, self.found_inf,
         )  # fmt: skip
 
 
@@ -219,10 +219,45 @@ def _get_plan(launch: _StepLaunch) -> kernel.LaunchPlan:
     return plan
 
 
-@torch.library.custom_op(
-    "adamw_sr::fused_step", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs")
-)
+_MUTATED = ("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs")
+
+
+@torch.library.custom_op("adamw_sr::fused_step", mutates_args=_MUTATED)
 def _fused_step_op(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    max_exp_avg_sqs: list[torch.Tensor],
+    steps: torch.Tensor,
+    hyper: torch.Tensor,
+    segments: torch.Tensor,
+    seed: str,
+    amsgrad: bool,
+    maximize: bool,
+    stochastic: bool,
+) -> None:
+    _fused_step_impl(
+        _StepLaunch(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            max_exp_avg_sqs,
+            steps,
+            hyper,
+            segments,
+            int(seed),
+            amsgrad,
+            maximize,
+            stochastic,
+        )  # fmt: skip
+    )
+
+
+# the AMP step also writes the unscaled gradients back (as torch's fused AdamW does): its own schema
+@torch.library.custom_op("adamw_sr::fused_step_amp", mutates_args=(*_MUTATED, "grads"))
+def _fused_step_amp_op(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
     exp_avgs: list[torch.Tensor],
@@ -240,21 +275,21 @@ def _fused_step_op(
 ) -> None:
     _fused_step_impl(
         _StepLaunch(
-            params=params,
-            grads=grads,
-            exp_avgs=exp_avgs,
-            exp_avg_sqs=exp_avg_sqs,
-            max_exp_avg_sqs=max_exp_avg_sqs,
-            steps=steps,
-            hyper=hyper,
-            segments=segments,
-            seed=int(seed),
-            amsgrad=amsgrad,
-            maximize=maximize,
-            stochastic=stochastic,
-            grad_scale=grad_scale,
-            found_inf=found_inf,
-        )
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            max_exp_avg_sqs,
+            steps,
+            hyper,
+            segments,
+            int(seed),
+            amsgrad,
+            maximize,
+            stochastic,
+            grad_scale,
+            found_inf,
+        )  # fmt: skip
     )
 
 
@@ -276,15 +311,20 @@ def _fused_step(launch: _StepLaunch) -> None:
     watching; in plain eager mode straight to the launch, skipping the op's per-tensor dispatch
     checks (a third of ``step()``'s host time at 2,000 tensors), and bumping the version counters of
     the tensors written in place, as the op would."""
+    amp = launch.grad_scale is not None or launch.found_inf is not None
     if (
         torch.compiler.is_compiling()
         or _get_current_dispatch_mode() is not None
         or type(launch.params[0]) not in (torch.Tensor, torch.nn.Parameter)
     ):
-        _fused_step_op(*launch.op_args())
+        if amp:
+            _fused_step_amp_op(*launch.op_args(), launch.grad_scale, launch.found_inf)
+        else:
+            _fused_step_op(*launch.op_args())
         return
     _fused_step_impl(launch)
-    _increment_versions([*launch.params, *launch.exp_avgs, *launch.exp_avg_sqs, *launch.max_exp_avg_sqs])
+    written = [*launch.params, *launch.exp_avgs, *launch.exp_avg_sqs, *launch.max_exp_avg_sqs]
+    _increment_versions(written + launch.grads if amp else written)
 
 
 def _increment_versions(tensors: list[torch.Tensor]) -> None:
@@ -295,24 +335,13 @@ def _increment_versions(tensors: list[torch.Tensor]) -> None:
             torch.autograd.graph.increment_version(t)
 
 
-@_fused_step_op.register_fake
-def _(
-    params,
-    grads,
-    exp_avgs,
-    exp_avg_sqs,
-    max_exp_avg_sqs,
-    steps,
-    hyper,
-    segments,
-    seed,
-    amsgrad,
-    maximize,
-    stochastic,
-    grad_scale,
-    found_inf,
-):
+def _no_output(*args) -> None:
+    """The ops' fake (meta) kernel: they write in place and return nothing."""
     return None
+
+
+_fused_step_op.register_fake(_no_output)
+_fused_step_amp_op.register_fake(_no_output)
 
 
 def adamw_sr_step(
@@ -365,7 +394,8 @@ def adamw_sr_step(
             (``torch.amp.GradScaler``'s scale); the kernel multiplies each gradient by its fp32
             reciprocal (computed in fp64, rounded once) as ``GradScaler.unscale_`` would, a bf16
             gradient rounded back to bf16 as the in-place unscale stores it, so the bits equal an
-            explicit unscale followed by this step. The gradients in memory are not changed.
+            explicit unscale followed by this step; the unscaled gradients are written back into
+            ``grads`` (as ``GradScaler.unscale_`` and torch's fused AdamW leave them).
         found_inf: AMP: a 1-element fp32 tensor; when nonzero the kernel writes nothing (params
             and states bitwise untouched), read on the device, so no host sync. ``steps`` is only
             read: a caller keeping step counts advances them by ``found_inf == 0``. Both are
@@ -886,7 +916,8 @@ class AdamWSR(torch.optim.Optimizer):
         AMP: ``torch.amp.GradScaler.step(opt)`` sets ``opt.grad_scale`` and ``opt.found_inf`` for
         the call (this class has ``_step_supports_amp_scaling``, as torch's fused AdamW); the step
         then unscales the gradients in the kernel (the bits of ``scaler.unscale_(opt)`` followed by
-        a step) and, where ``found_inf`` is nonzero, writes nothing and leaves every step count as
+        a step; ``p.grad`` is left unscaled, as torch's fused AdamW leaves it) and, where
+        ``found_inf`` is nonzero, writes nothing (``p.grad`` included) and leaves every step count as
         it is, decided on the device (no host sync; the counts live on the params' device from
         the first such step on).
         """

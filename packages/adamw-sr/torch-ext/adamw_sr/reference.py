@@ -145,7 +145,8 @@ def adamw_sr_step_reference(
             float is taken as fp32). ``grad`` is multiplied by the fp32 reciprocal of it, computed
             in fp64 and rounded once, and a bf16 ``grad`` is rounded back to bf16 (nearest even):
             what ``GradScaler.unscale_`` (``torch._amp_foreach_non_finite_check_and_unscale_``)
-            stores. ``grad`` itself is not changed.
+            stores. ``grad`` itself is not changed (the kernel also writes the unscaled gradient
+            back, as torch's fused AdamW does).
         found_inf: AMP: when nonzero the step is skipped: nothing is written (the caller keeps
             its step count where it was).
 
