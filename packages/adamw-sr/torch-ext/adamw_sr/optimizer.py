@@ -251,7 +251,7 @@ def _fused_step_op(
             amsgrad,
             maximize,
             stochastic,
-        )  # fmt: skip
+        )
     )
 
 
@@ -289,7 +289,7 @@ def _fused_step_amp_op(
             stochastic,
             grad_scale,
             found_inf,
-        )  # fmt: skip
+        )
     )
 
 
