@@ -47,9 +47,9 @@ def _run_reference(params, grads_per_step, *, amsgrad=False, lr=1e-2, seed=0, **
     "amsgrad,maximize,stochastic", [(False, False, None), (True, True, None), (False, False, False)]
 )
 def test_kernel_equals_reference_bitwise(param_dtype, amsgrad, maximize, stochastic):
-    # odd sizes: masked windows; default bases 0, 8, 176, 184 (multiples of 8); (2, 1024) adds full
-    # (unmasked) windows with the interpreter's BLOCK of 1024
-    shapes = [(7,), (33, 5), (3,), (2, 1024)]
+    # odd sizes: masked windows; default bases 0, 8, 176, 184 (multiples of 8); (2, 8192) adds full
+    # (unmasked) windows with the interpreter's BLOCK of 8192
+    shapes = [(7,), (33, 5), (3,), (2, 8192)]
     params = [
         torch.randn(s, generator=torch.Generator().manual_seed(i)).to(param_dtype)
         for i, s in enumerate(shapes)
