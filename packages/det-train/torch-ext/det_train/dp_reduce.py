@@ -22,10 +22,12 @@ collectives:
    gathered bits are those of a single process, in half the bytes for bf16). FSDP2 parameters
    skip it: the owner's shard is this rank's gradient.
 
-Per rank and bucket of ``S`` elements, with ``n`` nodes per (parameter, use) on a rank, the bytes
-sent plus received are about ``2 * (W - 1) / W * S * (4 * n + e)`` (``e``: bytes of the parameter
-dtype; FSDP2: ``4 * n`` only) and the transient memory about ``S * (4 * n_local + 4 * n_mean + 2 * e)``:
-independent of W (docs/det-train.md, "Data parallel").
+Per rank, for ``N`` gradient elements, ``n`` nodes per (parameter, use) on a rank and ``e`` bytes
+per element of the parameter dtype: about ``(W - 1) / W * N * (4 * n + e)`` bytes sent and as many
+received (FSDP2: ``4 * n`` instead of ``4 * n + e``), and per bucket of ``S`` elements at most
+``4 S (n + n_max) + 4 S / W (ceil(log2 leaves) + 1) + e S (1 + 1 / W)`` bytes of transient memory:
+only the ``(W - 1) / W`` and ``1 / W`` factors depend on W (docs/det-train.md, "The data-parallel
+reduction").
 
 Method: owner-computes reduction (a reduce-scatter by all-to-all, as in ZeRO / FSDP gradient
 sharding, Rajbhandari et al., SC'20) with the fixed pairwise tree of det_core.reduce (Higham,
@@ -44,7 +46,9 @@ from det_core.reduce import TreePartial
 
 __all__ = [
     "BUCKET_NUMEL",
+    "Bucket",
     "GradSpec",
+    "Piece",
     "all_gather_single",
     "bucket_layout",
     "exchange_node_keys",
@@ -94,8 +98,12 @@ class GradSpec:
 
 
 @dataclass(frozen=True)
-class _Piece:
-    """Flat elements ``[lo, hi)`` of parameter ``param`` in a bucket; ``owned[r]`` = rank r's part."""
+class Piece:
+    """Flat elements ``[lo, hi)`` of parameter ``param`` (row-major) in a bucket; ``owned[r]``: the
+    ``[a, b)`` of them rank r owns (the ranks' ranges tile ``[lo, hi)`` in rank order).
+
+    **Determinism:** layout only.
+    """
 
     param: int
     lo: int
@@ -104,12 +112,16 @@ class _Piece:
 
 
 @dataclass(frozen=True)
-class _Bucket:
-    """Pieces reduced by one all-to-all (and, unless ``sharded``, one all-gather of ``chunk`` per rank)."""
+class Bucket:
+    """Pieces reduced by one all-to-all (and, unless ``sharded``, one all-gather of ``chunk`` elements
+    per rank: rank r owns elements ``[r * chunk, (r + 1) * chunk)`` of the bucket's concatenation).
 
-    pieces: tuple[_Piece, ...]
+    **Determinism:** layout only.
+    """
+
+    pieces: tuple[Piece, ...]
     sharded: bool
-    chunk: int  # replicated buckets: rank r owns bucket elements [r * chunk, (r + 1) * chunk)
+    chunk: int
 
 
 def group_size(group=None) -> int:
@@ -125,7 +137,7 @@ def group_size(group=None) -> int:
     return dist.get_world_size(group)
 
 
-def bucket_layout(specs: list[GradSpec], world: int, bucket_numel: int = BUCKET_NUMEL) -> list[_Bucket]:
+def bucket_layout(specs: list[GradSpec], world: int, bucket_numel: int = BUCKET_NUMEL) -> list[Bucket]:
     """The buckets of ``specs`` for ``world`` ranks: a pure function of its arguments.
 
     Parameters are taken in order, grouped by (sharded, dtype, device) in order of first
@@ -145,7 +157,7 @@ def bucket_layout(specs: list[GradSpec], world: int, bucket_numel: int = BUCKET_
             raise ValueError(f"{spec.name}: an FSDP2 parameter needs a dim 0 to shard, got shape ()")
         if spec.numel:
             groups.setdefault((spec.sharded, spec.dtype, spec.device), []).append(index)
-    buckets: list[_Bucket] = []
+    buckets: list[Bucket] = []
     for (sharded, _dtype, _device), indices in groups.items():
         runs: list[list[tuple[int, int, int]]] = [[]]  # (param, lo, hi) per bucket
         filled = 0
@@ -164,9 +176,7 @@ def bucket_layout(specs: list[GradSpec], world: int, bucket_numel: int = BUCKET_
     return buckets
 
 
-def _make_bucket(
-    run: list[tuple[int, int, int]], specs: list[GradSpec], world: int, sharded: bool
-) -> _Bucket:
+def _make_bucket(run: list[tuple[int, int, int]], specs: list[GradSpec], world: int, sharded: bool) -> Bucket:
     size = sum(hi - lo for _, lo, hi in run)
     chunk = -(-size // world)
     pieces, offset = [], 0
@@ -182,9 +192,9 @@ def _make_bucket(
                 (lo + min(max(r * chunk - offset, 0), n), lo + min(max((r + 1) * chunk - offset, 0), n))
                 for r in range(world)
             )
-        pieces.append(_Piece(index, lo, hi, owned))
+        pieces.append(Piece(index, lo, hi, owned))
         offset += hi - lo
-    return _Bucket(tuple(pieces), sharded, chunk)
+    return Bucket(tuple(pieces), sharded, chunk)
 
 
 def exchange_node_keys(
