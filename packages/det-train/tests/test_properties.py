@@ -268,15 +268,16 @@ def _linear_grads(x, w, bias, dy):
     has_bias=st.booleans(),
     x_layout=LAYOUTS,
     w_layout=st.sampled_from(["contiguous", "col_major", "strided"]),
+    frozen=st.sampled_from([None, "x", "weight", "bias"]),  # an input that requires no gradient
     seed=SEEDS,
 )
-@example(torch.bfloat16, (2, 5), 65, 33, True, "strided", "col_major", 5)
-@example(torch.float32, (33,), 33, 17, True, "col_major", "strided", 6)
-@example(torch.bfloat16, (3,), 0, 5, True, "contiguous", "contiguous", 7)  # K = 0: y = bias
-@example(torch.float16, (3, 0), 5, 4, True, "contiguous", "contiguous", 8)  # no tokens
-@example(torch.bfloat16, (4,), 5, 0, False, "contiguous", "contiguous", 9)  # N = 0
+@example(torch.bfloat16, (2, 5), 65, 33, True, "strided", "col_major", None, 5)
+@example(torch.float32, (33,), 33, 17, True, "col_major", "strided", "x", 6)
+@example(torch.bfloat16, (3,), 0, 5, True, "contiguous", "contiguous", None, 7)  # K = 0: y = bias
+@example(torch.float16, (3, 0), 5, 4, True, "contiguous", "contiguous", None, 8)  # no tokens
+@example(torch.bfloat16, (4,), 5, 0, False, "contiguous", "contiguous", "weight", 9)  # N = 0
 def test_linear_forward_backward_match_torch_and_are_row_invariant(
-    dtype, lead, k, n, has_bias, x_layout, w_layout, seed
+    dtype, lead, k, n, has_bias, x_layout, w_layout, frozen, seed
 ):
     g = torch.Generator().manual_seed(seed)
     x0, w0 = _randn((*lead, k), dtype, g), _randn((n, k), dtype, g)
@@ -284,9 +285,18 @@ def test_linear_forward_backward_match_torch_and_are_row_invariant(
     dy = _randn((*lead, n), dtype, g)
     x, w = _leaf_view(x0, x_layout), _leaf_view(w0, w_layout)
     bias = _leaf(b0, dtype)
+    if frozen == "x":
+        x = x.detach()
+    elif frozen == "weight":
+        w = w.detach()
+    elif frozen == "bias" and bias is not None:
+        bias = bias.detach()
     y, dx, dw, db = _linear_grads(x, w, bias, dy)
     assert y.shape == (*lead, n) and y.dtype == dtype
-    assert dx.shape == x.shape and dw.shape == w.shape and (db is None or db.shape == (n,))
+    assert (dx is None) == (frozen == "x") and (dw is None) == (frozen == "weight")
+    assert (db is None) == (b0 is None or frozen == "bias")
+    assert (dx is None or dx.shape == x.shape) and (dw is None or dw.shape == w.shape)
+    assert db is None or db.shape == (n,)
     # the same call on contiguous copies gives the same bits (x may hold broadcast rows)
     xc, wc = x.detach().contiguous(), w.detach().contiguous()
     contiguous = _linear_grads(*(_leaf(t, dtype) for t in (xc, wc, b0)), dy)
@@ -304,10 +314,16 @@ def test_linear_forward_backward_match_torch_and_are_row_invariant(
     if b0 is not None:
         pairs.append(("db", db, bt.grad, b64.grad))
     for name, ours, theirs, ref in pairs:
-        _check_close_to_fp64(f"linear {name}", ours, theirs.detach().to(dtype), ref.detach(), dtype)
+        if ours is not None:
+            _check_close_to_fp64(f"linear {name}", ours, theirs.detach().to(dtype), ref.detach(), dtype)
     # a token alone: its y and dx rows are the bits of the batch's
     rows = math.prod(lead)
-    x2, dy2, y2, dx2 = xc.reshape(rows, k), dy.reshape(rows, n), y.reshape(rows, n), dx.reshape(rows, k)
+    x2, dy2, y2, dx2 = (
+        xc.reshape(rows, k),
+        dy.reshape(rows, n),
+        y.reshape(rows, n),
+        contiguous[1].reshape(rows, k),
+    )
     for i in _anchors(rows):
         xi = x2[i : i + 1].clone().requires_grad_()
         yi = det_train.linear(xi, wc, None if b0 is None else b0)
@@ -367,39 +383,46 @@ def _rms_grads(x, w, dy, **kw):
     dtype=DTYPES,
     lead=LEADS,
     d=D_SIZES,
+    two_dims=st.booleans(),  # normalized_shape (3, D): a row is (3, D), read through x's strides
     weight=st.sampled_from(["same", "none", "float32"]),
     offset=st.sampled_from([0.0, 1.0]),
     eps=st.sampled_from([None, 1e-5]),
     x_layout=LAYOUTS,
     seed=SEEDS,
 )
-@example(torch.bfloat16, (2, 5), 65, "same", 0.0, None, "strided", 10)
-@example(torch.float32, (17,), 33, "same", 1.0, 1e-5, "col_major", 11)
-@example(torch.float16, (0,), 16, "same", 0.0, None, "contiguous", 12)  # no rows
+@example(torch.bfloat16, (2, 5), 65, False, "same", 0.0, None, "strided", 10)
+@example(torch.float32, (17,), 33, False, "same", 1.0, 1e-5, "col_major", 11)
+@example(torch.float16, (0,), 16, False, "same", 0.0, None, "contiguous", 12)  # no rows
+@example(torch.bfloat16, (7,), 17, True, "float32", 0.0, None, "col_major", 13)  # (3, D) transposed
 def test_rms_norm_matches_fp64_bits_of_contiguous_and_row_invariant(
-    dtype, lead, d, weight, offset, eps, x_layout, seed
+    dtype, lead, d, two_dims, weight, offset, eps, x_layout, seed
 ):
     g = torch.Generator().manual_seed(seed)
+    feat = (3, d) if two_dims else (d,)
+    size = math.prod(feat)
     w_dtype = {"same": dtype, "none": None, "float32": torch.float32}[weight]
     offset = offset if w_dtype is not None else 0.0
-    x0 = _randn((*lead, d), dtype, g)
-    w0 = None if w_dtype is None else _randn((d,), w_dtype, g, 0.1) + (1.0 - offset)
+    x0 = _randn((*lead, *feat), dtype, g)
+    w0 = None if w_dtype is None else _randn(feat, w_dtype, g, 0.1) + (1.0 - offset)
     out_dtype = dtype if w_dtype is None else torch.promote_types(dtype, w_dtype)
-    dy = _randn((*lead, d), out_dtype, g)
-    kw = dict(eps=eps, offset=offset)
+    dy = _randn((*lead, *feat), out_dtype, g)
+    kw = dict(eps=eps, normalized_shape=feat, offset=offset)
     x, w = _leaf_view(x0, x_layout), _leaf(w0, w_dtype)
     y, dx, dw = _rms_grads(x, w, dy, **kw)
     assert y.shape == x.shape and y.dtype == out_dtype and dx.shape == x.shape
+    assert dw is None or (dw.shape == feat and dw.dtype == w_dtype)
     xc = x.detach().contiguous()
     contiguous = _rms_grads(_leaf(xc, dtype), _leaf(w0, w_dtype), dy, **kw)
     for name, got, want in zip(("y", "dx", "dw"), (y, dx, dw), contiguous, strict=True):
         if got is not None:
             assert_bitwise_equal(got, want, f"rms_norm {name}: {x_layout} x vs contiguous")
-    x64, w64 = _leaf(xc, torch.float64), _leaf(w0, torch.float64)
+    # the reference normalizes the last dim: rows flattened to (..., 3 D)
+    x64 = _leaf(xc.reshape(*lead, size), torch.float64)
+    w64 = None if w0 is None else _leaf(w0.reshape(size), torch.float64)
     ref = rms_norm_reference(x64, w64, eps=torch.finfo(dtype).eps if eps is None else eps, offset=offset)
-    ref.backward(dy.double())
+    ref.backward(dy.reshape(*lead, size).double())
     refs = [("y", y, ref.detach(), out_dtype)]
-    if d > 1 or dtype != torch.float32:  # fp32, D = 1: dx = w dy eps / (x^2 + eps)^1.5 is what a
+    if size > 1 or dtype != torch.float32:  # fp32, D = 1: dx = w dy eps / (x^2 + eps)^1.5 is what a
         # cancellation leaves, below the fp32 resolution of its terms (torch's own fp32 backward is
         # off by O(1) there too); its bits are still checked above and below
         refs.append(("dx", dx, x64.grad, dtype))
@@ -407,14 +430,14 @@ def test_rms_norm_matches_fp64_bits_of_contiguous_and_row_invariant(
         refs.append(("dw", dw, w64.grad, w_dtype))
     for name, got, want, want_dtype in refs:
         assert got.dtype == want_dtype, f"{name}: dtype {got.dtype} != {want_dtype}"
-        _check_max_rel(f"rms_norm {name}", got, want, RMS_TOL[want_dtype])
+        _check_max_rel(f"rms_norm {name}", got.reshape(want.shape), want, RMS_TOL[want_dtype])
     rows = math.prod(lead)
     for i in _anchors(rows):  # a row alone: its y and dx are the batch's bits
-        xi = _leaf(xc.reshape(rows, d)[i : i + 1], dtype)
+        xi = _leaf(xc.reshape(rows, *feat)[i : i + 1], dtype)
         yi = det_train.rms_norm(xi, w0, **kw)
-        yi.backward(dy.reshape(rows, d)[i : i + 1])
-        assert_bitwise_equal(yi.detach(), y.reshape(rows, d)[i : i + 1], f"y row {i} of {rows}")
-        assert_bitwise_equal(xi.grad, dx.reshape(rows, d)[i : i + 1], f"dx row {i} of {rows}")
+        yi.backward(dy.reshape(rows, *feat)[i : i + 1])
+        assert_bitwise_equal(yi.detach(), y.reshape(rows, *feat)[i : i + 1], f"y row {i} of {rows}")
+        assert_bitwise_equal(xi.grad, dx.reshape(rows, *feat)[i : i + 1], f"dx row {i} of {rows}")
 
 
 def _bad_rms_norm(kind: str, d: int):
@@ -474,6 +497,10 @@ def test_embedding_forward_is_a_gather_and_grad_the_canonical_sum(
 ):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, v, ids_shape, generator=g).to(dtype=ids_dtype, device=DEVICE)
+    if ids.dim():  # ids through strides too: every other entry of a buffer holding out-of-range ids
+        buf = torch.full((*ids_shape[:-1], 2 * ids_shape[-1]), v, dtype=ids_dtype, device=DEVICE)
+        buf[..., ::2] = ids
+        ids = buf[..., ::2]
     w = _leaf_view(_randn((v, d), dtype, g), w_layout)
     dy = _layout(_randn((max(math.prod(ids_shape), 1), d), dtype, g), dy_layout)
     dy = dy[: math.prod(ids_shape)].reshape(*ids_shape, d)  # may be a strided view
@@ -558,38 +585,45 @@ def _ce(logits, targets, **kw):
     dtype=DTYPES,
     lead=LEADS,
     v=V_SIZES,
-    reduction=st.sampled_from(["mean", "sum", "none"]),
+    # "global": the mean over num_global_tokens (the tokens of every micro-batch), here 5 more
+    reduction=st.sampled_from(["mean", "sum", "none", "global"]),
     ignore=st.sampled_from(["none", "some", "all"]),
+    ignore_index=st.sampled_from([-100, 0]),  # 0: a class id as the ignored target
     targets_dtype=st.sampled_from([torch.int64, torch.int32]),
     layout=LAYOUTS,
     seed=SEEDS,
 )
-@example(torch.bfloat16, (2, 5), 65, "mean", "some", torch.int32, "strided", 16)
-@example(torch.float32, (17,), 33, "none", "some", torch.int64, "col_major", 17)
-@example(torch.float16, (0,), 5, "sum", "none", torch.int64, "contiguous", 18)  # no tokens: 0
-@example(torch.float32, (3,), 4, "mean", "all", torch.int64, "contiguous", 19)  # nothing counted: NaN
+@example(torch.bfloat16, (2, 5), 65, "mean", "some", -100, torch.int32, "strided", 16)
+@example(torch.float32, (17,), 33, "none", "some", 0, torch.int64, "col_major", 17)
+@example(torch.float16, (0,), 5, "sum", "none", -100, torch.int64, "contiguous", 18)  # no tokens: 0
+@example(torch.float32, (3,), 4, "mean", "all", -100, torch.int64, "contiguous", 19)  # none counted: NaN
+@example(torch.bfloat16, (7,), 16, "global", "all", 0, torch.int64, "broadcast_rows", 20)
 def test_cross_entropy_matches_fp64_bits_of_contiguous_and_row_invariant(
-    dtype, lead, v, reduction, ignore, targets_dtype, layout, seed
+    dtype, lead, v, reduction, ignore, ignore_index, targets_dtype, layout, seed
 ):
     g = torch.Generator().manual_seed(seed)
     logits0 = _randn((*lead, v), dtype, g, 3.0)
     targets = torch.randint(0, v, lead, generator=g)
     if ignore != "none":
         drop = torch.rand(lead, generator=g) < (0.3 if ignore == "some" else 2.0)
-        targets = torch.where(drop, -100, targets)
+        targets = torch.where(drop, ignore_index, targets)
     targets = targets.to(dtype=targets_dtype, device=DEVICE)
+    counted = int((targets != ignore_index).sum())
+    kw = dict(ignore_index=ignore_index, reduction="mean" if reduction == "global" else reduction)
+    if reduction == "global":
+        kw["num_global_tokens"] = counted + 5
     logits = _leaf_view(logits0, layout)
-    loss, grad = _ce(logits, targets, reduction=reduction)
+    loss, grad = _ce(logits, targets, **kw)
     assert loss.dtype == torch.float32 and loss.shape == (lead if reduction == "none" else ())
     assert grad.shape == logits.shape and grad.dtype == dtype
     lc = logits.detach().contiguous()
-    contiguous = _ce(_leaf(lc, dtype), targets, reduction=reduction)
+    contiguous = _ce(_leaf(lc, dtype), targets, **kw)
     assert_bitwise_equal(loss, contiguous[0], f"loss: {layout} logits vs contiguous")
     assert_bitwise_equal(grad, contiguous[1], f"dlogits: {layout} logits vs contiguous")
     l64 = _leaf(lc, torch.float64)
-    ref = cross_entropy_reference(l64, targets.long(), reduction=reduction)
+    ref = cross_entropy_reference(l64, targets.long(), **kw)
     ref.backward(torch.ones_like(ref))
-    if reduction == "mean" and not bool((targets != -100).any()):
+    if reduction == "mean" and counted == 0:
         assert bool(loss.isnan()), "a mean over no counted tokens is NaN (as torch)"
     else:
         _check_max_rel("loss", loss, ref.detach(), 1e-6)
@@ -597,13 +631,14 @@ def test_cross_entropy_matches_fp64_bits_of_contiguous_and_row_invariant(
             torch.testing.assert_close(grad.double(), l64.grad, rtol=1e-5, atol=1e-9)
         else:
             _check_max_rel("dlogits", grad, l64.grad, CE_GRAD_TOL[dtype])
-    assert bool((grad.reshape(-1, v)[targets.reshape(-1) == -100] == 0).all()), "ignored tokens: gradient 0"
+    ignored = targets.reshape(-1) == ignore_index
+    assert bool((grad.reshape(-1, v)[ignored] == 0).all()), "ignored tokens: gradient 0"
     if reduction != "none":
         return
     rows = math.prod(lead)
     for i in _anchors(rows):  # a token alone: its loss and dlogits row are the batch's bits
         row = _leaf(lc.reshape(rows, v)[i : i + 1], dtype)
-        li, gi = _ce(row, targets.reshape(rows)[i : i + 1], reduction="none")
+        li, gi = _ce(row, targets.reshape(rows)[i : i + 1], **kw)
         assert_bitwise_equal(li, loss.reshape(rows)[i : i + 1], f"loss of token {i} of {rows}")
         assert_bitwise_equal(gi, grad.reshape(rows, v)[i : i + 1], f"dlogits of token {i} of {rows}")
 
