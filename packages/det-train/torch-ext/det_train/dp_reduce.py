@@ -362,7 +362,10 @@ def _reduce_bucket(bucket, pieces, specs, partials, keys, uses, out, total_leave
                             send.append(partials[slot].nodes[key].reshape(-1)[a:b])
     widths = [owned_by(members, rank) for members in groups.values()]
     recv_sizes = [sum(len(sig[q]) * w for sig, w in zip(groups, widths, strict=True)) for q in range(world)]
-    send_buffer = torch.cat(send) if send else torch.empty(0, device=device)
+    if len(send) == 1:  # one contiguous slice of one node (e.g. a piece of a large parameter): no copy
+        send_buffer = send[0]
+    else:
+        send_buffer = torch.cat(send) if send else torch.empty(0, device=device)
     del send
     recv = torch.empty(sum(recv_sizes), dtype=torch.float32, device=device)
     dist.all_to_all_single(recv, send_buffer, recv_sizes, send_sizes, group=group)
