@@ -214,9 +214,11 @@ def _bad_matmul(kind: str, m: int, k: int, n: int):
     raise AssertionError(kind)
 
 
-@_settings(15)
+@pytest.mark.parametrize(
+    "kind", ["inner", "dtype_mix", "float64", "int32", "vector", "batch", "not_a_tensor"]
+)
+@_settings(3)
 @given(
-    kind=st.sampled_from(["inner", "dtype_mix", "float64", "int32", "vector", "batch", "not_a_tensor"]),
     m=SIZES,
     k=SIZES,
     n=SIZES,
@@ -351,11 +353,11 @@ def _bad_linear(kind: str, k: int, n: int):
     raise AssertionError(kind)
 
 
-@_settings(12)
+@pytest.mark.parametrize(
+    "kind", ["in_features", "weight_1d", "dtype_mix", "float64", "bias_len", "bias_dtype", "x_0d"]
+)
+@_settings(3)
 @given(
-    kind=st.sampled_from(
-        ["in_features", "weight_1d", "dtype_mix", "float64", "bias_len", "bias_dtype", "x_0d"]
-    ),
     k=SIZES,
     n=SIZES,
 )
@@ -459,11 +461,11 @@ def _bad_rms_norm(kind: str, d: int):
     raise AssertionError(kind)
 
 
-@_settings(12)
+@pytest.mark.parametrize(
+    "kind", ["weight_size", "empty_row", "eps", "float64", "int", "weight_strided", "offset_without_weight"]
+)
+@_settings(3)
 @given(
-    kind=st.sampled_from(
-        ["weight_size", "empty_row", "eps", "float64", "int", "weight_strided", "offset_without_weight"]
-    ),
     d=st.sampled_from([2, 3, 16, 17]),
 )
 def test_rms_norm_bad_input_raises_a_clear_error(kind, d):
@@ -542,22 +544,34 @@ def _bad_embedding(kind: str, v: int):
         return (ids, w), {"padding_idx": v}, ValueError, "padding_idx"
     if kind == "padding_float":
         return (ids, w), {"padding_idx": 1.0}, TypeError, "padding_idx must be an integer"
+    # found by these tests: a list or numpy array gave an AttributeError ('list' object has no
+    # attribute 'dtype') or a TypeError naming numpy's dtype ("must be int32 or int64, got int64")
+    if kind == "list_ids":
+        return ([0, 1], w), {}, TypeError, "ids must be a torch.Tensor, got builtins.list"
+    if kind == "numpy_ids":
+        return (ids.numpy(), w), {}, TypeError, r"ids must be a torch.Tensor, got numpy.ndarray .*from_numpy"
+    if kind == "list_weight":
+        return (ids, [[1.0] * 3] * v), {}, TypeError, "weight must be a torch.Tensor, got builtins.list"
     raise AssertionError(kind)
 
 
-@_settings(12)
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "id_too_large",
+        "id_negative",
+        "float_ids",
+        "int_weight",
+        "weight_1d",
+        "padding_range",
+        "padding_float",
+        "list_ids",
+        "numpy_ids",
+        "list_weight",
+    ],
+)
+@_settings(3)
 @given(
-    kind=st.sampled_from(
-        [
-            "id_too_large",
-            "id_negative",
-            "float_ids",
-            "int_weight",
-            "weight_1d",
-            "padding_range",
-            "padding_float",
-        ]
-    ),
     v=st.sampled_from([1, 2, 17]),
 )
 def test_embedding_bad_input_raises_a_clear_error(kind, v):
@@ -664,20 +678,21 @@ def _bad_cross_entropy(kind: str, v: int):
     raise AssertionError(kind)
 
 
-@_settings(12)
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "target_too_large",
+        "target_negative",
+        "targets_shape",
+        "empty_classes",
+        "float_targets",
+        "float64",
+        "reduction",
+        "zero_dim",
+    ],
+)
+@_settings(3)
 @given(
-    kind=st.sampled_from(
-        [
-            "target_too_large",
-            "target_negative",
-            "targets_shape",
-            "empty_classes",
-            "float_targets",
-            "float64",
-            "reduction",
-            "zero_dim",
-        ]
-    ),
     v=st.sampled_from([1, 2, 17]),
 )
 def test_cross_entropy_bad_input_raises_a_clear_error(kind, v):

@@ -271,7 +271,8 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None =
     interpreter). It depends on which tokens share a leaf (as every canonical-order sum does).
 
     Raises:
-        TypeError: ids not integer or weight not floating point; ``padding_idx`` not an int.
+        TypeError: ids or weight not a tensor, ids not integer or weight not floating point;
+            ``padding_idx`` not an int.
         ValueError: weight not 2-D, ``padding_idx`` outside ``[-V, V)``, an id out of range
             (checked on the host: one device sync).
             The id range check is skipped while a CUDA graph is being captured
@@ -281,6 +282,12 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None =
             row lookup or, for a negative id, a wrapped-around row and an undefined gradient).
         RuntimeError: device problems.
     """
+    for name, value in (("ids", ids), ("weight", weight)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"embedding: {name} must be a torch.Tensor, got {type(value).__module__}."
+                f"{type(value).__qualname__} (convert it with torch.as_tensor / torch.from_numpy)"
+            )
     if ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"embedding: ids must be int32 or int64, got {ids.dtype}")
     if not weight.is_floating_point():
