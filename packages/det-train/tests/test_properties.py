@@ -675,6 +675,16 @@ def _bad_cross_entropy(kind: str, v: int):
         return (logits, targets), {"reduction": "avg"}, ValueError, "reduction must be"
     if kind == "zero_dim":
         return (torch.tensor(1.0), torch.tensor(0)), {}, ValueError, "at least 1 dim, the class dim"
+    # found by these tests: ignore_index=0.5 returned a wrong mean (the kernels ignored class
+    # int(0.5) = 0, the count did not), None or "0" an AttributeError, 2**70 an OverflowError
+    if kind == "ignore_float":
+        return (logits, targets), {"ignore_index": 0.5}, TypeError, "ignore_index must be an integer"
+    if kind == "ignore_none":
+        return (logits, targets), {"ignore_index": None}, TypeError, "ignore_index must be an integer"
+    if kind == "ignore_str":
+        return (logits, targets), {"ignore_index": "0"}, TypeError, "ignore_index must be an integer"
+    if kind == "ignore_huge":
+        return (logits, targets), {"ignore_index": 2**70}, ValueError, "ignore_index must fit in int64"
     raise AssertionError(kind)
 
 
@@ -689,6 +699,10 @@ def _bad_cross_entropy(kind: str, v: int):
         "float64",
         "reduction",
         "zero_dim",
+        "ignore_float",
+        "ignore_none",
+        "ignore_str",
+        "ignore_huge",
     ],
 )
 @_settings(3)

@@ -227,9 +227,11 @@ def cross_entropy(
     invariant to micro-batching. Not across GPU models / Triton versions (exp/log lowering).
 
     Raises:
-        TypeError: bad dtypes; ``num_global_tokens`` not an integer (a bool, float or str; any
-            ``operator.index`` type such as int or a numpy integer is accepted, never truncated).
-        ValueError: 0-d logits (no class dim), shape mismatch, unknown reduction,
+        TypeError: bad dtypes; ``ignore_index`` or ``num_global_tokens`` not an integer (a bool,
+            float or str; any ``operator.index`` type such as int or a numpy integer is accepted,
+            never truncated).
+        ValueError: 0-d logits (no class dim), shape mismatch, unknown reduction, ``ignore_index``
+            outside int64,
             ``num_global_tokens`` not positive or given with a reduction other than ``"mean"``;
             ``reduction="mean"`` without ``num_global_tokens`` inside an accumulator's micro-batch,
             a target out of range (checked on the host:
@@ -269,6 +271,11 @@ def cross_entropy(
         )
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"cross_entropy: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    # an integer, never truncated: the kernels compare int(ignore_index), the token count compares
+    # the value as given (0.5 would ignore class 0 in the loss but count its tokens)
+    ignore_index = as_index(ignore_index, "ignore_index", "cross_entropy", "; pass an int such as -100")
+    if not -(2**63) <= ignore_index < 2**63:
+        raise ValueError(f"cross_entropy: ignore_index must fit in int64, got {ignore_index}")
     if num_global_tokens is not None:
         if reduction != "mean":
             raise ValueError("cross_entropy: num_global_tokens applies to reduction='mean' only")
