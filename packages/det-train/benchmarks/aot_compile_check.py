@@ -37,6 +37,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 importlib.import_module("det_train.matmul")
 importlib.import_module("det_train.weight_grad")
+fold_mod = importlib.import_module("det_train._leaf_fold")
 mm = sys.modules["det_train.matmul"]
 lin = sys.modules["det_train.weight_grad"]
 cfgs = (
@@ -184,7 +185,7 @@ def main() -> int:
                     TMA=tma, EVEN_T=True, UPCAST=False, DOT_PRECISION=None, stride_dyn=1, stride_xk=1,
                 )  # fmt: skip
                 bad += not compile_one(
-                    f"dW {dtype} {cls} fold tma={tma}", lin._weight_grad_fold_kernel, ftypes, fold,
+                    f"dW {dtype} {cls} fold tma={tma}", fold_mod._weight_grad_fold_kernel, ftypes, fold,
                     w.num_warps, w.num_stages,
                 )  # fmt: skip
             bad += not compile_one(

@@ -16,9 +16,10 @@ from det_core.testing import (
     run_in_fresh_process,
 )
 from det_train import CanonicalGradAccumulator, Linear, configs, linear
+from det_train._leaf_fold import dw_tma_operands
 from det_train.configs import WeightGradConfig, check_weight_grad_config, weight_grad_config
 from det_train.reference import linear_fp64, weight_grad_canonical, weight_grad_fp64
-from det_train.weight_grad import _aligned_runs, _dw_tma_operands, bias_grad_partial, weight_grad_partial
+from det_train.weight_grad import _aligned_runs, bias_grad_partial, weight_grad_partial
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CPU_ROWS = [1, 2, 3, 17, 64, 65, 129]
@@ -150,7 +151,7 @@ def test_leaves_per_program_does_not_change_bits(leaves_per_program, kernel):
     ref = weight_grad_partial(dy, x, leaf_tokens=32, config=dataclasses.replace(base, leaves_per_program=1))
     cfg = dataclasses.replace(base, leaves_per_program=leaves_per_program, **kernel)
     if kernel.get("tma"):
-        assert _dw_tma_operands(dy, x, cfg, 32) is not None  # the TMA path is the one tested
+        assert dw_tma_operands(dy, x, cfg, 32) is not None  # the TMA path is the one tested
     for first_leaf, lo, hi in [(0, 0, 229), (3, 96, 229), (1, 32, 160)]:  # odd starts: mixed levels
         part = weight_grad_partial(dy[lo:hi], x[lo:hi], leaf_tokens=32, first_leaf=first_leaf, config=cfg)
         ref_part = weight_grad_partial(
@@ -185,7 +186,7 @@ def test_register_subtrees_keep_each_leaf_fold(kernel):
     ref = weight_grad_partial(dy, x, leaf_tokens=96, config=dataclasses.replace(base, leaves_per_program=1))
     variant = {"quads": False, "flat": False, **kernel}
     cfg = dataclasses.replace(base, leaves_per_program=8, lean=True, pairs=True, tma=True, **variant)
-    assert _dw_tma_operands(dy, x, cfg, 96) is not None
+    assert dw_tma_operands(dy, x, cfg, 96) is not None
     got = weight_grad_partial(dy, x, leaf_tokens=96, config=cfg)
     assert sorted(got.nodes) == sorted(ref.nodes)
     for key in got.nodes:
@@ -506,8 +507,8 @@ def test_dw_launch_plans_never_serve_another_call_signature(monkeypatch):
     quads = dataclasses.replace(base, leaves_per_program=8, lean=True, pairs=True, tma=True, quads=True)
     buf, x = _randn(256 * 40 + 8, seed=30), _randn(256, 72, seed=31)
     aligned, unaligned = buf[: 256 * 40].view(256, 40), buf[1 : 1 + 256 * 40].view(256, 40)
-    assert _dw_tma_operands(aligned, x, quads, 32) is not None
-    assert _dw_tma_operands(unaligned, x, quads, 32) is None
+    assert dw_tma_operands(aligned, x, quads, 32) is not None
+    assert dw_tma_operands(unaligned, x, quads, 32) is None
     calls = [
         (dy, first_leaf, cfg, finish)
         for dy in (aligned, unaligned)

@@ -18,10 +18,11 @@ import torch
 from det_core import runtime
 from det_core.reduce import TreePartial, num_leaves
 
+from ._leaf_fold import weight_grad_fold
 from .configs import weight_grad_config
 from .grad_accum import DEFAULT_LEAF_TOKENS, current_accumulator
 from .matmul import check_bias, launch_linear, launch_matmul
-from .weight_grad import bias_grad_partial, weight_grad_fold, weight_grad_partial
+from .weight_grad import bias_grad_partial, weight_grad_partial
 
 __all__ = ["Linear", "bias_grad_partial", "linear", "weight_grad_partial"]
 

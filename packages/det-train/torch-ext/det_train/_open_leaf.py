@@ -1,0 +1,109 @@
+"""An open leaf of the canonical order: a leaf that a micro-batch ended inside, kept by
+``CanonicalGradAccumulator`` until the micro-batch that completes it (or ``reduce``).
+
+Two forms: ``_OpenFold``, an op's fp32 fold of the leaf so far (the Linear weight's dW), continued
+by the next micro-batch's kernel; ``_OpenLeaf``, copies of the leaf's rows, summed by the op's
+leaf-sum function once the leaf is complete (the vector reductions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from det_core.reduce import TreePartial
+
+__all__ = ["LeafFold", "LeafPartial"]
+
+# A leaf-sum function of an op: (global index of the first leaf, rows of whole leaves) -> partial tree.
+LeafPartial = Callable[[int, tuple], TreePartial]
+# An op's resumable leaf fold: (token step, fold(rows, acc or None) -> new fp32 fold of the param's shape).
+LeafFold = tuple[int, Callable[[tuple, torch.Tensor | None], torch.Tensor]]
+
+
+class _OpenFold:
+    """An unfinished leaf as its op's fp32 fold: ``acc`` covers tokens ``[start, folded_end)`` (a
+    multiple of ``step`` tokens), ``rest`` holds copies of the rows after it (fewer than ``step``).
+    Immutable: ``advance`` returns a new state, so a micro-batch that raises leaves the old one."""
+
+    __slots__ = ("start", "folded_end", "acc", "rest", "fold")
+
+    def __init__(self, start: int, fold: LeafFold, folded_end=None, acc=None, rest=()) -> None:
+        self.start, self.fold, self.acc, self.rest = start, fold, acc, rest
+        self.folded_end = start if folded_end is None else folded_end
+
+    @property
+    def end(self) -> int:
+        return self.folded_end + (int(self.rest[0].shape[0]) if self.rest else 0)
+
+    def advance(self, rows: tuple, finish: bool):
+        """The state after the next ``rows`` of the leaf, or (``finish``: they end the leaf or the
+        batch) the leaf's fp32 sum."""
+        step, fold_fn = self.fold
+        n = int(rows[0].shape[0]) if rows else 0
+        acc, done = self.acc, self.folded_end
+        if self.rest:  # complete the waiting partial step first (a copy of fewer than `step` rows)
+            need = min(step - int(self.rest[0].shape[0]), n)
+            if need:
+                rows_in = tuple(torch.cat([a, b[:need]]) for a, b in zip(self.rest, rows, strict=True))
+                rows = tuple(r[need:] for r in rows)
+                n -= need
+            else:
+                rows_in = self.rest
+            if int(rows_in[0].shape[0]) < step and not finish:
+                return _OpenFold(self.start, self.fold, done, acc, rows_in)
+            acc, done = fold_fn(rows_in, acc), done + int(rows_in[0].shape[0])
+        whole = n if finish else n // step * step
+        if whole:
+            acc = fold_fn(tuple(r[:whole] for r in rows), acc)
+            done += whole
+        if finish:
+            return acc
+        rest = tuple(r[whole:].clone() for r in rows) if whole < n else ()
+        return _OpenFold(self.start, self.fold, done, acc, rest)
+
+
+class _OpenLeaf:
+    """The rows a parameter's unfinished leaf has received so far, copied into buffers that grow by
+    doubling up to one leaf (each row is copied at most twice, however many micro-batches the leaf
+    is split into; the buffers hold at most 2x the rows received, and never more than a leaf).
+    The copies are queued on the accumulator (``_pending``) and run together."""
+
+    __slots__ = ("start", "filled", "buffers", "leaf_tokens", "leaf_partial")
+
+    def __init__(self, start: int, rows: tuple, leaf_tokens: int, leaf_partial: LeafPartial, acc) -> None:
+        self.start, self.filled, self.leaf_tokens = start, 0, leaf_tokens
+        self.buffers = tuple(r.new_empty((int(r.shape[0]), *r.shape[1:])) for r in rows)
+        self.append(rows, leaf_partial, acc)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.filled
+
+    def append(self, rows: tuple, leaf_partial: LeafPartial, acc) -> None:
+        n = int(rows[0].shape[0])
+        if self.filled + n > self.buffers[0].shape[0]:
+            acc._flush()  # the old buffers' rows are complete before they are copied on
+            size = min(self.leaf_tokens, max(2 * self.buffers[0].shape[0], self.filled + n))
+            grown = tuple(b.new_empty((size, *b.shape[1:])) for b in self.buffers)
+            acc._pending.extend(
+                (new[: self.filled], old[: self.filled]) for new, old in zip(grown, self.buffers, strict=True)
+            )
+            self.buffers = grown
+        acc._pending.extend(
+            (buffer[self.filled : self.filled + n], r) for buffer, r in zip(self.buffers, rows, strict=True)
+        )
+        self.filled += n
+        self.leaf_partial = leaf_partial  # the latest call's function sums the leaf
+
+    def rows(self) -> tuple:
+        return tuple(b[: self.filled] for b in self.buffers)
+
+
+def _copy_each(dst: list, src: list) -> None:
+    for d, s in zip(dst, src, strict=True):
+        d.copy_(s)
+
+
+# torch._foreach_copy_ (torch >= 2.1) copies a list of tensors in a few launches
+_COPY = getattr(torch, "_foreach_copy_", None) or _copy_each
