@@ -346,6 +346,8 @@ def _bad_linear(kind: str, k: int, n: int):
         return x.double(), w.double(), None, TypeError, "float64; supported"
     if kind == "bias_len":
         return x, w, torch.ones(n + 1), ValueError, f"bias must be a 1-D tensor of {n} elements"
+    if kind == "bias_list":  # found by these tests: a ValueError, where linear documents a TypeError
+        return x, w, [0.0] * n, TypeError, f"bias must be a 1-D tensor of {n} elements, got list"
     if kind == "bias_dtype":
         return x, w, torch.ones(n, dtype=torch.float16), TypeError, "bias dtype"
     if kind == "x_0d":
@@ -354,7 +356,8 @@ def _bad_linear(kind: str, k: int, n: int):
 
 
 @pytest.mark.parametrize(
-    "kind", ["in_features", "weight_1d", "dtype_mix", "float64", "bias_len", "bias_dtype", "x_0d"]
+    "kind",
+    ["in_features", "weight_1d", "dtype_mix", "float64", "bias_len", "bias_list", "bias_dtype", "x_0d"],
 )
 @_settings(3)
 @given(

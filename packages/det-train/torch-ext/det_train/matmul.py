@@ -493,9 +493,10 @@ def matmul_partial(
 
 
 def check_bias(bias: torch.Tensor, n: int, like: torch.Tensor, op: str) -> None:
-    if not isinstance(bias, torch.Tensor) or bias.dim() != 1 or bias.shape[0] != n:
-        shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
-        raise ValueError(f"{op}: bias must be a 1-D tensor of {n} elements, got {shape}")
+    if not isinstance(bias, torch.Tensor):  # a TypeError, as for the other non-tensor inputs
+        raise TypeError(f"{op}: bias must be a 1-D tensor of {n} elements, got {type(bias).__name__}")
+    if bias.dim() != 1 or bias.shape[0] != n:
+        raise ValueError(f"{op}: bias must be a 1-D tensor of {n} elements, got {tuple(bias.shape)}")
     if bias.dtype != like.dtype:
         raise TypeError(f"{op}: bias dtype {bias.dtype} differs from the input dtype {like.dtype}")
     if bias.device != like.device:
