@@ -477,41 +477,27 @@ def test_rms_norm_bad_input_raises_a_clear_error(kind, d):
         det_train.rms_norm(*args, **kw)
 
 
-def _rms_norm_bug(reason: str):
-    return pytest.mark.xfail(strict=True, reason=f"rms_norm bug (argument checks): {reason}")
-
-
 @pytest.mark.parametrize(
     ("kw", "match"),
     [
         pytest.param(
             {"eps": True},
             "rms_norm: eps",
-            marks=_rms_norm_bug("eps=True is taken as eps=1.0 (float(True)) and normalizes silently"),
             id="eps_bool",
         ),
         pytest.param(
             {"eps": "1e-5"},
             "rms_norm: eps",
-            marks=_rms_norm_bug("eps='1e-5' (a str) is parsed by float() and accepted silently"),
             id="eps_str",
         ),
         pytest.param(
             {"eps": [1e-5]},
             "rms_norm: eps",
-            marks=_rms_norm_bug(
-                "eps=[1e-5] raises float()'s bare TypeError ('float() argument must be a string or a real "
-                "number, not 'list''), which names neither rms_norm nor eps"
-            ),
             id="eps_list",
         ),
         pytest.param(
             {"normalized_shape": 4.0},
             "rms_norm: normalized_shape",
-            marks=_rms_norm_bug(
-                "normalized_shape=4.0 raises tuple()'s bare TypeError ('float' object is not iterable), "
-                "which names neither rms_norm nor normalized_shape"
-            ),
             id="normalized_shape_float",
         ),
     ],

@@ -123,6 +123,8 @@ def _check_eps(eps, op: str) -> float | None:
     ``mean(x**2) + eps`` negative (NaN rows), a NaN or infinite one makes every row NaN or zero."""
     if eps is None:
         return None
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"{op}: eps must be a real number or None, got {type(eps).__name__} {eps!r}")
     value = float(eps)
     if not (math.isfinite(value) and value >= 0.0):
         raise ValueError(
@@ -311,9 +313,16 @@ def rms_norm(
     from_weight = normalized_shape is None and weight is not None
     if normalized_shape is None:
         normalized_shape = tuple(weight.shape) if weight is not None else tuple(x.shape[-1:])
-    if isinstance(normalized_shape, numbers.Integral):
+    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
         normalized_shape = (int(normalized_shape),)
-    normalized_shape = tuple(normalized_shape)
+    elif not (
+        isinstance(normalized_shape, (tuple, list, torch.Size))
+        and all(isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in normalized_shape)
+    ):
+        raise TypeError(
+            f"rms_norm: normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}"
+        )
+    normalized_shape = tuple(int(s) for s in normalized_shape)
     trailing = tuple(x.shape[max(x.dim() - len(normalized_shape), 0) :])
     if x.dim() < len(normalized_shape) or trailing != normalized_shape:
         if from_weight:  # the normalized shape was taken from the weight: name the weight
