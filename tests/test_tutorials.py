@@ -1,4 +1,4 @@
-"""The two tutorials run as written (at their tiny CPU size, through the Triton interpreter).
+"""The tutorials run as written (at their tiny CPU size, through the Triton interpreter).
 
 Convention of the tutorial pages: ```` ```bash ```` blocks run first, in order, from the repository
 root; then every ```` ```python ```` block, in order, as one script in a fresh interpreter (so the
@@ -50,3 +50,14 @@ def test_deterministic_training_tutorial_runs():
     out = _run_tutorial(TUTORIALS / "deterministic-training.md")
     assert "digests match: True" in out
     assert "resumed run matches: True" in out
+
+
+def test_transformers_tutorial_runs():
+    pytest.importorskip("transformers")
+    out = _run_tutorial(TUTORIALS / "transformers.md")
+    # the outputs the page quotes
+    assert "Embedding RMSNorm Linear causal_lm_loss" in out
+    assert "attention implementation 'sdpa' (config._attn_implementation)\n" in out
+    assert "model.embed_tokens.weight: p.grad already holds a non-zero gradient" in out
+    assert "loop digests match: True" in out
+    assert "Trainer digests match: True" in out
