@@ -56,7 +56,7 @@ def _check_row_invariance(dtype, d, sizes, device):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_row_invariance(dtype):
-    _check_row_invariance(dtype, 40, [1, 2, 3, 17, 65], "cpu")
+    _check_row_invariance(dtype, 40, [1, 3, 17, 65], "cpu")
 
 
 def test_run_to_run():
