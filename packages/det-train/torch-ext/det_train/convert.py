@@ -65,7 +65,12 @@ _REGISTRY: dict[type, Callable[[nn.Module], nn.Module]] = {}
 
 class ConversionError(ValueError):
     """``convert`` found modules it cannot make deterministic; ``problems`` lists
-    ``(qualified name, class name, reason)`` for each. Nothing was changed."""
+    ``(qualified name, class name, reason)`` for each (``""`` is the model itself), in
+    ``named_modules()`` order; the message shows them one per line.
+
+    **Determinism:** raised before anything is changed: the model is as it was (no module
+    replaced, no loss installed), so it can be fixed and converted again.
+    """
 
     def __init__(self, problems: list[tuple[str, str, str]]) -> None:
         self.problems = problems
@@ -88,6 +93,9 @@ class ScaledEmbedding(Embedding):
 
     **Determinism:** the lookup and the elementwise scale are exact and row invariant; the weight
     gradient is ``det_train.embedding``'s canonical-order sum of the scaled ``dy``.
+
+    Method: Gemma's input scaling by ``sqrt(hidden_size)`` (Gemma Team, "Gemma: Open Models Based
+    on Gemini Research and Technology", 2024), as transformers' ``GemmaTextScaledWordEmbedding``.
     """
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
