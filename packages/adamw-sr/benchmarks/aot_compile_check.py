@@ -65,13 +65,15 @@ def compile_variant(param: str, grad: str, meta: dict) -> str:
 
 def ptx_code(ptx: str) -> str:
     """The PTX's instructions: without ``.param`` declarations, source-line records (``.loc``, the
-    debug sections) and comments, so that a line moved in kernel.py or an appended argument does
-    not show as a change."""
+    debug sections and their ``$L__tmpN`` labels) and comments, so that a line moved in kernel.py,
+    a body moved into an inlined helper or an appended argument does not show as a change."""
     ptx = ptx.split(".section\t.debug")[0].split(".section .debug")[0]
     lines = []
     for ln in ptx.splitlines():
         ln = ln.split("//")[0].rstrip()
-        if ln and not re.match(r"\s*\.(param|loc|file)\s", ln):
+        # $L__tmpN: labels mark source lines for the debug sections (a function inlined from a
+        # helper adds some); no instruction branches to them
+        if ln and not re.match(r"\s*\.(param|loc|file)\s", ln) and not re.fullmatch(r"\$L__tmp\d+:", ln):
             lines.append(ln)
     return "\n".join(lines) + "\n"
 

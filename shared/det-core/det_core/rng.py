@@ -31,6 +31,8 @@ RNG_CONTRACT_VERSION = 1
 STREAM_PARAM_SR = 0  # stochastic rounding of optimizer parameter write-back
 STREAM_STATE_SR = 1  # stochastic rounding of optimizer state write-back (reserved)
 STREAM_ATTN_DROPOUT = 2  # attention dropout mask
+STREAM_EXP_AVG_SR = 3  # rounding of adamw-sr's first moment (exp_avg) into bf16 / 8-bit states
+STREAM_EXP_AVG_SQ_SR = 4  # rounding of adamw-sr's second moment (exp_avg_sq) into bf16 / 8-bit states
 STREAM_USER = 1 << 16  # first stream number free for users
 
 PHILOX_M0 = 0xD2511F53

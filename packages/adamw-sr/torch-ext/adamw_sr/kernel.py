@@ -38,6 +38,8 @@ import triton
 import triton.language as tl
 from det_core import rng, runtime, sr
 
+from . import state_codes
+
 # Fixed launch configs, keyed by where the kernel runs. The step is elementwise and its random
 # bits are keyed by global element index, so NO entry changes any result bit (the ablation
 # benchmark and test_kernel_variants_equal_reference check it):
@@ -63,6 +65,17 @@ CHUNK_TABLE_COLUMNS = (
 # step, step_size, bias_correction2_sqrt, lr * weight_decay, beta1, 1 - beta1, beta2, 1 - beta2, eps (fp32)
 SCALAR_TABLE_COLUMNS = 9
 _SCALARS_BLOCK = 128  # tensors per program of the scalar kernel
+
+# moment formats (``state_dtype``) by number, and as the kernels' STATE constexpr
+FORMAT_FP32, FORMAT_BF16, FORMAT_8BIT = 0, 1, 2
+STATE_FP32: tl.constexpr = tl.constexpr(FORMAT_FP32)  # fp32 moments, unrounded (_adamw_sr_kernel)
+STATE_BF16: tl.constexpr = tl.constexpr(FORMAT_BF16)  # bf16 moments (_adamw_sr_states_kernel)
+STATE_8BIT: tl.constexpr = tl.constexpr(FORMAT_8BIT)  # 8-bit codes + a scale byte per block (state_codes)
+QUANT_BLOCK: tl.constexpr = tl.constexpr(state_codes.QUANT_BLOCK)
+EXP_AVG_M: tl.constexpr = tl.constexpr(state_codes.EXP_AVG_MANTISSA_BITS)
+EXP_AVG_SQ_M: tl.constexpr = tl.constexpr(state_codes.EXP_AVG_SQ_MANTISSA_BITS)
+# with 8-bit moments the tensor table has two more columns: the element offsets of the two scales
+TENSOR_TABLE_COLUMNS_8BIT = 7
 
 
 @triton.jit
@@ -212,6 +225,87 @@ def _adamw_sr_kernel(
     UNSCALE: tl.constexpr,
     SKIP_ON_INF: tl.constexpr,
 ):
+    """The step with fp32 moments (``state_dtype=torch.float32``)."""
+    _step_program(
+        param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
+        exp_avg_ptr, exp_avg_sq_ptr,  # no scales: never read with fp32 moments
+        tensor_table_ptr, chunk_table_ptr, steps_ptr, hyper_ptr, scalars_ptr,
+        seed_lo, seed_hi, rng_stream, rng_stream, rng_stream,
+        grad_scale_ptr, found_inf_ptr,
+        AMSGRAD, MAXIMIZE, PARAM_BF16, STOCHASTIC, ALIGNED, BLOCK, SUB, TILE_2D, PRECOMPUTED, UNSCALE,
+        SKIP_ON_INF, STATE_FP32, False,
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "rng_stream", "exp_avg_stream", "exp_avg_sq_stream"])
+def _adamw_sr_states_kernel(
+    # base pointers, one per tensor role (scales: 8-bit states only)
+    param_ptr,
+    grad_ptr,
+    exp_avg_ptr,
+    exp_avg_sq_ptr,
+    max_exp_avg_sq_ptr,
+    exp_avg_scale_ptr,
+    exp_avg_sq_scale_ptr,
+    # tables and device scalars
+    tensor_table_ptr,
+    chunk_table_ptr,
+    steps_ptr,
+    hyper_ptr,
+    scalars_ptr,
+    # Philox key words, and the streams of the param and of each moment
+    seed_lo,
+    seed_hi,
+    rng_stream,
+    exp_avg_stream,
+    exp_avg_sq_stream,
+    # AMP (GradScaler) device scalars, fp32 [1]: the loss scale, and the inf/NaN flag
+    grad_scale_ptr,
+    found_inf_ptr,
+    # meta-parameters
+    AMSGRAD: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    PARAM_BF16: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SUB: tl.constexpr,
+    TILE_2D: tl.constexpr,
+    PRECOMPUTED: tl.constexpr,
+    UNSCALE: tl.constexpr,
+    SKIP_ON_INF: tl.constexpr,
+    STATE: tl.constexpr,
+    STATE_STOCHASTIC: tl.constexpr,
+):
+    """The step with bf16 (``STATE_BF16``) or 8-bit block-quantized (``STATE_8BIT``) moments.
+
+    ``STATE_STOCHASTIC``: the moments are rounded stochastically into their format, with the bits of
+    ``exp_avg_stream`` / ``exp_avg_sq_stream``; else to nearest-even.
+    """
+    _step_program(
+        param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
+        exp_avg_scale_ptr, exp_avg_sq_scale_ptr,
+        tensor_table_ptr, chunk_table_ptr, steps_ptr, hyper_ptr, scalars_ptr,
+        seed_lo, seed_hi, rng_stream, exp_avg_stream, exp_avg_sq_stream,
+        grad_scale_ptr, found_inf_ptr,
+        AMSGRAD, MAXIMIZE, PARAM_BF16, STOCHASTIC, ALIGNED, BLOCK, SUB, TILE_2D, PRECOMPUTED, UNSCALE,
+        SKIP_ON_INF, STATE, STATE_STOCHASTIC,
+    )  # fmt: skip
+
+
+@triton.jit
+def _step_program(
+    param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
+    exp_avg_scale_ptr, exp_avg_sq_scale_ptr,
+    tensor_table_ptr, chunk_table_ptr, steps_ptr, hyper_ptr, scalars_ptr,
+    seed_lo, seed_hi, rng_stream, exp_avg_stream, exp_avg_sq_stream,
+    grad_scale_ptr, found_inf_ptr,
+    AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, PARAM_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
+    ALIGNED: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, TILE_2D: tl.constexpr,
+    PRECOMPUTED: tl.constexpr, UNSCALE: tl.constexpr, SKIP_ON_INF: tl.constexpr, STATE: tl.constexpr,
+    STATE_STOCHASTIC: tl.constexpr,
+):  # fmt: skip
+    """One program: one chunk-table row (a window of ``BLOCK`` elements of one tensor), in tiles."""
     chunk = tl.program_id(0).to(tl.int64)
     row = chunk_table_ptr + chunk * 5
     slot = tl.load(row)
@@ -220,7 +314,10 @@ def _adamw_sr_kernel(
     segment_end = tl.load(row + 3)
     window_global = tl.load(row + 4)
 
-    trow = tensor_table_ptr + slot * 5
+    if STATE == STATE_8BIT:  # two more columns: the element offsets of the scales
+        trow = tensor_table_ptr + slot * 7
+    else:
+        trow = tensor_table_ptr + slot * 5
     param_off = tl.load(trow)
     grad_off = tl.load(trow + 1)
     exp_avg_off = tl.load(trow + 2)
@@ -228,6 +325,11 @@ def _adamw_sr_kernel(
     max_off = param_off
     if AMSGRAD:
         max_off = tl.load(trow + 4)
+    exp_avg_scale_off = param_off
+    exp_avg_sq_scale_off = param_off
+    if STATE == STATE_8BIT:
+        exp_avg_scale_off = tl.load(trow + 5)
+        exp_avg_sq_scale_off = tl.load(trow + 6)
 
     if PRECOMPUTED:
         srow = scalars_ptr + slot * 9
@@ -277,7 +379,10 @@ def _adamw_sr_kernel(
                 step, step_size, bias_correction2_sqrt, lr_decay,
                 beta1_f, one_minus_beta1, beta2_f, one_minus_beta2, eps_f, inv_scale,
                 seed_lo, seed_hi, rng_stream,
+                exp_avg_scale_ptr, exp_avg_sq_scale_ptr, exp_avg_scale_off, exp_avg_sq_scale_off,
+                exp_avg_stream, exp_avg_sq_stream,
                 AMSGRAD, MAXIMIZE, PARAM_BF16, STOCHASTIC, ALIGNED, False, SUB, TILE_2D, UNSCALE,
+                STATE, STATE_STOCHASTIC,
             )  # fmt: skip
         elif (tile_local < segment_end) & (tile_local + SUB > segment_start):
             _step_tile(
@@ -287,7 +392,10 @@ def _adamw_sr_kernel(
                 step, step_size, bias_correction2_sqrt, lr_decay,
                 beta1_f, one_minus_beta1, beta2_f, one_minus_beta2, eps_f, inv_scale,
                 seed_lo, seed_hi, rng_stream,
+                exp_avg_scale_ptr, exp_avg_sq_scale_ptr, exp_avg_scale_off, exp_avg_sq_scale_off,
+                exp_avg_stream, exp_avg_sq_stream,
                 AMSGRAD, MAXIMIZE, PARAM_BF16, STOCHASTIC, False, True, SUB, TILE_2D, UNSCALE,
+                STATE, STATE_STOCHASTIC,
             )  # fmt: skip
 
 
@@ -319,6 +427,49 @@ def _index(offset, local, ALIGNED: tl.constexpr, SUB: tl.constexpr, TILE_2D: tl.
 
 
 @triton.jit
+def _tile_bits(seed_lo, seed_hi, step, stream, tile_global, SUB: tl.constexpr, TILE_2D: tl.constexpr):
+    """The tile's uint32 Philox words under ``stream``, in the tile's layout."""
+    if TILE_2D:
+        return _random_bits_tile(seed_lo, seed_hi, step, stream, tile_global, SUB // 4)
+    else:
+        return rng.random_bits_x4(seed_lo, seed_hi, step, stream, tile_global, SUB)
+
+
+@triton.jit
+def _round_bf16(x, seed_lo, seed_hi, step, stream, tile_global, SUB: tl.constexpr, TILE_2D: tl.constexpr,
+                STOCHASTIC: tl.constexpr):  # fmt: skip
+    """fp32 -> bf16: stochastic (bits of ``stream``, keyed by global index) or nearest-even."""
+    if STOCHASTIC:
+        rbits = _tile_bits(seed_lo, seed_hi, step, stream, tile_global, SUB, TILE_2D)
+        return sr.stochastic_round_bf16(x, rbits)
+    else:
+        return _round_nearest_even_bf16(x)
+
+
+@triton.jit
+def _bf16_of_exact(x):
+    """fp32 holding a bf16 value -> that bf16 (the top half of the pattern; NaN stays NaN)."""
+    return (x.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _expand_blocks(values, SUB: tl.constexpr, TILE_2D: tl.constexpr):
+    """Per-block values ``[SUB // QUANT_BLOCK]`` -> the tile's layout, each repeated over its block."""
+    wide = tl.broadcast_to(values[:, None], [SUB // QUANT_BLOCK, QUANT_BLOCK])
+    if TILE_2D:
+        return tl.reshape(wide, [SUB // 4, 4])
+    else:
+        return tl.reshape(wide, [SUB])
+
+
+@triton.jit
+def _block_scales(x, mask, SUB: tl.constexpr):
+    """The scale byte (int32) of each block of the tile from its fp32 values (lanes off ``mask``: none)."""
+    bits = tl.where(mask, state_codes.magnitude_bits(x), 0)
+    return state_codes.block_scale(tl.max(tl.reshape(bits, [SUB // QUANT_BLOCK, QUANT_BLOCK]), axis=1))
+
+
+@triton.jit
 def _step_tile(
     param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
     param_off, grad_off, exp_avg_off, exp_avg_sq_off, max_off,
@@ -326,9 +477,11 @@ def _step_tile(
     step, step_size, bias_correction2_sqrt, lr_decay, beta1_f, one_minus_beta1, beta2_f, one_minus_beta2,
     eps_f, inv_scale,
     seed_lo, seed_hi, rng_stream,
+    exp_avg_scale_ptr, exp_avg_sq_scale_ptr, exp_avg_scale_off, exp_avg_sq_scale_off,
+    exp_avg_stream, exp_avg_sq_stream,
     AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, PARAM_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
     ALIGNED: tl.constexpr, MASKED: tl.constexpr, SUB: tl.constexpr, TILE_2D: tl.constexpr,
-    UNSCALE: tl.constexpr,
+    UNSCALE: tl.constexpr, STATE: tl.constexpr, STATE_STOCHASTIC: tl.constexpr,
 ):  # fmt: skip
     """The update of one tile of SUB elements (``MASKED``: some lie outside the segment)."""
     if TILE_2D:
@@ -346,8 +499,27 @@ def _step_tile(
 
     p = _load(param_ptr + p_idx, mask, MASKED).to(tl.float32)
     g = _load(grad_ptr + g_idx, mask, MASKED).to(tl.float32)
-    m = _load(exp_avg_ptr + m_idx, mask, MASKED)
-    v = _load(exp_avg_sq_ptr + v_idx, mask, MASKED)
+    if STATE == STATE_8BIT:
+        # tiles start on a block (8-bit segments start on one, in the global and the local index),
+        # so block b of the tile is the tensor's block tile_local // QUANT_BLOCK + b
+        blocks = tl.arange(0, SUB // QUANT_BLOCK)
+        block_mask = tile_local + blocks.to(tl.int64) * QUANT_BLOCK < segment_end
+        m_scale_idx = exp_avg_scale_off + tile_local // QUANT_BLOCK + blocks
+        v_scale_idx = exp_avg_sq_scale_off + tile_local // QUANT_BLOCK + blocks
+        m_scale = _expand_blocks(
+            _load(exp_avg_scale_ptr + m_scale_idx, block_mask, MASKED).to(tl.int32), SUB, TILE_2D
+        )
+        v_scale = _expand_blocks(
+            _load(exp_avg_sq_scale_ptr + v_scale_idx, block_mask, MASKED).to(tl.int32), SUB, TILE_2D
+        )
+        m = state_codes.decode(_load(exp_avg_ptr + m_idx, mask, MASKED), m_scale, EXP_AVG_M, True)
+        v = state_codes.decode(_load(exp_avg_sq_ptr + v_idx, mask, MASKED), v_scale, EXP_AVG_SQ_M, False)
+    elif STATE == STATE_BF16:
+        m = _load(exp_avg_ptr + m_idx, mask, MASKED).to(tl.float32)
+        v = _load(exp_avg_sq_ptr + v_idx, mask, MASKED).to(tl.float32)
+    else:
+        m = _load(exp_avg_ptr + m_idx, mask, MASKED)
+        v = _load(exp_avg_sq_ptr + v_idx, mask, MASKED)
     if UNSCALE:
         # the bits of an explicit unscale (torch._amp_foreach_non_finite_check_and_unscale_): one fp32
         # multiply, rounded to nearest-even into a bf16 gradient; stored back unscaled, as torch's
@@ -365,19 +537,54 @@ def _step_tile(
     p = p - p * lr_decay
     m = beta1_f * m + one_minus_beta1 * g
     v = beta2_f * v + one_minus_beta2 * (g * g)
+    if STATE == STATE_BF16:
+        # the moments' one rounding each, on their own streams (the step itself uses the fp32 values)
+        m_out = _round_bf16(m, seed_lo, seed_hi, step, exp_avg_stream, tile_global, SUB, TILE_2D,
+                            STATE_STOCHASTIC)  # fmt: skip
+        v_out = _round_bf16(v, seed_lo, seed_hi, step, exp_avg_sq_stream, tile_global, SUB, TILE_2D,
+                            STATE_STOCHASTIC)  # fmt: skip
     if AMSGRAD:
         vmax_idx = _index(max_off, local, ALIGNED, SUB, TILE_2D)
-        vmax = _load(max_exp_avg_sq_ptr + vmax_idx, mask, MASKED)
-        vmax = tl.maximum(vmax, v, propagate_nan=tl.PropagateNan.ALL)
-        _store(max_exp_avg_sq_ptr + vmax_idx, vmax, mask, MASKED)
+        if STATE == STATE_BF16:
+            # the running maximum of the stored (rounded) v: a bf16 value, stored exactly
+            vmax = _load(max_exp_avg_sq_ptr + vmax_idx, mask, MASKED).to(tl.float32)
+            vmax = tl.maximum(vmax, v_out.to(tl.float32), propagate_nan=tl.PropagateNan.ALL)
+            _store(max_exp_avg_sq_ptr + vmax_idx, _bf16_of_exact(vmax), mask, MASKED)
+        else:
+            vmax = _load(max_exp_avg_sq_ptr + vmax_idx, mask, MASKED)
+            vmax = tl.maximum(vmax, v, propagate_nan=tl.PropagateNan.ALL)
+            _store(max_exp_avg_sq_ptr + vmax_idx, vmax, mask, MASKED)
         v_hat = vmax
     else:
         v_hat = v
     denom = tl.div_rn(tl.sqrt_rn(v_hat), bias_correction2_sqrt) + eps_f
     p = p - step_size * tl.div_rn(m, denom)
 
-    _store(exp_avg_ptr + m_idx, m, mask, MASKED)
-    _store(exp_avg_sq_ptr + v_idx, v, mask, MASKED)
+    if STATE == STATE_8BIT:
+        # each block's new scale from its new values, then the codes (rounded on the moments' streams)
+        m_scale = _block_scales(m, mask, SUB)
+        v_scale = _block_scales(v, mask, SUB)
+        m_bits = m_scale  # unread when rounding to nearest
+        v_bits = v_scale
+        if STATE_STOCHASTIC:
+            m_bits = _tile_bits(seed_lo, seed_hi, step, exp_avg_stream, tile_global, SUB, TILE_2D)
+            v_bits = _tile_bits(seed_lo, seed_hi, step, exp_avg_sq_stream, tile_global, SUB, TILE_2D)
+        m_code = state_codes.encode(
+            m, _expand_blocks(m_scale, SUB, TILE_2D), m_bits, EXP_AVG_M, True, STATE_STOCHASTIC
+        )
+        v_code = state_codes.encode(
+            v, _expand_blocks(v_scale, SUB, TILE_2D), v_bits, EXP_AVG_SQ_M, False, STATE_STOCHASTIC
+        )
+        _store(exp_avg_ptr + m_idx, m_code, mask, MASKED)
+        _store(exp_avg_sq_ptr + v_idx, v_code, mask, MASKED)
+        _store(exp_avg_scale_ptr + m_scale_idx, m_scale.to(tl.uint8), block_mask, MASKED)
+        _store(exp_avg_sq_scale_ptr + v_scale_idx, v_scale.to(tl.uint8), block_mask, MASKED)
+    elif STATE == STATE_BF16:
+        _store(exp_avg_ptr + m_idx, m_out, mask, MASKED)
+        _store(exp_avg_sq_ptr + v_idx, v_out, mask, MASKED)
+    else:
+        _store(exp_avg_ptr + m_idx, m, mask, MASKED)
+        _store(exp_avg_sq_ptr + v_idx, v, mask, MASKED)
     if PARAM_BF16:
         if STOCHASTIC:
             # the one rounding of the step: unbiased, bits keyed by (seed, step, global index)
@@ -506,13 +713,23 @@ class LaunchPlan:
     changes a result bit).
     """
 
-    def __init__(self, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, segments, device, config=None):
+    def __init__(
+        self, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, segments, device, config=None, *,
+        state_format=FORMAT_FP32, exp_avg_scales=(), exp_avg_sq_scales=(),
+    ):  # fmt: skip
         self.config = dict(config or launch_config(device))
         self.block = self.config["BLOCK"]
+        self.state_format = state_format
         # tiles start 8-aligned in every tensor (the ALIGNED hints rely on it) and 4-aligned globally
         if self.block % self.config["SUB"] or self.config["SUB"] % 8:
             raise ValueError(
                 f"adamw_sr: launch config {self.config}: BLOCK must be a multiple of SUB, SUB of 8"
+            )
+        # with 8-bit moments every tile starts on a block (segments start on one): whole blocks per tile
+        if state_format == FORMAT_8BIT and self.config["SUB"] % state_codes.QUANT_BLOCK:
+            raise ValueError(
+                f"adamw_sr: launch config {self.config}: with 8-bit states SUB must be a multiple of "
+                f"the block size {state_codes.QUANT_BLOCK}"
             )
         self.num_warps = self.config["num_warps"]
         roles = [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs or exp_avg_sqs]
@@ -522,8 +739,13 @@ class LaunchPlan:
             lowest.append(low)
             columns.append(offsets)
             aligned &= role_aligned
+        if state_format == FORMAT_8BIT:
+            for tensors in (exp_avg_scales, exp_avg_sq_scales):  # read per block: no vector hints
+                low, offsets, _ = _role_table(tensors)
+                lowest.append(low)
+                columns.append(offsets)
         self.lowest = lowest
-        table = torch.tensor(list(zip(*columns, strict=True)), dtype=torch.int64).reshape(-1, 5)
+        table = torch.tensor(list(zip(*columns, strict=True)), dtype=torch.int64).reshape(-1, len(columns))
         self.tensor_table = to_device_async(table, device)
         self.num_tensors = len(table)
         # per-tensor fp32 scalars, rewritten by the scalar kernel at every step (PRECOMPUTED)
@@ -548,11 +770,15 @@ def launch_fused_step(
     stochastic: bool,
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
+    state_stochastic: bool = True,
+    scales: tuple[list[torch.Tensor], list[torch.Tensor]] = ((), ()),
 ):
     """Run the fused step over a prepared ``LaunchPlan`` (no checks: callers validate first).
 
     ``roles`` are the lists the plan was built from, in order: params, grads, exp_avgs, exp_avg_sqs,
-    max_exp_avg_sqs (``exp_avg_sqs`` again without amsgrad). ``grad_scale`` / ``found_inf``
+    max_exp_avg_sqs (``exp_avg_sqs`` again without amsgrad); ``scales`` the 8-bit plan's
+    ``(exp_avg_scales, exp_avg_sq_scales)``. ``state_stochastic``: bf16 / 8-bit moments are rounded
+    stochastically (else to nearest-even). ``grad_scale`` / ``found_inf``
     (1-element fp32 tensors on the device, as ``torch.amp.GradScaler`` sets them): gradients are
     unscaled in the kernel (and written back unscaled), and a nonzero ``found_inf`` makes the
     kernel write nothing. With the
@@ -578,7 +804,34 @@ def launch_fused_step(
             **_EXACTNESS_OPTIONS,
         )
     seed_lo, seed_hi = rng.split_seed(seed)
-    p, g, m, v, vmax = (tensors[low] for tensors, low in zip(roles, plan.lowest, strict=True))
+    p, g, m, v, vmax = (tensors[low] for tensors, low in zip(roles, plan.lowest[:5], strict=True))
+    if plan.state_format != FORMAT_FP32:
+        ms, vs = m, v  # unread pointers with bf16 moments
+        if plan.state_format == FORMAT_8BIT:
+            ms, vs = (tensors[low] for tensors, low in zip(scales, plan.lowest[5:], strict=True))
+        return runtime.launch(
+            _adamw_sr_states_kernel, (plan.num_chunks,),
+            p, g, m, v, vmax, ms, vs,
+            plan.tensor_table, plan.chunk_table, steps, hyper, plan.scalars,
+            seed_lo, seed_hi, rng.STREAM_PARAM_SR, rng.STREAM_EXP_AVG_SR, rng.STREAM_EXP_AVG_SQ_SR,
+            steps if grad_scale is None else grad_scale,  # an unread fp32 pointer when not given
+            steps if found_inf is None else found_inf,
+            AMSGRAD=amsgrad,
+            MAXIMIZE=maximize,
+            PARAM_BF16=param_bf16,
+            STOCHASTIC=stochastic,
+            ALIGNED=plan.aligned and not runtime.interpreter_active(),
+            BLOCK=plan.block,
+            SUB=config["SUB"],
+            TILE_2D=config["TILE_2D"],
+            PRECOMPUTED=config["PRECOMPUTED"],
+            UNSCALE=grad_scale is not None,
+            SKIP_ON_INF=found_inf is not None,
+            STATE=plan.state_format,
+            STATE_STOCHASTIC=state_stochastic,
+            num_warps=plan.num_warps,
+            **_EXACTNESS_OPTIONS,
+        )  # fmt: skip
     return runtime.launch(
         _adamw_sr_kernel, (plan.num_chunks,),
         p, g, m, v, vmax,

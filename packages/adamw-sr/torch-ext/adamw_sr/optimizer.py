@@ -8,6 +8,7 @@ Reading order: the global element index (plain tensors and DTensor shards), the 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import numbers
 from typing import Optional
@@ -16,7 +17,7 @@ import torch
 from det_core import rng, runtime
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from . import kernel
+from . import kernel, state_codes, states
 
 __all__ = ["AdamWSR", "adamw_sr_step", "default_base_indices", "local_segments"]
 
@@ -32,18 +33,25 @@ MAX_STEP = 2**24 - 1
 BASE_INDEX_ALIGNMENT = 8
 
 
-def default_base_indices(numels) -> list[int]:
+def default_base_indices(numels, alignments=None) -> list[int]:
     """The default global index of each parameter's first element: the running element offset over
-    the parameters in order, each rounded up to a multiple of ``BASE_INDEX_ALIGNMENT`` (8).
+    the parameters in order, each rounded up to a multiple of its alignment (``BASE_INDEX_ALIGNMENT``,
+    8; a param with 8-bit states starts on a block of ``state_codes.QUANT_BLOCK``, 32).
 
     Args:
-        numels: iterable of element counts (global counts for DTensors). Returns: list of ints.
+        numels: iterable of element counts (global counts for DTensors).
+        alignments: iterable of ints, one per param (default: 8 for every param).
 
-    **Determinism:** a pure function of the counts and their order: a sharded run, which sees the
-    global counts, assigns the same indices as the unsharded one.
+    Returns: list of ints.
+
+    **Determinism:** a pure function of the counts, the alignments and their order: a sharded run,
+    which sees the global counts, assigns the same indices as the unsharded one.
     """
     out, offset = [], 0
-    for n in numels:
+    numels = list(numels)
+    alignments = [BASE_INDEX_ALIGNMENT] * len(numels) if alignments is None else list(alignments)
+    for n, align in zip(numels, alignments, strict=True):
+        offset = runtime.cdiv(offset, align) * align
         out.append(offset)
         offset = runtime.cdiv(offset + int(n), BASE_INDEX_ALIGNMENT) * BASE_INDEX_ALIGNMENT
     return out
@@ -130,6 +138,11 @@ def local_segments(param: torch.Tensor, base_index: int) -> list[tuple[int, int,
     local_shape, offset = compute_local_shape_and_global_offset(
         global_shape, param.device_mesh, param.placements
     )
+    return _box_runs(global_shape, tuple(local_shape), tuple(offset), base_index)
+
+
+def _box_runs(global_shape: tuple, local_shape: tuple, offset: tuple, base_index: int) -> list:
+    """``local_segments`` of the box ``local_shape`` at ``offset`` in a tensor of ``global_shape``."""
     if math.prod(local_shape) == 0:
         return []
     ndim = len(global_shape)
@@ -154,6 +167,75 @@ def local_segments(param: torch.Tensor, base_index: int) -> list[tuple[int, int,
     return segments
 
 
+def _merged(runs) -> list[tuple[int, int, int]]:
+    """``(local_start, length, global_start)`` runs with neighbours in both indices joined."""
+    out: list[list[int]] = []
+    for local_start, length, global_start in runs:
+        if out and out[-1][0] + out[-1][1] == local_start and out[-1][2] + out[-1][1] == global_start:
+            out[-1][1] += length
+        else:
+            out.append([local_start, length, global_start])
+    return [tuple(r) for r in out]
+
+
+def _boxes(global_shape: tuple, mesh_shape: tuple, placements) -> dict:
+    """``{mesh coordinate: (local_shape, offset)}`` of every rank's shard of a ``Shard``/``Replicate``
+    DTensor, by DTensor's rule (mesh dimensions in order, each ``Shard(d)`` splitting the current
+    extent of dim ``d`` as ``torch.chunk`` does)."""
+    from torch.distributed.tensor import Shard
+
+    out = {}
+    for coord in itertools.product(*(range(n) for n in mesh_shape)):
+        shape, offset = list(global_shape), [0] * len(global_shape)
+        for mesh_dim, placement in enumerate(placements):
+            if isinstance(placement, Shard):
+                d, n, k = placement.dim % len(global_shape), mesh_shape[mesh_dim], coord[mesh_dim]
+                chunk = runtime.cdiv(shape[d], n)
+                start = min(k * chunk, shape[d])
+                offset[d] += start
+                shape[d] = min(chunk, shape[d] - start)
+        out[coord] = (tuple(shape), tuple(offset))
+    return out
+
+
+def _check_8bit_layout(param: torch.Tensor, base_index: int, runs: list) -> None:
+    """8-bit states: every run of every rank's shard starts on a block, and every rank's scale
+    shard (``states.scale_shape`` with the param's placements) holds exactly its blocks.
+
+    Checked for all ranks of a DTensor's mesh from the placement alone (no communication), so
+    every rank refuses the same params: a step never updates some ranks' shards and not others'.
+
+    Raises:
+        ValueError: a run off the block grid (``states.check_8bit_segments``, naming the block size),
+            or scales that the placement shards differently from the blocks (a sharded param whose
+            last dimension is not a multiple of 32, on some meshes), naming the fix.
+    """
+    shape = tuple(param.shape)
+    states.check_8bit_segments(runs, shape, "AdamWSR.step")
+    if not _is_dtensor(param):
+        return
+    from torch.distributed.tensor import Shard
+
+    block = state_codes.QUANT_BLOCK
+    mesh_shape = tuple(param.device_mesh.shape)
+    scale = states.scale_shape(shape)
+    mismatch = ValueError(
+        f"AdamWSR.step: state_dtype='8bit': the block scales (shape {scale}) of a param of shape "
+        f"{shape} with placements {tuple(param.placements)} do not shard like its blocks of {block} "
+        f"elements (a sharded param needs its last dimension to be a multiple of {block}); put "
+        "this parameter in a param group with state_dtype=torch.bfloat16"
+    )
+    if any(isinstance(pl, Shard) and not -len(scale) <= pl.dim < len(scale) for pl in param.placements):
+        raise mismatch  # the scales (new_state: the param's placements) have no such dimension
+    scale_boxes = _boxes(scale, mesh_shape, param.placements)
+    for coord, box in _boxes(shape, mesh_shape, param.placements).items():
+        rank_runs = _box_runs(shape, *box, base_index)
+        states.check_8bit_segments(rank_runs, shape, f"AdamWSR.step (the shard at mesh coordinate {coord})")
+        want = [(lo // block, runtime.cdiv(n, block), (g - base_index) // block) for lo, n, g in rank_runs]
+        if _merged(_box_runs(scale, *scale_boxes[coord], 0)) != _merged(want):
+            raise mismatch
+
+
 # --------------------------------------------------------------------------- functional step
 
 # launch tables by addresses, dtypes and index segments (one per param list in use; rebuilt on a miss)
@@ -171,7 +253,9 @@ class _StepLaunch:
     length, global start); ``seed``: the Philox seed; ``stochastic``: round bf16 params
     stochastically; ``grad_scale``, ``found_inf``: AMP's 1-element fp32 device tensors or ``None``
     (unscale the gradients in the kernel and write them back unscaled; write nothing when
-    ``found_inf`` is nonzero).
+    ``found_inf`` is nonzero). bf16 / 8-bit moments (their dtype says which): ``state_stochastic``
+    rounds them stochastically (else to nearest); ``exp_avg_scales``, ``exp_avg_sq_scales``: the
+    8-bit block scales (uint8), one tensor per param, else ``[]``.
     """
 
     params: list
@@ -188,6 +272,14 @@ class _StepLaunch:
     stochastic: bool
     grad_scale: torch.Tensor | None = None
     found_inf: torch.Tensor | None = None
+    state_stochastic: bool = True
+    exp_avg_scales: list = dataclasses.field(default_factory=list)
+    exp_avg_sq_scales: list = dataclasses.field(default_factory=list)
+
+    @property
+    def state_format(self) -> int:
+        """The moments' format (``kernel.FORMAT_*``), from their dtype: fp32, bf16 or uint8 (8 bits)."""
+        return states.format_of_moments(self.exp_avgs[0].dtype)
 
     def op_args(self) -> tuple:
         """The custom ops' arguments in schema order (the schema spells each one out), AMP's aside."""
@@ -200,12 +292,13 @@ class _StepLaunch:
 
 def _get_plan(launch: _StepLaunch) -> kernel.LaunchPlan:
     roles = (launch.params, launch.grads, launch.exp_avgs, launch.exp_avg_sqs, launch.max_exp_avg_sqs)
+    scales = (launch.exp_avg_scales, launch.exp_avg_sq_scales)
     key = (
         launch.params[0].device,
         # element offsets depend on element size: the same addresses with other dtypes need another plan
         tuple(t.dtype for t in (launch.params[0], launch.grads[0], launch.exp_avgs[0])),
         tuple(t.dtype for t in launch.grads),
-        *(tuple(t.data_ptr() for t in tensors) for tensors in roles),
+        *(tuple(t.data_ptr() for t in tensors) for tensors in roles + scales),
         launch.segments.numpy().tobytes(),
     )
     plan = _PLAN_CACHE.get(key)
@@ -215,7 +308,13 @@ def _get_plan(launch: _StepLaunch) -> kernel.LaunchPlan:
                 "adamw_sr: the launch tables of this step are not built yet, and building them copies "
                 "host memory, which CUDA graph capture forbids. Run one step (warm-up) before capturing."
             )
-        plan = _PLAN_CACHE.put(key, kernel.LaunchPlan(*roles, launch.segments, launch.params[0].device))
+        plan = _PLAN_CACHE.put(
+            key,
+            kernel.LaunchPlan(
+                *roles, launch.segments, launch.params[0].device, state_format=launch.state_format,
+                exp_avg_scales=launch.exp_avg_scales, exp_avg_sq_scales=launch.exp_avg_sq_scales,
+            ),
+        )  # fmt: skip
     return plan
 
 
@@ -293,6 +392,39 @@ def _fused_step_amp_op(
     )
 
 
+# bf16 / 8-bit moments: one op for all (8-bit scales among the mutated tensors; the gradients too,
+# written back unscaled under AMP: declared always, which costs a compiled graph a copy at most)
+@torch.library.custom_op(
+    "adamw_sr::fused_step_states", mutates_args=(*_MUTATED, "exp_avg_scales", "exp_avg_sq_scales", "grads")
+)
+def _fused_step_states_op(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    max_exp_avg_sqs: list[torch.Tensor],
+    exp_avg_scales: list[torch.Tensor],
+    exp_avg_sq_scales: list[torch.Tensor],
+    steps: torch.Tensor,
+    hyper: torch.Tensor,
+    segments: torch.Tensor,
+    seed: str,
+    amsgrad: bool,
+    maximize: bool,
+    stochastic: bool,
+    state_stochastic: bool,
+    grad_scale: Optional[torch.Tensor],  # noqa: UP045 (torch 2.11's schema inference knows Optional)
+    found_inf: Optional[torch.Tensor],  # noqa: UP045
+) -> None:
+    _fused_step_impl(
+        _StepLaunch(
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hyper, segments, int(seed),
+            amsgrad, maximize, stochastic, grad_scale, found_inf, state_stochastic, exp_avg_scales,
+            exp_avg_sq_scales,
+        )
+    )  # fmt: skip
+
+
 def _fused_step_impl(launch: _StepLaunch) -> None:
     plan = _get_plan(launch)
     roles = (
@@ -303,6 +435,8 @@ def _fused_step_impl(launch: _StepLaunch) -> None:
         plan, roles, launch.steps, launch.hyper, seed=launch.seed, amsgrad=launch.amsgrad,
         maximize=launch.maximize, param_bf16=launch.params[0].dtype == torch.bfloat16,
         stochastic=launch.stochastic, grad_scale=launch.grad_scale, found_inf=launch.found_inf,
+        state_stochastic=launch.state_stochastic,
+        scales=(launch.exp_avg_scales, launch.exp_avg_sq_scales),
     )  # fmt: skip
 
 
@@ -317,13 +451,20 @@ def _fused_step(launch: _StepLaunch) -> None:
         or _get_current_dispatch_mode() is not None
         or type(launch.params[0]) not in (torch.Tensor, torch.nn.Parameter)
     ):
-        if amp:
+        if launch.state_format != kernel.FORMAT_FP32:
+            args = launch.op_args()
+            _fused_step_states_op(
+                *args[:5], launch.exp_avg_scales, launch.exp_avg_sq_scales, *args[5:],
+                launch.state_stochastic, launch.grad_scale, launch.found_inf,
+            )  # fmt: skip
+        elif amp:
             _fused_step_amp_op(*launch.op_args(), launch.grad_scale, launch.found_inf)
         else:
             _fused_step_op(*launch.op_args())
         return
     _fused_step_impl(launch)
     written = [*launch.params, *launch.exp_avgs, *launch.exp_avg_sqs, *launch.max_exp_avg_sqs]
+    written += [*launch.exp_avg_scales, *launch.exp_avg_sq_scales]
     _increment_versions(written + launch.grads if amp else written)
 
 
@@ -342,6 +483,7 @@ def _no_output(*args) -> None:
 
 _fused_step_op.register_fake(_no_output)
 _fused_step_amp_op.register_fake(_no_output)
+_fused_step_states_op.register_fake(_no_output)
 
 
 def adamw_sr_step(
@@ -365,6 +507,9 @@ def adamw_sr_step(
     segments: torch.Tensor | None = None,
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
+    state_rounding: str = "stochastic",
+    exp_avg_scales: list[torch.Tensor] | None = None,
+    exp_avg_sq_scales: list[torch.Tensor] | None = None,
 ) -> None:
     """One fused AdamW(-SR) step over many tensors of one dtype, in place, in one kernel launch.
 
@@ -372,7 +517,10 @@ def adamw_sr_step(
         params: contiguous tensors, all fp32 or all bf16, on one device (CUDA, or CPU with
             ``TRITON_INTERPRET=1``); updated in place.
         grads: contiguous tensors of the params' shapes, all fp32 or all bf16.
-        exp_avgs, exp_avg_sqs: contiguous fp32 tensors of the params' shapes; updated in place.
+        exp_avgs, exp_avg_sqs: contiguous tensors of the params' shapes, all of one dtype, which is
+            the state format (``AdamWSR``'s ``state_dtype``): fp32, bf16 (rounded per
+            ``state_rounding``) or uint8 (8-bit codes, ``state_codes``; then ``exp_avg_scales`` and
+            ``exp_avg_sq_scales`` are required and no amsgrad); updated in place.
         max_exp_avg_sqs: as above when ``amsgrad``, else ``None`` or ``[]``.
         steps: fp32 tensor ``[len(params)]`` on the params' device: each tensor's step number
             *after* incrementing (1 on the first step); integers in ``[1, 2**24 - 1]``
@@ -400,29 +548,52 @@ def adamw_sr_step(
             and states bitwise untouched), read on the device, so no host sync. ``steps`` is only
             read: a caller keeping step counts advances them by ``found_inf == 0``. Both are
             moved to the params' device when they are elsewhere (as torch's fused AdamW does).
+        state_rounding: bf16 / 8-bit moments: ``"stochastic"`` (default; the bits of det-core's
+            ``STREAM_EXP_AVG_SR`` / ``STREAM_EXP_AVG_SQ_SR`` at each element's global index) or
+            ``"nearest"``. No effect on fp32 moments.
+        exp_avg_scales, exp_avg_sq_scales: 8-bit moments: contiguous uint8 tensors, one per param,
+            of ``ceil(numel / 32)`` block scales (``states.scale_shape``); updated in place. With
+            8-bit moments every segment (every param with ``base_indices``) must start on a
+            multiple of 32 in the global and the local index; the default ``base_indices`` then
+            start every param on a multiple of 32.
 
     Raises:
-        TypeError: unsupported dtypes; a seed that is not an integer (a bool, a float);
-            ``grad_scale`` or ``found_inf`` not an fp32 tensor.
-        ValueError: mismatched lengths, shapes, devices or layouts; a seed outside ``[0, 2**64)``;
+        TypeError: unsupported dtypes (moments other than fp32, bf16 or uint8, or of mixed dtypes);
+            a seed that is not an integer (a bool, a float); ``grad_scale`` or ``found_inf`` not an
+            fp32 tensor.
+        ValueError: mismatched lengths, shapes, devices or layouts; 8-bit moments with amsgrad,
+            without their scales or with a segment off the block grid; an unknown
+            ``state_rounding``; a seed outside ``[0, 2**64)``;
             a step outside ``[1, 2**24 - 1]`` or not an integer; ``lr < 0``, a beta outside
             ``[0, 1)``, ``eps < 0`` or ``weight_decay < 0`` (NaN included); ``grad_scale`` or
             ``found_inf`` with other than 1 element. Every check runs before anything is written:
             a rejected call leaves params and states untouched.
 
     **Determinism:** each element's result is a pure function of its inputs, the hyperparameters,
-    ``(seed, step)``, ``grad_scale`` and its global index: identical run to run, for any grouping
-    of tensors into launches, any split of a tensor into shards with matching indices, and bitwise
+    ``(seed, step)``, ``grad_scale`` and its global index (with 8-bit moments: of its block of 32
+    global indices): identical run to run, for any grouping of tensors into launches, any split of
+    a tensor into shards with matching indices (8 bits: split on the block grid), and bitwise
     equal to ``reference.adamw_sr_step_reference``. Not guaranteed across Triton versions or GPU
     models.
+
+    Method: AdamW (Loshchilov & Hutter, ICLR 2019); stochastic rounding (Gupta et al., ICML 2015);
+    8-bit states: block-wise quantization (Dettmers et al., ICLR 2022) with power-of-two block
+    scales (OCP Microscaling formats), see ``state_codes``.
     """
     max_exp_avg_sqs = list(max_exp_avg_sqs or [])
     seed = rng.as_seed(seed, "adamw_sr_step")
     _check_hyperparameters(lr, (beta1, beta2), eps, weight_decay, "adamw_sr_step")
+    state_rounding = states.check_state_rounding(state_rounding, "adamw_sr_step")
     n = len(params)
     lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
     if amsgrad:
         lists["max_exp_avg_sqs"] = max_exp_avg_sqs
+    moment_dtype = exp_avgs[0].dtype if n and len(exp_avgs) else torch.float32
+    quantized = moment_dtype == torch.uint8
+    if quantized:
+        states.check_combination(states.EIGHT_BIT, amsgrad, "adamw_sr_step")
+        lists["exp_avg_scales"] = list(exp_avg_scales or [])
+        lists["exp_avg_sq_scales"] = list(exp_avg_sq_scales or [])
     for name, values in lists.items():
         if len(values) != n:
             raise ValueError(
@@ -431,23 +602,31 @@ def adamw_sr_step(
     if n == 0:
         return
     device = runtime.check_kernel_device(
-        *params, *grads, *exp_avgs, *exp_avg_sqs, *max_exp_avg_sqs, op="adamw_sr_step"
-    )
+        *params, *grads, *exp_avgs, *exp_avg_sqs, *max_exp_avg_sqs, *lists.get("exp_avg_scales", []),
+        *lists.get("exp_avg_sq_scales", []), op="adamw_sr_step",
+    )  # fmt: skip
     if {p.dtype for p in params} - {params[0].dtype} or params[0].dtype not in _SUPPORTED_PARAM_DTYPES:
         found = sorted({str(p.dtype) for p in params})
         raise TypeError(f"adamw_sr_step: params must be all float32 or all bfloat16, got {found}")
     if {g.dtype for g in grads} - {grads[0].dtype} or grads[0].dtype not in _SUPPORTED_GRAD_DTYPES:
         found = sorted({str(g.dtype) for g in grads})
         raise TypeError(f"adamw_sr_step: grads must be all float32 or all bfloat16, got {found}")
+    if moment_dtype not in (torch.float32, torch.bfloat16, torch.uint8):
+        raise TypeError(
+            f"adamw_sr_step: moments must be float32, bfloat16 or uint8 (8-bit codes), got {moment_dtype}"
+        )
     for i, p in enumerate(params):
         for name, values in lists.items():
             t = values[i]
-            if t.shape != p.shape:
-                raise ValueError(
-                    f"adamw_sr_step: {name}[{i}] has shape {tuple(t.shape)}, param {tuple(p.shape)}"
+            scale = name.endswith("_scales")
+            want = states.scale_shape(tuple(p.shape)) if scale else tuple(p.shape)
+            if tuple(t.shape) != want:
+                raise ValueError(f"adamw_sr_step: {name}[{i}] has shape {tuple(t.shape)}, expected {want}")
+            want_dtype = torch.uint8 if scale else moment_dtype
+            if name != "grads" and t.dtype != want_dtype:
+                raise TypeError(
+                    f"adamw_sr_step: {name}[{i}] must be {want_dtype} (as exp_avgs[0] says), got {t.dtype}"
                 )
-            if name != "grads" and t.dtype != torch.float32:
-                raise TypeError(f"adamw_sr_step: {name}[{i}] must be float32, got {t.dtype}")
             if t.layout != torch.strided:
                 raise RuntimeError(
                     f"adamw_sr_step: {name}[{i}] has layout {t.layout}; only dense (strided) tensors are "
@@ -466,7 +645,8 @@ def adamw_sr_step(
     found_inf = _amp_scalar(found_inf, "found_inf", device, "adamw_sr_step")
     if segments is None:
         if base_indices is None:
-            base_indices = default_base_indices(p.numel() for p in params)
+            align = state_codes.QUANT_BLOCK if quantized else BASE_INDEX_ALIGNMENT
+            base_indices = default_base_indices((p.numel() for p in params), [align] * n)
         base_indices = list(base_indices)
         if len(base_indices) != n:
             raise ValueError(
@@ -486,6 +666,10 @@ def adamw_sr_step(
             if p.numel()
         ]
         segments = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
+    if quantized:
+        for i, p in enumerate(params):
+            rows = segments[segments[:, 0] == i, 1:].tolist()
+            states.check_8bit_segments(rows, tuple(p.shape), "adamw_sr_step")
     hyper = _hyper_tensor(lr, (beta1, beta2), eps, weight_decay, device)
     _fused_step(
         _StepLaunch(
@@ -503,6 +687,9 @@ def adamw_sr_step(
             stochastic=stochastic_rounding is not False,
             grad_scale=grad_scale,
             found_inf=found_inf,
+            state_stochastic=state_rounding == "stochastic",
+            exp_avg_scales=lists.get("exp_avg_scales", []),
+            exp_avg_sq_scales=lists.get("exp_avg_sq_scales", []),
         )
     )
 
@@ -583,8 +770,8 @@ class AdamWSR(torch.optim.Optimizer):
     A drop-in for ``torch.optim.AdamW``: same arguments, param groups, LR-scheduler support and
     ``state_dict`` layout (``step`` as an fp32 tensor, ``exp_avg``, ``exp_avg_sq``,
     ``max_exp_avg_sq``). Parameters may be fp32 (written back unrounded) or bf16 (written back with
-    stochastic rounding by default, no fp32 master copy needed); gradients fp32 or bf16; states are
-    always fp32.
+    stochastic rounding by default, no fp32 master copy needed); gradients fp32 or bf16; moments
+    fp32 (default), bf16 or 8-bit (``state_dtype``).
 
     Args:
         params: iterable of tensors or param-group dicts. Tensors must be contiguous, non-empty
@@ -607,13 +794,26 @@ class AdamWSR(torch.optim.Optimizer):
             ``0 <= seed < 2**64``; saved in the param groups (a group may give its own).
         stochastic_rounding: ``None`` (default: on for bf16 params), ``True`` or ``False``
             (round to nearest). Has no effect on fp32 params.
+        state_dtype: how ``exp_avg`` and ``exp_avg_sq`` are stored (a group may give its own):
+            ``torch.float32`` (default: unrounded, 8 bytes/param), ``torch.bfloat16`` (4 bytes/param)
+            or ``"8bit"`` (block-quantized codes, ``adamw_sr.state_codes``: 1 byte each plus one
+            scale byte per block of 32 elements, 2.0625 bytes/param). The moments are updated in
+            fp32 and the step uses those values; only the stored copies are rounded, on their own
+            Philox streams (det-core's ``STREAM_EXP_AVG_SR``, ``STREAM_EXP_AVG_SQ_SR``). With
+            ``"8bit"`` a block is 32 consecutive global indices: each param starts on a block (the
+            default indices do that), each shard of a param must too (else ``ValueError`` at the
+            step), and ``amsgrad`` is refused.
+        state_rounding: ``"stochastic"`` (default, unbiased) or ``"nearest"`` (nearest-even): how
+            the moments are rounded into bf16 or 8 bits. No effect with fp32 states.
 
     Raises:
         ValueError: an out-of-range hyperparameter (as ``torch.optim.AdamW``: ``lr < 0``, a beta
             outside ``[0, 1)``, ``eps < 0``, ``weight_decay < 0``, NaN; a seed outside
             ``[0, 2**64)``), an unsupported flag (``foreach`` not ``None``, ``fused=False``,
-            ``differentiable=True``, ``capturable=True`` with non-CUDA params), an empty or
-            non-contiguous param, params on several devices.
+            ``differentiable=True``, ``capturable=True`` with non-CUDA params), an unsupported
+            ``state_dtype`` (the message lists the supported ones) or ``state_rounding``,
+            ``amsgrad`` with ``state_dtype="8bit"``, an empty or non-contiguous param, params on
+            several devices.
         TypeError: ``params`` is a module (pass ``model.parameters()``); fp16, complex or integer
             params; a seed that is a bool or not an integer.
         RuntimeError: ``fused=True`` with params where the fused step cannot run (CPU without the
@@ -642,11 +842,18 @@ class AdamWSR(torch.optim.Optimizer):
     is derived from its placement). So steps are bitwise identical run to run, in a
     fresh process, after a state_dict round trip, under any sharding (FSDP2 over any number of
     ranks, even, uneven or empty shards) and equal to the plain-torch reference on a CPU. Not
-    guaranteed across Triton versions or GPU models (only expected, see the docs).
+    guaranteed across Triton versions or GPU models (only expected, see the docs). The same holds
+    for bf16 and 8-bit moments: their rounding bits are keyed like the weights' (own streams), and
+    an 8-bit block's scale is computed from the whole block of 32 global indices, which no shard
+    boundary may split (such a sharding is refused with a ``ValueError`` naming the block size).
+    ``load_state_dict`` of a checkpoint written with another ``state_dtype`` raises ``ValueError``
+    (no conversion).
 
     Method: Loshchilov & Hutter, "Decoupled Weight Decay Regularization" (ICLR 2019); Kingma & Ba,
     "Adam" (ICLR 2015); AMSGrad (Reddi et al., ICLR 2018); stochastic rounding (Gupta et al.,
-    ICML 2015); Philox4x32-10 (Salmon et al., SC'11).
+    ICML 2015); Philox4x32-10 (Salmon et al., SC'11); 8-bit states: Dettmers et al., "8-bit
+    Optimizers via Block-wise Quantization" (ICLR 2022), with the power-of-two block scales of the
+    OCP Microscaling (MX) formats.
     """
 
     # torch.amp.GradScaler hands a fused-AMP optimizer its scale and inf flag as the attributes
@@ -669,6 +876,8 @@ class AdamWSR(torch.optim.Optimizer):
         fused: bool | None = None,
         seed: int = 0,
         stochastic_rounding: bool | None = None,
+        state_dtype: torch.dtype | str = torch.float32,
+        state_rounding: str = "stochastic",
     ):
         if isinstance(lr, torch.Tensor) and lr.numel() == 1 and not 0.0 <= float(lr):
             # torch.optim.AdamW reads a tensor lr here too (a one-off sync at construction)
@@ -677,6 +886,9 @@ class AdamWSR(torch.optim.Optimizer):
         seed = rng.as_seed(seed, "AdamWSR")
         if stochastic_rounding not in (None, True, False):
             raise ValueError(f"stochastic_rounding must be None, True or False, got {stochastic_rounding!r}")
+        state_dtype = states.canonical_state_dtype(state_dtype, "AdamWSR")
+        state_rounding = states.check_state_rounding(state_rounding, "AdamWSR")
+        states.check_combination(state_dtype, amsgrad, "AdamWSR")
         if isinstance(params, torch.nn.Module):
             raise TypeError(
                 f"AdamWSR: params must be an iterable of tensors or param-group dicts, got the module "
@@ -702,15 +914,17 @@ class AdamWSR(torch.optim.Optimizer):
         defaults = dict(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
             maximize=maximize, foreach=None, capturable=capturable, differentiable=False, fused=fused,
-            seed=seed, stochastic_rounding=stochastic_rounding, base_index=None,
+            seed=seed, stochastic_rounding=stochastic_rounding, base_index=None, state_dtype=state_dtype,
+            state_rounding=state_rounding,
         )  # fmt: skip
         self._base_index_cache = {}
         self._segments_cache = runtime.PlanCache(limit=64)  # param list -> its launch's index segments
         self._hyper_cache = runtime.PlanCache(limit=256)  # hyperparameter values -> their device tensor
         # "unchecked": a loaded state not yet validated (states this class creates are valid by
         # construction, so the per-tensor state check runs once per load, not every step). A dict
-        # mutated in place: dynamo (torch 2.11) refuses setattr on the optimizer while tracing
-        self._state_flags = {"unchecked": True}
+        # mutated in place: dynamo (torch 2.11) refuses setattr on the optimizer while tracing.
+        # "state_dtypes": each group's state_dtype when last checked (an edit re-checks the states)
+        self._state_flags = {"unchecked": True, "state_dtypes": ()}
         super().__init__(params, defaults)
 
     # ----------------------------------------------------------------- groups and indices
@@ -723,7 +937,8 @@ class AdamWSR(torch.optim.Optimizer):
                 an integer (a bool or a float).
             ValueError: a param is empty or non-contiguous, on another device than the others,
                 ``base_index`` does not give one entry per param, or ``seed`` is outside ``[0, 2**64)``;
-                the group sets ``foreach``, ``fused=False``, or ``capturable=True`` with non-CUDA params.
+                the group sets ``foreach``, ``fused=False``, or ``capturable=True`` with non-CUDA params;
+                an unsupported ``state_dtype`` or ``state_rounding``, or amsgrad with 8-bit states.
             RuntimeError: ``fused=True`` with params where the fused step cannot run (CPU without
                 the Triton interpreter).
         """
@@ -753,6 +968,9 @@ class AdamWSR(torch.optim.Optimizer):
             raise
         try:
             group["seed"] = rng.as_seed(group["seed"], "AdamWSR")
+            group["state_dtype"] = states.canonical_state_dtype(group["state_dtype"], "AdamWSR")
+            group["state_rounding"] = states.check_state_rounding(group["state_rounding"], "AdamWSR")
+            states.check_combination(group["state_dtype"], group["amsgrad"], "AdamWSR")
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
@@ -816,7 +1034,10 @@ class AdamWSR(torch.optim.Optimizer):
         # the optimizer object while tracing a compiled step
         if not self._base_index_cache:
             params = [p for group in self.param_groups for p in group["params"]]
-            defaults = default_base_indices(p.numel() for p in params)  # global numel for a DTensor
+            aligns = [
+                states.base_index_alignment(g["state_dtype"]) for g in self.param_groups for _ in g["params"]
+            ]
+            defaults = default_base_indices((p.numel() for p in params), aligns)  # global numel for a DTensor
             explicit = [
                 b for g in self.param_groups for b in (g.get("base_index") or [None] * len(g["params"]))
             ]
@@ -824,65 +1045,124 @@ class AdamWSR(torch.optim.Optimizer):
             self._base_index_cache.update(out)
         return self._base_index_cache
 
-    def _segments(self, ps: list[torch.Tensor], base: dict[int, int]) -> torch.Tensor:
-        """``(slot, local_start, length, global_start)`` rows of one launch (cached per param list)."""
+    def _segments(self, ps: list, base: dict[int, int], state_dtype: str = states.FLOAT32) -> torch.Tensor:
+        """``(slot, local_start, length, global_start)`` rows of one launch (cached per param list).
+
+        Raises:
+            ValueError: with 8-bit states, a param or shard that does not start on a block.
+        """
         key = tuple(id(p) for p in ps)
         segments = self._segments_cache.get(key)
         if segments is None:
             rows = []
             for slot, p in enumerate(ps):
-                rows.extend((slot, *seg) for seg in local_segments(p, base[id(p)]))
+                runs = local_segments(p, base[id(p)])
+                if state_dtype == states.EIGHT_BIT:
+                    _check_8bit_layout(p, base[id(p)], runs)
+                rows.extend((slot, *seg) for seg in runs)
             segments = self._segments_cache.put(key, torch.tensor(rows, dtype=torch.int64).reshape(-1, 4))
         return segments
+
+    def _launch_plans(self, group: dict, with_grad: list, base: dict[int, int]) -> list:
+        """``[(params, segments)]``: one launch per (param dtype, grad dtype), the kernel being
+        specialized on both; built (and checked) before any state changes."""
+        by_dtype: dict = {}
+        for p in with_grad:
+            by_dtype.setdefault((p.dtype, p.grad.dtype), []).append(p)
+        return [(ps, self._segments(ps, base, group["state_dtype"])) for ps in by_dtype.values()]
 
     # ----------------------------------------------------------------- state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load as ``torch.optim.Optimizer`` does, but keep the moments in fp32 (torch casts
-        floating state to the param dtype, which would round them to bf16) and copy every state
-        tensor (torch keeps a reference to the caller's ``step`` tensors)."""
+        """Load as ``torch.optim.Optimizer`` does, but keep every moment in its group's
+        ``state_dtype`` (torch casts floating state to the param dtype, which would round fp32
+        moments to bf16 and turn 8-bit codes into numbers) and copy every state tensor (torch keeps a
+        reference to the caller's ``step`` tensors).
+
+        Each checkpoint param group carries its ``state_dtype``; one without it (a ``torch.optim.AdamW``
+        state_dict, or one saved before ``state_dtype`` existed) holds float moments, which load into
+        ``torch.float32`` states (cast to fp32, as before). Moments are never converted between
+        formats: a checkpoint of another ``state_dtype`` is refused.
+
+        Raises:
+            ValueError: a checkpoint group's ``state_dtype`` differs from this optimizer's group's,
+                or a saved state does not hold its format's tensors (moment dtype, 8-bit scales).
+                Checked before anything is loaded: the optimizer is left as it was.
+        """
         saved = state_dict["state"]
+        self._check_loadable(state_dict)
         super().load_state_dict(state_dict)
-        order = [p for g in self.param_groups for p in g["params"]]
+        order = [(p, g) for g in self.param_groups for p in g["params"]]
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        for pid, p in zip(saved_ids, order, strict=True):
+        for pid, (p, group) in zip(saved_ids, order, strict=True):
             if pid in saved:
-                for key in _STATE_KEYS:
+                fp32 = group["state_dtype"] == states.FLOAT32
+                for key in (*_STATE_KEYS, *states.SCALE_KEYS):
                     value = saved[pid].get(key)
                     if value is None:
                         continue
+                    dtype = torch.float32 if fp32 else value.dtype
                     # a copy, so in-place steps never write into the caller's state_dict
                     if _is_dtensor(value):
-                        self.state[p][key] = value.to(dtype=torch.float32, copy=True)
+                        self.state[p][key] = value.to(dtype=dtype, copy=True)
                     else:
-                        self.state[p][key] = value.to(device=_local(p).device, dtype=torch.float32, copy=True)
+                        self.state[p][key] = value.to(device=_local(p).device, dtype=dtype, copy=True)
                 step = self.state[p].get("step")
                 if isinstance(step, torch.Tensor) and step is saved[pid].get("step"):
                     self.state[p]["step"] = step.clone()  # torch would alias the caller's step tensor
         self._base_index_cache = {}
         self._segments_cache.clear()
-        self._state_flags = {"unchecked": True}
+        self._state_flags = {"unchecked": True, "state_dtypes": ()}
 
-    def _check_state(self, p: torch.Tensor, state: dict, amsgrad: bool) -> None:
-        """A loaded or existing state must hold fp32 moments of the param's shape and a step tensor."""
-        if not isinstance(state.get("step"), torch.Tensor):
-            raise RuntimeError(f"AdamWSR: state of a param of shape {tuple(p.shape)} lacks a 'step' tensor")
-        for key in _STATE_KEYS[: 3 if amsgrad else 2]:
-            value = state.get(key)
-            if value is None:
-                if key == "max_exp_avg_sq":
-                    continue  # amsgrad switched on later: created at zero, as torch does
-                raise RuntimeError(f"AdamWSR: state of a param of shape {tuple(p.shape)} lacks '{key}'")
-            if value.dtype != torch.float32 or value.shape != p.shape:
-                raise RuntimeError(
-                    f"AdamWSR: state '{key}' must be float32 of shape {tuple(p.shape)}, "
-                    f"got {value.dtype} {tuple(value.shape)}"
+    def _check_loadable(self, state_dict: dict) -> None:
+        """``load_state_dict``'s format checks, before anything changes (see there)."""
+        saved_groups = state_dict.get("param_groups", [])
+        if len(saved_groups) != len(self.param_groups):
+            return  # torch's own load names this mismatch
+        for i, (mine, theirs) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
+            raw = theirs.get("state_dtype", states.FLOAT32)
+            try:
+                saved_dtype = states.canonical_state_dtype(raw, "AdamWSR.load_state_dict")
+            except ValueError as e:
+                raise ValueError(f"param group {i} of the checkpoint: {e}") from None
+            if saved_dtype != mine["state_dtype"]:
+                raise ValueError(
+                    f"AdamWSR.load_state_dict: param group {i} of the checkpoint has state_dtype="
+                    f"{saved_dtype!r}, this optimizer's group has state_dtype={mine['state_dtype']!r}; "
+                    "moments are not converted between formats: build the optimizer with "
+                    f"state_dtype={saved_dtype!r} to resume this checkpoint"
                 )
+            want = states.moment_dtype(saved_dtype)
+            for pid in theirs.get("params", []):
+                state = state_dict["state"].get(pid) or {}
+                keys = (*_STATE_KEYS, *(states.SCALE_KEYS if saved_dtype == states.EIGHT_BIT else ()))
+                for key in keys:
+                    value = state.get(key)
+                    if value is None:
+                        if key in states.SCALE_KEYS and state.get("exp_avg") is not None:
+                            raise ValueError(
+                                f"AdamWSR.load_state_dict: the 8-bit state of param {pid} (group {i}) "
+                                f"lacks '{key}'"
+                            )
+                        continue
+                    ok = value.is_floating_point() if want == torch.float32 and key in _STATE_KEYS else (
+                        value.dtype == (torch.uint8 if key in states.SCALE_KEYS else want)
+                    )  # fmt: skip
+                    if not ok:
+                        raise ValueError(
+                            f"AdamWSR.load_state_dict: state '{key}' of param {pid} (group {i}, "
+                            f"state_dtype={saved_dtype!r}) has dtype {value.dtype}; that format stores "
+                            f"{torch.uint8 if key in states.SCALE_KEYS else want}"
+                        )
+
+    def _check_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
+        """A loaded or existing state must hold its format's tensors at the param's shape and a step."""
+        states.check_state(p, state, group["state_dtype"], group["amsgrad"])
 
     def __setstate__(self, state: dict) -> None:
         """Fill group options a loaded state lacks (e.g. a ``torch.optim.AdamW`` state_dict), like torch."""
         super().__setstate__(state)
-        self._state_flags = {"unchecked": True}
+        self._state_flags = {"unchecked": True, "state_dtypes": ()}
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
@@ -893,6 +1173,8 @@ class AdamWSR(torch.optim.Optimizer):
             group.setdefault("seed", self.defaults.get("seed", 0) if hasattr(self, "defaults") else 0)
             group.setdefault("stochastic_rounding", None)
             group.setdefault("base_index", None)
+            group.setdefault("state_dtype", states.FLOAT32)  # a checkpoint without it has float moments
+            group.setdefault("state_rounding", "stochastic")
 
     # ----------------------------------------------------------------- step
 
@@ -903,10 +1185,14 @@ class AdamWSR(torch.optim.Optimizer):
         Shapes, dtypes and the **Determinism** guarantees are the class's (see ``AdamWSR``).
 
         Raises:
-            RuntimeError: a sparse gradient; capture with ``capturable=False``; a malformed loaded state.
+            RuntimeError: a sparse gradient; capture with ``capturable=False``; a malformed loaded state,
+                or a state of another format than its group's ``state_dtype`` (an edited group).
             ValueError: a gradient of another shape, device or layout than its param; a group's
                 ``seed`` outside ``[0, 2**64)`` or ``lr``, ``betas``, ``eps``, ``weight_decay``
-                outside torch.optim.AdamW's ranges (param_groups are re-checked at each eager step).
+                outside torch.optim.AdamW's ranges, an unsupported ``state_dtype`` or
+                ``state_rounding``, amsgrad with 8-bit states (param_groups are re-checked at each
+                eager step); with 8-bit states, a param or shard not starting on a block of 32 global
+                indices (the message names the block size and the fixes).
             TypeError: a gradient dtype other than fp32/bf16; a group's ``seed`` not an integer, a
                 hyperparameter not a real number; ``grad_scale`` / ``found_inf`` not fp32 tensors.
 
@@ -943,6 +1229,9 @@ class AdamWSR(torch.optim.Optimizer):
                 _check_hyperparameters(
                     group["lr"], group["betas"], group["eps"], group["weight_decay"], "AdamWSR.step"
                 )
+                group["state_dtype"] = states.canonical_state_dtype(group["state_dtype"], "AdamWSR.step")
+                group["state_rounding"] = states.check_state_rounding(group["state_rounding"], "AdamWSR.step")
+                states.check_combination(group["state_dtype"], group["amsgrad"], "AdamWSR.step")
             with_grad = [p for p in group["params"] if p.grad is not None]
             self._check_grads(with_grad)
             if with_grad:  # CPU params need the Triton interpreter: say so before any state is touched
@@ -950,12 +1239,21 @@ class AdamWSR(torch.optim.Optimizer):
                 if group["capturable"] and _local(with_grad[0]).device.type != "cuda":
                     self._check_device_flags(group)  # a loaded param group may set capturable
             work.append((group, with_grad))
+        if not torch.compiler.is_compiling():
+            # a group's state_dtype edited since the last step: indices (8-bit params start on a
+            # block) and launch segments are rebuilt, and existing states are checked against it
+            formats = tuple(g["state_dtype"] for g in self.param_groups)
+            if formats != self._state_flags["state_dtypes"]:
+                self._base_index_cache.clear()
+                self._segments_cache.clear()
+                self._state_flags["unchecked"] = True
+                self._state_flags["state_dtypes"] = formats
         check_states = self._state_flags["unchecked"] or torch.compiler.is_compiling()
         if check_states:
             for group in self.param_groups:
                 for p in group["params"]:
                     if self.state.get(p):
-                        self._check_state(p, self.state[p], group["amsgrad"])
+                        self._check_state(p, self.state[p], group)
             if not torch.compiler.is_compiling():
                 self._state_flags["unchecked"] = False
         # set by torch.amp.GradScaler.step for the length of this call (None: not under a GradScaler,
@@ -968,9 +1266,11 @@ class AdamWSR(torch.optim.Optimizer):
                 for value, name in zip(amp, ("grad_scale", "found_inf"), strict=True)
             )
         base = self._base_indices()
-        for group, with_grad in work:
+        # launch segments (8-bit: checked to lie on the block grid) before any state changes
+        plans = [(group, with_grad, self._launch_plans(group, with_grad, base)) for group, with_grad in work]
+        for group, with_grad, launches in plans:
             if with_grad:
-                self._group_step(group, with_grad, base, *amp)
+                self._group_step(group, with_grad, launches, *amp)
         return loss
 
     @staticmethod
@@ -1018,27 +1318,20 @@ class AdamWSR(torch.optim.Optimizer):
         self,
         group: dict,
         with_grad: list[torch.Tensor],
-        base: dict[int, int],
+        launches: list,
         grad_scale: torch.Tensor | None = None,
         found_inf: torch.Tensor | None = None,
     ) -> None:
-        amsgrad, capturable = group["amsgrad"], group["capturable"]
+        amsgrad, capturable, state_dtype = group["amsgrad"], group["capturable"], group["state_dtype"]
         device = _local(with_grad[0]).device
         all_states = [self.state[p] for p in with_grad]  # one (Python-level) tensor hash per param
         for p, state in zip(with_grad, all_states, strict=True):
             if len(state) == 0:
                 step_device = device if capturable or found_inf is not None else torch.device("cpu")
                 state["step"] = torch.tensor(0.0, dtype=torch.float32, device=step_device)
-                state["exp_avg"] = torch.zeros_like(
-                    p, dtype=torch.float32, memory_format=torch.preserve_format
-                )
-                state["exp_avg_sq"] = torch.zeros_like(
-                    p, dtype=torch.float32, memory_format=torch.preserve_format
-                )
+                state.update(states.new_state(p, state_dtype, dtensor=_is_dtensor(p)))
             if amsgrad and "max_exp_avg_sq" not in state:
-                state["max_exp_avg_sq"] = torch.zeros_like(
-                    p, dtype=torch.float32, memory_format=torch.preserve_format
-                )
+                state["max_exp_avg_sq"] = states.zero_moment(p, state_dtype)
         if found_inf is None:
             torch._foreach_add_([s["step"] for s in all_states], 1.0)
         else:
@@ -1050,15 +1343,10 @@ class AdamWSR(torch.optim.Optimizer):
         hyper = _hyper_tensor(
             group["lr"], group["betas"], group["eps"], group["weight_decay"], device, self._hyper_cache
         )
-        # one launch per (param dtype, grad dtype): the kernel is specialized on both
-        by_dtype: dict = {}
-        for p, state in zip(with_grad, all_states, strict=True):
-            ps_states = by_dtype.setdefault((p.dtype, p.grad.dtype), ([], []))
-            ps_states[0].append(p)
-            ps_states[1].append(state)
-        for (param_dtype, _), (ps, states) in by_dtype.items():
-            segments = self._segments(ps, base)
-            steps = torch.stack([s["step"] for s in states]).to(torch.float32)
+        quantized = state_dtype == states.EIGHT_BIT
+        for ps, segments in launches:
+            ps_states = [self.state[p] for p in ps]
+            steps = torch.stack([s["step"] for s in ps_states]).to(torch.float32)
             if steps.device != device:
                 steps = kernel.to_device_async(steps, device)
             if found_inf is not None:
@@ -1067,18 +1355,21 @@ class AdamWSR(torch.optim.Optimizer):
                 _StepLaunch(
                     params=[_local(p) for p in ps],
                     grads=[_local(p.grad) for p in ps],
-                    exp_avgs=[_local(s["exp_avg"]) for s in states],
-                    exp_avg_sqs=[_local(s["exp_avg_sq"]) for s in states],
-                    max_exp_avg_sqs=[_local(s["max_exp_avg_sq"]) for s in states] if amsgrad else [],
+                    exp_avgs=[_local(s["exp_avg"]) for s in ps_states],
+                    exp_avg_sqs=[_local(s["exp_avg_sq"]) for s in ps_states],
+                    max_exp_avg_sqs=[_local(s["max_exp_avg_sq"]) for s in ps_states] if amsgrad else [],
                     steps=steps,
                     hyper=hyper,
                     segments=segments,
                     seed=group["seed"],
                     amsgrad=amsgrad,
                     maximize=group["maximize"],
-                    stochastic=param_dtype == torch.bfloat16 and group["stochastic_rounding"] is not False,
+                    stochastic=ps[0].dtype == torch.bfloat16 and group["stochastic_rounding"] is not False,
                     grad_scale=grad_scale,
                     found_inf=found_inf,
+                    state_stochastic=group["state_rounding"] == "stochastic",
+                    exp_avg_scales=[_local(s["exp_avg_scale"]) for s in ps_states] if quantized else [],
+                    exp_avg_sq_scales=[_local(s["exp_avg_sq_scale"]) for s in ps_states] if quantized else [],
                 )
             )
         if found_inf is not None:  # + 1 where no inf was found, + 0.0 (the same bits) where one was

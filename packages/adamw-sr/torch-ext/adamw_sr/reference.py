@@ -16,6 +16,8 @@ import math
 import torch
 from det_core import rng, sr
 
+from . import state_codes
+
 
 def pow_by_squaring(base: float, exponent: int) -> float:
     """``base ** exponent`` in fp64 by binary exponentiation over 32 bits (multiplications only).
@@ -124,14 +126,21 @@ def adamw_sr_step_reference(
     global_index: torch.Tensor | None = None,
     grad_scale: torch.Tensor | float | None = None,
     found_inf: torch.Tensor | float | None = None,
+    state_rounding: str = "stochastic",
+    exp_avg_scale: torch.Tensor | None = None,
+    exp_avg_sq_scale: torch.Tensor | None = None,
 ) -> None:
     """One AdamW-SR step on one tensor, in place, in plain torch (any device; CPU for checking).
 
     Args:
         param: fp32 or bf16 tensor, any shape; updated in place.
         grad: fp32 or bf16 tensor of ``param``'s shape.
-        exp_avg, exp_avg_sq: fp32 tensors of ``param``'s shape; updated in place.
-        max_exp_avg_sq: fp32 tensor of ``param``'s shape when ``amsgrad``; updated in place.
+        exp_avg, exp_avg_sq: the moments, of ``param``'s shape, updated in place; their dtype is the
+            state format (``AdamWSR``'s ``state_dtype``): fp32 (stored unrounded), bf16 (rounded per
+            ``state_rounding``) or uint8 (8-bit codes, ``state_codes``; then ``exp_avg_scale`` and
+            ``exp_avg_sq_scale`` are required).
+        max_exp_avg_sq: the ``exp_avg_sq`` dtype (fp32 or bf16) when ``amsgrad``; updated in place.
+            With bf16 moments it is the running maximum of the stored (rounded) ``exp_avg_sq``.
         step: the step number after incrementing (1 on the first step), ``1 <= step < 2**24``.
         lr, beta1, beta2, eps, weight_decay: as ``torch.optim.AdamW`` (floats).
         amsgrad, maximize: as ``torch.optim.AdamW``.
@@ -149,20 +158,41 @@ def adamw_sr_step_reference(
             back, as torch's fused AdamW does).
         found_inf: AMP: when nonzero the step is skipped: nothing is written (the caller keeps
             its step count where it was).
+        state_rounding: bf16 / 8-bit moments: ``"stochastic"`` (the bits of streams
+            ``STREAM_EXP_AVG_SR`` / ``STREAM_EXP_AVG_SQ_SR`` at the element's global index) or
+            ``"nearest"`` (nearest-even).
+        exp_avg_scale, exp_avg_sq_scale: 8-bit moments: uint8 tensors of
+            ``state_codes.QUANT_BLOCK``-element block scales, one per block of ``param``'s flat
+            elements (``ceil(numel / 32)`` of them, any shape); updated in place. ``base_index`` must
+            be a multiple of 32 (blocks follow the global index); ``global_index`` is not accepted.
 
     Raises:
         TypeError: a tensor has an unsupported dtype.
+        ValueError: an unknown ``state_rounding``; 8-bit moments without scales, with scales of the
+            wrong size, with ``amsgrad``, ``global_index`` or a ``base_index`` off the block grid.
 
     **Determinism:** a pure function of its inputs; bit-identical to the Triton kernel (GPU or
     interpreter) for the same inputs, because both run the same IEEE operations in the same order.
     """
     if param.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"param must be float32 or bfloat16, got {param.dtype}")
-    for name, state in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("max_exp_avg_sq", max_exp_avg_sq)):
-        if state is not None and state.dtype != torch.float32:
-            raise TypeError(f"{name} must be float32, got {state.dtype}")
+    state_dtype = exp_avg.dtype
+    if state_dtype not in (torch.float32, torch.bfloat16, torch.uint8):
+        raise TypeError(f"exp_avg must be float32, bfloat16 or uint8 (8-bit codes), got {state_dtype}")
+    for name, state in (("exp_avg_sq", exp_avg_sq), ("max_exp_avg_sq", max_exp_avg_sq)):
+        if state is not None and state.dtype != state_dtype:
+            raise TypeError(f"{name} must have exp_avg's dtype {state_dtype}, got {state.dtype}")
+    if state_rounding not in ("stochastic", "nearest"):
+        raise ValueError(f"state_rounding must be 'stochastic' or 'nearest', got {state_rounding!r}")
+    quantized = state_dtype == torch.uint8
+    if quantized:
+        _check_quantized(param, exp_avg_scale, exp_avg_sq_scale, amsgrad, base_index, global_index)
     if found_inf is not None and float(found_inf) != 0.0:
         return  # GradScaler found inf/NaN gradients: the step is skipped
+    if global_index is None:
+        global_index = base_index + torch.arange(param.numel(), dtype=torch.int64).reshape(param.shape)
+    global_index = global_index.to(param.device)
+    stochastic_states = state_rounding == "stochastic"
     s = step_scalars(step, lr, beta1, beta2, eps, weight_decay)
     g = grad.to(torch.float32)
     if grad_scale is not None:
@@ -174,26 +204,93 @@ def adamw_sr_step_reference(
         g = -g
     p = param.to(torch.float32)
     p = p - p * s["lr_decay"]  # not p * (1 - lr * wd): see the kernel
-    m = s["beta1"] * exp_avg + s["one_minus_beta1"] * g
-    v = s["beta2"] * exp_avg_sq + s["one_minus_beta2"] * (g * g)
+    if quantized:
+        m_old = _decode(exp_avg, exp_avg_scale, state_codes.EXP_AVG_MANTISSA_BITS, True)
+        v_old = _decode(exp_avg_sq, exp_avg_sq_scale, state_codes.EXP_AVG_SQ_MANTISSA_BITS, False)
+    else:
+        m_old, v_old = exp_avg.to(torch.float32), exp_avg_sq.to(torch.float32)
+    m = s["beta1"] * m_old + s["one_minus_beta1"] * g
+    v = s["beta2"] * v_old + s["one_minus_beta2"] * (g * g)
+    if state_dtype == torch.bfloat16:
+        # each moment's one rounding, on its own stream; the step itself uses the fp32 values
+        m_out = _round_bf16(m, seed, step, rng.STREAM_EXP_AVG_SR, global_index, stochastic_states)
+        v_out = _round_bf16(v, seed, step, rng.STREAM_EXP_AVG_SQ_SR, global_index, stochastic_states)
     if amsgrad:
-        v_hat = torch.maximum(max_exp_avg_sq, v)
+        if state_dtype == torch.bfloat16:  # the maximum of the stored v: a bf16 value, kept exactly
+            v_hat = torch.maximum(max_exp_avg_sq.to(torch.float32), v_out.to(torch.float32))
+        else:
+            v_hat = torch.maximum(max_exp_avg_sq, v)
         max_exp_avg_sq.copy_(v_hat)
     else:
         v_hat = v
     denom = sqrt_rn_torch(v_hat) / s["bias_correction2_sqrt"] + s["eps"]
     p = p - s["step_size"] * (m / denom)
-    exp_avg.copy_(m)
-    exp_avg_sq.copy_(v)
+    if quantized:
+        m_bits, v_bits = state_codes.EXP_AVG_MANTISSA_BITS, state_codes.EXP_AVG_SQ_MANTISSA_BITS
+        for x, code, scale, stream, bits, signed in (
+            (m, exp_avg, exp_avg_scale, rng.STREAM_EXP_AVG_SR, m_bits, True),
+            (v, exp_avg_sq, exp_avg_sq_scale, rng.STREAM_EXP_AVG_SQ_SR, v_bits, False),
+        ):
+            rbits = rng.random_bits_torch(seed, step, stream, global_index) if stochastic_states else None
+            _encode(x, code, scale, rbits, bits, signed)
+    elif state_dtype == torch.bfloat16:
+        exp_avg.copy_(m_out)
+        exp_avg_sq.copy_(v_out)
+    else:
+        exp_avg.copy_(m)
+        exp_avg_sq.copy_(v)
     if param.dtype == torch.bfloat16:
         if stochastic_rounding is False:
             param.copy_(round_nearest_bf16_torch(p))
         else:
-            if global_index is None:
-                global_index = base_index + torch.arange(param.numel(), dtype=torch.int64).reshape(
-                    param.shape
-                )
-            rbits = rng.random_bits_torch(seed, step, rng.STREAM_PARAM_SR, global_index.to(param.device))
+            rbits = rng.random_bits_torch(seed, step, rng.STREAM_PARAM_SR, global_index)
             param.copy_(sr.stochastic_round_bf16_torch(p, rbits))
     else:
         param.copy_(p)
+
+
+def _round_bf16(x, seed, step, stream, global_index, stochastic: bool) -> torch.Tensor:
+    """fp32 -> bf16: stochastic with the bits of ``stream`` at ``global_index``, or nearest-even."""
+    if not stochastic:
+        return round_nearest_bf16_torch(x)
+    return sr.stochastic_round_bf16_torch(x, rng.random_bits_torch(seed, step, stream, global_index))
+
+
+def _check_quantized(param, exp_avg_scale, exp_avg_sq_scale, amsgrad, base_index, global_index) -> None:
+    block = state_codes.QUANT_BLOCK
+    if amsgrad:
+        raise ValueError("amsgrad is not supported with 8-bit (uint8) moments")
+    if global_index is not None:
+        raise ValueError(
+            "8-bit moments: blocks follow the flat global index from base_index; global_index is for "
+            "fp32 and bf16 moments"
+        )
+    if int(base_index) % block:
+        raise ValueError(
+            f"8-bit moments: base_index {base_index} must be a multiple of the block size {block}"
+        )
+    n_blocks = -(-param.numel() // block)
+    for name, scale in (("exp_avg_scale", exp_avg_scale), ("exp_avg_sq_scale", exp_avg_sq_scale)):
+        if scale is None or scale.dtype != torch.uint8 or scale.numel() != n_blocks:
+            got = "None" if scale is None else f"{scale.dtype} with {scale.numel()} elements"
+            raise ValueError(
+                f"8-bit moments need {name}: a uint8 tensor of {n_blocks} block scales (one per "
+                f"{block} elements), got {got}"
+            )
+
+
+def _decode(code: torch.Tensor, scale: torch.Tensor, mantissa_bits: int, signed: bool) -> torch.Tensor:
+    """fp32 moments from uint8 codes and their per-block scales (flat blocks of QUANT_BLOCK)."""
+    n = code.numel()
+    per_element = scale.flatten().to(torch.int64).repeat_interleave(state_codes.QUANT_BLOCK)[:n]
+    return state_codes.decode_torch(code.flatten(), per_element, mantissa_bits, signed).view(code.shape)
+
+
+def _encode(x, code, scale, rbits, mantissa_bits: int, signed: bool) -> None:
+    """Write ``x``'s codes and block scales into ``code`` and ``scale`` (in place)."""
+    scales = state_codes.block_scales_torch(x)
+    per_element = scales.repeat_interleave(state_codes.QUANT_BLOCK)[: x.numel()]
+    flat_bits = None if rbits is None else rbits.flatten()
+    codes = state_codes.encode_torch(x.flatten(), per_element, flat_bits, mantissa_bits, signed)
+    code.copy_(codes.view(code.shape))
+    scale.copy_(scales.to(torch.uint8).view(scale.shape))

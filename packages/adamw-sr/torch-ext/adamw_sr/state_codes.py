@@ -1,0 +1,227 @@
+"""The 8-bit optimizer-state format of adamw-sr (``state_dtype="8bit"``), in Triton and in plain torch.
+
+Both implementations are integer bit arithmetic on the fp32 pattern plus exact scalings by powers of
+two, so they give the same bits on the GPU, in the Triton interpreter and in torch.
+
+Format (block floating point, as the OCP Microscaling (MX) formats: a block of elements shares one
+8-bit power-of-two scale, each element keeps its own small exponent):
+
+* Blocks of ``QUANT_BLOCK`` (32) consecutive **global** element indices, ``[32 b, 32 b + 32)``; the
+  part of a block that lies in one parameter shares one scale byte ``S``, the biased fp32 exponent of
+  the block's largest finite magnitude plus one, ``1 <= S <= 253`` (0: a block never written, all
+  zeros). With ``2**(S - 127)`` above every magnitude of the block, each element is stored as
+  ``y = |x| * 2**(127 - S)`` in ``[0, 1)`` (an exact scaling).
+* ``y`` is coded as a small float with a 4-bit exponent field ``f`` (bias 15) and ``M`` mantissa
+  bits: ``f = 1..14`` normal, ``2**(f - 15) * (1 + mant / 2**M)``, so ``[2**-14, 1)``; ``f = 0``
+  subnormal, ``mant * 2**(-14 - M)``; ``f = 15``: ``mant = 0`` is exactly 1.0 (where a value just
+  below 1 rounds up to), ``mant = 2**M - 1`` is NaN. The first moment (signed) adds a sign bit:
+  sign + E4M3 (``M = 3``); the second moment (non-negative) uses all 8 bits: E4M4 (``M = 4``).
+* Rounding into the code is stochastic (unbiased: the value rounds up with probability equal to the
+  discarded fraction, from the low ``23 - M`` bits of the element's Philox word) or to nearest-even.
+  For ``y >= 2**-14`` the fp32 pattern of ``y`` is rounded to ``M`` mantissa bits (the bf16 rounding
+  with a shorter mantissa); below, the pattern of ``y + 2**-14`` is, which puts the subnormal codes
+  on the same fixed-point grid (this sum's own fp32 rounding is below 2**-21 of a code step).
+* Non-finite values and magnitudes ``>= 2**126`` are stored as NaN and left out of the block's scale.
+  A positive second moment is never stored as zero: a value below the smallest code
+  (``2**-18`` of the block's scale) is stored as that smallest code, so a decoded denominator
+  ``sqrt(v) + eps`` never falls to ``eps`` when the gradient was not zero (a bias towards smaller
+  updates, only for such values).
+
+Method: block-wise quantization of optimizer states (Dettmers et al., "8-bit Optimizers via Block-wise
+Quantization", ICLR 2022); shared power-of-two block scales with per-element exponents (OCP
+Microscaling Formats (MX) v1.0, 2023); stochastic rounding (Gupta et al., ICML 2015).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+QUANT_BLOCK = 32  # elements per block (global index), one scale byte per block and moment
+EXP_AVG_MANTISSA_BITS = 3  # exp_avg: sign + E4M3
+EXP_AVG_SQ_MANTISSA_BITS = 4  # exp_avg_sq: E4M4 (non-negative)
+
+_OVERFLOW_EXPONENT = 253  # fp32 exponent field from which a magnitude (>= 2**126) is stored as NaN
+_TWO_POW_M14 = 2.0**-14  # the smallest normal code value (relative to the block scale)
+
+
+# --------------------------------------------------------------------------- Triton
+
+
+@triton.jit
+def magnitude_bits(x):
+    """int32 pattern of ``|x|`` for the block maximum: 0 for non-finite or ``>= 2**126`` values.
+
+    For non-negative floats the pattern order is the value order, so an integer maximum of these
+    is the block's largest magnitude (no NaN rules involved).
+    """
+    xb = x.to(tl.int32, bitcast=True)
+    overflow = (xb & 0x7F800000) >= (253 << 23)
+    return tl.where(overflow, 0, xb & 0x7FFFFFFF)
+
+
+@triton.jit
+def block_scale(max_bits):
+    """The scale byte (int32, ``1..253``) of a block whose largest ``magnitude_bits`` is ``max_bits``."""
+    return (max_bits >> 23) + 1
+
+
+@triton.jit
+def encode(x, scale, rbits, M: tl.constexpr, SIGNED: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """fp32 ``x`` -> uint8 codes under the int32 block scale ``scale`` (same shape; see the module).
+
+    ``rbits``: uint32 Philox words (low ``23 - M`` bits used) when ``STOCHASTIC``, else unused
+    (round to nearest-even).
+    """
+    xb = x.to(tl.int32, bitcast=True)
+    overflow = (xb & 0x7F800000) >= (253 << 23)
+    factor = ((254 - scale) << 23).to(tl.float32, bitcast=True)  # 2**(127 - S), a normal fp32
+    y = tl.where(overflow, 0, xb & 0x7FFFFFFF).to(tl.float32, bitcast=True) * factor
+    small = y < 6.103515625e-05  # 2**-14: the subnormal codes, on the grid of y + 2**-14
+    pattern = tl.where(small, y + 6.103515625e-05, y).to(tl.int32, bitcast=True)
+    # (powers written 2**M: Triton's constexpr has no reflected shifts)
+    low = 2 ** (23 - M) - 1
+    if STOCHASTIC:
+        pattern = (pattern + (rbits.to(tl.int32, bitcast=True) & low)) & ~low
+    else:
+        pattern = (pattern + (low >> 1) + ((pattern >> (23 - M)) & 1)) & ~low
+    code = (pattern >> (23 - M)) - tl.where(small, 113 * 2**M, 112 * 2**M)
+    if not SIGNED:
+        code = tl.where((code == 0) & (x > 0.0), 1, code)  # a positive v never decodes to 0
+    if SIGNED:
+        code = code | ((xb >> 24) & 0x80)
+    nan_code = 16 * 2**M - 1
+    code = tl.where(overflow, nan_code, code)
+    return code.to(tl.uint8)
+
+
+@triton.jit
+def decode(code, scale, M: tl.constexpr, SIGNED: tl.constexpr):
+    """uint8 codes and their int32 block scales (same shape) -> fp32 values (see the module)."""
+    c = code.to(tl.int32)
+    if SIGNED:
+        sign = (c & 0x80) << 24
+        c = c & 0x7F
+    f = c >> M
+    mant = c & (2**M - 1)
+    normal = ((c + 112 * 2**M) << (23 - M)).to(tl.float32, bitcast=True)
+    # f == 0: mant * 2**(-14 - M), as (2**-14 + mant * 2**(-14 - M)) - 2**-14 (exact: Sterbenz)
+    sub = ((113 << 23) | (mant << (23 - M))).to(tl.float32, bitcast=True) - 6.103515625e-05
+    value = tl.where(f == 0, sub, normal)
+    nan = (tl.zeros_like(c) + 0x7FC00000).to(tl.float32, bitcast=True)
+    value = tl.where((f == 15) & (mant != 0), nan, value)
+    value = value * (scale << 23).to(tl.float32, bitcast=True)  # 2**(S - 127): exact
+    if SIGNED:
+        value = (value.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    return value
+
+
+# --------------------------------------------------------------------------- torch reference
+
+
+def _as_int32(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int32).to(torch.int64)
+
+
+def _from_int32(bits: torch.Tensor) -> torch.Tensor:
+    bits = bits & 0xFFFFFFFF
+    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
+
+
+def block_scales_torch(x: torch.Tensor, block: int = QUANT_BLOCK) -> torch.Tensor:
+    """The scale bytes of ``x``'s blocks of ``block`` consecutive elements (flat order).
+
+    Args:
+        x: fp32 tensor, any shape; its flat element ``l`` is in block ``l // block`` (the last block
+            may be partial). Returns: int64 tensor ``[ceil(numel / block)]`` with values ``1..253``.
+
+    **Determinism:** integer arithmetic on the fp32 patterns: the same bits on every platform.
+    """
+    if x.dtype != torch.float32:
+        raise TypeError(f"block_scales_torch takes fp32 input, got {x.dtype}")
+    xb = _as_int32(x).flatten()
+    overflow = (xb & 0x7F800000) >= (_OVERFLOW_EXPONENT << 23)
+    mag = torch.where(overflow, 0, xb & 0x7FFFFFFF)
+    n_blocks = -(-mag.numel() // block)
+    padded = torch.zeros(n_blocks * block, dtype=torch.int64)
+    padded[: mag.numel()] = mag
+    return (padded.view(n_blocks, block).amax(dim=1) >> 23) + 1
+
+
+def encode_torch(
+    x: torch.Tensor, scale: torch.Tensor, rbits: torch.Tensor | None, mantissa_bits: int, signed: bool
+) -> torch.Tensor:
+    """Reference of ``encode``: fp32 ``x`` -> uint8 codes, bit-identical to the Triton function.
+
+    Args:
+        x: fp32 tensor. scale: integer tensor of ``x``'s shape, the block scale of each element
+            (``1..253``). rbits: integer tensor of ``x``'s shape holding uint32 Philox words
+            (stochastic rounding), or ``None`` (nearest-even). mantissa_bits: ``M`` (3 for
+            ``exp_avg``, 4 for ``exp_avg_sq``). signed: a sign bit (``exp_avg``) or not.
+
+    Returns: uint8 tensor of ``x``'s shape.
+
+    Raises:
+        TypeError: ``x`` is not fp32. ValueError: shapes differ.
+
+    **Determinism:** integer bit arithmetic and IEEE fp32 multiplications and one addition: the same
+    bits on every platform.
+    """
+    if x.dtype != torch.float32:
+        raise TypeError(f"encode_torch takes fp32 input, got {x.dtype}")
+    if scale.shape != x.shape or (rbits is not None and rbits.shape != x.shape):
+        raise ValueError("encode_torch: x, scale and rbits must have one shape")
+    m = mantissa_bits
+    xb = _as_int32(x)
+    overflow = (xb & 0x7F800000) >= (_OVERFLOW_EXPONENT << 23)
+    factor = _from_int32((254 - scale.to(torch.int64)) << 23)
+    y = _from_int32(torch.where(overflow, 0, xb & 0x7FFFFFFF)) * factor
+    small = y < _TWO_POW_M14
+    pattern = _as_int32(torch.where(small, y + _TWO_POW_M14, y))
+    low = (1 << (23 - m)) - 1
+    if rbits is not None:
+        pattern = (pattern + (rbits.to(torch.int64) & low)) & ~low
+    else:
+        pattern = (pattern + (low >> 1) + ((pattern >> (23 - m)) & 1)) & ~low
+    code = (pattern >> (23 - m)) - torch.where(small, 113 << m, 112 << m)
+    if not signed:
+        code = torch.where((code == 0) & (x > 0), 1, code)
+    else:
+        code = code | ((xb >> 24) & 0x80)
+    code = torch.where(overflow, (15 << m) | ((1 << m) - 1), code)
+    return code.to(torch.uint8)
+
+
+def decode_torch(code: torch.Tensor, scale: torch.Tensor, mantissa_bits: int, signed: bool) -> torch.Tensor:
+    """Reference of ``decode``: uint8 codes and their block scales -> fp32, bit-identical to Triton.
+
+    Args:
+        code: uint8 tensor. scale: integer tensor of ``code``'s shape (``0..253``; 0 decodes to 0).
+        mantissa_bits, signed: as ``encode_torch``.
+
+    Returns: fp32 tensor of ``code``'s shape.
+
+    Raises:
+        TypeError: ``code`` is not uint8. ValueError: shapes differ.
+
+    **Determinism:** integer bit arithmetic and exact fp32 operations: the same bits on every platform.
+    """
+    if code.dtype != torch.uint8:
+        raise TypeError(f"decode_torch takes uint8 codes, got {code.dtype}")
+    if scale.shape != code.shape:
+        raise ValueError("decode_torch: code and scale must have one shape")
+    m = mantissa_bits
+    c = code.to(torch.int64)
+    sign = torch.zeros_like(c)
+    if signed:
+        sign = (c & 0x80) << 24
+        c = c & 0x7F
+    f = c >> m
+    mant = c & ((1 << m) - 1)
+    normal = _from_int32((c + (112 << m)) << (23 - m))
+    sub = _from_int32((113 << 23) | (mant << (23 - m))) - _TWO_POW_M14
+    value = torch.where(f == 0, sub, normal)
+    value = torch.where((f == 15) & (mant != 0), torch.nan, value)
+    value = value * _from_int32(scale.to(torch.int64) << 23)
+    return _from_int32(_as_int32(value) | sign)
