@@ -15,7 +15,9 @@ parameters), bf16 weights, sequences of 1024 tokens:
   ``torch.optim.AdamW``: not deterministic.
 
 A step is forward + backward over the global batch in ``--micro-batches`` micro-batches (each
-given ``num_items_in_batch``, the global batch's label count) plus the optimizer step, eager.
+given ``num_items_in_batch``, the global batch's label count) plus the optimizer step, eager. The
+accumulator's leaf is the default 8192 tokens, halved until a micro-batch is whole leaves (the
+speed guidance of docs/det-train.md; micro-batches that end inside leaves are correct but slower).
 Timed with ``triton.testing.do_bench`` (median ms, both in this process, side by side). Writes
 ``DIR/transformers_train_step.md`` and ``.json``.
 """
@@ -30,7 +32,7 @@ from pathlib import Path
 import torch
 
 
-def build(args, det: bool):
+def build(args, det: bool, leaf_tokens: int = 8192):
     import transformers
 
     config = transformers.LlamaConfig(
@@ -52,7 +54,7 @@ def build(args, det: bool):
 
         model = det_train.convert(model)
         opt = adamw_sr.AdamWSR(model.parameters(), lr=1e-4, weight_decay=0.1, seed=0)
-        acc = det_train.CanonicalGradAccumulator(model.named_parameters())
+        acc = det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=leaf_tokens)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
         acc = None
@@ -63,10 +65,13 @@ def make_step(args, det: bool, micro_batches: int, backend):
     """A closure running one full training step of the det or the torch model."""
     from torch.nn.attention import sdpa_kernel
 
-    model, opt, acc = build(args, det)
+    per = args.batch // micro_batches
+    leaf = 8192  # the default leaf, halved until micro-batches are whole leaves (the fast path)
+    while (per * args.seq) % leaf:
+        leaf //= 2
+    model, opt, acc = build(args, det, leaf)
     gen = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=gen)
-    per = args.batch // micro_batches
     n_items = args.batch * (args.seq - 1)
 
     def step():
