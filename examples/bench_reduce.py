@@ -120,7 +120,7 @@ def timed(fn, device, warmup: int, repeat: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="gpu", help="train_gpt.py preset whose parameters are reduced")
     p.add_argument("--leaves-per-rank", type=int, default=1)
@@ -128,7 +128,10 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--out", default=None, help="folder for det-train_dp_reduce_W<W>.md / .json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if "WORLD_SIZE" not in os.environ:
+        print("bench_reduce.py runs a process per rank: torchrun --nproc-per-node W examples/bench_reduce.py")
+        return 1
 
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -143,6 +146,7 @@ def main() -> None:
         dist.destroy_process_group()
     if rank == 0:
         report(args, rows, world, device)
+    return 0
 
 
 def run(args, device, world: int, rank: int) -> list[dict]:
@@ -221,4 +225,4 @@ def report(args, rows, world: int, device) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

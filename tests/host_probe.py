@@ -17,7 +17,13 @@ from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 ROOT = Path(__file__).resolve().parents[1]
-for src in ("shared/det-core", "packages/det-train/torch-ext", "packages/det-attn/torch-ext", "."):
+for src in (
+    "shared/det-core",
+    "packages/adamw-sr/torch-ext",
+    "packages/det-train/torch-ext",
+    "packages/det-attn/torch-ext",
+    ".",
+):
     sys.path.insert(0, str(ROOT / src))
 
 import torch  # noqa: E402
