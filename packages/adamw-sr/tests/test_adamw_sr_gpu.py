@@ -263,9 +263,12 @@ def test_cuda_amp_unscale_equals_explicit_unscale_and_cpu_reference(param_dtype,
         opt_f.grad_scale, opt_f.found_inf = scale, torch.zeros((), device="cuda")
         opt_f.step()
         found = torch.zeros((), device="cuda")
-        torch._amp_foreach_non_finite_check_and_unscale_(
-            [q.grad for q in explicit], found, scale.double().reciprocal().float()
-        )
+        inv_scale = scale.double().reciprocal().float()
+        if grad_dtype == torch.float32:
+            torch._amp_foreach_non_finite_check_and_unscale_([q.grad for q in explicit], found, inv_scale)
+        else:  # torch's CUDA unscale has no bf16 kernel (torch 2.11): its definition, written out
+            for q in explicit:
+                q.grad.copy_((q.grad.float() * inv_scale).to(grad_dtype))
         opt_e.step()
         for r, g, (m, v), base in zip(refs, grads, states, bases, strict=True):
             adamw_sr_step_reference(
@@ -278,18 +281,19 @@ def test_cuda_amp_unscale_equals_explicit_unscale_and_cpu_reference(param_dtype,
 
 
 def test_cuda_grad_scaler_loop_skips_on_device_without_host_sync():
-    # torch.amp.GradScaler("cuda") over a bf16 model: the fused path, an inf step skipped on the
+    # torch.amp.GradScaler("cuda") over an fp32 model (torch's CUDA unscale has no bf16 kernel in
+    # torch 2.11, so GradScaler cannot take bf16 gradients there): the fused path, an inf step skipped on the
     # device (params, moments, step counts bitwise untouched), no synchronizing CUDA call in the
     # loop (set_sync_debug_mode("error") raises on one), and the bits of the loop that unscales
     # explicitly (the path used before clipping)
     def run(explicit_unscale, check_sync):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64))
-        model = model.to("cuda", torch.bfloat16)
+        model = model.to("cuda", torch.float32)
         opt = AdamWSR(model.parameters(), lr=1e-3, weight_decay=0.1, seed=2)
         scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12, growth_interval=3)
         gen = torch.Generator(device="cuda").manual_seed(1)
-        xs = [torch.randn(32, 256, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(6)]
+        xs = [torch.randn(32, 256, device="cuda", generator=gen) for _ in range(6)]
         snapshots = {}
 
         def tensors():  # device copies (no sync): params, moments and step counts
