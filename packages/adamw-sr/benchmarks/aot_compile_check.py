@@ -3,8 +3,9 @@
 Uses Triton's ahead-of-time path (``triton.compile`` of an ``ASTSource`` for ``GPUTarget("cuda", 90,
 32)``, as tests/test_adamw_sr_ptx.py does) over the variants the optimizer launches (param and grad
 dtypes, amsgrad, maximize, rounding, aligned or not, the committed CUDA launch config; with and
-without AMP unscaling / skipping), and, when Triton bundles ``ptxas``, its ``-v`` report (registers,
-spills). ``--dump DIR`` writes each variant's PTX instructions, so that a host-code or kernel edit that must
+without AMP unscaling / skipping; then the bf16- and 8-bit-moment kernel's variants, named
+``states...``), and, when Triton bundles ``ptxas``, its ``-v`` report (registers, spills).
+``--dump DIR`` writes each variant's PTX instructions, so that a host-code or kernel edit that must
 keep the bits can be checked by diffing them before and after it. Digests and dumps leave out the
 ``.param`` declarations, source-line records and comments (see ``ptx_code``): a moved line or an
 argument appended after the existing ones changes neither. Depends on Triton internals (checked
@@ -52,9 +53,17 @@ def _ptxas() -> Path | None:
 
 
 def compile_variant(param: str, grad: str, meta: dict) -> str:
-    """The PTX of ``_adamw_sr_kernel`` for ``param``/``grad`` dtypes (``"bf16"``/``"fp32"``) and ``meta``."""
+    """The PTX of ``_adamw_sr_kernel`` for ``param``/``grad`` dtypes (``"bf16"``/``"fp32"``) and ``meta``;
+    with a ``STATE`` in ``meta``, of ``_adamw_sr_states_kernel`` (bf16 or 8-bit moments)."""
     fn = kernel._adamw_sr_kernel
     types = dict(POINTER_TYPES, param_ptr="*" + param, grad_ptr="*" + grad, **SCALAR_TYPES)
+    if "STATE" in meta:
+        fn = kernel._adamw_sr_states_kernel
+        moment = "*bf16" if meta["STATE"] == kernel.FORMAT_BF16 else "*u8"
+        types.update(
+            exp_avg_ptr=moment, exp_avg_sq_ptr=moment, max_exp_avg_sq_ptr=moment, exp_avg_scale_ptr="*u8",
+            exp_avg_sq_scale_ptr="*u8", exp_avg_stream="i32", exp_avg_sq_stream="i32",
+        )  # fmt: skip
     sig = {n: "constexpr" if n.isupper() else types[n] for n in fn.arg_names}
     constexprs = {(fn.arg_names.index(k),): v for k, v in meta.items() if k in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n.endswith("_ptr")}
@@ -125,15 +134,47 @@ def variants():
         yield name, param, grad, meta
 
 
+def state_variants():
+    """The bf16- and 8-bit-moment kernels (``_adamw_sr_states_kernel``), without AMP; AMP variants
+    ``unscale1-skip1`` of the stochastic ones."""
+    config = kernel.LAUNCH_CONFIGS["cuda"]
+    base = dict(
+        BLOCK=config["BLOCK"], SUB=config["SUB"], TILE_2D=config["TILE_2D"],
+        PRECOMPUTED=config["PRECOMPUTED"], MAXIMIZE=False, STOCHASTIC=True,
+    )  # fmt: skip
+    for (state, label), param, amsgrad, state_sr, aligned, amp in itertools.product(
+        ((kernel.FORMAT_BF16, "bf16"), (kernel.FORMAT_8BIT, "8bit")),
+        ("bf16", "fp32"),
+        (False, True),
+        (True, False),
+        (True, False),
+        (False, True),
+    ):
+        if (amsgrad and state == kernel.FORMAT_8BIT) or (amp and not state_sr):
+            continue  # no amsgrad with 8 bits
+        meta = dict(
+            base, AMSGRAD=amsgrad, PARAM_BF16=param == "bf16", ALIGNED=aligned, UNSCALE=amp, SKIP_ON_INF=amp,
+            STATE=state, STATE_STOCHASTIC=state_sr,
+        )  # fmt: skip
+        name = (
+            f"states{label}-p{param}-g{param}-ams{int(amsgrad)}-statesr{int(state_sr)}-al{int(aligned)}"
+            f"-unscale{int(amp)}-skip{int(amp)}"
+        )
+        yield name, param, param, meta
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dump", type=Path, help="write each variant's PTX into this folder")
     parser.add_argument("--no-amp", action="store_true", help="only the variants without AMP")
+    parser.add_argument("--no-states", action="store_true", help="only the fp32-moment kernel's variants")
     args = parser.parse_args()
     has_amp = "UNSCALE" in kernel._adamw_sr_kernel.arg_names
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
-    for name, param, grad, meta in variants():
+    has_states = hasattr(kernel, "_adamw_sr_states_kernel")
+    todo = itertools.chain(variants(), () if args.no_states or not has_states else state_variants())
+    for name, param, grad, meta in todo:
         if (meta["UNSCALE"] or meta["SKIP_ON_INF"]) and (args.no_amp or not has_amp):
             continue
         ptx = compile_variant(param, grad, meta)

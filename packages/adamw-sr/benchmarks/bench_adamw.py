@@ -8,9 +8,18 @@ prepared launch tables, and ``step()`` with ``capturable=True`` replayed from a 
 torch.optim.AdamW fused on fp32 params; torch AdamW fused on bf16 params and states; optimi's AdamW
 (bf16, Kahan summation) if installed. Times are medians of triton.testing.do_bench.
 
-    python packages/adamw-sr/benchmarks/bench_adamw.py --out docs/benchmarks
+The ``state_dtype`` table (602 M set): ``AdamWSR`` with fp32, bf16 and 8-bit moments (stochastic
+rounding), each against its own bytes-moved floor (``STATE_BYTES_MOVED``: bf16 param read + write,
+bf16 gradient read, the moments read + written, 8-bit scales included), with ms, GB/s (those bytes
+over the step time) and the ratio to the floor; next to torch AdamW bf16 fused, optimi bf16 Kahan,
+bitsandbytes ``AdamW8bit`` and torchao ``AdamW8bit`` where installed (a printed note where not; their
+bytes per param are our count of what they store, see ``PEER_BYTES_MOVED``).
 
-Writes ``<out>/adamw-sr_adamw.md`` (the table), ``.json`` and, if matplotlib is installed, ``.png``.
+    python packages/adamw-sr/benchmarks/bench_adamw.py --out docs/benchmarks
+    python packages/adamw-sr/benchmarks/bench_adamw.py --states-only --out docs/benchmarks
+
+Writes ``<out>/adamw-sr_adamw.md`` (the table), ``.json`` and, if matplotlib is installed, ``.png``;
+and ``<out>/adamw-sr_states.md`` / ``.json`` (the state_dtype table).
 """
 
 from __future__ import annotations
@@ -31,6 +40,19 @@ sys.path.insert(0, os.path.join(HERE, "..", "torch-ext"))
 BYTES_PER_PARAM_OURS = 22  # bf16 p r+w (4) + bf16 g (2) + fp32 m r+w (8) + fp32 v r+w (8)
 BYTES_PER_PARAM_TORCH_FP32 = 28  # fp32 p r+w (8) + fp32 g (4) + m (8) + v (8)
 BYTES_PER_PARAM_TORCH_BF16 = 14  # everything bf16
+# AdamWSR per state_dtype, bf16 params and grads: p r+w (4) + g (2) + the moments read and written
+STATE_BYTES_MOVED = {
+    "float32": 4 + 2 + 16,  # fp32 m, v r+w
+    "bfloat16": 4 + 2 + 8,  # bf16 m, v r+w
+    "8bit": 4 + 2 + 4 + 4 / 32,  # 1-byte m, v r+w, one scale byte per 32 elements and moment r+w
+}
+# peers with bf16 params and grads, from what each stores per param (our count, not measured traffic)
+PEER_BYTES_MOVED = {
+    "torch AdamW bf16 fused": 14,  # bf16 m, v
+    "optimi AdamW bf16 Kahan": 18,  # bf16 m, v and a bf16 Kahan buffer, each r+w
+    "bitsandbytes AdamW8bit": 4 + 2 + 4 + 2 * 2 * 4 / 256,  # 8-bit m, v, fp32 absmax per 256 and moment
+    "torchao AdamW8bit": 4 + 2 + 4 + 2 * 2 * 4 / 256,  # 8-bit m, v, fp32 scale per 256 and moment
+}
 
 
 def llama_shapes(hidden=2048, ffn=8192, layers=8, vocab=32000) -> list[tuple[int, ...]]:
@@ -72,26 +94,30 @@ def _release():
     torch.cuda.empty_cache()
 
 
-def time_ours(shapes) -> dict:
+def time_ours(shapes, state_dtype="float32") -> dict:
     from adamw_sr import AdamWSR
     from adamw_sr import kernel as asr_kernel
     from adamw_sr.optimizer import _PLAN_CACHE
 
     params = _params(shapes, torch.bfloat16, torch.bfloat16)
-    opt = AdamWSR(params, lr=1e-4, weight_decay=0.01, seed=0)
+    opt = AdamWSR(params, lr=1e-4, weight_decay=0.01, seed=0, state_dtype=state_dtype)
     opt.step()  # state, compile, launch tables
     step_ms = bench(opt.step)
     plan = next(reversed(_PLAN_CACHE.values()))
     states = [opt.state[p] for p in params]
     exp_avg_sqs = [s["exp_avg_sq"] for s in states]
     roles = (params, [p.grad for p in params], [s["exp_avg"] for s in states], exp_avg_sqs, exp_avg_sqs)
+    scales = ((), ())
+    if state_dtype == "8bit":
+        scales = tuple([s[key] for s in states] for key in ("exp_avg_scale", "exp_avg_sq_scale"))
     steps = torch.ones(len(params), device="cuda")
     hyper = torch.tensor([1e-4, 0.9, 0.999, 1e-8, 0.01], dtype=torch.float64, device="cuda")
 
     def kernel_only():
         asr_kernel.launch_fused_step(
-            plan, roles, steps, hyper, seed=0, amsgrad=False, maximize=False, param_bf16=True, stochastic=True
-        )
+            plan, roles, steps, hyper, seed=0, amsgrad=False, maximize=False, param_bf16=True,
+            stochastic=True, scales=scales,
+        )  # fmt: skip
 
     kernel_ms = bench(kernel_only)
     _PLAN_CACHE.clear()
@@ -135,6 +161,106 @@ def time_optimi(shapes) -> float | str:
     except Exception as e:  # a peer's failure is reported, not fatal
         ms = f"failed: {type(e).__name__}: {e}"[:120]
     return ms
+
+
+def _time_peer(make_optimizer, shapes) -> float | str:
+    """Median step time of a peer optimizer on bf16 params and grads, or why it did not run."""
+    params = _params(shapes, torch.bfloat16, torch.bfloat16)
+    try:
+        opt = make_optimizer(params)
+        opt.step()
+        return bench(opt.step)
+    except Exception as e:  # a peer's failure is reported, not fatal
+        return f"failed: {type(e).__name__}: {e}"[:120]
+
+
+def _bnb_adamw8bit():
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return None
+    return lambda params: bnb.optim.AdamW8bit(params, lr=1e-4, weight_decay=0.01)
+
+
+def _torchao_adamw8bit():
+    try:
+        from torchao.optim import AdamW8bit
+    except ImportError:
+        try:  # torchao before 0.11
+            from torchao.prototype.low_bit_optim import AdamW8bit
+        except ImportError:
+            return None
+    return lambda params: AdamW8bit(params, lr=1e-4, weight_decay=0.01)
+
+
+def _optimi_kahan():
+    try:
+        import optimi
+    except ImportError:
+        return None
+    return lambda params: optimi.AdamW(params, lr=1e-4, weight_decay=0.01, kahan_sum=True)
+
+
+def run_states_case(name: str, shapes, bandwidth: float) -> list[dict]:
+    """The state_dtype rows: ours per state_dtype and the peers, each against its bytes-moved floor."""
+    n = sum(torch.Size(s).numel() for s in shapes)
+    rows = []
+
+    def row(label, bytes_per_param, step_ms, kernel_ms="-"):
+        floor_ms = bytes_per_param * n / bandwidth * 1e3
+        rate = bytes_per_param * n / (step_ms * 1e-3) / 1e9 if isinstance(step_ms, float) else "-"
+        rows.append(
+            {"case": name, "optimizer": label, "bytes_per_param": bytes_per_param, "params": n,
+             "step_ms": step_ms, "kernel_ms": kernel_ms, "GBps": rate, "floor_ms": floor_ms}
+        )  # fmt: skip
+
+    for state_dtype, label in (("float32", "fp32"), ("bfloat16", "bf16 (SR)"), ("8bit", "8-bit (SR)")):
+        ours = time_ours(shapes, state_dtype)
+        row(f"AdamWSR state_dtype {label}", STATE_BYTES_MOVED[state_dtype], ours["step"], ours["kernel"])
+        _release()
+    row(
+        "torch AdamW bf16 fused",
+        PEER_BYTES_MOVED["torch AdamW bf16 fused"],
+        time_torch(shapes, torch.bfloat16),
+    )
+    _release()
+    for label, make in (
+        ("optimi AdamW bf16 Kahan", _optimi_kahan()),
+        ("bitsandbytes AdamW8bit", _bnb_adamw8bit()),
+        ("torchao AdamW8bit", _torchao_adamw8bit()),
+    ):
+        if make is None:
+            print(f"note: {label} skipped: its package is not installed")
+            row(label, PEER_BYTES_MOVED[label], "not installed")
+        else:
+            row(label, PEER_BYTES_MOVED[label], _time_peer(make, shapes))
+        _release()
+    return rows
+
+
+def states_table(rows: list[dict], bandwidth: float) -> str:
+    header = ["case", "optimizer", "bytes moved / param", "floor", "step()", "kernel", "GB/s", "step / floor"]
+    lines = [
+        f"Device copy bandwidth (this run): {bandwidth / 1e12:.2f} TB/s. Floor = bytes moved per param x "
+        "params / bandwidth (peers: our count of what they store). Times: median ms of "
+        "triton.testing.do_bench.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
+    for r in rows:
+        rate = f"{r['GBps']:.0f}" if isinstance(r["GBps"], float) else "-"
+        cells = [
+            f"{r['case']}", r["optimizer"], f"{r['bytes_per_param']:g}", _fmt(r["floor_ms"]),
+            _fmt(r["step_ms"]), _fmt(r["kernel_ms"]), rate, _ratio(r["step_ms"], r["floor_ms"]),
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Bytes stored per param (weights + optimizer states), bf16 weights: AdamWSR fp32 states 10, bf16 "
+        "states 6, 8-bit states 4.0625 (1 + 1 + 2/32 scale bytes); AdamW with an fp32 master copy 14.",
+    ]
+    return "\n".join(lines)
 
 
 def run_case(name: str, shapes, bandwidth: float, with_optimi: bool = True) -> dict:
@@ -250,7 +376,10 @@ def plot(rows, path) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=".", help="directory for adamw-sr_adamw.{md,json,png}")
-    parser.add_argument("--quick", action="store_true", help="the 2,000-tensor case only")
+    parser.add_argument(
+        "--quick", action="store_true", help="the 2,000-tensor case only (no state_dtype table)"
+    )
+    parser.add_argument("--states-only", action="store_true", help="only the state_dtype table (602 M set)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_adamw needs a CUDA GPU")
@@ -258,6 +387,21 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     bandwidth = copy_bandwidth()
     _release()
+    if not args.quick:
+        state_rows = run_states_case("Llama-like 602M", llama_shapes(), bandwidth)
+        text = states_table(state_rows, bandwidth)
+        print(text)
+        base = os.path.join(args.out, "adamw-sr_states")
+        with open(base + ".md", "w") as f:
+            f.write(text + "\n")
+        with open(base + ".json", "w") as f:
+            json.dump(
+                {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                 "triton": triton.__version__, "copy_bandwidth_Bps": bandwidth, "rows": state_rows},
+                f, indent=2,
+            )  # fmt: skip
+        if args.states_only:
+            return
     rows = []
     if not args.quick:
         rows.append(run_case("Llama-like 602M", llama_shapes(), bandwidth))
