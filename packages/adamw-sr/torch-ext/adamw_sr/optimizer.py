@@ -211,8 +211,8 @@ def _check_8bit_layout(param: torch.Tensor, base_index: int, runs: list) -> None
             last dimension is not a multiple of 32, on some meshes), naming the fix.
     """
     shape = tuple(param.shape)
-    states.check_8bit_segments(runs, shape, "AdamWSR.step")
     if not _is_dtensor(param):
+        states.check_8bit_segments(runs, shape, "AdamWSR.step")
         return
     from torch.distributed.tensor import Shard
 
