@@ -15,6 +15,12 @@ Layout of a launch (all tensors on one device, one param dtype and one grad dtyp
   can be captured in a CUDA graph and replayed with a new lr and step. With ``PRECOMPUTED`` a tiny
   kernel first turns them into a per-tensor table of fp32 scalars (``scalars``, ``[T, 9]``), so the
   fp64 work runs once per tensor instead of once per program.
+* Moments (``state_dtype``): fp32 in ``_adamw_sr_kernel``; bf16, or 8-bit codes with a scale byte per
+  block of 32 global indices (``state_codes``), in ``_adamw_sr_states_kernel``. Both run one program
+  body (``_step_program``, the format a constexpr ``STATE``), so the fp32 kernel compiles as before.
+  The moments are decoded to fp32, updated, used by the step, and rounded once into their format
+  (stochastically with the bits of det-core's ``STREAM_EXP_AVG_SR`` / ``STREAM_EXP_AVG_SQ_SR``, or to
+  nearest); 8-bit tiles start on a block, and the tensor table has two more columns (the scales).
 * AMP (``torch.amp.GradScaler``): with ``UNSCALE`` the gradient is multiplied by the fp32 reciprocal
   of the loss scale (read from ``grad_scale``, computed in fp64 and rounded once, as
   ``GradScaler.unscale_`` does, and a bf16 gradient rounded back to bf16 as the in-place unscale

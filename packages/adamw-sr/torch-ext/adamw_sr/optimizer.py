@@ -1,5 +1,6 @@
 """``AdamWSR``: a drop-in ``torch.optim.AdamW`` whose whole step is one fused Triton kernel per
-(param dtype, grad dtype) group, with stochastic rounding of bf16 weights keyed by global element index.
+(param dtype, grad dtype) group, with stochastic rounding of bf16 weights keyed by global element index,
+and moments stored in fp32, bf16 or 8 bits (``state_dtype``; formats in ``states``, ``state_codes``).
 
 Reading order: the global element index (plain tensors and DTensor shards), the functional step
 ``adamw_sr_step`` (a ``torch.library`` custom op, opaque to ``torch.compile``), the optimizer class.

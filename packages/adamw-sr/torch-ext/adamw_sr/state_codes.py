@@ -54,7 +54,9 @@ def magnitude_bits(x):
     """int32 pattern of ``|x|`` for the block maximum: 0 for non-finite or ``>= 2**126`` values.
 
     For non-negative floats the pattern order is the value order, so an integer maximum of these
-    is the block's largest magnitude (no NaN rules involved).
+    is the block's largest magnitude (no NaN rules involved). ``x``: fp32 tensor, any shape.
+
+    **Determinism:** integer bit operations: the same bits on the GPU and in the interpreter.
     """
     xb = x.to(tl.int32, bitcast=True)
     overflow = (xb & 0x7F800000) >= (253 << 23)
@@ -63,7 +65,10 @@ def magnitude_bits(x):
 
 @triton.jit
 def block_scale(max_bits):
-    """The scale byte (int32, ``1..253``) of a block whose largest ``magnitude_bits`` is ``max_bits``."""
+    """The scale byte (int32, ``1..253``) of a block whose largest ``magnitude_bits`` is ``max_bits``.
+
+    **Determinism:** an integer shift: the same bits everywhere (``block_scales_torch``).
+    """
     return (max_bits >> 23) + 1
 
 
@@ -72,7 +77,10 @@ def encode(x, scale, rbits, M: tl.constexpr, SIGNED: tl.constexpr, STOCHASTIC: t
     """fp32 ``x`` -> uint8 codes under the int32 block scale ``scale`` (same shape; see the module).
 
     ``rbits``: uint32 Philox words (low ``23 - M`` bits used) when ``STOCHASTIC``, else unused
-    (round to nearest-even).
+    (round to nearest-even). ``M``: mantissa bits; ``SIGNED``: a sign bit (``exp_avg``).
+
+    **Determinism:** integer bit arithmetic, one exact power-of-two scaling and one IEEE fp32 addition
+    (no FMA: the kernels compile without contraction): bit-identical to ``encode_torch``.
     """
     xb = x.to(tl.int32, bitcast=True)
     overflow = (xb & 0x7F800000) >= (253 << 23)
@@ -98,7 +106,10 @@ def encode(x, scale, rbits, M: tl.constexpr, SIGNED: tl.constexpr, STOCHASTIC: t
 
 @triton.jit
 def decode(code, scale, M: tl.constexpr, SIGNED: tl.constexpr):
-    """uint8 codes and their int32 block scales (same shape) -> fp32 values (see the module)."""
+    """uint8 codes and their int32 block scales (same shape) -> fp32 values (see the module).
+
+    **Determinism:** integer bit arithmetic and exact fp32 operations: bit-identical to ``decode_torch``.
+    """
     c = code.to(tl.int32)
     if SIGNED:
         sign = (c & 0x80) << 24

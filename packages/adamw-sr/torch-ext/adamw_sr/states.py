@@ -44,6 +44,8 @@ def canonical_state_dtype(value, op: str):
 
     Raises:
         ValueError: anything else (another dtype, another spelling), naming the supported values.
+
+    **Determinism:** a pure function of ``value``.
     """
     if isinstance(value, torch.dtype) and value in _ALIASES:
         return _ALIASES[value]
@@ -57,6 +59,8 @@ def check_state_rounding(value, op: str) -> str:
 
     Raises:
         ValueError: anything else.
+
+    **Determinism:** a pure function of ``value``.
     """
     if isinstance(value, str) and value in STATE_ROUNDINGS:
         return value
@@ -66,7 +70,10 @@ def check_state_rounding(value, op: str) -> str:
 
 
 def check_combination(state_dtype, amsgrad: bool, op: str) -> None:
-    """Raise ``ValueError`` for the combinations the step does not support (amsgrad with 8 bits)."""
+    """Raise ``ValueError`` for the combinations the step does not support (amsgrad with 8 bits).
+
+    **Determinism:** a pure function of its arguments.
+    """
     if amsgrad and state_dtype == EIGHT_BIT:
         raise ValueError(
             f"{op}: amsgrad is not supported with state_dtype='8bit' (its running maximum would need "
@@ -75,24 +82,27 @@ def check_combination(state_dtype, amsgrad: bool, op: str) -> None:
 
 
 def state_format(state_dtype) -> int:
-    """The kernels' number of a canonical ``state_dtype`` (``kernel.FORMAT_*``)."""
+    """The kernels' number of a canonical ``state_dtype`` (``kernel.FORMAT_*``). **Determinism:** a table."""
     return _FORMATS[state_dtype]
 
 
 def format_of_moments(dtype: torch.dtype) -> int:
-    """The kernels' number of the format whose moments have ``dtype`` (fp32, bf16 or uint8)."""
+    """The kernels' number of the format whose moments have ``dtype`` (fp32, bf16 or uint8).
+    **Determinism:** a table."""
     return {torch.float32: kernel.FORMAT_FP32, torch.bfloat16: kernel.FORMAT_BF16}.get(
         dtype, kernel.FORMAT_8BIT
     )
 
 
 def moment_dtype(state_dtype) -> torch.dtype:
-    """The storage dtype of ``exp_avg`` / ``exp_avg_sq`` under a canonical ``state_dtype``."""
+    """The storage dtype of ``exp_avg`` / ``exp_avg_sq`` under a canonical ``state_dtype``.
+    **Determinism:** a table."""
     return _MOMENT_DTYPES[state_dtype]
 
 
 def base_index_alignment(state_dtype) -> int:
-    """The alignment of a param's default global start index: a block (32) for 8 bits, else 8."""
+    """The alignment of a param's default global start index: a block (32) for 8 bits, else 8.
+    **Determinism:** a table (``optimizer.default_base_indices`` uses it)."""
     return state_codes.QUANT_BLOCK if state_dtype == EIGHT_BIT else 8
 
 
@@ -102,6 +112,8 @@ def scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
 
     ``(*shape[:-1], shape[-1] // 32)`` when the last dimension is a multiple of 32 (a block never
     crosses a row), else ``(ceil(numel / 32),)``.
+
+    **Determinism:** a pure function of the (global) shape: every rank derives the same.
     """
     block = state_codes.QUANT_BLOCK
     if len(shape) >= 2 and shape[-1] % block == 0:
@@ -114,6 +126,8 @@ def new_state(p: torch.Tensor, state_dtype, *, dtensor: bool) -> dict:
 
     A DTensor param gets DTensor states with its mesh and placements; its scales are sharded like
     it (``scale_shape``; the optimizer has checked that the shards of both agree).
+
+    **Determinism:** zeros (code 0 and scale 0 decode to 0): no randomness.
     """
     state = {key: zero_moment(p, state_dtype) for key in MOMENT_KEYS}
     if state_dtype == EIGHT_BIT:
@@ -131,7 +145,8 @@ def new_state(p: torch.Tensor, state_dtype, *, dtensor: bool) -> dict:
 
 
 def zero_moment(p: torch.Tensor, state_dtype) -> torch.Tensor:
-    """A zero moment of ``p``'s shape (and placement) in the format's storage dtype (0 codes decode to 0)."""
+    """A zero moment of ``p``'s shape (and placement) in the format's storage dtype (0 codes decode to 0).
+    **Determinism:** zeros."""
     return torch.zeros_like(p, dtype=moment_dtype(state_dtype), memory_format=torch.preserve_format)
 
 
@@ -140,6 +155,8 @@ def check_state(p: torch.Tensor, state: dict, state_dtype, amsgrad: bool) -> Non
 
     Raises:
         RuntimeError: a missing key, or a tensor of another dtype or shape.
+
+    **Determinism:** reads dtypes and shapes only.
     """
     if not isinstance(state.get("step"), torch.Tensor):
         raise RuntimeError(f"AdamWSR: state of a param of shape {tuple(p.shape)} lacks a 'step' tensor")
@@ -175,6 +192,8 @@ def check_8bit_segments(segments, shape: tuple[int, ...], op: str) -> None:
 
     Raises:
         ValueError: a run starting off the block grid, naming the block size.
+
+    **Determinism:** a pure function of the runs: every rank checking the same runs decides the same.
     """
     block = state_codes.QUANT_BLOCK
     for local_start, length, global_start in segments:
