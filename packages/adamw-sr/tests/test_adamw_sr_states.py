@@ -682,3 +682,73 @@ def test_sm90_ptx_of_the_states_kernel_is_ieee():
         assert c["fma.rn.f32"] == 0 and c[".ftz"] == 0, (state, c)  # no contraction, subnormals kept
         assert c[".approx"] == 0 and c["div.full"] == 0, (state, c)  # IEEE division and square root
         assert c["div.rn.f32"] > 0 and c["sqrt.rn.f32"] > 0, (state, c)
+
+
+# --------------------------------------------------------------------------- AMP and torch.compile
+
+
+@pytest.mark.parametrize("state_dtype", FORMATS)
+def test_amp_unscale_and_skip_with_states_equal_explicit_unscale(state_dtype):
+    # the states kernel unscales like the fp32 one (the bits of an explicit unscale, then the step)
+    # and a found_inf step writes nothing, codes and scales included
+    shapes = [(3, 64), (70,)]
+    init = [
+        torch.randn(s, generator=torch.Generator().manual_seed(i)).bfloat16() for i, s in enumerate(shapes)
+    ]
+    fused, explicit = [x.clone() for x in init], [x.clone() for x in init]
+    opt_f = AdamWSR(fused, lr=1e-2, seed=3, state_dtype=state_dtype)
+    opt_e = AdamWSR(explicit, lr=1e-2, seed=3, state_dtype=state_dtype)
+    scale = torch.tensor([3.0])  # not a power of two: the unscale rounds
+    for step in range(2):
+        grads = _grads(shapes, step, torch.float32)
+        for p, q, g in zip(fused, explicit, grads, strict=True):
+            p.grad = (g * 3.0).bfloat16()
+            q.grad = p.grad.clone()
+        found_inf = torch.zeros(())
+        torch._amp_foreach_non_finite_check_and_unscale_([q.grad for q in explicit], found_inf, 1 / scale)
+        opt_f.grad_scale, opt_f.found_inf = scale, torch.zeros(1)
+        opt_f.step()
+        opt_e.step()
+    for p, q in zip(fused, explicit, strict=True):
+        assert_bitwise_equal(p, q)
+        assert_bitwise_equal(p.grad, q.grad, "unscaled gradient written back")
+        for key, value in opt_e.state[q].items():
+            assert_bitwise_equal(opt_f.state[p][key].cpu(), value.cpu(), key)
+    before = digest({"params": fused, "state": opt_f.state_dict()})
+    opt_f.found_inf = torch.ones(1)
+    opt_f.step()
+    assert digest({"params": fused, "state": opt_f.state_dict()}) == before
+
+
+def test_compiled_optimizer_step_with_8bit_and_bf16_states_equals_eager():
+    import torch._dynamo
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+        groups = lambda m: [  # noqa: E731
+            {"params": [m[0].weight, m[2].weight], "state_dtype": "8bit"},
+            {"params": [m[0].bias, m[2].bias], "state_dtype": torch.bfloat16},
+        ]
+        model = model.to(torch.bfloat16)
+        return model, AdamWSR(groups(model), lr=1e-3, seed=1)
+
+    (m1, o1), (m2, o2) = make(), make()
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    compiled = torch.compile(o2.step, backend="aot_eager")
+    for _ in range(2):
+        for model, step in ((m1, o1.step), (m2, compiled)):
+            model.zero_grad()
+            model(x).float().square().mean().backward()
+            step()
+    for a, b in zip(m1.parameters(), m2.parameters(), strict=True):
+        assert_bitwise_equal(a, b)
+        for key, value in o1.state[a].items():
+            assert_bitwise_equal(o2.state[b][key], value, key)
+    # one group (of 8-bit states) traces as one graph; two groups break once between them, with fp32
+    # states as before this option
+    single = AdamWSR([m1[0].weight], lr=1e-3, state_dtype="8bit")
+    m1[0].weight.grad = torch.ones_like(m1[0].weight)
+    single.step()
+    explained = torch._dynamo.explain(single.step)()
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
