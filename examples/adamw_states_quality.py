@@ -3,6 +3,7 @@
     python examples/adamw_states_quality.py                        # gpu preset (CUDA): 600 steps each
     python examples/adamw_states_quality.py --steps 2000 --eval-every 100 --out docs/img
     python examples/adamw_states_quality.py --preset tiny --steps 2  # CPU smoke run (Triton interpreter)
+    python examples/adamw_states_quality.py --configs 8bit-sr,8bit-rn --merge --out DIR  # add to DIR's run
 
 Trains the main job's model (``examples/train_gpt.py``: bf16 weights, no fp32 master, stochastic
 rounding of the weights, deterministic kernels) once per config below, with the same seeds, the same
@@ -17,7 +18,9 @@ data order and the same hyperparameters; only how AdamWSR stores its moments cha
 Prints the held-out loss (nats/byte, the main job's ``evaluate``) of each config at the end, and writes
 ``<out>/adamw_states_quality.json`` (per config: train loss per step, held-out loss every
 ``--eval-every`` steps; the config, device and versions) and ``<out>/adamw_states_quality.png``.
-Every run is deterministic: a repeat prints the same numbers.
+With ``--merge`` the curves already in ``<out>/adamw_states_quality.json`` (from a run with the same
+training config) are kept and the new configs added, so the five configs can run in separate,
+shorter invocations. Every run is deterministic: a repeat prints the same numbers.
 """
 
 from __future__ import annotations
@@ -122,11 +125,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, help="weights, data order and rounding seed (default: the preset's)")
     p.add_argument("--out", default="out", help="folder for adamw_states_quality.{json,png} (default: out/)")
+    p.add_argument(
+        "--merge", action="store_true", help="keep the configs already in <out>'s JSON (same setup)"
+    )
     return p.parse_args(argv)
 
 
 def main(argv=None) -> dict:
     """Run the comparison; returns ``{config name: curves}`` (also written as JSON)."""
+    import triton
+
     args = parse_args(argv)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]
@@ -138,37 +146,40 @@ def main(argv=None) -> dict:
     cfg = train_gpt.make_config(args.preset, **overrides)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (Triton interpreter)"
+    run = {
+        "device": where,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.date.today().isoformat(),
+        "config": json.loads(json.dumps(dataclasses.asdict(cfg))),  # as the JSON holds it
+        "eval_every": args.eval_every,
+    }
+    out = Path(args.out)
+    path = out / "adamw_states_quality.json"
+    kept = {}
+    if args.merge and path.exists():  # checked before training: a mismatch wastes no run
+        old = json.loads(path.read_text())
+        setup = {k: old["run"][k] for k in ("config", "eval_every", "device")}
+        if setup != {k: run[k] for k in setup}:
+            raise SystemExit(f"--merge: {path} was made with another setup ({setup}); use another --out")
+        kept = {k: v for k, v in old["curves"].items() if k not in names}
     print(f"{where}: {cfg.steps} steps per config, seed {cfg.seed}, configs {', '.join(names)}", flush=True)
     curves = {}
     for name in names:
         state_dtype, state_rounding = CONFIGS[name]
         print(f"{name}: state_dtype={state_dtype}, state_rounding={state_rounding}", flush=True)
         curves[name] = train_one(cfg, state_dtype, state_rounding, args.eval_every, device)
+    curves = {**kept, **curves}
     print(f"{'config':<10} {'held-out loss':>14} {'final train loss':>17}")
     for name, c in curves.items():
         print(f"{name:<10} {c['val_loss'][-1]:>14.4f} {c['train_loss'][-1]:>17.4f}")
-    import triton
-
-    run = {
-        "device": where,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "date": datetime.date.today().isoformat(),
-        "config": dataclasses.asdict(cfg),
-        "eval_every": args.eval_every,
-    }
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "adamw_states_quality.json", "w") as f:
+    with open(path, "w") as f:
         json.dump({"run": run, "curves": curves}, f, indent=1)
-    finite = all(math.isfinite(x) for c in curves.values() for x in c["val_loss"])
-    save_plot(
-        curves,
-        out / "adamw_states_quality.png",
-        f"AdamWSR state_dtype on the main job ({where}, {run['date']})",
-    )
-    print(f"curves: {out / 'adamw_states_quality.json'}, {out / 'adamw_states_quality.png'}")
-    if not finite:
+    title = f"AdamWSR state_dtype on the main job ({where}, {run['date']})"
+    save_plot(curves, out / "adamw_states_quality.png", title)
+    print(f"curves: {path}, {out / 'adamw_states_quality.png'}")
+    if not all(math.isfinite(x) for c in curves.values() for x in c["val_loss"]):
         print("some held-out losses are not finite", file=sys.stderr)
     return curves
 

@@ -7,14 +7,15 @@ import json
 import pytest
 
 
-def test_quality_script_runs_one_step_and_writes_curves(tmp_path):
+def test_quality_script_runs_one_step_merges_and_writes_curves(tmp_path):
     from examples import adamw_states_quality as quality
 
-    curves = quality.main(
-        ["--preset", "tiny", "--steps", "1", "--configs", "fp32,8bit-sr", "--out", str(tmp_path)]
-    )
+    args = ["--preset", "tiny", "--steps", "1", "--out", str(tmp_path)]
+    first = quality.main([*args, "--configs", "fp32"])
+    curves = quality.main([*args, "--configs", "8bit-sr", "--merge"])  # added to the first run's JSON
     saved = json.loads((tmp_path / "adamw_states_quality.json").read_text())
     assert saved["curves"] == curves and set(curves) == {"fp32", "8bit-sr"}
+    assert curves["fp32"] == first["fp32"]
     assert saved["run"]["config"]["steps"] == 1 and saved["run"]["device"]
     assert (tmp_path / "adamw_states_quality.png").stat().st_size > 0
     # the first step updates the weights from the fp32 moments of a zero state, whatever their format:
@@ -22,6 +23,8 @@ def test_quality_script_runs_one_step_and_writes_curves(tmp_path):
     assert len({c["train_loss"][0] for c in curves.values()}) == 1
     assert len({c["val_loss"][0] for c in curves.values()}) == 1
     assert all(c["val_steps"] == [1] for c in curves.values())
+    with pytest.raises(SystemExit, match="another setup"):  # refused before any training
+        quality.main(["--preset", "tiny", "--steps", "2", "--out", str(tmp_path), "--merge"])
 
 
 def test_quality_script_rejects_unknown_configs():
