@@ -9,10 +9,10 @@ Trains the main job's model (``examples/train_gpt.py``: bf16 weights, no fp32 ma
 rounding of the weights, deterministic kernels) once per config below, with the same seeds, the same
 data order and the same hyperparameters; only how AdamWSR stores its moments changes:
 
-    fp32      state_dtype=torch.float32                                  (the default; 8 B/param)
-    bf16-sr   state_dtype=torch.bfloat16, state_rounding="stochastic"    (4 B/param)
+    fp32      state_dtype=torch.float32                                  (the default; moments 8 B/param)
+    bf16-sr   state_dtype=torch.bfloat16, state_rounding="stochastic"    (moments 4 B/param)
     bf16-rn   state_dtype=torch.bfloat16, state_rounding="nearest"
-    8bit-sr   state_dtype="8bit",         state_rounding="stochastic"    (2.0625 B/param)
+    8bit-sr   state_dtype="8bit",         state_rounding="stochastic"    (moments 2.0625 B/param)
     8bit-rn   state_dtype="8bit",         state_rounding="nearest"
 
 Prints the held-out loss (nats/byte, the main job's ``evaluate``) of each config at the end, and writes

@@ -803,7 +803,8 @@ class AdamWSR(torch.optim.Optimizer):
             Philox streams (det-core's ``STREAM_EXP_AVG_SR``, ``STREAM_EXP_AVG_SQ_SR``). With
             ``"8bit"`` a block is 32 consecutive global indices: each param starts on a block (the
             default indices do that), each shard of a param must too (else ``ValueError`` at the
-            step), and ``amsgrad`` is refused.
+            step), and ``amsgrad`` is refused. Param groups store the name as a string
+            (``"float32"``, ``"bfloat16"``, ``"8bit"``), which these strings also select.
         state_rounding: ``"stochastic"`` (default, unbiased) or ``"nearest"`` (nearest-even): how
             the moments are rounded into bf16 or 8 bits. No effect with fp32 states.
 
