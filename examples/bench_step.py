@@ -83,7 +83,8 @@ def make_step(cfg: tg.TrainConfig, micro_batches: int, device, *, graph: bool = 
     (keyed by tensor addresses) are valid during capture. Gradient values are unchanged.
     """
     model = tg.build_model(cfg, device)
-    opt = tg.build_optimizer(cfg, model, capturable=graph)
+    # capturable (step counts on the device) is for CUDA: both optimizers refuse it for CPU params
+    opt = tg.build_optimizer(cfg, model, capturable=graph and torch.device(device).type == "cuda")
     acc = None
     if cfg.kernels == "det":
         import det_train

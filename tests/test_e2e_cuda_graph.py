@@ -21,8 +21,8 @@ def _cfg(**overrides):
 
 
 def test_graph_ready_det_step_run_eagerly_keeps_the_bits():
-    """CPU (interpreter): the step prepared for capture (capturable AdamWSR with its step count on
-    the device, gradients copied into static buffers) gives the plain step's bits, 2 steps."""
+    """CPU (interpreter): the step prepared for capture (gradients copied into static buffers;
+    capturable AdamWSR only on CUDA, which CPU params refuse) gives the plain step's bits, 2 steps."""
     cfg = bench_step.tg.make_config("tiny", batch_seqs=4, micro_batch_seqs=2, seq_len=8, leaf_tokens=8)
     device = torch.device("cpu")
     plain, ready = bench_step.make_step(cfg, 2, device), bench_step.make_step(cfg, 2, device, graph=True)
