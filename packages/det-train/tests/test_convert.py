@@ -109,6 +109,10 @@ def test_strict_false_warns_and_allow_accepts_named_modules():
         model, allow=["1", nn.GroupNorm, "BatchNorm1d", "4", "torch.nn.modules.dropout.Dropout"]
     )
     assert type(model[0]) is det_train.Linear
+    model = _unsupported()
+    with pytest.raises(det_train.ConversionError) as info:  # one name is one name, not its letters
+        det_train.convert(model, allow="BatchNorm1d")
+    assert "BatchNorm1d" not in [c for _, c, _ in info.value.problems]
 
 
 def test_root_module_and_bad_arguments():

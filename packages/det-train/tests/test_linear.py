@@ -347,6 +347,8 @@ def test_linear_module_is_a_drop_in_for_nn_linear():
     assert Linear(8, 4, bias=False).bias is None
     with pytest.raises(TypeError, match=r"move the module with \.to\(torch\.bfloat16\)"):
         Linear(96, 40)(x)  # fp32 weights, bf16 input
+    with pytest.raises(TypeError, match=r"cast the input with \.to\(torch\.float32\) \(bf16, fp16 and fp32"):
+        Linear(96, 40)(x.long())  # an integer input cannot be met by moving the module
 
 
 # ----------------------------------------------------------------------------- edge cases / bad input

@@ -105,7 +105,10 @@ class TreePartial:
     def _insert(self, level: int, index: int, value: torch.Tensor) -> None:
         key = (level, index)
         if key in self.nodes or self._covered(level, index):
-            raise ValueError(f"tree node {key} supplied twice: leaf ranges of workers overlap")
+            raise ValueError(
+                f"tree node {key} supplied twice: two partials cover the same leaves (overlapping "
+                "micro-batches or ranks, or a new step's deposits before the last step's reduce())"
+            )
         sibling = (level, index ^ 1)
         if sibling in self.nodes:
             other = self.nodes.pop(sibling)

@@ -263,6 +263,10 @@ def test_cli_in_process(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main(["_divergence_models", "_divergence_models:step", "--split-a", "1"])
     assert "MODULE:FUNCTION" in capsys.readouterr().err
+    # a step that raises is not a divergence (1): status 2 with its traceback
+    assert main(["_divergence_models:make_clean", "_divergence_models:step", "--split-a", "'x'"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "the run raised" in err
 
 
 @pytest.mark.parametrize(

@@ -389,7 +389,7 @@ def convert(model: nn.Module, *, strict: bool = True, allow: Iterable = ()) -> n
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"det_train.convert: model must be an nn.Module, got {type(model).__name__}")
-    allow = set(allow)
+    allow = {allow} if isinstance(allow, (str, type)) else set(allow)  # one name or class, or several
     replacements: dict[int, nn.Module] = {}
     loss_modules, problems, configs = [], [], set()
     for name, module in model.named_modules():

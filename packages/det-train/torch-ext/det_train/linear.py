@@ -219,9 +219,14 @@ class Linear(torch.nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if isinstance(input, torch.Tensor) and input.dtype != self.weight.dtype:
+            hint = (
+                f"move the module with .to({input.dtype}) or cast the input with .to({self.weight.dtype})"
+                if input.dtype in _DTYPES
+                else f"cast the input with .to({self.weight.dtype}) (bf16, fp16 and fp32 are supported)"
+            )
             raise TypeError(
                 f"det_train.Linear: input dtype {input.dtype} differs from the module's weight dtype "
-                f"{self.weight.dtype}; move the module with .to({input.dtype}) or cast the input"
+                f"{self.weight.dtype}; {hint}"
             )
         return linear(input, self.weight, self.bias)
 

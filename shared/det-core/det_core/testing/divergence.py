@@ -15,6 +15,7 @@ import ast
 import hashlib
 import importlib
 import sys
+import traceback
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -664,8 +665,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     Splits are Python literals (``3``, ``"(2, 4)"``) or else plain strings. Prints the report.
 
     Returns:
-        The exit status: 0 no divergence, 1 divergence, 2 bad arguments or a target that does
-        not import (argparse's convention).
+        The exit status: 0 no divergence, 1 divergence, 2 a run that raised (its traceback is
+        printed), bad arguments or a target that does not import (argparse's convention).
 
     Raises:
         SystemExit: for bad arguments (status 2, after argparse prints the usage).
@@ -702,9 +703,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ImportError, AttributeError, ValueError) as e:
         parser.error(f"cannot load the target: {type(e).__name__}: {e}")
     keep = set(args.keep) if args.keep else not args.digests_only
-    report = find_divergence(
-        make_model, step, args.split_a, args.split_b, batch_dim=args.batch_dim, keep_tensors=keep
-    )
+    try:
+        report = find_divergence(
+            make_model, step, args.split_a, args.split_b, batch_dim=args.batch_dim, keep_tensors=keep
+        )
+    except Exception:  # the model or the step failed: not a divergence (exit 1 would say there is one)
+        traceback.print_exc()
+        print("divergence: the run raised (above); no comparison was made", file=sys.stderr)
+        return 2
     print(report)
     return 1 if report.diverged else 0
 
