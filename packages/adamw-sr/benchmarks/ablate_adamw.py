@@ -113,14 +113,14 @@ class FlatSet:
 
 
 def launcher(fs: FlatSet, config: dict):
-    from adamw_sr import kernel
+    from adamw_sr import launch
 
     v = fs.views
-    plan = kernel.LaunchPlan(v["p"], v["g"], v["m"], v["v"], [], fs.segments, fs.flat["p"].device, config)
+    plan = launch.LaunchPlan(v["p"], v["g"], v["m"], v["v"], [], fs.segments, fs.flat["p"].device, config)
     roles = (v["p"], v["g"], v["m"], v["v"], v["v"])
 
     def run():
-        return kernel.launch_fused_step(
+        return launch.launch_fused_step(
             plan, roles, fs.steps, fs.hyper, seed=SEED, amsgrad=False, maximize=False,
             param_bf16=True, stochastic=True,
         )  # fmt: skip

@@ -5,11 +5,12 @@ Uses Triton's ahead-of-time path (``triton.compile`` of an ``ASTSource`` for ``G
 dtypes, amsgrad, maximize, rounding, aligned or not, the committed CUDA launch config; with and
 without AMP unscaling / skipping; then the bf16- and 8-bit-moment kernel's variants, named
 ``states...``), and, when Triton bundles ``ptxas``, its ``-v`` report (registers, spills).
-``--dump DIR`` writes each variant's PTX instructions, so that a host-code or kernel edit that must
-keep the bits can be checked by diffing them before and after it. Digests and dumps leave out the
-``.param`` declarations, source-line records and comments (see ``ptx_code``): a moved line or an
-argument appended after the existing ones changes neither. Depends on Triton internals (checked
-with Triton 3.9); not a test.
+Last, the per-tensor scalar kernel (``scalars``). ``--dump DIR`` writes each variant's PTX
+instructions, so that a host-code or kernel edit that must keep the bits can be checked by diffing
+them before and after it. Digests and dumps leave out the ``.param`` declarations, source-line
+records and comments, and name the kernel ``KERNEL`` (see ``ptx_code``): a moved line, a renamed
+kernel or an argument appended after the existing ones changes neither. Depends on Triton
+internals (checked with Triton 3.9); not a test.
 
     python packages/adamw-sr/benchmarks/aot_compile_check.py [--dump DIR]
 """
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path[:0] = [str(ROOT / "packages/adamw-sr/torch-ext"), str(ROOT / "shared/det-core")]
 
 import triton  # noqa: E402
-from adamw_sr import kernel  # noqa: E402
+from adamw_sr import kernel, launch  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -53,12 +54,12 @@ def _ptxas() -> Path | None:
 
 
 def compile_variant(param: str, grad: str, meta: dict) -> str:
-    """The PTX of ``_adamw_sr_kernel`` for ``param``/``grad`` dtypes (``"bf16"``/``"fp32"``) and ``meta``;
-    with a ``STATE`` in ``meta``, of ``_adamw_sr_states_kernel`` (bf16 or 8-bit moments)."""
-    fn = kernel._adamw_sr_kernel
+    """The PTX of ``adamw_sr_kernel`` for ``param``/``grad`` dtypes (``"bf16"``/``"fp32"``) and ``meta``;
+    with a ``STATE`` in ``meta``, of ``adamw_sr_states_kernel`` (bf16 or 8-bit moments)."""
+    fn = kernel.adamw_sr_kernel
     types = dict(POINTER_TYPES, param_ptr="*" + param, grad_ptr="*" + grad, **SCALAR_TYPES)
     if "STATE" in meta:
-        fn = kernel._adamw_sr_states_kernel
+        fn = kernel.adamw_sr_states_kernel
         moment = "*bf16" if meta["STATE"] == kernel.FORMAT_BF16 else "*u8"
         types.update(
             exp_avg_ptr=moment, exp_avg_sq_ptr=moment, max_exp_avg_sq_ptr=moment, exp_avg_scale_ptr="*u8",
@@ -67,16 +68,31 @@ def compile_variant(param: str, grad: str, meta: dict) -> str:
     sig = {n: "constexpr" if n.isupper() else types[n] for n in fn.arg_names}
     constexprs = {(fn.arg_names.index(k),): v for k, v in meta.items() if k in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n.endswith("_ptr")}
-    options = dict(num_warps=kernel.LAUNCH_CONFIGS["cuda"]["num_warps"], **kernel.exactness_options())
+    options = dict(num_warps=kernel.LAUNCH_CONFIGS["cuda"]["num_warps"], **launch.exactness_options())
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=TARGET, options=options).asm["ptx"]
+
+
+def compile_scalars() -> str:
+    """The PTX of ``step_scalars_kernel`` as ``launch.launch_fused_step`` launches it."""
+    sig = dict(
+        steps_ptr="*fp32", hyper_ptr="*fp64", scalars_ptr="*fp32", num_tensors="i32", BLOCK_T="constexpr"
+    )
+    src = ASTSource(fn=kernel.step_scalars_kernel, signature=sig, constexprs={(4,): kernel.SCALARS_BLOCK})
+    options = dict(num_warps=4, **launch.exactness_options())
     return triton.compile(src, target=TARGET, options=options).asm["ptx"]
 
 
 def ptx_code(ptx: str) -> str:
     """The PTX's instructions: without ``.param`` declarations, source-line records (``.loc``, the
-    debug sections and their ``$L__tmpN`` labels) and comments, so that a line moved in kernel.py,
-    a body moved into an inlined helper or an appended argument does not show as a change."""
+    debug sections and their ``$L__tmpN`` labels) and comments, and with the kernel's name (in its
+    ``.entry`` line and its parameter names) replaced by ``KERNEL``, so that a line moved in
+    kernel.py, a body moved into an inlined helper, a renamed kernel or an appended argument does
+    not show as a change."""
     ptx = ptx.split(".section\t.debug")[0].split(".section .debug")[0]
+    entry = re.search(r"\.entry\s+(\w+)\s*\(", ptx)
+    if entry:
+        ptx = re.sub(rf"\b{entry.group(1)}(?=\b|_param_)", "KERNEL", ptx)
     lines = []
     for ln in ptx.splitlines():
         ln = ln.split("//")[0].rstrip()
@@ -169,10 +185,10 @@ def main() -> int:
     parser.add_argument("--no-amp", action="store_true", help="only the variants without AMP")
     parser.add_argument("--no-states", action="store_true", help="only the fp32-moment kernel's variants")
     args = parser.parse_args()
-    has_amp = "UNSCALE" in kernel._adamw_sr_kernel.arg_names
+    has_amp = "UNSCALE" in kernel.adamw_sr_kernel.arg_names
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
-    has_states = hasattr(kernel, "_adamw_sr_states_kernel")
+    has_states = hasattr(kernel, "adamw_sr_states_kernel")
     todo = itertools.chain(variants(), () if args.no_states or not has_states else state_variants())
     for name, param, grad, meta in todo:
         if (meta["UNSCALE"] or meta["SKIP_ON_INF"]) and (args.no_amp or not has_amp):
@@ -181,6 +197,10 @@ def main() -> int:
         if args.dump:
             (args.dump / f"{name}.ptx").write_text(ptx_code(ptx))
         print(f"{name}: ptx {ptx_body_digest(ptx)} | {registers(ptx)}", flush=True)
+    ptx = compile_scalars()
+    if args.dump:
+        (args.dump / "scalars.ptx").write_text(ptx_code(ptx))
+    print(f"scalars: ptx {ptx_body_digest(ptx)} | {registers(ptx)}", flush=True)
     return 0
 
 

@@ -96,7 +96,7 @@ def _release():
 
 def time_ours(shapes, state_dtype="float32") -> dict:
     from adamw_sr import AdamWSR
-    from adamw_sr import kernel as asr_kernel
+    from adamw_sr import launch as asr_launch
     from adamw_sr.optimizer import _PLAN_CACHE
 
     params = _params(shapes, torch.bfloat16, torch.bfloat16)
@@ -114,7 +114,7 @@ def time_ours(shapes, state_dtype="float32") -> dict:
     hyper = torch.tensor([1e-4, 0.9, 0.999, 1e-8, 0.01], dtype=torch.float64, device="cuda")
 
     def kernel_only():
-        asr_kernel.launch_fused_step(
+        asr_launch.launch_fused_step(
             plan, roles, steps, hyper, seed=0, amsgrad=False, maximize=False, param_bf16=True,
             stochastic=True, scales=scales,
         )  # fmt: skip

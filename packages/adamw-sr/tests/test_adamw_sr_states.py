@@ -648,8 +648,8 @@ import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from adamw_sr import kernel
-fn = kernel._adamw_sr_states_kernel
+from adamw_sr import kernel, launch
+fn = kernel.adamw_sr_states_kernel
 config = kernel.LAUNCH_CONFIGS["cuda"]
 types = dict(param_ptr="*bf16", grad_ptr="*bf16", steps_ptr="*fp32", hyper_ptr="*fp64", scalars_ptr="*fp32",
              tensor_table_ptr="*i64", chunk_table_ptr="*i64", grad_scale_ptr="*fp32", found_inf_ptr="*fp32",
@@ -666,7 +666,7 @@ for state, moment, scale in ((kernel.FORMAT_BF16, "*bf16", "*bf16"), (kernel.FOR
     src = ASTSource(fn=fn, signature=sig, constexprs={{(fn.arg_names.index(k),): v for k, v in meta.items()}},
                     attrs=attrs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                         options=dict(num_warps=config["num_warps"], **kernel.exactness_options())).asm["ptx"]
+                         options=dict(num_warps=config["num_warps"], **launch.exactness_options())).asm["ptx"]
     out[state] = {{k: ptx.count(k) for k in ("fma.rn.f32", ".ftz", ".approx", "div.full", "div.rn.f32",
                                             "sqrt.rn.f32")}}
 print(json.dumps(out))

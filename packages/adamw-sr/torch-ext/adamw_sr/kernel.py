@@ -1,5 +1,9 @@
 """The fused AdamW step in Triton: one launch over many tensors, fp32 math, one rounding at write-back.
 
+This module holds the ``@triton.jit`` code and the tables it reads (launch configs, table
+columns, moment formats); the host side that builds the tables and launches the kernels is
+``launch``.
+
 Layout of a launch (all tensors on one device, one param dtype and one grad dtype):
 
 * Every tensor role (param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq) is addressed from one base
@@ -15,8 +19,8 @@ Layout of a launch (all tensors on one device, one param dtype and one grad dtyp
   can be captured in a CUDA graph and replayed with a new lr and step. With ``PRECOMPUTED`` a tiny
   kernel first turns them into a per-tensor table of fp32 scalars (``scalars``, ``[T, 9]``), so the
   fp64 work runs once per tensor instead of once per program.
-* Moments (``state_dtype``): fp32 in ``_adamw_sr_kernel``; bf16, or 8-bit codes with a scale byte per
-  block of 32 global indices (``state_codes``), in ``_adamw_sr_states_kernel``. Both run one program
+* Moments (``state_dtype``): fp32 in ``adamw_sr_kernel``; bf16, or 8-bit codes with a scale byte per
+  block of 32 global indices (``state_codes``), in ``adamw_sr_states_kernel``. Both run one program
   body (``_step_program``, the format a constexpr ``STATE``), so the fp32 kernel compiles as before.
   The moments are decoded to fp32, updated, used by the step, and rounded once into their format
   (stochastically with the bits of det-core's ``STREAM_EXP_AVG_SR`` / ``STREAM_EXP_AVG_SQ_SR``, or to
@@ -39,10 +43,9 @@ element runs the same operations on the same values, so all give the same bits.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
-from det_core import rng, runtime, sr
+from det_core import rng, sr
 
 from . import state_codes
 
@@ -70,12 +73,12 @@ CHUNK_TABLE_COLUMNS = (
 )
 # step, step_size, bias_correction2_sqrt, lr * weight_decay, beta1, 1 - beta1, beta2, 1 - beta2, eps (fp32)
 SCALAR_TABLE_COLUMNS = 9
-_SCALARS_BLOCK = 128  # tensors per program of the scalar kernel
+SCALARS_BLOCK = 128  # tensors per program of the scalar kernel
 
 # moment formats (``state_dtype``) by number, and as the kernels' STATE constexpr
 FORMAT_FP32, FORMAT_BF16, FORMAT_8BIT = 0, 1, 2
-STATE_FP32: tl.constexpr = tl.constexpr(FORMAT_FP32)  # fp32 moments, unrounded (_adamw_sr_kernel)
-STATE_BF16: tl.constexpr = tl.constexpr(FORMAT_BF16)  # bf16 moments (_adamw_sr_states_kernel)
+STATE_FP32: tl.constexpr = tl.constexpr(FORMAT_FP32)  # fp32 moments, unrounded (adamw_sr_kernel)
+STATE_BF16: tl.constexpr = tl.constexpr(FORMAT_BF16)  # bf16 moments (adamw_sr_states_kernel)
 STATE_8BIT: tl.constexpr = tl.constexpr(FORMAT_8BIT)  # 8-bit codes + a scale byte per block (state_codes)
 QUANT_BLOCK: tl.constexpr = tl.constexpr(state_codes.QUANT_BLOCK)
 EXP_AVG_M: tl.constexpr = tl.constexpr(state_codes.EXP_AVG_MANTISSA_BITS)
@@ -128,8 +131,18 @@ def _step_scalars(steps_ptr, hyper_ptr, slot):
 
 
 @triton.jit
-def _step_scalars_kernel(steps_ptr, hyper_ptr, scalars_ptr, num_tensors, BLOCK_T: tl.constexpr):
-    """Write each tensor's row of fp32 scalars (``SCALAR_TABLE_COLUMNS``) for the ``PRECOMPUTED`` path."""
+def step_scalars_kernel(steps_ptr, hyper_ptr, scalars_ptr, num_tensors, BLOCK_T: tl.constexpr):
+    """Write each tensor's row of fp32 scalars for the ``PRECOMPUTED`` path; grid ``(cdiv(T, BLOCK_T),)``.
+
+    Reads ``steps`` (fp32 ``[T]``) and ``hyper`` (fp64 ``[5]``: lr, beta1, beta2, eps,
+    weight_decay); writes ``scalars`` (fp32 ``[T, SCALAR_TABLE_COLUMNS]``: step, step_size,
+    bias_correction2_sqrt, lr * weight_decay, beta1, 1 - beta1, beta2, 1 - beta2, eps). Checks nothing.
+
+    **Determinism:** each row is a pure function of its step and ``hyper``: computed in fp64 from the
+    same IEEE operations as ``reference.step_scalars`` (``beta ** step`` by squaring), rounded once.
+
+    Method: Adam's bias corrections (Kingma & Ba, ICLR 2015).
+    """
     slots = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     inside = slots < num_tensors
     slots = tl.where(inside, slots, 0)
@@ -198,7 +211,7 @@ def _random_bits_tile(seed_lo, seed_hi, step, stream, base, ROWS: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "rng_stream"])
-def _adamw_sr_kernel(
+def adamw_sr_kernel(
     # base pointers, one per tensor role
     param_ptr,
     grad_ptr,
@@ -231,7 +244,25 @@ def _adamw_sr_kernel(
     UNSCALE: tl.constexpr,
     SKIP_ON_INF: tl.constexpr,
 ):
-    """The step with fp32 moments (``state_dtype=torch.float32``)."""
+    """The fused step with fp32 moments (``state_dtype=torch.float32``), in place; grid ``(C,)``.
+
+    Pointers: the lowest-address tensor of each role (param fp32 or bf16 per ``PARAM_BF16``, grad
+    fp32 or bf16, moments fp32), each tensor reached by its element offsets in ``tensor_table``
+    (int64 ``[T, TENSOR_TABLE_COLUMNS]``); ``chunk_table`` int64 ``[C, CHUNK_TABLE_COLUMNS]``, one
+    row per program (module docstring); ``steps`` fp32 ``[T]``; ``hyper`` fp64 ``[5]`` (lr, beta1,
+    beta2, eps, weight_decay); ``scalars`` fp32 ``[T, SCALAR_TABLE_COLUMNS]``, written by
+    ``step_scalars_kernel`` when ``PRECOMPUTED``; ``grad_scale`` / ``found_inf`` fp32 ``[1]``, read
+    only with ``UNSCALE`` / ``SKIP_ON_INF``. Checks nothing: launched by ``launch.launch_fused_step``
+    (with ``launch.exactness_options``) after the host has validated every tensor.
+
+    **Determinism:** each element's result is a pure function of its inputs, the hyperparameters,
+    its tensor's step, the Philox key ``(seed, step, rng_stream)`` and its global index (never of
+    ``program_id``, ``BLOCK``, ``SUB``, ``TILE_2D``, ``PRECOMPUTED`` or ``num_warps``): bitwise
+    equal to ``reference.adamw_sr_step_reference``.
+
+    Method: AdamW (Loshchilov & Hutter, ICLR 2019); stochastic rounding (Gupta et al., ICML 2015)
+    with Philox4x32-10 bits (Salmon et al., SC'11).
+    """
     _step_program(
         param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
         exp_avg_ptr, exp_avg_sq_ptr,  # no scales: never read with fp32 moments
@@ -244,7 +275,7 @@ def _adamw_sr_kernel(
 
 
 @triton.jit(do_not_specialize=["seed_lo", "seed_hi", "rng_stream", "exp_avg_stream", "exp_avg_sq_stream"])
-def _adamw_sr_states_kernel(
+def adamw_sr_states_kernel(
     # base pointers, one per tensor role (scales: 8-bit states only)
     param_ptr,
     grad_ptr,
@@ -283,10 +314,22 @@ def _adamw_sr_states_kernel(
     STATE: tl.constexpr,
     STATE_STOCHASTIC: tl.constexpr,
 ):
-    """The step with bf16 (``STATE_BF16``) or 8-bit block-quantized (``STATE_8BIT``) moments.
+    """The fused step with bf16 (``STATE_BF16``) or 8-bit block-quantized (``STATE_8BIT``) moments.
 
-    ``STATE_STOCHASTIC``: the moments are rounded stochastically into their format, with the bits of
-    ``exp_avg_stream`` / ``exp_avg_sq_stream``; else to nearest-even.
+    Arguments as ``adamw_sr_kernel``'s, with moments bf16 or uint8 codes, and for 8 bits the uint8
+    block scales (``exp_avg_scale_ptr``, ``exp_avg_sq_scale_ptr``; one per ``QUANT_BLOCK`` global
+    indices) whose element offsets are two more ``tensor_table`` columns
+    (``TENSOR_TABLE_COLUMNS_8BIT``). ``STATE_STOCHASTIC``: the moments are rounded stochastically
+    into their format, with the bits of ``exp_avg_stream`` / ``exp_avg_sq_stream``; else to
+    nearest-even. Checks nothing (see ``adamw_sr_kernel``).
+
+    **Determinism:** as ``adamw_sr_kernel``, the moments' rounding bits keyed by their own streams
+    at the element's global index, and an 8-bit block's scale a function of its whole block of
+    ``QUANT_BLOCK`` global indices.
+
+    Method: AdamW (Loshchilov & Hutter, ICLR 2019); 8-bit states: block-wise quantization
+    (Dettmers et al., ICLR 2022) with power-of-two block scales (OCP Microscaling), see
+    ``state_codes``.
     """
     _step_program(
         param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
@@ -604,258 +647,3 @@ def _step_tile(
         _store(param_ptr + p_idx, out, mask, MASKED)
     else:
         _store(param_ptr + p_idx, p, mask, MASKED)
-
-
-def exactness_options() -> dict:
-    """Launch options that make the GPU's fp32 arithmetic IEEE like the CPU reference's.
-
-    ``enable_fp_fusion=False``: no ``a * b + c`` contracted into an FMA. ``enable_reflect_ftz=False``:
-    libdevice's ``div_rn``/``sqrt_rn`` keep subnormals instead of flushing them to zero (Triton's
-    default flushes); passed only where the installed Triton knows the option.
-    """
-    options = {"enable_fp_fusion": False}
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-
-        if "enable_reflect_ftz" in CUDAOptions.__dataclass_fields__:
-            options["enable_reflect_ftz"] = False
-    except ImportError:  # no NVIDIA backend: nothing to flush
-        pass
-    return options
-
-
-_EXACTNESS_OPTIONS: dict = {}
-
-
-def launch_config(device: torch.device) -> dict:
-    """The fixed launch config for ``device`` (see ``LAUNCH_CONFIGS``; no autotuning)."""
-    return LAUNCH_CONFIGS["cuda" if device.type == "cuda" else "interpreter"]
-
-
-def build_chunk_table(segments: torch.Tensor, block: int) -> torch.Tensor:
-    """Windows of ``block`` elements, 4-aligned in the global index, covering every segment.
-
-    Args:
-        segments: int64 CPU tensor ``[S, 4]`` of ``(slot, local_start, length, global_start)``;
-            a segment is a run of elements contiguous both in the local tensor and in the global index.
-        block: window size, a multiple of 4.
-
-    Returns:
-        int64 CPU tensor ``[C, 5]``: ``(slot, window_local_start, segment_local_start,
-        segment_local_end, window_global_start)`` with ``window_global_start % 4 == 0``.
-    """
-    if segments.numel() == 0:
-        return torch.zeros((0, CHUNK_TABLE_COLUMNS), dtype=torch.int64)
-    slot, local_start, length, global_start = segments.unbind(1)
-    lead = global_start & 3  # elements between the 4-aligned window start and the segment start
-    n_windows = runtime.cdiv(length + lead, block)  # elementwise on the int64 tensors
-    seg_of_window = torch.repeat_interleave(torch.arange(len(segments)), n_windows)
-    first_window = torch.cumsum(n_windows, 0) - n_windows
-    k = torch.arange(int(n_windows.sum())) - first_window[seg_of_window]
-    offset = k * block - lead[seg_of_window]
-    return torch.stack(
-        [
-            slot[seg_of_window],
-            local_start[seg_of_window] + offset,
-            local_start[seg_of_window],
-            (local_start + length)[seg_of_window],
-            global_start[seg_of_window] + offset,
-        ],
-        dim=1,
-    ).contiguous()
-
-
-def _role_table(tensors: list[torch.Tensor]) -> tuple[int, list[int], bool]:
-    """The position of a role's lowest-address tensor, each tensor's element offset from it, and
-    whether all are 16-byte aligned."""
-    size = tensors[0].element_size()
-    addresses = [t.data_ptr() for t in tensors]
-    low = min(range(len(tensors)), key=addresses.__getitem__)
-    offsets = []
-    aligned = True
-    for a in addresses:
-        diff = a - addresses[low]
-        if diff % size:
-            raise RuntimeError("adamw_sr: tensors of one role are not element-aligned to each other")
-        offsets.append(diff // size)
-        aligned &= (diff // size) % 8 == 0
-    aligned &= addresses[low] % 16 == 0
-    return low, offsets, aligned
-
-
-def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy a small CPU tensor to ``device`` without blocking the host (pinned staging on CUDA).
-
-    A copy from pageable memory would wait for the stream to drain, serializing host and GPU.
-    """
-    if device.type != "cuda" or torch.compiler.is_compiling():
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-# device chunk tables by segments: they depend on shapes and indices, not addresses, so launch plans
-# of the same params with new gradient tensors share one
-_CHUNK_TABLES = runtime.PlanCache(limit=16)
-
-
-def _chunk_table(segments: torch.Tensor, block: int, device: torch.device) -> tuple[torch.Tensor, bool]:
-    """The device chunk table of ``segments`` and whether every window starts 8-aligned (cached)."""
-    key = (device, block, segments.numpy().tobytes())
-    hit = _CHUNK_TABLES.get(key)
-    if hit is None:
-        chunks = build_chunk_table(segments, block)
-        # windows start 8-aligned in every tensor only if each local window start is a multiple of 8
-        starts_aligned = bool(((chunks[:, 1] % 8) == 0).all()) if len(chunks) else True
-        hit = _CHUNK_TABLES.put(key, (to_device_async(chunks, device), starts_aligned))
-    return hit
-
-
-class LaunchPlan:
-    """Device tables of one launch, cached while the tensors' addresses and layout stay the same.
-
-    Holds no reference to the tensors (a cached plan must not keep freed gradients alive): only
-    which position of each role has the lowest address, which the launch uses as the base pointer.
-    ``config`` overrides the entry of ``LAUNCH_CONFIGS`` (benchmarks compare variants; no variant
-    changes a result bit).
-    """
-
-    def __init__(
-        self, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, segments, device, config=None, *,
-        state_format=FORMAT_FP32, exp_avg_scales=(), exp_avg_sq_scales=(),
-    ):  # fmt: skip
-        self.config = dict(config or launch_config(device))
-        self.block = self.config["BLOCK"]
-        self.state_format = state_format
-        # tiles start 8-aligned in every tensor (the ALIGNED hints rely on it) and 4-aligned globally
-        if self.block % self.config["SUB"] or self.config["SUB"] % 8:
-            raise ValueError(
-                f"adamw_sr: launch config {self.config}: BLOCK must be a multiple of SUB, SUB of 8"
-            )
-        # with 8-bit moments every tile starts on a block (segments start on one): whole blocks per tile
-        if state_format == FORMAT_8BIT and self.config["SUB"] % state_codes.QUANT_BLOCK:
-            raise ValueError(
-                f"adamw_sr: launch config {self.config}: with 8-bit states SUB must be a multiple of "
-                f"the block size {state_codes.QUANT_BLOCK}"
-            )
-        self.num_warps = self.config["num_warps"]
-        roles = [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs or exp_avg_sqs]
-        lowest, columns, aligned = [], [], True
-        for tensors in roles:
-            low, offsets, role_aligned = _role_table(tensors)
-            lowest.append(low)
-            columns.append(offsets)
-            aligned &= role_aligned
-        if state_format == FORMAT_8BIT:
-            for tensors in (exp_avg_scales, exp_avg_sq_scales):  # read per block: no vector hints
-                low, offsets, _ = _role_table(tensors)
-                lowest.append(low)
-                columns.append(offsets)
-        self.lowest = lowest
-        table = torch.tensor(list(zip(*columns, strict=True)), dtype=torch.int64).reshape(-1, len(columns))
-        self.tensor_table = to_device_async(table, device)
-        self.num_tensors = len(table)
-        # per-tensor fp32 scalars, rewritten by the scalar kernel at every step (PRECOMPUTED)
-        self.scalars = torch.empty(
-            (self.num_tensors, SCALAR_TABLE_COLUMNS), dtype=torch.float32, device=device
-        )
-        self.chunk_table, starts_aligned = _chunk_table(segments, self.block, device)
-        self.aligned = aligned and starts_aligned
-        self.num_chunks = len(self.chunk_table)
-
-
-def launch_fused_step(
-    plan: LaunchPlan,
-    roles: tuple[list[torch.Tensor], ...],
-    steps: torch.Tensor,
-    hyper: torch.Tensor,
-    *,
-    seed: int,
-    amsgrad: bool,
-    maximize: bool,
-    param_bf16: bool,
-    stochastic: bool,
-    grad_scale: torch.Tensor | None = None,
-    found_inf: torch.Tensor | None = None,
-    state_stochastic: bool = True,
-    scales: tuple[list[torch.Tensor], list[torch.Tensor]] = ((), ()),
-):
-    """Run the fused step over a prepared ``LaunchPlan`` (no checks: callers validate first).
-
-    ``roles`` are the lists the plan was built from, in order: params, grads, exp_avgs, exp_avg_sqs,
-    max_exp_avg_sqs (``exp_avg_sqs`` again without amsgrad); ``scales`` the 8-bit plan's
-    ``(exp_avg_scales, exp_avg_sq_scales)``. ``state_stochastic``: bf16 / 8-bit moments are rounded
-    stochastically (else to nearest-even). ``grad_scale`` / ``found_inf``
-    (1-element fp32 tensors on the device, as ``torch.amp.GradScaler`` sets them): gradients are
-    unscaled in the kernel (and written back unscaled), and a nonzero ``found_inf`` makes the
-    kernel write nothing. With the
-    config's ``PRECOMPUTED``, two launches in stream order: the per-tensor scalars, then the step.
-    Returns Triton's handle of the step kernel (benchmarks read its register count), or ``None``
-    when there is nothing to do.
-    """
-    if plan.num_chunks == 0:
-        return None
-    if not _EXACTNESS_OPTIONS:
-        _EXACTNESS_OPTIONS.update(exactness_options())
-    config = plan.config
-    if config["PRECOMPUTED"]:
-        runtime.launch(
-            _step_scalars_kernel,
-            (runtime.cdiv(plan.num_tensors, _SCALARS_BLOCK),),
-            steps,
-            hyper,
-            plan.scalars,
-            plan.num_tensors,
-            BLOCK_T=_SCALARS_BLOCK,
-            num_warps=4,
-            **_EXACTNESS_OPTIONS,
-        )
-    seed_lo, seed_hi = rng.split_seed(seed)
-    p, g, m, v, vmax = (tensors[low] for tensors, low in zip(roles, plan.lowest[:5], strict=True))
-    if plan.state_format != FORMAT_FP32:
-        ms, vs = m, v  # unread pointers with bf16 moments
-        if plan.state_format == FORMAT_8BIT:
-            ms, vs = (tensors[low] for tensors, low in zip(scales, plan.lowest[5:], strict=True))
-        return runtime.launch(
-            _adamw_sr_states_kernel, (plan.num_chunks,),
-            p, g, m, v, vmax, ms, vs,
-            plan.tensor_table, plan.chunk_table, steps, hyper, plan.scalars,
-            seed_lo, seed_hi, rng.STREAM_PARAM_SR, rng.STREAM_EXP_AVG_SR, rng.STREAM_EXP_AVG_SQ_SR,
-            steps if grad_scale is None else grad_scale,  # an unread fp32 pointer when not given
-            steps if found_inf is None else found_inf,
-            AMSGRAD=amsgrad,
-            MAXIMIZE=maximize,
-            PARAM_BF16=param_bf16,
-            STOCHASTIC=stochastic,
-            ALIGNED=plan.aligned and not runtime.interpreter_active(),
-            BLOCK=plan.block,
-            SUB=config["SUB"],
-            TILE_2D=config["TILE_2D"],
-            PRECOMPUTED=config["PRECOMPUTED"],
-            UNSCALE=grad_scale is not None,
-            SKIP_ON_INF=found_inf is not None,
-            STATE=plan.state_format,
-            STATE_STOCHASTIC=state_stochastic,
-            num_warps=plan.num_warps,
-            **_EXACTNESS_OPTIONS,
-        )  # fmt: skip
-    return runtime.launch(
-        _adamw_sr_kernel, (plan.num_chunks,),
-        p, g, m, v, vmax,
-        plan.tensor_table, plan.chunk_table, steps, hyper, plan.scalars,
-        seed_lo, seed_hi, rng.STREAM_PARAM_SR,
-        steps if grad_scale is None else grad_scale,  # an unread fp32 pointer when not given
-        steps if found_inf is None else found_inf,
-        AMSGRAD=amsgrad,
-        MAXIMIZE=maximize,
-        PARAM_BF16=param_bf16,
-        STOCHASTIC=stochastic,
-        ALIGNED=plan.aligned and not runtime.interpreter_active(),
-        BLOCK=plan.block,
-        SUB=config["SUB"],
-        TILE_2D=config["TILE_2D"],
-        PRECOMPUTED=config["PRECOMPUTED"],
-        UNSCALE=grad_scale is not None,
-        SKIP_ON_INF=found_inf is not None,
-        num_warps=plan.num_warps,
-        **_EXACTNESS_OPTIONS,
-    )  # fmt: skip

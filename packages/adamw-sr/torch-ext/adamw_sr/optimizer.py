@@ -19,6 +19,7 @@ from det_core import rng, runtime
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import kernel, state_codes, states
+from .launch import LaunchPlan, launch_fused_step, to_device_async
 
 __all__ = ["AdamWSR", "adamw_sr_step", "default_base_indices", "local_segments"]
 
@@ -291,7 +292,7 @@ class _StepLaunch:
         )  # fmt: skip
 
 
-def _get_plan(launch: _StepLaunch) -> kernel.LaunchPlan:
+def _get_plan(launch: _StepLaunch) -> LaunchPlan:
     roles = (launch.params, launch.grads, launch.exp_avgs, launch.exp_avg_sqs, launch.max_exp_avg_sqs)
     scales = (launch.exp_avg_scales, launch.exp_avg_sq_scales)
     key = (
@@ -311,7 +312,7 @@ def _get_plan(launch: _StepLaunch) -> kernel.LaunchPlan:
             )
         plan = _PLAN_CACHE.put(
             key,
-            kernel.LaunchPlan(
+            LaunchPlan(
                 *roles, launch.segments, launch.params[0].device, state_format=launch.state_format,
                 exp_avg_scales=launch.exp_avg_scales, exp_avg_sq_scales=launch.exp_avg_sq_scales,
             ),
@@ -432,7 +433,7 @@ def _fused_step_impl(launch: _StepLaunch) -> None:
         launch.params, launch.grads, launch.exp_avgs, launch.exp_avg_sqs,
         launch.max_exp_avg_sqs or launch.exp_avg_sqs,
     )  # fmt: skip
-    kernel.launch_fused_step(
+    launch_fused_step(
         plan, roles, launch.steps, launch.hyper, seed=launch.seed, amsgrad=launch.amsgrad,
         maximize=launch.maximize, param_bf16=launch.params[0].dtype == torch.bfloat16,
         stochastic=launch.stochastic, grad_scale=launch.grad_scale, found_inf=launch.found_inf,
@@ -756,7 +757,7 @@ def _hyper_tensor(
     key = (device, rest, float(lr))
     hyper = None if cache is None else cache.get(key)
     if hyper is None:
-        hyper = kernel.to_device_async(torch.tensor([float(lr), *rest], dtype=torch.float64), device)
+        hyper = to_device_async(torch.tensor([float(lr), *rest], dtype=torch.float64), device)
         if cache is not None:
             cache.put(key, hyper)
     return hyper
@@ -1341,7 +1342,7 @@ class AdamWSR(torch.optim.Optimizer):
             # there (once; torch's fused AdamW keeps them there too) and advance after the launch
             for state in all_states:
                 if state["step"].device != device:
-                    state["step"] = kernel.to_device_async(state["step"], device)
+                    state["step"] = to_device_async(state["step"], device)
         hyper = _hyper_tensor(
             group["lr"], group["betas"], group["eps"], group["weight_decay"], device, self._hyper_cache
         )
@@ -1350,7 +1351,7 @@ class AdamWSR(torch.optim.Optimizer):
             ps_states = [self.state[p] for p in ps]
             steps = torch.stack([s["step"] for s in ps_states]).to(torch.float32)
             if steps.device != device:
-                steps = kernel.to_device_async(steps, device)
+                steps = to_device_async(steps, device)
             if found_inf is not None:
                 steps = steps + 1.0  # the step number of this step; the counts advance below
             _fused_step(
