@@ -125,7 +125,21 @@ def main() -> int:
                         f"matmul {dtype} {layout} {cls} bias={bias} nk={nk}", mm._matmul_kernel, types, const,
                         p.num_warps, p.num_stages,
                     )  # fmt: skip
-                if c.tma:  # the TMA kernel the entry selects (host descriptors of A and B)
+                mid = cfgs.matmul_config(dtype, layout, 768, 768, rows=2048)  # the "mid" rows class
+                if cls == "large" and not mid.tma:
+                    const = dict(
+                        BLOCK_M=mid.block_m, BLOCK_N=mid.block_n, BLOCK_K=mid.block_k, GROUP_M=mid.group_m,
+                        EVEN_K=True, HAS_CARRY=False, HAS_BIAS=False, UPCAST=False, DOT_PRECISION=None,
+                        BF16_BY_BITS=False, B_NK_TILES=False, stride_cn=1, **unit,
+                    )  # fmt: skip
+                    bad += not compile_one(
+                        f"matmul {dtype} {layout} mid rows", mm._matmul_kernel, types, const,
+                        mid.num_warps, mid.num_stages,
+                    )  # fmt: skip
+                tma_entries = [("", c)] if c.tma else []
+                if cls == "large" and mid.tma:
+                    tma_entries.append((" mid rows", mid))
+                for label, c in tma_entries:  # the TMA kernels the entries select (host descriptors)
                     kmajor = layout == "nt"
                     b_block = [c.block_n, c.block_k] if kmajor else [c.block_k, c.block_n]
                     ttypes = {
@@ -140,18 +154,19 @@ def main() -> int:
                             DOT_PRECISION=None, BF16_BY_BITS=False, stride_cn=1,
                         )  # fmt: skip
                         bad += not compile_one(
-                            f"matmul TMA {dtype} {layout} {cls} bias={bias}", mm._matmul_tma_kernel, ttypes,
-                            const, c.num_warps, c.num_stages,
+                            f"matmul TMA {dtype} {layout} {cls}{label} bias={bias}", mm._matmul_tma_kernel,
+                            ttypes, const, c.num_warps, c.num_stages,
                         )  # fmt: skip
-        for n, k, cls in ((4096, 4096, "wide"), (2304, 768, "large")):  # the half dtypes' two dW entries
-            w = cfgs.weight_grad_config(dtype, n, k)
+        for n, k, cls in ((4096, 4096, "wide"), (2304, 768, "large"), (768, 768, "mid")):
+            w = cfgs.weight_grad_config(dtype, n, k)  # the half dtypes' two dW entries (and the fold's)
+            f = cfgs.weight_grad_fold_config(dtype, n, k)
             wtypes = {"dy_ptr": tname, "x_ptr": tname, "out_ptr": tname, "scratch_ptr": "*fp32"}
             common = dict(
                 BLOCK_N=w.block_n, BLOCK_K=w.block_k, BLOCK_T=w.block_t, GROUP_N=w.group_n, EVEN_T=True,
                 UPCAST=False, DOT_PRECISION=None, BF16_BY_BITS=False, stride_dyn=1, stride_xk=1, stride_ok=1,
             )  # fmt: skip
             levels = w.leaves_per_program.bit_length() - 1
-            if w.lean:  # the table's dW kernel
+            if cls != "mid" and w.lean:  # the table's dW kernel
                 ltypes = dict(wtypes)
                 if w.tma:
                     ltypes["dy_ptr"] = f"tensordesc<{tname[1:]}[{w.block_t}, {w.block_n}]>"
@@ -165,7 +180,7 @@ def main() -> int:
                     f"dW {dtype} {cls} lean tma={w.tma} quads={quads} flat={w.flat} maxnreg=None",
                     lin._weight_grad_lean_kernel, ltypes, lean, w.num_warps, w.num_stages,
                 )  # fmt: skip
-            if w.lean and w.pairs:  # the same entry when TMA does not apply (pointer loads, pairs)
+            if cls != "mid" and w.lean and w.pairs:  # the entry when TMA does not apply (pointer, pairs)
                 fallback = dict(
                     common, MAX_LEVELS=levels - 1, PAIRS=True, TMA=False, MERGE_ROWS=min(32, w.block_n),
                     QUADS=False, FLAT=False,
@@ -177,17 +192,19 @@ def main() -> int:
             for tma in (True, False):  # the open leaf's resumable fold (gradient accumulation)
                 ftypes = {"dy_ptr": tname, "x_ptr": tname, "acc_ptr": "*fp32", "out_ptr": "*fp32"}
                 if tma:
-                    ftypes["dy_ptr"] = f"tensordesc<{tname[1:]}[{w.block_t}, {w.block_n}]>"
-                    ftypes["x_ptr"] = f"tensordesc<{tname[1:]}[{w.block_t}, {w.block_k}]>"
-                block_k = w.block_k if tma else min(w.block_k, 128)  # weight_grad_fold's pointer tile
+                    ftypes["dy_ptr"] = f"tensordesc<{tname[1:]}[{f.block_t}, {f.block_n}]>"
+                    ftypes["x_ptr"] = f"tensordesc<{tname[1:]}[{f.block_t}, {f.block_k}]>"
+                block_k = f.block_k if tma else min(f.block_k, 128)  # weight_grad_fold's pointer tile
                 fold = dict(
-                    BLOCK_N=w.block_n, BLOCK_K=block_k, BLOCK_T=w.block_t, GROUP_N=w.group_n, RESUME=True,
+                    BLOCK_N=f.block_n, BLOCK_K=block_k, BLOCK_T=f.block_t, GROUP_N=f.group_n, RESUME=True,
                     TMA=tma, EVEN_T=True, UPCAST=False, DOT_PRECISION=None, stride_dyn=1, stride_xk=1,
                 )  # fmt: skip
                 bad += not compile_one(
                     f"dW {dtype} {cls} fold tma={tma}", fold_mod._weight_grad_fold_kernel, ftypes, fold,
-                    w.num_warps, w.num_stages,
+                    f.num_warps, f.num_stages,
                 )  # fmt: skip
+            if cls == "mid":
+                continue
             bad += not compile_one(
                 f"dW {dtype} {cls} one leaf",
                 lin._weight_grad_kernel,

@@ -98,8 +98,9 @@ def test_batch_index_and_3d_rows_match_2d():
 
 @pytest.mark.parametrize("dtype", HALF)
 def test_tma_kernel_gives_the_pointer_kernel_bits(dtype):
-    """The forward's TMA kernel (host descriptors; plain and persistent) equals the pointer kernel
-    bit for bit: K tail zero-filled, rows past M and columns past N never stored, bias added."""
+    """The TMA kernel (host descriptors; plain and persistent; B = W.T as W's K-major tiles, and a
+    row-major B as its own tiles) equals the pointer kernel bit for bit: K tail zero-filled, rows
+    past M and columns past N never stored, bias added."""
     from det_train.matmul import _tma_operands
 
     for m, k, n in [(5, 72, 40), (33, 136, 24), (70, 200, 36)]:
@@ -109,21 +110,28 @@ def test_tma_kernel_gives_the_pointer_kernel_bits(dtype):
             _randn(n, dtype=dtype),
         )
         base = dataclasses.replace(configs.matmul_config(dtype, "nt", n, k), block_m=16, block_n=16)
+        w_rows = w.t().contiguous()  # the same B row-major ("nn")
         for bb in (None, bias):
             ref = launch_matmul(x, w.t(), torch.empty(m, n, dtype=dtype, device=DEVICE), bias=bb, config=base)
-            for persistent in (False, True):
+            cases = [(w.t(), True, False), (w.t(), True, True)] + (
+                [(w_rows, False, False)] if bb is None else []
+            )
+            for b, kmajor, persistent in cases:  # (B, K-major, persistent); bias: as for B = W.T
                 cfg = dataclasses.replace(base, tma=True, persistent=persistent)
-                assert _tma_operands(x, w.t(), cfg, None) is not None  # the TMA path is the one tested
-                got = launch_matmul(
-                    x, w.t(), torch.empty(m, n, dtype=dtype, device=DEVICE), bias=bb, config=cfg
-                )
-                assert_bitwise_equal(got, ref, f"{m}x{k}x{n} bias={bb is not None} persistent={persistent}")
-    # not eligible (row-major B, misaligned rows): the pointer kernel, same bits
+                descs = _tma_operands(x, b, cfg, None)
+                if not kmajor and n % 8:  # rows of 36 bf16: not 16-byte aligned, pointer kernel
+                    assert descs is None
+                else:  # the TMA path is the one tested
+                    assert descs is not None and descs[2] == kmajor
+                got = launch_matmul(x, b, torch.empty(m, n, dtype=dtype, device=DEVICE), bias=bb, config=cfg)
+                what = f"{m}x{k}x{n} bias={bb is not None} persistent={persistent} kmajor={kmajor}"
+                assert_bitwise_equal(got, ref, what)
+    # not eligible (misaligned rows, B strided both ways): the pointer kernel, same bits
     x, w = _randn(9, 68, dtype=dtype, seed=1), _randn(20, 68, dtype=dtype, seed=2)
     cfg = dataclasses.replace(configs.matmul_config(dtype, "nt", 20, 68), tma=True)
     assert _tma_operands(x, w.t(), cfg, None) is None  # 68 * 2 bytes is not a multiple of 16
-    b_row_major = _randn(64, 24, dtype=dtype, seed=3)
-    assert _tma_operands(_randn(9, 64, dtype=dtype, seed=4), b_row_major, cfg, None) is None  # "nn"
+    b_strided = _randn(64, 48, dtype=dtype, seed=3)[:, ::2]
+    assert _tma_operands(_randn(9, 64, dtype=dtype, seed=4), b_strided, cfg, None) is None
     assert_bitwise_equal(
         launch_matmul(x, w.t(), torch.empty(9, 20, dtype=dtype, device=DEVICE), config=cfg), matmul(x, w.t())
     )
@@ -152,6 +160,7 @@ def test_row_threshold_switches_kernel_not_bits(monkeypatch):
     (the table's own large "nt" entries): every shared row is bitwise equal, with and without bias."""
     mm = importlib.import_module("det_train.matmul")  # the module (det_train.matmul is also a function)
     monkeypatch.setattr(configs, "TMA_MIN_ROWS", 64)
+    monkeypatch.setattr(configs, "MID_MAX_FILL", 0.0)  # 64 rows in the "many" class, not "mid"
     used = []
     real_launch_tma = mm._launch_tma
     monkeypatch.setattr(mm, "_launch_tma", lambda *a, **kw: used.append("tma") or real_launch_tma(*a, **kw))

@@ -17,7 +17,7 @@ import triton.language as tl
 from det_core import runtime
 
 from ._tiles import INTERPRET, dot_precision, grouped_tile, row_major
-from .configs import WeightGradConfig, weight_grad_config
+from .configs import WeightGradConfig, weight_grad_fold_config
 
 __all__ = ["dw_tma_operands", "fold", "leaf_sum", "leaf_sum_tma", "tma_step", "weight_grad_fold"]
 
@@ -149,7 +149,13 @@ def dw_tma_operands(dy: torch.Tensor, x: torch.Tensor, config: WeightGradConfig,
     )
 
 
-def weight_grad_fold(dy: torch.Tensor, x: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
+def weight_grad_fold(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    acc: torch.Tensor | None = None,
+    *,
+    config: WeightGradConfig | None = None,
+) -> torch.Tensor:
     """A leaf's dW fold continued over the tokens of ``dy`` / ``x``: ``acc`` + dY^T X in ``block_t`` steps.
 
     Args:
@@ -157,6 +163,9 @@ def weight_grad_fold(dy: torch.Tensor, x: torch.Tensor, acc: torch.Tensor | None
         x: ``(T, K)`` the layer's input rows, same dtype and device.
         acc: fp32 ``(N, K)`` contiguous, the fold of the leaf's earlier tokens (None: the leaf's
             first tokens, the fold starts from zero). Not modified.
+        config: override of the fold's tiles (``configs.weight_grad_fold_config``; benchmark
+            sweeps and tests of configs). Its ``block_t`` is the fold's step: the table's keeps the
+            bits of ``weight_grad_partial``; the tile, warps and stages never change bits.
 
     Returns:
         A new fp32 ``(N, K)`` tensor: the fold so far. With ``acc=None`` over a whole leaf it is that
@@ -176,11 +185,12 @@ def weight_grad_fold(dy: torch.Tensor, x: torch.Tensor, acc: torch.Tensor | None
     resume = acc is not None
     key = (
         dy.shape, dy.stride(), x.shape, x.stride(), dy.dtype, dy.device, dy.data_ptr() % 16 == 0,
-        x.data_ptr() % 16 == 0, resume,
+        x.data_ptr() % 16 == 0, resume, config,
     )  # fmt: skip
     plan = _FOLD_PLANS.get(key)
     if plan is None:
-        config = weight_grad_config(dy.dtype, N, K)
+        if config is None:
+            config = weight_grad_fold_config(dy.dtype, N, K)
         descs = dw_tma_operands(dy, x, config, config.block_t)
         if descs is None and config.block_k > 128:  # pointer loads of a 128x256 tile spill: 128x128
             config = dataclasses.replace(config, block_k=128)  # (the tile does not change bits)

@@ -1,16 +1,22 @@
 """The fixed kernel-config table of det_train's matmul and linear kernels (no timing-based autotune).
 
 A config is looked up by **dtype, operand layout and the shape class of N and K**. The number of
-rows M (tokens) takes part in exactly one place, and never in the reduction order: for the
-forward layout ``"nt"`` in the large class, **M selects between two kernels whose bits are
-identical** — the TMA kernel when ``M >= TMA_MIN_ROWS`` (1024; tiles loaded through host tensor
-descriptors) and the pointer kernel below it (measurements: docs/benchmarks). Both entries
-fold K in steps of the same ``block_k`` with the same ``tl.dot``, so a row's bits do not depend on
-which kernel ran (checked on the GPU by
-``test_gpu_tma_and_pointer_kernels_agree_across_the_row_threshold``,
-``test_gpu_row_invariance_real_sizes`` — M from 1 to 8192 across the threshold — and
+rows M (tokens) takes part in the **rows class**, and never in the reduction order: in the large
+class **M selects between tilings and kernels whose bits are identical** —
+
+- ``"few"`` (``"nt"`` only): ``M < TMA_MIN_ROWS`` (1024), the pointer kernel;
+- ``"mid"`` (``"nt"`` and ``"nn"``): the large entry's 128 x 256 output tiles would fill their
+  waves on ``WAVE_SMS`` SMs to less than ``MID_MAX_FILL`` (``wave_fill``: e.g. 48 tiles at
+  M = 2048, N = 768 fill 36% of one wave), so smaller tiles run (128 x 128);
+- ``"many"``: the rest (``"nt"``: the TMA kernel, tiles loaded through host tensor descriptors).
+
+M enters the choice only through the count of output tiles (``wave_fill``). Every entry folds K
+in steps of the same ``block_k`` with the same ``tl.dot``, so a row's bits do not depend on which
+entry ran (checked on the GPU by ``test_gpu_tma_and_pointer_kernels_agree_across_the_row_threshold``,
+``test_gpu_row_invariance_real_sizes`` — M from 1 to 8192 across the thresholds — and
 ``test_gpu_every_config_of_a_dtype_gives_the_same_bits``; on CPU by
-``test_row_threshold_switches_kernel_not_bits``). **M never selects ``block_k``.**
+``test_row_threshold_switches_kernel_not_bits`` and ``test_mid_rows_class_switches_tiles_not_bits``).
+**M never selects ``block_k``.**
 Layouts name which operand is stored K-contiguous: for ``C = A @ B`` with ``A (M, K)`` and ``B (K, N)``,
 
 - ``"nn"``: A row-major (K contiguous), B row-major (N contiguous) — ``dY @ W`` (dX);
@@ -27,7 +33,10 @@ the token step ``block_t`` changes bits (it is the fold step inside a leaf); ``l
 ``lean``, ``pairs``, ``quads``, ``flat``, ``tma`` and ``programs_per_sm`` do not (they choose how
 much of the fixed leaf tree one program computes, where it keeps waiting nodes, how it loads tiles
 and how many programs share an SM). ``check_weight_grad_config`` rejects the combinations the
-kernels do not implement, with a ValueError, before anything compiles.
+kernels do not implement, with a ValueError, before anything compiles. The open leaf's resumable
+dW fold (``weight_grad_fold``, one program per output tile over a micro-batch's tokens of one
+leaf) has its own tiles (``weight_grad_fold_config``: smaller ones for layers with few tiles);
+its token step is the dW entry's ``block_t``, so it continues the same fold.
 """
 
 from __future__ import annotations
@@ -39,8 +48,11 @@ import torch
 
 __all__ = [
     "BIAS_GRAD_BLOCK_T",
-    "WIDE_MIN_ELEMENTS",
+    "FOLD_MID_MAX_ELEMENTS",
+    "MID_MAX_FILL",
     "TMA_MIN_ROWS",
+    "WAVE_SMS",
+    "WIDE_MIN_ELEMENTS",
     "MatmulConfig",
     "WeightGradConfig",
     "check_weight_grad_config",
@@ -48,7 +60,9 @@ __all__ = [
     "matmul_config",
     "rows_class",
     "shape_class",
+    "wave_fill",
     "weight_grad_config",
+    "weight_grad_fold_config",
 ]
 
 
@@ -101,13 +115,23 @@ _HALF = (torch.bfloat16, torch.float16)
 # the same block_k and dot, hence the same bits: the threshold only picks the faster kernel.
 TMA_MIN_ROWS = 1024
 
+# The rows class "mid": a large-class call whose 128 x 256 output tiles would fill their waves on
+# WAVE_SMS SMs (an H200's 132) to less than MID_MAX_FILL takes the "mid" entry's smaller tiles (the
+# main job's 768-wide layers at micro-batches of 2048-8192 tokens). Tiles never change bits.
+WAVE_SMS = 132
+MID_MAX_FILL = 0.75
+_WAVE_TILE = (128, 256)  # the output tile of the large entries, which the wave fill is computed for
+
 # (dtype group, layout, shape class of N and K, rows class) -> config. Shape class "large": N >= 256
-# and K >= 256. Rows class "any" except for the large forward ("nt"): "many" (M >= TMA_MIN_ROWS) and
-# "few" (M < TMA_MIN_ROWS) — two kernels with one block_k, so the same bits (module docstring).
-# Chosen from benchmarks/ablate_matmul.py on an H200 (the numbers: docs/benchmarks, runs 4-10).
+# and K >= 256. Rows class (rows_class): "few" (M < TMA_MIN_ROWS), "mid" (low wave fill), "many";
+# a layout without an entry for the class takes its "any" entry. Every entry has one block_k per
+# dtype, so the same bits (module docstring). Chosen from benchmarks/ablate_matmul.py and
+# benchmarks/sweep_micro_batches.py on an H200 (the numbers: docs/benchmarks).
 _MATMUL_TABLE: dict[tuple[str, str, str, str], MatmulConfig] = {
+    ("half", "nn", "large", "mid"): MatmulConfig(128, 128, 64, 8, 8, 4),
     ("half", "nn", "large", "any"): MatmulConfig(128, 256, 64, 8, 8, 4),
     ("half", "nt", "large", "many"): MatmulConfig(128, 256, 64, 8, 8, 4, tma=True),
+    ("half", "nt", "large", "mid"): MatmulConfig(128, 128, 64, 8, 8, 4, tma=True),
     ("half", "nt", "large", "few"): MatmulConfig(128, 256, 64, 8, 8, 3),
     ("half", "tn", "large", "any"): MatmulConfig(128, 256, 64, 8, 8, 3),
     ("half", "tt", "large", "any"): MatmulConfig(128, 256, 64, 8, 8, 3),
@@ -160,6 +184,15 @@ _WEIGHT_GRAD_TABLE: dict[tuple[str, str], WeightGradConfig] = {
     ("fp32", "any"): WeightGradConfig(64, 64, 32, 8, 4, 3, 1),
 }
 
+# The open leaf's fold (one program per output tile, all of a micro-batch's tokens of the leaf in
+# sequence): large-class layers below FOLD_MID_MAX_ELEMENTS (the main job's 768 x 768 and 256 x 768:
+# 36 and 12 tiles of 128 x 128 for 132 SMs) fold in smaller tiles; the others in their dW entry's.
+# The token step is the dW entry's (block_t 64), so the fold's bits are unchanged.
+FOLD_MID_MAX_ELEMENTS = 1 << 20
+_WEIGHT_GRAD_FOLD_TABLE: dict[tuple[str, str], WeightGradConfig] = {
+    ("half", "mid"): WeightGradConfig(64, 128, 64, 8, 4, 4, 1),
+}
+
 
 def _dtype_group(dtype: torch.dtype) -> str:
     if dtype in _HALF:
@@ -182,24 +215,48 @@ def layout_of(a: torch.Tensor, b: torch.Tensor) -> str:
     return a_t + b_t
 
 
-def rows_class(rows: int | None) -> str:
-    """``"many"`` when ``rows >= TMA_MIN_ROWS`` (or ``rows`` is None), else ``"few"``; selects only
-    between kernels of one ``block_k`` (the same bits), never the reduction order."""
-    return "many" if rows is None or rows >= TMA_MIN_ROWS else "few"
+def wave_fill(rows: int, n: int, block_m: int = _WAVE_TILE[0], block_n: int = _WAVE_TILE[1]) -> float:
+    """How full the waves of ``block_m x block_n`` output tiles of an ``(rows, n)`` result are on
+    ``WAVE_SMS`` SMs: tiles / (waves * WAVE_SMS), in (0, 1] (0 for an empty result).
+
+    One program per tile and SM: 48 tiles fill 36% of one wave, 144 tiles 55% of two, 128 tiles
+    97% of one. Depends on M only through the tile count; never part of a reduction order.
+    """
+    tiles = -(-rows // block_m) * -(-n // block_n)
+    if tiles <= 0:
+        return 0.0
+    waves = -(-tiles // WAVE_SMS)
+    return tiles / (waves * WAVE_SMS)
+
+
+def rows_class(rows: int | None, n: int | None = None) -> str:
+    """The rows class of an ``(rows, n)`` result: ``"few"`` when ``rows < TMA_MIN_ROWS``, else
+    ``"mid"`` when ``n`` is given and ``wave_fill(rows, n) < MID_MAX_FILL``, else ``"many"``
+    (also for ``rows`` None). Selects only between tilings and kernels of one ``block_k`` (the
+    same bits), never the reduction order."""
+    if rows is None:
+        return "many"
+    if rows < TMA_MIN_ROWS:
+        return "few"
+    if n is not None and wave_fill(rows, n) < MID_MAX_FILL:
+        return "mid"
+    return "many"
 
 
 def matmul_config(dtype: torch.dtype, layout: str, n: int, k: int, rows: int | None = None) -> MatmulConfig:
     """The config of ``C (M, N) = A (M, K) @ B (K, N)`` for ``dtype`` and ``layout``.
 
-    ``rows`` (M of the 2-D problem; None: many rows) picks the TMA or the pointer kernel of the
-    large ``"nt"`` entry — two kernels with the same ``block_k``, so the same bits; it never
-    changes ``block_k`` (see the module docstring).
+    ``rows`` (M of the 2-D problem; None: many rows) gives the rows class (``rows_class(rows,
+    n)``): the large ``"nt"`` entry's TMA or pointer kernel, and the ``"mid"`` entries' smaller
+    tiles where the large tiles would leave SMs idle — all with the same ``block_k``, so the same
+    bits; it never changes ``block_k`` (see the module docstring). A layout without an entry for
+    the rows class takes its ``"any"`` entry.
     """
     group = _dtype_group(dtype)
     if group == "fp32":
         return _MATMUL_TABLE[("fp32", "any", "any", "any")]
     key = (group, layout, shape_class(n, k))
-    return _MATMUL_TABLE.get((*key, rows_class(rows))) or _MATMUL_TABLE[(*key, "any")]
+    return _MATMUL_TABLE.get((*key, rows_class(rows, n))) or _MATMUL_TABLE[(*key, "any")]
 
 
 def weight_grad_config(dtype: torch.dtype, n: int, k: int) -> WeightGradConfig:
@@ -213,6 +270,17 @@ def weight_grad_config(dtype: torch.dtype, n: int, k: int) -> WeightGradConfig:
     if shape == "large" and n * k >= WIDE_MIN_ELEMENTS:
         shape = "wide"
     return _WEIGHT_GRAD_TABLE[(group, shape)]
+
+
+def weight_grad_fold_config(dtype: torch.dtype, n: int, k: int) -> WeightGradConfig:
+    """The tiles of the open leaf's dW fold (``weight_grad_fold``) for ``dW (N, K)``: the
+    ``("half", "mid")`` fold entry for large-class layers with ``n * k < FOLD_MID_MAX_ELEMENTS``
+    (few output tiles: smaller ones keep more SMs busy), else ``weight_grad_config``'s entry.
+    ``block_t`` is always ``weight_grad_config``'s, so the fold has the bits of the dW kernels."""
+    base = weight_grad_config(dtype, n, k)
+    if _dtype_group(dtype) == "half" and shape_class(n, k) == "large" and n * k < FOLD_MID_MAX_ELEMENTS:
+        return _WEIGHT_GRAD_FOLD_TABLE[("half", "mid")]
+    return base
 
 
 @functools.lru_cache(maxsize=256)  # configs are frozen (hashable); checked once each, not per launch

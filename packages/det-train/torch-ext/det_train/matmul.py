@@ -2,11 +2,12 @@
 
 Each output tile is a sequential fp32 fold over K in steps of ``block_k`` (one ``tl.dot`` per step,
 K ascending from 0). The config comes from a fixed table keyed by dtype, operand layout and the
-shape class of N and K (``configs.py``); M only picks, for the large forward ``x @ W.T``, between
-the TMA kernel (M >= ``configs.TMA_MIN_ROWS``) and the pointer kernel, which have the same
-``block_k`` and the same bits (tested on the GPU across the threshold). There is no split-K: a
-row's bits depend only on that row of A, on B and on K, never on M or the row's position. Operands are read
-through their strides (transposed and sliced views are not copied).
+shape class of N and K (``configs.py``); M only picks the rows class — for the large forward
+``x @ W.T`` the TMA kernel (M >= ``configs.TMA_MIN_ROWS``) or the pointer kernel, and for the
+forward and dX smaller output tiles where the large ones would leave SMs idle (``configs.wave_fill``)
+— all with the same ``block_k`` and the same bits (tested on the GPU across the thresholds).
+There is no split-K: a row's bits depend only on that row of A, on B and on K, never on M or the
+row's position. Operands are read through their strides (transposed and sliced views are not copied).
 
 Row-parallel chaining: ``matmul_partial(a, b, carry=c)`` continues the fp32 fold from ``c``, so
 cutting K at multiples of ``block_k`` into consecutive parts and chaining the parts' fp32
@@ -23,6 +24,7 @@ import triton.language as tl
 from det_core import runtime
 
 from . import configs
+from ._library import op_name
 from ._tiles import (
     INTERPRET,
     bf16_by_bits,
@@ -160,8 +162,9 @@ def _matmul_tma_kernel(
 
 
 def _tma_operands(a: torch.Tensor, b: torch.Tensor, config: MatmulConfig, carry) -> tuple | None:
-    """Host TMA descriptors of A and of B = W.T as W (N, K), or None when the call does not qualify
-    (batched, carry, fp32, B not K-contiguous, strides or addresses not 16-byte aligned)."""
+    """Host TMA descriptors of A and of B, and whether B is K-major: B = W.T described as W (N, K)
+    (``"nt"``), or a row-major B (K, N) itself (``"nn"``); None when the call does not qualify
+    (batched, carry, fp32, B neither K- nor N-contiguous, strides or addresses not 16-byte aligned)."""
     if carry is not None or a.dim() != 2 or b.dim() != 2 or a.dtype not in (torch.bfloat16, torch.float16):
         return None
     if a.stride(1) != 1 or a.stride(0) % 8 or a.data_ptr() % 16 or b.data_ptr() % 16:
@@ -179,19 +182,24 @@ def _tma_operands(a: torch.Tensor, b: torch.Tensor, config: MatmulConfig, carry)
             TensorDescriptor(b.t(), [N, K], [b.stride(1), 1], [config.block_n, config.block_k]),
             True,
         )
-    return None  # row-major B ("nn"): the pointer kernel (already ~0.95x cuBLAS for dX)
+    if b.stride(1) == 1 and b.stride(0) % 8 == 0:  # row-major B ("nn", dX = dY @ W): (BLOCK_K, BLOCK_N)
+        return a_desc, TensorDescriptor(b, [K, N], [b.stride(0), 1], [config.block_k, config.block_n]), False
+    return None
 
 
 class _Plan:
     """The launch of one matmul call signature (shapes, strides, dtypes, alignment, config): the
     kernel with its sizes, strides and constexprs bound; the calls pass the tensors."""
 
-    __slots__ = ("tma", "grid", "launch", "a_desc", "b_desc")
+    __slots__ = ("tma", "grid", "launch", "a_desc", "b_desc", "b_kmajor")
 
-    def __init__(self, tma, grid, kernel, n_tensors, scalars, meta, a_desc=None, b_desc=None) -> None:
+    def __init__(
+        self, tma, grid, kernel, n_tensors, scalars, meta, a_desc=None, b_desc=None, b_kmajor=True
+    ) -> None:
         self.tma, self.grid = tma, grid
         self.launch = runtime.BoundLaunch(kernel, n_tensors, scalars, **meta)
         self.a_desc, self.b_desc = a_desc, b_desc
+        self.b_kmajor = b_kmajor  # TMA: B's descriptor is of W = B.T (True) or of B itself
 
 
 # Launch plans by call signature: the host side of a matmul is then a dict lookup and the launch
@@ -204,7 +212,7 @@ def _plan_key(a, b, out, carry, bias, config, transposed_b: bool) -> tuple:
     return (
         a.shape, a.stride(), b.shape, b.stride(), out.shape, out.stride(), a.dtype, out.dtype, a.device,
         a.data_ptr() % 16 == 0, b.data_ptr() % 16 == 0, None if carry is None else carry.stride(),
-        bias is None, config, transposed_b, configs.TMA_MIN_ROWS,
+        bias is None, config, transposed_b, configs.TMA_MIN_ROWS, configs.MID_MAX_FILL, configs.WAVE_SMS,
     )  # fmt: skip
 
 
@@ -214,7 +222,7 @@ def _make_plan(key, a, b, out, carry, bias, config) -> _Plan:
         out = out.view(-1, out.shape[-1])
     M, K = a.shape[-2:]
     N = b.shape[-1]
-    if config is None:  # M picks the TMA or the pointer kernel, never block_k (same bits)
+    if config is None:  # M picks the rows class (kernel and tiles), never block_k (same bits)
         config = matmul_config(a.dtype, layout_of(a, b), N, K, rows=M)
     common = dict(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
@@ -232,7 +240,7 @@ def _make_plan(key, a, b, out, carry, bias, config) -> _Plan:
                 common, B_KMAJOR=b_kmajor, PERSISTENT=config.persistent, UPCAST=INTERPRET,
                 num_warps=config.num_warps, num_stages=config.num_stages,
             ),
-            runtime.DescriptorTemplate(a_desc), runtime.DescriptorTemplate(b_desc),
+            runtime.DescriptorTemplate(a_desc), runtime.DescriptorTemplate(b_desc), b_kmajor,
         )  # fmt: skip
     else:
         a3, saz = _as_batched(a)
@@ -298,7 +306,7 @@ def launch_matmul(
     if bias is not None:
         bias = bias.contiguous()
     if plan.tma:
-        return _launch_tma(plan, plan.a_desc(a), plan.b_desc(b.t()), out, bias)
+        return _launch_tma(plan, plan.a_desc(a), plan.b_desc(b.t() if plan.b_kmajor else b), out, bias)
     # a 2-D operand is passed as it is: the kernel reads it through the plan's strides (batch stride 0)
     plan.launch(plan.grid, a, b, out, carry if carry is not None else out, bias if bias is not None else out)
     return out
@@ -315,7 +323,9 @@ def launch_linear(x2d: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bi
     if bias is not None:
         bias = bias.contiguous()
     if plan.tma:
-        return _launch_tma(plan, plan.a_desc(x2d), plan.b_desc(weight), out, bias)
+        return _launch_tma(
+            plan, plan.a_desc(x2d), plan.b_desc(weight if plan.b_kmajor else weight.t()), out, bias
+        )
     plan.launch(plan.grid, x2d, weight, out, out, bias if bias is not None else out)
     return out
 
@@ -406,13 +416,29 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             "det_train.matmul has no backward: use det_train.linear (canonical-order dW) for trainable "
             "weights, det_train.deterministic_mode() for whole models, or call it under torch.no_grad()"
         )
-    return forward_matmul(a, b)
+    check_operands(a, b, "det_train.matmul")
+    _batch_shape(a, b)  # the broadcast error, before the op (also while torch.compile traces)
+    return matmul_op(a, b)
+
+
+def _batch_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[int, ...]:
+    """The broadcast batch shape of ``a @ b`` (``()`` for 2-D operands), or ``_broadcast``'s ValueError."""
+    if a.dim() == 2 and b.dim() == 2:
+        return ()
+    try:
+        return tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    except RuntimeError:
+        raise ValueError(
+            f"det_train.matmul: batch dims do not broadcast: a is {tuple(a.shape)}, b is "
+            f"{tuple(b.shape)} (batch {tuple(a.shape[:-2])} vs {tuple(b.shape[:-2])}); each pair of "
+            "batch sizes, aligned from the right, must be equal or 1, as in torch.matmul"
+        ) from None
 
 
 def forward_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``matmul`` without the autograd check, for kernels registered below autograd
     (``deterministic_mode``'s routed ``mm`` / ``bmm``: autograd records the op's own backward
-    there, and the operands still report ``requires_grad``)."""
+    there, and the operands still report ``requires_grad``) and for the ``det_train::matmul`` op."""
     check_operands(a, b, "det_train.matmul")
     a_v, b_v, batch = _broadcast(a, b)
     M, K = a_v.shape[-2:]
@@ -466,8 +492,7 @@ def matmul_partial(
     check_operands(a, b, "det_train.matmul_partial")
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError("det_train.matmul_partial takes 2-D a and b")
-    M, K = a.shape
-    N = b.shape[1]
+    M, N = a.shape[0], b.shape[1]
     if carry is not None and (
         carry.dtype != torch.float32 or tuple(carry.shape) != (M, N) or carry.device != a.device
     ):
@@ -479,6 +504,15 @@ def matmul_partial(
         if not finish:
             raise ValueError("bias is added by the last part only: pass finish=True with it")
         check_bias(bias, N, a, "det_train.matmul_partial")
+    return matmul_partial_op(a, b, carry, bias, bool(finish))
+
+
+def chain_part(
+    a: torch.Tensor, b: torch.Tensor, carry: torch.Tensor | None, bias: torch.Tensor | None, finish: bool
+) -> torch.Tensor:
+    """``matmul_partial`` after its checks: the launch (also the ``det_train::matmul_partial`` op)."""
+    M, K = a.shape
+    N = b.shape[1]
     out = torch.empty((M, N), dtype=a.dtype if finish else torch.float32, device=a.device)
     if out.numel() == 0:
         return out
@@ -501,3 +535,31 @@ def check_bias(bias: torch.Tensor, n: int, like: torch.Tensor, op: str) -> None:
         raise TypeError(f"{op}: bias dtype {bias.dtype} differs from the input dtype {like.dtype}")
     if bias.device != like.device:
         raise ValueError(f"{op}: bias is on {bias.device}, the inputs on {like.device}")
+
+
+# ----------------------------------------------------------------------------- torch.library ops
+# Forward only (no autograd formula: a backward through them raises torch's "no autograd formula"
+# RuntimeError; the public functions refuse operands that require grad, or are used where autograd
+# has its own formula). Opaque to torch.compile: Inductor runs them as they are.
+@torch.library.custom_op(op_name("matmul"), mutates_args=())
+def matmul_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The ``det_train::matmul`` op: ``forward_matmul(a, b)`` (``matmul`` after its checks)."""
+    return forward_matmul(a, b)
+
+
+@matmul_op.register_fake
+def _(a, b):
+    return a.new_empty((*_batch_shape(a, b), a.shape[-2], b.shape[-1]))
+
+
+@torch.library.custom_op(op_name("matmul_partial"), mutates_args=())
+def matmul_partial_op(
+    a: torch.Tensor, b: torch.Tensor, carry: torch.Tensor | None, bias: torch.Tensor | None, finish: bool
+) -> torch.Tensor:
+    """The ``det_train::matmul_partial`` op: ``chain_part`` (``matmul_partial`` after its checks)."""
+    return chain_part(a, b, carry, bias, finish)
+
+
+@matmul_partial_op.register_fake
+def _(a, b, carry, bias, finish):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=a.dtype if finish else torch.float32)
