@@ -18,47 +18,69 @@ import math
 import torch
 from det_core import runtime
 
-from .linear import param_grads
-from .matmul import launch_matmul
+from ._library import op_name
+from .linear import GradPlan, param_grads, plan_grads
+from .matmul import launch_matmul, matmul_op
 
 __all__ = ["Conv1D", "conv1d"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-class _Conv1DFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        x2d = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
-        n = weight.shape[1]
-        y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-        if y.numel() and x2d.shape[1]:
-            launch_matmul(x2d, weight, y, bias=bias)
-        elif y.numel():
-            y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
-        ctx.save_for_backward(x2d, weight)
-        ctx.weight, ctx.bias, ctx.x_shape = weight, bias, x.shape  # the Parameters: deposits key by identity
-        return y
+# ----------------------------------------------------------------------------- torch.library ops
+@torch.library.custom_op(op_name("conv1d"), mutates_args=())
+def conv1d_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    ticket: torch.Tensor | None,
+    leaf_tokens: int,
+    deposit_weight: bool,
+    deposit_bias: bool,
+) -> torch.Tensor:
+    """The ``det_train::conv1d`` op: ``y = x @ weight + bias`` (``conv1d`` after its checks).
 
-    @staticmethod
-    def backward(ctx, dy):
-        runtime.check_first_order("det_train.conv1d")
-        x2d, weight = ctx.saved_tensors
-        k, n = weight.shape
-        dy2d = dy.reshape(x2d.shape[0], n)
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch.empty(ctx.x_shape, dtype=dy.dtype, device=dy.device)
-            if grad_x.numel() and n:
-                launch_matmul(dy2d, weight.t(), grad_x)
-            else:
-                grad_x.zero_()
-        bias = ctx.bias
-        want_w, want_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
-        # dW (in, out) = X^T dY: a Linear's dW with the per-token operands exchanged
-        grad_w, _ = param_grads(x2d, dy2d, ctx.weight, None, want_w, False)
-        _, grad_b = param_grads(dy2d, x2d, ctx.weight, bias, False, want_b)
-        return grad_x, grad_w, grad_b
+    ``ticket``, ``leaf_tokens`` and the ``deposit_*`` flags are ``linear.plan_grads``'s, for the backward.
+    """
+    x2d = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+    n = weight.shape[1]
+    y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    if y.numel() and x2d.shape[1]:
+        launch_matmul(x2d, weight, y, bias=bias)
+    elif y.numel():
+        y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
+    return y
+
+
+@conv1d_op.register_fake
+def _(x, weight, bias, ticket, leaf_tokens, deposit_weight, deposit_bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[1]))
+
+
+def _conv1d_setup(ctx, inputs, output):
+    x, weight, bias, ticket, leaf_tokens, deposit_weight, deposit_bias = inputs
+    ctx.save_for_backward(x, weight, bias)  # saved leaves unpack as the Parameters: deposits key by identity
+    ctx.has_bias = bias is not None
+    ctx.plan = GradPlan(leaf_tokens, deposit_weight, deposit_bias, ticket)  # the ticket: not saved
+
+
+def _conv1d_backward(ctx, dy):
+    runtime.check_first_order("det_train.conv1d")
+    x, weight, bias = ctx.saved_tensors
+    k, n = weight.shape
+    x2d = x.reshape(math.prod(x.shape[:-1]), k)
+    dy2d = dy.reshape(x2d.shape[0], n)
+    grad_x = None
+    if ctx.needs_input_grad[0]:
+        grad_x = matmul_op(dy2d, weight.t()).view(x.shape)
+    want_w, want_b = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
+    # dW (in, out) = X^T dY: a Linear's dW with the per-token operands exchanged
+    grad_w, _ = param_grads(x2d, dy2d, weight, None, want_w, False, ctx.plan)
+    _, grad_b = param_grads(dy2d, x2d, weight, bias, False, want_b, ctx.plan)
+    return grad_x, grad_w, grad_b, None, None, None, None
+
+
+conv1d_op.register_autograd(_conv1d_backward, setup_context=_conv1d_setup)
 
 
 def conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -109,7 +131,8 @@ def conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if bias is not None and tuple(bias.shape) != (weight.shape[1],):
         raise ValueError(f"{op}: bias must have shape ({weight.shape[1]},), got {tuple(bias.shape)}")
     runtime.check_kernel_device(x, weight, *(() if bias is None else (bias,)), op=op)
-    return _Conv1DFunction.apply(x, weight, bias)
+    plan = plan_grads(math.prod(x.shape[:-1]), weight, bias)
+    return conv1d_op(x, weight, bias, plan.ticket, plan.leaf_tokens, plan.weight, plan.bias)
 
 
 class Conv1D(torch.nn.Module):

@@ -18,6 +18,7 @@ from det_core import runtime
 from det_core.runtime import as_index, check_kernel_device
 
 from ._leaf_sums import leaf_layout, tree_in_place
+from ._library import op_name
 
 __all__ = ["cross_entropy"]
 
@@ -108,65 +109,141 @@ def _token_leaf_sum_kernel(loss_ptr, out_ptr, N, LEAF: tl.constexpr, LANES: tl.c
 _LANES = 128  # changes bits of the loss sum (fixed)
 
 
-class _CrossEntropyFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits2, targets1, ignore_index, reduction, denominator):
-        n, v = logits2.shape
-        loss = torch.empty((n,), dtype=torch.float32, device=logits2.device)
-        lse = torch.empty((n,), dtype=torch.float32, device=logits2.device)
-        if n:
-            runtime.launch(
-                _ce_fwd_kernel,
-                (n,),
-                logits2,
-                targets1,
-                loss,
-                lse,
-                v,
-                logits2.stride(0),
-                ignore_index,
-                BLOCK_V=_fwd_config(v)[0],
-                num_warps=_fwd_config(v)[1],
+# ----------------------------------------------------------------------------- torch.library ops
+@torch.library.custom_op(op_name("cross_entropy"), mutates_args=())
+def cross_entropy_op(
+    logits2: torch.Tensor,
+    targets1: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    num_global_tokens: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``det_train::cross_entropy`` op on ``(N, V)`` logits and ``(N,)`` int64 targets
+    (``cross_entropy`` after its checks): ``(loss, lse, denominator)``, ``loss`` the fp32 per-token
+    losses (``"none"``) or their canonical sum (``"sum"``) or mean (``"mean"``), ``lse (N,)`` fp32
+    for the backward, ``denominator`` a CPU int64 scalar (``num_global_tokens``, else the counted
+    tokens; 0 when unused). The target range check and the token count read device values here
+    (one host sync), skipped during CUDA graph capture."""
+    n, v = logits2.shape
+    count = None
+    if logits2.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # CUDA graph capture: reading a device value (the range check, the token count) is
+        # impossible here; the graph replays the kernels on whatever targets the buffer holds
+        if reduction == "mean" and num_global_tokens is None and targets1.numel():
+            raise RuntimeError(
+                "cross_entropy: reduction='mean' without num_global_tokens counts the non-ignored tokens "
+                "on the host, which CUDA graph capture cannot do; pass num_global_tokens"
             )
-        ctx.save_for_backward(logits2, targets1, lse)
-        ctx.ignore_index, ctx.reduction, ctx.denominator = ignore_index, reduction, denominator
-        if reduction == "none":
-            return loss
-        total = _canonical_token_sum(loss)
-        return total if reduction == "sum" else total / denominator
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        runtime.check_first_order("det_train.cross_entropy")
-        logits2, targets1, lse = ctx.saved_tensors
-        n, v = logits2.shape
-        dx = torch.empty_like(logits2, memory_format=torch.contiguous_format)
-        if ctx.reduction == "none":
-            scale, scale_stride = grad_out.to(torch.float32).contiguous(), 1
-        elif ctx.reduction == "sum":
-            scale, scale_stride = grad_out.to(torch.float32).reshape(1), 0
+    elif targets1.numel():
+        valid = targets1 != ignore_index
+        # one host sync for the range check and (mean without num_global_tokens) the token count
+        bad = (valid & ((targets1 < 0) | (targets1 >= v))).any()
+        if reduction == "mean" and num_global_tokens is None:
+            n_bad, count = torch.stack([bad.to(torch.int64), valid.sum()]).tolist()
         else:
-            # the same fp32 scalar for every token of every micro-batch: elementwise, so split-invariant
-            scale, scale_stride = (grad_out.to(torch.float32) / ctx.denominator).reshape(1), 0
-        if n:
-            block = min(MAX_BWD_BLOCK_V, runtime.next_power_of_2(v))
-            grid = (n, runtime.cdiv(v, block))
-            runtime.launch(
-                _ce_bwd_kernel,
-                grid,
-                logits2,
-                targets1,
-                lse,
-                scale,
-                dx,
-                v,
-                logits2.stride(0),
-                dx.stride(0),
-                scale_stride,
-                ctx.ignore_index,
-                BLOCK_V=block,
-            )
-        return dx, None, None, None, None
+            n_bad = int(bad)
+        if n_bad:
+            first = int(targets1[valid & ((targets1 < 0) | (targets1 >= v))][0])
+            raise ValueError(f"cross_entropy: target {first} is outside [0, {v}) and is not ignore_index")
+    denominator = 0
+    if reduction == "mean":
+        denominator = num_global_tokens if num_global_tokens is not None else int(count or 0)
+    loss = torch.empty((n,), dtype=torch.float32, device=logits2.device)
+    lse = torch.empty((n,), dtype=torch.float32, device=logits2.device)
+    if n:
+        runtime.launch(
+            _ce_fwd_kernel,
+            (n,),
+            logits2,
+            targets1,
+            loss,
+            lse,
+            v,
+            logits2.stride(0),
+            ignore_index,
+            BLOCK_V=_fwd_config(v)[0],
+            num_warps=_fwd_config(v)[1],
+        )
+    count_t = torch.tensor(denominator, dtype=torch.int64)  # a CPU scalar: no device copy
+    if reduction == "none":
+        return loss, lse, count_t
+    total = _canonical_token_sum(loss)
+    # a Python int divisor, as before (on CUDA a CPU scalar divides as a * (1 / b), a device one does not)
+    return (total if reduction == "sum" else total / denominator), lse, count_t
+
+
+@cross_entropy_op.register_fake
+def _(logits2, targets1, ignore_index, reduction, num_global_tokens):
+    n = logits2.shape[0]
+    loss = logits2.new_empty((n,) if reduction == "none" else (), dtype=torch.float32)
+    count = torch.empty((), dtype=torch.int64, device="cpu")
+    return loss, logits2.new_empty((n,), dtype=torch.float32), count
+
+
+def _cross_entropy_setup(ctx, inputs, output):
+    logits2, targets1, ignore_index, reduction, num_global_tokens = inputs
+    ctx.save_for_backward(logits2, targets1, output[1], output[2])
+    ctx.ignore_index, ctx.reduction = ignore_index, reduction
+
+
+def _cross_entropy_backward(ctx, grad_out, _dlse, _dcount):
+    runtime.check_first_order("det_train.cross_entropy")
+    logits2, targets1, lse, denominator = ctx.saved_tensors
+    dx = cross_entropy_backward_op(
+        grad_out, logits2, targets1, lse, denominator, ctx.ignore_index, ctx.reduction
+    )
+    return dx, None, None, None, None
+
+
+cross_entropy_op.register_autograd(_cross_entropy_backward, setup_context=_cross_entropy_setup)
+
+
+@torch.library.custom_op(op_name("cross_entropy_backward"), mutates_args=())
+def cross_entropy_backward_op(
+    grad_out: torch.Tensor,
+    logits2: torch.Tensor,
+    targets1: torch.Tensor,
+    lse: torch.Tensor,
+    denominator: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+) -> torch.Tensor:
+    """The ``det_train::cross_entropy_backward`` op: dlogits ``(N, V)`` = ``(softmax - onehot) * scale``,
+    one fp32 scale per token (``"none"``) or for all (``grad_out``, divided by ``denominator`` for
+    ``"mean"``)."""
+    n, v = logits2.shape
+    dx = torch.empty_like(logits2, memory_format=torch.contiguous_format)
+    if reduction == "none":
+        scale, scale_stride = grad_out.to(torch.float32).contiguous(), 1
+    elif reduction == "sum":
+        scale, scale_stride = grad_out.to(torch.float32).reshape(1), 0
+    else:
+        # the same fp32 scalar for every token of every micro-batch: elementwise, so split-invariant
+        scale, scale_stride = (grad_out.to(torch.float32) / int(denominator)).reshape(1), 0
+    if n:
+        block = min(MAX_BWD_BLOCK_V, runtime.next_power_of_2(v))
+        grid = (n, runtime.cdiv(v, block))
+        runtime.launch(
+            _ce_bwd_kernel,
+            grid,
+            logits2,
+            targets1,
+            lse,
+            scale,
+            dx,
+            v,
+            logits2.stride(0),
+            dx.stride(0),
+            scale_stride,
+            ignore_index,
+            BLOCK_V=block,
+        )
+    return dx
+
+
+@cross_entropy_backward_op.register_fake
+def _(grad_out, logits2, targets1, lse, denominator, ignore_index, reduction):
+    return torch.empty_like(logits2, memory_format=torch.contiguous_format)
 
 
 def _canonical_token_sum(loss: torch.Tensor) -> torch.Tensor:
@@ -297,28 +374,6 @@ def cross_entropy(
     if logits2.stride(-1) != 1:
         logits2 = logits2.contiguous()
     targets1 = targets.reshape(-1).to(torch.int64).contiguous()
-    count = None
-    if logits2.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        # CUDA graph capture: reading a device value (the range check, the token count) is
-        # impossible here; the graph replays the kernels on whatever targets the buffer holds
-        if reduction == "mean" and num_global_tokens is None and targets1.numel():
-            raise RuntimeError(
-                "cross_entropy: reduction='mean' without num_global_tokens counts the non-ignored tokens "
-                "on the host, which CUDA graph capture cannot do; pass num_global_tokens"
-            )
-    elif targets1.numel():
-        valid = targets1 != ignore_index
-        # one host sync for the range check and (mean without num_global_tokens) the token count
-        bad = (valid & ((targets1 < 0) | (targets1 >= v))).any()
-        if reduction == "mean" and num_global_tokens is None:
-            n_bad, count = torch.stack([bad.to(torch.int64), valid.sum()]).tolist()
-        else:
-            n_bad = int(bad)
-        if n_bad:
-            first = int(targets1[valid & ((targets1 < 0) | (targets1 >= v))][0])
-            raise ValueError(f"cross_entropy: target {first} is outside [0, {v}) and is not ignore_index")
-    denominator = None
-    if reduction == "mean":
-        denominator = num_global_tokens if num_global_tokens is not None else int(count or 0)
-    out = _CrossEntropyFunction.apply(logits2, targets1, int(ignore_index), reduction, denominator)
+    # the target range check and the token count read device values: in the op, when it runs
+    out = cross_entropy_op(logits2, targets1, int(ignore_index), reduction, num_global_tokens)[0]
     return out.view(targets.shape) if reduction == "none" else out

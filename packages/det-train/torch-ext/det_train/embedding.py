@@ -32,7 +32,15 @@ from det_core import runtime
 from det_core.reduce import TreePartial, num_leaves
 from det_core.runtime import as_index, check_kernel_device
 
-from ._leaf_sums import cast_out, coarsen, dyadic_nodes, leaf_layout, tree_combine
+from ._leaf_sums import cast_out, coarsen, dyadic_nodes, sub_leaf_tokens, tree_combine
+from ._library import (
+    accumulation,
+    active_accumulator,
+    deposit_ticket,
+    finish_deposit,
+    op_name,
+    tracked_parameter,
+)
 
 __all__ = ["Embedding", "embedding"]
 
@@ -207,36 +215,111 @@ def _weight_grad(ids, dy, v: int, leaf: int, first_leaf: int, out_dtype, node_ta
     return partial
 
 
-class _EmbeddingFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, ids, weight, padding_idx):
-        ctx.save_for_backward(ids)
-        ctx.weight, ctx.padding_idx = weight, padding_idx
-        return weight[ids]
+def _grad_rows(ids: torch.Tensor, dy: torch.Tensor, d: int, padding_idx: int | None):
+    """The backward's rows: token ids ``(M,)`` and ``dy (M, D)`` (unit last stride), the padded
+    tokens' rows replaced by exact zeros (their row's gradient is +0.0)."""
+    flat = ids.reshape(-1)
+    dy2 = dy.reshape(flat.shape[0], d)
+    if dy2.stride(-1) != 1:
+        dy2 = dy2.contiguous()
+    if padding_idx is not None:
+        dy2 = torch.where((flat == padding_idx).unsqueeze(1), 0.0, dy2)
+    return flat, dy2
 
-    @staticmethod
-    def backward(ctx, dy):
-        runtime.check_first_order("det_train.embedding")
-        (ids,) = ctx.saved_tensors
-        weight = ctx.weight
-        if not ctx.needs_input_grad[1]:
-            return None, None, None
-        v, d = weight.shape
-        flat = ids.reshape(-1)
-        m = flat.shape[0]
-        if m == 0:
-            return None, torch.zeros_like(weight), None
-        dy2 = dy.reshape(m, d)
-        if dy2.stride(-1) != 1:
-            dy2 = dy2.contiguous()
-        if ctx.padding_idx is not None:  # padded tokens add exact zeros: their row's gradient is +0.0
-            dy2 = torch.where((flat == ctx.padding_idx).unsqueeze(1), 0.0, dy2)
-        acc, leaf, sub, _ = leaf_layout(1)
-        if acc is None or not weight.is_leaf:  # the tree over sub-leaves (of this call's tokens)
-            return None, _weight_grad(flat, dy2, v, sub, 0, weight.dtype, node_tables=False), None
-        # rows of a leaf split between micro-batches are carried to the one completing it
-        acc.deposit_rows(weight, (flat, dy2), functools.partial(_leaf_tables, v, sub, leaf // sub))
-        return None, None, None
+
+# ----------------------------------------------------------------------------- torch.library ops
+@torch.library.custom_op(op_name("embedding"), mutates_args=())
+def embedding_op(
+    ids: torch.Tensor,
+    weight: torch.Tensor,
+    padding_idx: int | None,
+    ticket: torch.Tensor | None,
+    leaf_tokens: int,
+    deposit: bool,
+) -> torch.Tensor:
+    """The ``det_train::embedding`` op: ``weight[ids]`` after the id range check (``embedding``'s
+    ValueError; one host sync, skipped during CUDA graph capture), ``ids`` int64. ``ticket`` /
+    ``leaf_tokens`` / ``deposit``: what the forward decided for the weight gradient."""
+    # no device value can be read during CUDA graph capture: the range check is skipped there
+    capturing = ids.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if ids.numel() and not capturing:
+        lo, hi = (int(v) for v in torch.aminmax(ids))
+        if lo < 0 or hi >= weight.shape[0]:
+            raise ValueError(f"embedding: ids must lie in [0, {weight.shape[0]}), got min {lo}, max {hi}")
+    return weight[ids]
+
+
+@embedding_op.register_fake
+def _(ids, weight, padding_idx, ticket, leaf_tokens, deposit):
+    return weight.new_empty((*ids.shape, weight.shape[1]))
+
+
+def _embedding_setup(ctx, inputs, output):
+    ids, weight, padding_idx, ticket, leaf_tokens, deposit = inputs
+    ctx.save_for_backward(ids, weight)  # a saved leaf unpacks as the Parameter itself
+    ctx.padding_idx, ctx.leaf_tokens, ctx.deposit = padding_idx, leaf_tokens, deposit
+    ctx.ticket = ticket  # mutated by the deposit op: not saved (saving checks its version)
+
+
+def _embedding_backward(ctx, dy):
+    runtime.check_first_order("det_train.embedding")
+    ids, weight = ctx.saved_tensors
+    if not ctx.needs_input_grad[1]:
+        return (None,) * 6
+    if ctx.deposit:
+        embedding_deposit_op(ids, dy, weight, ctx.padding_idx, ctx.ticket)
+        return (None,) * 6
+    grad = embedding_backward_op(ids, dy, weight.shape[0], ctx.padding_idx, ctx.leaf_tokens, weight.dtype)
+    return None, grad, *(None,) * 4
+
+
+embedding_op.register_autograd(_embedding_backward, setup_context=_embedding_setup)
+
+
+@torch.library.custom_op(op_name("embedding_backward"), mutates_args=())
+def embedding_backward_op(
+    ids: torch.Tensor,
+    dy: torch.Tensor,
+    num_embeddings: int,
+    padding_idx: int | None,
+    leaf_tokens: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The ``det_train::embedding_backward`` op: the weight gradient ``(V, D)`` in ``dtype``, the
+    canonical tree over this call's sub-leaves (of leaves of ``leaf_tokens``); zeros for no tokens."""
+    d = dy.shape[-1]
+    if ids.numel() == 0:
+        return torch.zeros((num_embeddings, d), dtype=dtype, device=dy.device)
+    flat, dy2 = _grad_rows(ids, dy, d, padding_idx)
+    return _weight_grad(flat, dy2, num_embeddings, sub_leaf_tokens(leaf_tokens), 0, dtype, node_tables=False)
+
+
+@embedding_backward_op.register_fake
+def _(ids, dy, num_embeddings, padding_idx, leaf_tokens, dtype):
+    return dy.new_empty((num_embeddings, dy.shape[-1]), dtype=dtype)
+
+
+@torch.library.custom_op(op_name("embedding_deposit"), mutates_args=("ticket",))
+def embedding_deposit_op(
+    ids: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, padding_idx: int | None, ticket: torch.Tensor
+) -> None:
+    """The ``det_train::embedding_deposit`` op: deposit the weight gradient of this micro-batch's
+    rows into the active accumulator at run time (rows of a leaf split between micro-batches are
+    carried to the one completing it)."""
+    acc = active_accumulator("det_train.embedding")
+    v, d = weight.shape
+    leaf = acc.leaf_tokens
+    sub = sub_leaf_tokens(leaf)
+    flat, dy2 = _grad_rows(ids, dy, d, padding_idx)
+    leaves = functools.partial(_leaf_tables, v, sub, leaf // sub)
+    acc.deposit_rows(tracked_parameter(acc, weight), (flat, dy2), leaves)
+    finish_deposit(acc)
+    ticket.add_(1)
+
+
+@embedding_deposit_op.register_fake
+def _(ids, dy, weight, padding_idx, ticket):
+    return None
 
 
 def _leaf_tables(v: int, sub: int, ratio: int, first_leaf: int, rows: tuple) -> TreePartial:
@@ -302,13 +385,11 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None =
                 f"embedding: padding_idx {padding_idx} must lie in [-{weight.shape[0]}, {weight.shape[0]})"
             )
         padding_idx %= weight.shape[0]
-    # no device value can be read during CUDA graph capture: the range check is skipped there
-    capturing = ids.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if ids.numel() and not capturing:
-        lo, hi = (int(v) for v in torch.aminmax(ids))
-        if lo < 0 or hi >= weight.shape[0]:
-            raise ValueError(f"embedding: ids must lie in [0, {weight.shape[0]}), got min {lo}, max {hi}")
-    return _EmbeddingFunction.apply(ids.to(torch.int64), weight, padding_idx)
+    leaf, active = accumulation()
+    deposit = active and weight.is_leaf and ids.numel() > 0
+    ticket = deposit_ticket() if deposit else None
+    # the id range check runs in the op (a device value: read when the op runs, also compiled)
+    return embedding_op(ids.to(torch.int64), weight, padding_idx, ticket, leaf, deposit)
 
 
 class Embedding(torch.nn.Embedding):

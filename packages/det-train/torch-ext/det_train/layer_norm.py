@@ -27,12 +27,19 @@ import torch
 import triton
 import triton.language as tl
 from det_core import runtime
-from det_core.reduce import TreePartial, num_leaves
+from det_core.reduce import TreePartial
 from det_core.runtime import check_kernel_device
 
-from ._leaf_sums import cast_out, finish_param_grad, fold_chunks, leaf_layout, leaf_subtrees
-from .grad_accum import DEFAULT_LEAF_TOKENS
-from .weight_grad import bias_grad_partial
+from ._leaf_sums import cast_out, finish_param_grad, fold_chunks, leaf_subtrees, sub_leaf_tokens
+from ._library import (
+    accumulation,
+    active_accumulator,
+    deposit_ticket,
+    finish_deposit,
+    op_name,
+    tracked_parameter,
+)
+from .linear import GradPlan, bias_grad_op, deposit_bias_op
 
 __all__ = ["LayerNorm", "layer_norm"]
 
@@ -133,78 +140,159 @@ def _layer_norm_bwd_kernel(
 _BOUND = runtime.PlanCache()
 
 
-class _LayerNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps, d):
-        x2 = x.reshape(-1, d)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        m = x2.shape[0]
-        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # not a view: FSDP2 hooks want a base
-        mean = torch.empty((m,), dtype=torch.float32, device=x.device)
-        rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
-        if m > 0:
-            key = ("fwd", d, x2.stride(0), eps.hex(), weight is not None, bias is not None)
-            bound = _BOUND.get(key)
-            if bound is None:
-                block_d = runtime.next_power_of_2(d)
-                bound = _BOUND.put(key, runtime.BoundLaunch(
-                    _layer_norm_fwd_kernel, 6,
-                    (d, x2.stride(0), d, eps),  # y is contiguous: row stride D
-                    HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_D=block_d,
-                    num_warps=_num_warps(block_d),
-                ))  # fmt: skip
-            w_arg = weight if weight is not None else x2
-            b_arg = bias if bias is not None else x2
-            bound((m,), x2, w_arg, b_arg, y, mean, rstd)
-        ctx.save_for_backward(x2, weight, mean, rstd)
-        ctx.d, ctx.x_shape, ctx.bias = d, x.shape, bias
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        runtime.check_first_order("det_train.layer_norm")
-        x2, weight, mean, rstd = ctx.saved_tensors
-        bias, d = ctx.bias, ctx.d
-        dy2 = dy.reshape(-1, d)
-        if dy2.stride(-1) != 1:
-            dy2 = dy2.contiguous()
-        m = x2.shape[0]
-        want_w = weight is not None and ctx.needs_input_grad[1]
-        want_b = bias is not None and ctx.needs_input_grad[2]
-        if m == 0:
-            dw = torch.zeros_like(weight) if want_w else None
-            db = torch.zeros_like(bias) if want_b else None
-            return torch.empty(ctx.x_shape, dtype=x2.dtype, device=x2.device), dw, db, None, None
-        acc, leaf, sub, rows = leaf_layout(MAX_ROWS_PER_CHUNK)
-        dx, partial = _backward(dy2, x2, weight, mean, rstd, rows)
-        dw = _weight_grad(acc, weight, partial, dy2, x2, mean, rstd, leaf, sub, rows) if want_w else None
-        db = _bias_grad(acc, bias, dy2, leaf) if want_b else None
-        return dx.view(ctx.x_shape), dw, db, None, None
+def _rows_of(t: torch.Tensor, d: int) -> torch.Tensor:
+    """``t`` as ``(M, D)`` rows with a unit last stride (a view where the strides allow)."""
+    t2 = t.reshape(-1, d)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _weight_grad(acc, weight, partial, dy2, x2, mean, rstd, leaf, sub, rows):
-    """dweight for autograd (None when deposited into ``acc``), as RMSNorm's weight."""
-    if acc is None or not weight.is_leaf:  # a cast / view of a parameter: an autograd gradient
-        return finish_param_grad(None, weight, 0, fold_chunks(partial, sub // rows))
+def _layout(leaf: int) -> tuple[int, int]:
+    """``(sub_leaf_tokens, rows_per_chunk)`` of leaves of ``leaf`` tokens (RMSNorm's rule)."""
+    sub = sub_leaf_tokens(leaf)
+    rows = MAX_ROWS_PER_CHUNK
+    while sub % rows:
+        rows //= 2
+    return sub, rows
+
+
+# ----------------------------------------------------------------------------- torch.library ops
+@torch.library.custom_op(op_name("layer_norm"), mutates_args=())
+def layer_norm_op(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    d: int,
+    ticket: torch.Tensor | None,
+    leaf_tokens: int,
+    deposit_weight: bool,
+    deposit_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``det_train::layer_norm`` op: ``(y, mean, rstd)`` (``layer_norm`` after its checks; the
+    fp32 ``(M,)`` statistics are saved for the backward). ``ticket`` / ``leaf_tokens`` /
+    ``deposit_*``: what the forward decided for the weight and bias gradients."""
+    x2 = _rows_of(x, d)
+    m = x2.shape[0]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # not a view: FSDP2 hooks want a base
+    mean = torch.empty((m,), dtype=torch.float32, device=x.device)
+    rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
+    if m > 0:
+        key = ("fwd", d, x2.stride(0), eps.hex(), weight is not None, bias is not None)
+        bound = _BOUND.get(key)
+        if bound is None:
+            block_d = runtime.next_power_of_2(d)
+            bound = _BOUND.put(key, runtime.BoundLaunch(
+                _layer_norm_fwd_kernel, 6,
+                (d, x2.stride(0), d, eps),  # y is contiguous: row stride D
+                HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_D=block_d,
+                num_warps=_num_warps(block_d),
+            ))  # fmt: skip
+        w_arg = weight if weight is not None else x2
+        b_arg = bias if bias is not None else x2
+        bound((m,), x2, w_arg, b_arg, y, mean, rstd)
+    return y, mean, rstd
+
+
+@layer_norm_op.register_fake
+def _(x, weight, bias, eps, d, ticket, leaf_tokens, deposit_weight, deposit_bias):
+    m = x.numel() // d
+    stats = (x.new_empty((m,), dtype=torch.float32), x.new_empty((m,), dtype=torch.float32))
+    return x.new_empty(x.shape), *stats
+
+
+def _layer_norm_setup(ctx, inputs, output):
+    x, weight, bias, eps, d, ticket, leaf_tokens, deposit_weight, deposit_bias = inputs
+    ctx.save_for_backward(x, weight, bias, output[1], output[2])  # saved leaves unpack as the Parameters
+    ctx.d = d
+    ctx.plan = GradPlan(leaf_tokens, deposit_weight, deposit_bias, ticket)  # the ticket: not saved
+
+
+def _layer_norm_backward(ctx, dy, _dmean, _drstd):
+    runtime.check_first_order("det_train.layer_norm")
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    d, plan = ctx.d, ctx.plan
+    want_w = weight is not None and ctx.needs_input_grad[1]
+    want_b = bias is not None and ctx.needs_input_grad[2]
+    none = (None,) * 6
+    if x.numel() == 0:
+        dw = torch.zeros_like(weight) if want_w else None
+        db = torch.zeros_like(bias) if want_b else None
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device), dw, db, *none
+    x2, dy2 = _rows_of(x, d), _rows_of(dy, d)
+    dw = db = None
+    if want_w and plan.weight:
+        dx = layer_norm_backward_deposit_op(dy2, x2, weight, mean, rstd, plan.ticket)
+    else:
+        dx, dw = layer_norm_backward_op(dy2, x2, weight, mean, rstd, plan.leaf_tokens, want_w)
+        dw = dw if want_w else None
+    if want_b:  # a Linear bias's gradient: the same ops, the same bits for the same dy
+        if plan.bias:
+            deposit_bias_op(dy2, bias, plan.ticket)
+        else:
+            db = bias_grad_op(dy2, plan.leaf_tokens, bias.dtype)
+    return dx.view(x.shape), dw, db, *none
+
+
+layer_norm_op.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup)
+
+
+@torch.library.custom_op(op_name("layer_norm_backward"), mutates_args=())
+def layer_norm_backward_op(
+    dy2: torch.Tensor,
+    x2: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    leaf_tokens: int,
+    want_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``det_train::layer_norm_backward`` op: ``(dX (M, D), dweight)``, dweight the canonical
+    tree over this call's sub-leaves (of leaves of ``leaf_tokens``) in the weight's dtype; an empty
+    tensor for dweight when ``want_dw`` is False."""
+    sub, rows = _layout(leaf_tokens)
+    dx, partial = _backward(dy2, x2, weight, mean, rstd, rows)
+    if not want_dw:
+        return dx, dx.new_empty((0,))
+    return dx, finish_param_grad(None, weight, 0, fold_chunks(partial, sub // rows))
+
+
+@layer_norm_backward_op.register_fake
+def _(dy2, x2, weight, mean, rstd, leaf_tokens, want_dw):
+    dw = weight.new_empty(weight.shape) if want_dw else dy2.new_empty((0,))
+    return x2.new_empty(x2.shape), dw
+
+
+@torch.library.custom_op(op_name("layer_norm_backward_deposit"), mutates_args=("ticket",))
+def layer_norm_backward_deposit_op(
+    dy2: torch.Tensor,
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    ticket: torch.Tensor,
+) -> torch.Tensor:
+    """The ``det_train::layer_norm_backward_deposit`` op: dX, with dweight deposited into the active
+    accumulator at run time (as RMSNorm's weight)."""
+    acc = active_accumulator("det_train.layer_norm")
+    leaf = acc.leaf_tokens
+    sub, rows = _layout(leaf)
+    dx, partial = _backward(dy2, x2, weight, mean, rstd, rows)
+    param = tracked_parameter(acc, weight)
     m = x2.shape[0]
     if acc.token_offset % leaf == 0 and m % leaf == 0:  # whole leaves: this pass's chunk sums
         first_leaf, _ = acc.leaf_span(m)
-        finish_param_grad(acc, weight, first_leaf, fold_chunks(partial, sub // rows), leaf // sub)
-        return None
-    # rows of a leaf split between micro-batches: the accumulator sums each leaf from all its rows
-    leaves = functools.partial(_dweight_leaves, weight, leaf, sub, rows)
-    acc.deposit_rows(weight, (dy2, x2, mean, rstd), leaves)
-    return None
+        finish_param_grad(acc, param, first_leaf, fold_chunks(partial, sub // rows), leaf // sub)
+    else:  # rows of a leaf split between micro-batches: the accumulator sums each leaf from all its rows
+        leaves = functools.partial(_dweight_leaves, param, leaf, sub, rows)
+        acc.deposit_rows(param, (dy2, x2, mean, rstd), leaves)
+        finish_deposit(acc)
+    ticket.add_(1)
+    return dx
 
 
-def _bias_grad(acc, bias, dy2, leaf: int):
-    """dbias = the canonical sum of ``dy`` over tokens (a Linear bias's order); None when deposited."""
-    if acc is not None and bias.is_leaf:
-        acc.deposit_rows(bias, (dy2,), functools.partial(_bias_leaves, leaf))
-        return None
-    leaf = leaf if acc is not None else DEFAULT_LEAF_TOKENS
-    return bias_grad_partial(dy2, leaf_tokens=leaf).result(num_leaves(dy2.shape[0], leaf)).to(bias.dtype)
+@layer_norm_backward_deposit_op.register_fake
+def _(dy2, x2, weight, mean, rstd, ticket):
+    return x2.new_empty(x2.shape)
 
 
 def _backward(dy2, x2, weight, mean, rstd, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,11 +322,6 @@ def _dweight_leaves(weight, leaf: int, sub: int, rows: int, first_leaf: int, lea
     dy2, x2, mean, rstd = leaf_rows
     _, partial = _backward(dy2, x2, weight, mean, rstd, rows)
     return leaf_subtrees(fold_chunks(partial, sub // rows), first_leaf, weight.shape, leaf // sub)
-
-
-def _bias_leaves(leaf_tokens: int, first_leaf: int, rows: tuple) -> TreePartial:
-    """The accumulator's leaf-sum function of the LayerNorm bias: rows ``(dy,)`` of whole leaves."""
-    return bias_grad_partial(rows[0], leaf_tokens=leaf_tokens, first_leaf=first_leaf)
 
 
 def _check_eps(eps, op: str) -> float:
@@ -331,7 +414,13 @@ def layer_norm(
                 f"layer_norm: {name} must be contiguous (it is read as a flat vector of D elements)"
             )
     check_kernel_device(x, *(t for t in (weight, bias) if t is not None), op="layer_norm")
-    return _LayerNormFunction.apply(x, weight, bias, _check_eps(eps, "layer_norm"), d)
+    eps = _check_eps(eps, "layer_norm")
+    leaf, active = accumulation()
+    tokens = x.numel() > 0
+    dep_w = active and tokens and weight is not None and weight.is_leaf
+    dep_b = active and tokens and bias is not None and bias.is_leaf
+    ticket = deposit_ticket() if dep_w or dep_b else None
+    return layer_norm_op(x, weight, bias, eps, d, ticket, leaf, dep_w, dep_b)[0]
 
 
 class LayerNorm(torch.nn.LayerNorm):

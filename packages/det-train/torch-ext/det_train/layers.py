@@ -45,7 +45,7 @@ class Linear(torch.nn.Module):
     """
 
     has_backward = True
-    can_torch_compile = False
+    can_torch_compile = True
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return linear(input, self.weight, self.bias)
@@ -64,7 +64,7 @@ class RMSNorm(torch.nn.Module):
     """
 
     has_backward = True
-    can_torch_compile = False
+    can_torch_compile = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         eps = getattr(self, "variance_epsilon", None)
@@ -82,7 +82,7 @@ class RMSNormZeroCentered(torch.nn.Module):
     """
 
     has_backward = True
-    can_torch_compile = False
+    can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, offset=1.0)

@@ -11,6 +11,7 @@ summed over tokens in the canonical order (fp32 leaf sums combined by det_core's
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -19,9 +20,16 @@ from det_core import runtime
 from det_core.reduce import TreePartial, num_leaves
 
 from ._leaf_fold import weight_grad_fold
+from ._library import (
+    accumulation,
+    active_accumulator,
+    deposit_ticket,
+    finish_deposit,
+    op_name,
+    tracked_parameter,
+)
 from .configs import weight_grad_config
-from .grad_accum import DEFAULT_LEAF_TOKENS, current_accumulator
-from .matmul import check_bias, launch_linear, launch_matmul
+from .matmul import check_bias, launch_linear, matmul_op
 from .weight_grad import bias_grad_partial, weight_grad_partial
 
 __all__ = ["Linear", "bias_grad_partial", "linear", "weight_grad_partial"]
@@ -29,40 +37,152 @@ __all__ = ["Linear", "bias_grad_partial", "linear", "weight_grad_partial"]
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-# ----------------------------------------------------------------------------- autograd
-class _LinearFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        x2d = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # explicit rows: K = 0 is allowed
-        n = weight.shape[0]
-        y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)  # the rows of x2d @ W.T
-        if y.numel() and x2d.shape[1]:
-            launch_linear(x2d, weight, y, bias)
-        elif y.numel():
-            y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
-        ctx.save_for_backward(x2d, weight)
-        ctx.weight = weight  # the Parameter itself: the accumulator keys deposits by identity
-        ctx.bias = bias
-        ctx.x_shape = x.shape
-        return y
+# ----------------------------------------------------------------------------- torch.library ops
+@dataclasses.dataclass(frozen=True)
+class GradPlan:
+    """What a forward decided for its backward's parameter gradients (``plan_grads``).
 
-    @staticmethod
-    def backward(ctx, dy):
-        runtime.check_first_order("det_train.linear")
-        x2d, weight = ctx.saved_tensors
-        bias = ctx.bias
-        n, k = weight.shape
-        dy2d = dy.reshape(x2d.shape[0], n)  # explicit rows: N = 0 is allowed
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch.empty(ctx.x_shape, dtype=dy.dtype, device=dy.device)  # the rows of dy2d @ W
-            if grad_x.numel() and n:
-                launch_matmul(dy2d, weight, grad_x)
-            else:
-                grad_x.zero_()
-        want_w, want_b = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
-        grad_w, grad_b = param_grads(dy2d, x2d, ctx.weight, bias, want_w, want_b)
-        return grad_x, grad_w, grad_b
+    ``leaf_tokens``: the canonical order's leaf (the accumulator's, else ``DEFAULT_LEAF_TOKENS``);
+    ``weight`` / ``bias``: deposit that gradient into the active accumulator (the autograd gradient
+    is then None) instead of returning it; ``ticket``: the deposit ops' mutated ticket, or None.
+    """
+
+    leaf_tokens: int
+    weight: bool = False
+    bias: bool = False
+    ticket: torch.Tensor | None = None
+
+
+def plan_grads(tokens: int, weight: torch.Tensor, bias: torch.Tensor | None) -> GradPlan:
+    """Deposit or return the gradients of ``weight`` / ``bias`` of a Linear-like op over ``tokens`` rows?
+
+    Inside an accumulator's micro-batch, leaf parameters (the tensors it tracks) are deposited;
+    a cast or view of one (not a leaf) gets an autograd gradient in the accumulator's leaf order;
+    a call with no tokens returns zero gradients. Read in the forward, so that ``torch.compile``
+    traces (and guards) one choice per graph.
+    """
+    leaf, active = accumulation()
+    if not (active and tokens):
+        return GradPlan(leaf)
+    dep_w = weight.is_leaf
+    dep_b = bias is not None and bias.is_leaf
+    return GradPlan(leaf, dep_w, dep_b, deposit_ticket() if dep_w or dep_b else None)
+
+
+@torch.library.custom_op(op_name("linear"), mutates_args=())
+def linear_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    ticket: torch.Tensor | None,
+    leaf_tokens: int,
+    deposit_weight: bool,
+    deposit_bias: bool,
+) -> torch.Tensor:
+    """The ``det_train::linear`` op: ``y = x @ weight.T + bias`` (``linear`` after its checks).
+
+    ``ticket``, ``leaf_tokens`` and the ``deposit_*`` flags are ``plan_grads``'s, for the backward.
+    """
+    x2d = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # explicit rows: K = 0 is allowed
+    n = weight.shape[0]
+    y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)  # the rows of x2d @ W.T
+    if y.numel() and x2d.shape[1]:
+        launch_linear(x2d, weight, y, bias)
+    elif y.numel():
+        y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
+    return y
+
+
+@linear_op.register_fake
+def _(x, weight, bias, ticket, leaf_tokens, deposit_weight, deposit_bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _linear_setup(ctx, inputs, output):
+    x, weight, bias, ticket, leaf_tokens, deposit_weight, deposit_bias = inputs
+    ctx.save_for_backward(x, weight, bias)  # a saved leaf unpacks as the Parameter itself
+    ctx.has_bias = bias is not None
+    # the ticket is mutated by the backward's deposit ops: not saved (saving checks its version)
+    ctx.plan = GradPlan(leaf_tokens, deposit_weight, deposit_bias, ticket)
+
+
+def _linear_backward(ctx, dy):
+    runtime.check_first_order("det_train.linear")
+    x, weight, bias = ctx.saved_tensors
+    n, k = weight.shape
+    x2d = x.reshape(math.prod(x.shape[:-1]), k)
+    dy2d = dy.reshape(x2d.shape[0], n)  # explicit rows: N = 0 is allowed
+    grad_x = None
+    if ctx.needs_input_grad[0]:
+        grad_x = matmul_op(dy2d, weight).view(x.shape)  # the rows of dy2d @ W
+    want_b = ctx.has_bias and ctx.needs_input_grad[2]
+    grad_w, grad_b = param_grads(dy2d, x2d, weight, bias, ctx.needs_input_grad[1], want_b, ctx.plan)
+    return grad_x, grad_w, grad_b, None, None, None, None
+
+
+linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+@torch.library.custom_op(op_name("linear_weight_grad"), mutates_args=())
+def weight_grad_op(dy: torch.Tensor, x: torch.Tensor, leaf_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """The ``det_train::linear_weight_grad`` op: dW = dY^T X ``(N, K)`` in ``dtype``, the canonical
+    tree over this call's leaves of ``leaf_tokens`` (zeros for no tokens)."""
+    if dy.shape[0] == 0:
+        return torch.zeros((dy.shape[1], x.shape[1]), dtype=dtype, device=dy.device)
+    return weight_grad_partial(dy, x, leaf_tokens=leaf_tokens, finish_dtype=dtype)
+
+
+@weight_grad_op.register_fake
+def _(dy, x, leaf_tokens, dtype):
+    return dy.new_empty((dy.shape[1], x.shape[1]), dtype=dtype)
+
+
+@torch.library.custom_op(op_name("linear_bias_grad"), mutates_args=())
+def bias_grad_op(dy: torch.Tensor, leaf_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """The ``det_train::linear_bias_grad`` op: db = the canonical sum of ``dy (T, N)`` over tokens
+    (leaves of ``leaf_tokens``) in ``dtype`` (zeros for no tokens)."""
+    tokens = dy.shape[0]
+    if tokens == 0:
+        return torch.zeros((dy.shape[1],), dtype=dtype, device=dy.device)
+    return bias_grad_partial(dy, leaf_tokens=leaf_tokens).result(num_leaves(tokens, leaf_tokens)).to(dtype)
+
+
+@bias_grad_op.register_fake
+def _(dy, leaf_tokens, dtype):
+    return dy.new_empty((dy.shape[1],), dtype=dtype)
+
+
+@torch.library.custom_op(op_name("linear_deposit_weight"), mutates_args=("ticket",))
+def deposit_weight_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, ticket: torch.Tensor) -> None:
+    """The ``det_train::linear_deposit_weight`` op: deposit dW = dY^T X of this micro-batch's rows
+    into the active accumulator (``deposit_rows`` with the resumable fold), at run time."""
+    acc = active_accumulator("det_train.linear")
+    step = weight_grad_config(dy.dtype, dy.shape[1], x.shape[1]).block_t
+    fold = (step, _weight_fold)  # an open leaf's fp32 fold is carried to the micro-batch completing it
+    leaves = functools.partial(_weight_leaves, acc.leaf_tokens)
+    acc.deposit_rows(tracked_parameter(acc, weight), (dy, x), leaves, fold)
+    finish_deposit(acc)
+    ticket.add_(1)
+
+
+@deposit_weight_op.register_fake
+def _(dy, x, weight, ticket):
+    return None
+
+
+@torch.library.custom_op(op_name("linear_deposit_bias"), mutates_args=("ticket",))
+def deposit_bias_op(dy: torch.Tensor, bias: torch.Tensor, ticket: torch.Tensor) -> None:
+    """The ``det_train::linear_deposit_bias`` op: deposit db = the sum of ``dy``'s rows into the
+    active accumulator, at run time."""
+    acc = active_accumulator("det_train.linear")
+    acc.deposit_rows(tracked_parameter(acc, bias), (dy,), functools.partial(_bias_leaves, acc.leaf_tokens))
+    finish_deposit(acc)
+    ticket.add_(1)
+
+
+@deposit_bias_op.register_fake
+def _(dy, bias, ticket):
+    return None
 
 
 def param_grads(
@@ -72,44 +192,26 @@ def param_grads(
     bias: torch.Tensor | None,
     want_w: bool,
     want_b: bool,
+    plan: GradPlan,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """dW and db of ``y = x W^T + b`` in the canonical token order (the backward of ``linear``).
+    """dW = dY^T X and db of ``y = x W^T + b`` in the canonical token order (the backward of ``linear``).
 
-    With an active accumulator, leaf Parameters get their partial trees deposited and None is
-    returned for them; otherwise the finished gradients (leaves of ``DEFAULT_LEAF_TOKENS``).
+    What ``plan`` (the forward's ``plan_grads``) marks deposited goes to the accumulator through
+    the deposit ops, and its autograd gradient is None; the rest is returned, finished in the
+    parameter's dtype over ``plan.leaf_tokens`` leaves. Operands are given as rows (``dy2d (T, N)``,
+    ``x2d (T, K)``), so ``Conv1D``'s ``X^T dY`` is the same call with the two exchanged.
     """
     grad_w = grad_b = None
-    if not (want_w or want_b):
-        return grad_w, grad_b
-    acc = current_accumulator()
-    tokens = dy2d.shape[0]
-    if acc is not None and tokens:
-        leaf = acc.leaf_tokens
-        if want_w:
-            if weight.is_leaf:  # an open leaf's fp32 fold is carried to the micro-batch completing it
-                step = weight_grad_config(dy2d.dtype, dy2d.shape[1], x2d.shape[1]).block_t
-                fold = (step, _weight_fold)
-                acc.deposit_rows(weight, (dy2d, x2d), functools.partial(_weight_leaves, leaf), fold)
-            else:
-                grad_w = weight_grad_partial(dy2d, x2d, leaf_tokens=leaf, finish_dtype=weight.dtype)
-        if want_b:
-            if bias.is_leaf:
-                acc.deposit_rows(bias, (dy2d,), functools.partial(_bias_leaves, leaf))
-            else:
-                grad_b = bias_grad_partial(dy2d, leaf_tokens=leaf).result(num_leaves(tokens, leaf))
-                grad_b = grad_b.to(bias.dtype)
-        return grad_w, grad_b
-    leaf = DEFAULT_LEAF_TOKENS
     if want_w:
-        if tokens == 0:
-            grad_w = torch.zeros_like(weight)
+        if plan.weight:
+            deposit_weight_op(dy2d, x2d, weight, plan.ticket)
         else:
-            grad_w = weight_grad_partial(dy2d, x2d, leaf_tokens=leaf, finish_dtype=weight.dtype)
+            grad_w = weight_grad_op(dy2d, x2d, plan.leaf_tokens, weight.dtype)
     if want_b:
-        if tokens == 0:
-            grad_b = torch.zeros_like(bias)
+        if plan.bias:
+            deposit_bias_op(dy2d, bias, plan.ticket)
         else:
-            grad_b = bias_grad_partial(dy2d, leaf_tokens=leaf).result(num_leaves(tokens, leaf)).to(bias.dtype)
+            grad_b = bias_grad_op(dy2d, plan.leaf_tokens, bias.dtype)
     return grad_w, grad_b
 
 
@@ -184,7 +286,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Nondeterminism in LLM Inference", 2025); canonical pairwise tree (Higham, SISC 1993).
     """
     _check_linear(x, weight, bias)
-    return _LinearFunction.apply(x, weight, bias)
+    plan = plan_grads(math.prod(x.shape[:-1]), weight, bias)
+    return linear_op(x, weight, bias, plan.ticket, plan.leaf_tokens, plan.weight, plan.bias)
 
 
 class Linear(torch.nn.Linear):

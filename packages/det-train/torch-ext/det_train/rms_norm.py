@@ -26,7 +26,15 @@ import triton.language as tl
 from det_core import runtime
 from det_core.runtime import check_kernel_device
 
-from ._leaf_sums import finish_param_grad, fold_chunks, leaf_layout, leaf_subtrees
+from ._leaf_sums import finish_param_grad, fold_chunks, leaf_subtrees, sub_leaf_tokens
+from ._library import (
+    accumulation,
+    active_accumulator,
+    deposit_ticket,
+    finish_deposit,
+    op_name,
+    tracked_parameter,
+)
 
 __all__ = ["RMSNorm", "rms_norm"]
 
@@ -168,65 +176,154 @@ def _check(x: torch.Tensor, weight: torch.Tensor | None, d: int) -> None:
 _BOUND = runtime.PlanCache()
 
 
-class _RMSNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps, d, offset):
-        x2 = x.reshape(-1, d)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        m = x2.shape[0]
-        out_dtype = (
-            x.dtype
-            if weight is None or weight.dtype == x.dtype
-            else torch.promote_types(x.dtype, weight.dtype)
-        )
-        y = torch.empty(x.shape, dtype=out_dtype, device=x.device)  # not a view: FSDP2 hooks want a base
-        rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
-        if m > 0:
-            key = ("fwd", d, x2.stride(0), eps.hex(), weight is not None, offset)
-            bound = _BOUND.get(key)
-            if bound is None:
-                block_d = runtime.next_power_of_2(d)
-                bound = _BOUND.put(key, runtime.BoundLaunch(
-                    _rms_norm_fwd_kernel, 4,
-                    (d, x2.stride(0), d, eps),  # y is contiguous: row stride D
-                    HAS_WEIGHT=weight is not None, OFFSET=offset, BLOCK_D=block_d,
-                    num_warps=_num_warps(block_d),
-                ))  # fmt: skip
-            bound((m,), x2, weight if weight is not None else x2, y, rstd)
-        ctx.save_for_backward(x2, weight, rstd)
-        ctx.d, ctx.x_shape, ctx.offset = d, x.shape, offset
-        return y
+def _layout(leaf: int) -> tuple[int, int]:
+    """``(sub_leaf_tokens, rows_per_chunk)`` of leaves of ``leaf`` tokens: the sub-leaf, and the largest
+    power of two <= ``MAX_ROWS_PER_CHUNK`` dividing it (part of the order; never a function of M)."""
+    sub = sub_leaf_tokens(leaf)
+    rows = MAX_ROWS_PER_CHUNK
+    while sub % rows:
+        rows //= 2
+    return sub, rows
 
-    @staticmethod
-    def backward(ctx, dy):
-        runtime.check_first_order("det_train.rms_norm")
-        x2, weight, rstd = ctx.saved_tensors
-        d = ctx.d
-        dy2 = dy.reshape(-1, d)
-        if dy2.stride(-1) != 1:
-            dy2 = dy2.contiguous()
-        m = x2.shape[0]
-        has_w = weight is not None
-        if m == 0:
-            dw = torch.zeros_like(weight) if has_w and ctx.needs_input_grad[1] else None
-            return torch.empty(ctx.x_shape, dtype=x2.dtype, device=x2.device), dw, None, None, None
-        acc, leaf, sub, rows = leaf_layout(MAX_ROWS_PER_CHUNK) if has_w else (None, 1, 1, MAX_ROWS_PER_CHUNK)
-        dx, partial = _backward(dy2, x2, weight, rstd, rows, ctx.offset)
-        dx = dx.view(ctx.x_shape)
-        if not (has_w and ctx.needs_input_grad[1]):
-            return dx, None, None, None, None
-        if acc is None or not weight.is_leaf:  # a cast / view of a parameter: an autograd gradient
-            dw = finish_param_grad(None, weight, 0, fold_chunks(partial, sub // rows))
-            return dx, dw, None, None, None
-        if acc.token_offset % leaf == 0 and m % leaf == 0:  # whole leaves: this pass's chunk sums
-            first_leaf, _ = acc.leaf_span(m)
-            finish_param_grad(acc, weight, first_leaf, fold_chunks(partial, sub // rows), leaf // sub)
-            return dx, None, None, None, None
-        # rows of a leaf split between micro-batches: the accumulator sums each leaf from all its rows
-        leaves = functools.partial(_dweight_leaves, weight, leaf, sub, rows, ctx.offset)
-        acc.deposit_rows(weight, (dy2, x2, rstd), leaves)
-        return dx, None, None, None, None
+
+def _rows_of(t: torch.Tensor, d: int) -> torch.Tensor:
+    """``t`` as ``(M, D)`` rows with a unit last stride (a view where the strides allow)."""
+    t2 = t.reshape(-1, d)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _out_dtype(x: torch.Tensor, weight: torch.Tensor | None) -> torch.dtype:
+    if weight is None or weight.dtype == x.dtype:
+        return x.dtype
+    return torch.promote_types(x.dtype, weight.dtype)
+
+
+# ----------------------------------------------------------------------------- torch.library ops
+@torch.library.custom_op(op_name("rms_norm"), mutates_args=())
+def rms_norm_op(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    d: int,
+    offset: float,
+    ticket: torch.Tensor | None,
+    leaf_tokens: int,
+    deposit: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``det_train::rms_norm`` op: ``(y, rstd)`` (``rms_norm`` after its checks; ``rstd (M,)`` fp32
+    is saved for the backward). ``ticket`` / ``leaf_tokens`` / ``deposit``: what the forward decided
+    for the weight gradient (deposit it into the active accumulator, or return it)."""
+    x2 = _rows_of(x, d)
+    m = x2.shape[0]
+    # not a view: FSDP2 hooks want a base
+    y = torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
+    rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
+    if m > 0:
+        key = ("fwd", d, x2.stride(0), eps.hex(), weight is not None, offset)
+        bound = _BOUND.get(key)
+        if bound is None:
+            block_d = runtime.next_power_of_2(d)
+            bound = _BOUND.put(key, runtime.BoundLaunch(
+                _rms_norm_fwd_kernel, 4,
+                (d, x2.stride(0), d, eps),  # y is contiguous: row stride D
+                HAS_WEIGHT=weight is not None, OFFSET=offset, BLOCK_D=block_d,
+                num_warps=_num_warps(block_d),
+            ))  # fmt: skip
+        bound((m,), x2, weight if weight is not None else x2, y, rstd)
+    return y, rstd
+
+
+@rms_norm_op.register_fake
+def _(x, weight, eps, d, offset, ticket, leaf_tokens, deposit):
+    y = x.new_empty(x.shape, dtype=_out_dtype(x, weight))
+    return y, x.new_empty((x.numel() // d,), dtype=torch.float32)
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, eps, d, offset, ticket, leaf_tokens, deposit = inputs
+    ctx.save_for_backward(x, weight, output[1])  # a saved leaf unpacks as the Parameter itself
+    ctx.d, ctx.offset, ctx.leaf_tokens, ctx.deposit = d, offset, leaf_tokens, deposit
+    ctx.ticket = ticket  # mutated by the deposit op: not saved (saving checks its version)
+
+
+def _rms_norm_backward(ctx, dy, _drstd):
+    runtime.check_first_order("det_train.rms_norm")
+    x, weight, rstd = ctx.saved_tensors
+    d = ctx.d
+    want_w = weight is not None and ctx.needs_input_grad[1]
+    if x.numel() == 0:
+        dw = torch.zeros_like(weight) if want_w else None
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device), dw, *(None,) * 6
+    x2, dy2 = _rows_of(x, d), _rows_of(dy, d)
+    if want_w and ctx.deposit:
+        dx = rms_norm_backward_deposit_op(dy2, x2, weight, rstd, ctx.offset, ctx.ticket)
+        return dx.view(x.shape), None, *(None,) * 6
+    dx, dw = rms_norm_backward_op(dy2, x2, weight, rstd, ctx.offset, ctx.leaf_tokens, want_w)
+    return dx.view(x.shape), dw if want_w else None, *(None,) * 6
+
+
+rms_norm_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
+
+
+@torch.library.custom_op(op_name("rms_norm_backward"), mutates_args=())
+def rms_norm_backward_op(
+    dy2: torch.Tensor,
+    x2: torch.Tensor,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
+    offset: float,
+    leaf_tokens: int,
+    want_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``det_train::rms_norm_backward`` op: ``(dX (M, D), dweight)``, dweight the canonical tree
+    over this call's sub-leaves (of leaves of ``leaf_tokens``) in the weight's dtype; an empty
+    tensor for dweight when ``want_dw`` is False."""
+    has_w = weight is not None
+    sub, rows = _layout(leaf_tokens) if has_w else (1, MAX_ROWS_PER_CHUNK)
+    dx, partial = _backward(dy2, x2, weight, rstd, rows, offset)
+    if not want_dw:
+        return dx, dx.new_empty((0,))
+    return dx, finish_param_grad(None, weight, 0, fold_chunks(partial, sub // rows))
+
+
+@rms_norm_backward_op.register_fake
+def _(dy2, x2, weight, rstd, offset, leaf_tokens, want_dw):
+    dw = weight.new_empty(weight.shape) if want_dw else dy2.new_empty((0,))
+    return x2.new_empty(x2.shape), dw
+
+
+@torch.library.custom_op(op_name("rms_norm_backward_deposit"), mutates_args=("ticket",))
+def rms_norm_backward_deposit_op(
+    dy2: torch.Tensor,
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    offset: float,
+    ticket: torch.Tensor,
+) -> torch.Tensor:
+    """The ``det_train::rms_norm_backward_deposit`` op: dX, with dweight deposited into the active
+    accumulator at run time (whole leaves: this pass's chunk sums; rows of a leaf split between
+    micro-batches: carried, and summed from all its rows by the same kernel)."""
+    acc = active_accumulator("det_train.rms_norm")
+    leaf = acc.leaf_tokens
+    sub, rows = _layout(leaf)
+    dx, partial = _backward(dy2, x2, weight, rstd, rows, offset)
+    param = tracked_parameter(acc, weight)
+    m = x2.shape[0]
+    if acc.token_offset % leaf == 0 and m % leaf == 0:  # whole leaves: this pass's chunk sums
+        first_leaf, _ = acc.leaf_span(m)
+        finish_param_grad(acc, param, first_leaf, fold_chunks(partial, sub // rows), leaf // sub)
+    else:
+        leaves = functools.partial(_dweight_leaves, param, leaf, sub, rows, offset)
+        acc.deposit_rows(param, (dy2, x2, rstd), leaves)
+        finish_deposit(acc)
+    ticket.add_(1)
+    return dx
+
+
+@rms_norm_backward_deposit_op.register_fake
+def _(dy2, x2, weight, rstd, offset, ticket):
+    return x2.new_empty(x2.shape)
 
 
 def _backward(dy2, x2, weight, rstd, rows: int, offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -346,7 +443,10 @@ def rms_norm(
     if weight is not None and not weight.is_contiguous():
         raise ValueError("rms_norm: weight must be contiguous (it is read as a flat vector of D elements)")
     offset = _check_offset(offset, weight, "rms_norm")
-    return _RMSNormFunction.apply(x, weight, float(eps), d, offset)
+    leaf, active = accumulation()
+    deposit = active and weight is not None and weight.is_leaf and x.numel() > 0
+    ticket = deposit_ticket() if deposit else None
+    return rms_norm_op(x, weight, float(eps), d, offset, ticket, leaf, deposit)[0]
 
 
 class RMSNorm(torch.nn.RMSNorm):

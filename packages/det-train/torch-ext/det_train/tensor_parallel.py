@@ -16,13 +16,16 @@ works on chunk 1; rows are independent, so the chunking does not change a bit.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from det_core import runtime
 
+from ._library import op_name
 from .configs import matmul_config
-from .linear import _check_linear, param_grads
-from .matmul import launch_matmul, matmul_partial
+from .linear import GradPlan, _check_linear, param_grads, plan_grads
+from .matmul import chain_part, launch_matmul, matmul_op
 
 __all__ = ["column_parallel_linear", "row_parallel_linear"]
 
@@ -56,7 +59,7 @@ def _chained_sum(a: torch.Tensor, b: torch.Tensor, bias, out_dtype, group, chunk
         if rank > 0:
             carry = torch.empty((e - s, n), dtype=torch.float32, device=a.device)
             dist.recv(carry, src=ranks[rank - 1], group=group)
-        part = matmul_partial(a[s:e], b, carry, bias=bias if last else None, finish=last)
+        part = chain_part(a[s:e], b, carry, bias if last else None, last)
         if last:
             out[s:e] = part
         else:
@@ -65,56 +68,124 @@ def _chained_sum(a: torch.Tensor, b: torch.Tensor, bias, out_dtype, group, chunk
     return out
 
 
-class _RowParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, group, chunk_rows):
-        x2d = x.reshape(-1, x.shape[-1])
-        y = _chained_sum(x2d, weight.t(), bias, x.dtype, group, chunk_rows)
-        ctx.save_for_backward(x2d, weight)
-        ctx.weight, ctx.bias, ctx.x_shape = weight, bias, x.shape
-        return y.reshape(*x.shape[:-1], weight.shape[0])
-
-    @staticmethod
-    def backward(ctx, dy):
-        runtime.check_first_order("det_train.row_parallel_linear")
-        x2d, weight = ctx.saved_tensors
-        dy2d = dy.reshape(-1, weight.shape[0])
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch.zeros((dy2d.shape[0], weight.shape[1]), dtype=dy.dtype, device=dy.device)
-            if grad_x.numel() and weight.shape[0]:
-                launch_matmul(dy2d, weight, grad_x)
-            grad_x = grad_x.reshape(ctx.x_shape)
-        want_b = ctx.bias is not None and ctx.needs_input_grad[2]
-        grad_w, grad_b = param_grads(dy2d, x2d, ctx.weight, ctx.bias, ctx.needs_input_grad[1], want_b)
-        return grad_x, grad_w, grad_b, None, None
+def _group_name(group) -> str:
+    """The name of ``group`` (None: the default group) for the ops, which take a process group as
+    its registered name (``torch.library`` schemas have no process-group type)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("tensor-parallel linear needs an initialized torch.distributed process group")
+    return (group if group is not None else dist.group.WORLD).group_name
 
 
-class _ColumnParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, group, chunk_rows):
-        x2d = x.reshape(-1, x.shape[-1])
-        y = torch.empty((x2d.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-        if y.numel():
-            launch_matmul(x2d, weight.t(), y, bias=bias)
-        ctx.save_for_backward(x2d, weight)
-        ctx.weight, ctx.bias, ctx.x_shape = weight, bias, x.shape
-        ctx.group, ctx.chunk_rows = group, chunk_rows
-        return y.reshape(*x.shape[:-1], weight.shape[0])
+def _group(group_name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
 
-    @staticmethod
-    def backward(ctx, dy):
-        runtime.check_first_order("det_train.column_parallel_linear")
-        x2d, weight = ctx.saved_tensors
-        dy2d = dy.reshape(-1, weight.shape[0])
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = _chained_sum(dy2d, weight, None, dy.dtype, ctx.group, ctx.chunk_rows).reshape(
-                ctx.x_shape
-            )
-        want_b = ctx.bias is not None and ctx.needs_input_grad[2]
-        grad_w, grad_b = param_grads(dy2d, x2d, ctx.weight, ctx.bias, ctx.needs_input_grad[1], want_b)
-        return grad_x, grad_w, grad_b, None, None
+    return _resolve_process_group(group_name)
+
+
+# ----------------------------------------------------------------------------- torch.library ops
+# The collectives (send / recv / broadcast of the chain) run inside these opaque ops: a compiled
+# graph calls them in its own order, the same on every rank (one graph, one schedule).
+@torch.library.custom_op(op_name("row_parallel_linear"), mutates_args=())
+def row_parallel_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_name: str,
+    chunk_rows: int,
+    ticket: torch.Tensor | None,
+    leaf_tokens: int,
+    deposit_weight: bool,
+    deposit_bias: bool,
+) -> torch.Tensor:
+    """The ``det_train::row_parallel_linear`` op: ``row_parallel_linear`` after its checks (the
+    chain over the ranks of the group named ``group_name``); the rest is ``linear_op``'s plan."""
+    x2d = x.reshape(-1, x.shape[-1])
+    y = _chained_sum(x2d, weight.t(), bias, x.dtype, _group(group_name), chunk_rows)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+@row_parallel_op.register_fake
+def _(x, weight, bias, group_name, chunk_rows, ticket, leaf_tokens, deposit_weight, deposit_bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _tp_setup(ctx, inputs, output):
+    x, weight, bias, group_name, chunk_rows, ticket, leaf_tokens, deposit_weight, deposit_bias = inputs
+    ctx.save_for_backward(x, weight, bias)  # saved leaves unpack as the Parameters
+    ctx.has_bias, ctx.group_name, ctx.chunk_rows = bias is not None, group_name, chunk_rows
+    ctx.plan = GradPlan(leaf_tokens, deposit_weight, deposit_bias, ticket)  # the ticket: not saved
+
+
+def _row_parallel_backward(ctx, dy):
+    runtime.check_first_order("det_train.row_parallel_linear")
+    x, weight, bias = ctx.saved_tensors
+    x2d = x.reshape(-1, x.shape[-1])
+    dy2d = dy.reshape(-1, weight.shape[0])
+    grad_x = None
+    if ctx.needs_input_grad[0]:  # dX_r = dY W_r: local
+        grad_x = matmul_op(dy2d, weight).reshape(x.shape)
+    want_b = ctx.has_bias and ctx.needs_input_grad[2]
+    grad_w, grad_b = param_grads(dy2d, x2d, weight, bias, ctx.needs_input_grad[1], want_b, ctx.plan)
+    return grad_x, grad_w, grad_b, *(None,) * 6
+
+
+row_parallel_op.register_autograd(_row_parallel_backward, setup_context=_tp_setup)
+
+
+@torch.library.custom_op(op_name("column_parallel_linear"), mutates_args=())
+def column_parallel_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_name: str,
+    chunk_rows: int,
+    ticket: torch.Tensor | None,
+    leaf_tokens: int,
+    deposit_weight: bool,
+    deposit_bias: bool,
+) -> torch.Tensor:
+    """The ``det_train::column_parallel_linear`` op: this rank's columns ``Y[..., N_r]`` (local; the
+    backward's dX is the chain, ``column_parallel_input_grad``)."""
+    x2d = x.reshape(-1, x.shape[-1])
+    y = torch.empty((x2d.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    if y.numel():
+        launch_matmul(x2d, weight.t(), y, bias=bias)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+@column_parallel_op.register_fake
+def _(x, weight, bias, group_name, chunk_rows, ticket, leaf_tokens, deposit_weight, deposit_bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _column_parallel_backward(ctx, dy):
+    runtime.check_first_order("det_train.column_parallel_linear")
+    x, weight, bias = ctx.saved_tensors
+    x2d = x.reshape(-1, x.shape[-1])
+    dy2d = dy.reshape(-1, weight.shape[0])
+    grad_x = None
+    if ctx.needs_input_grad[0]:
+        grad_x = column_parallel_input_grad_op(dy2d, weight, ctx.group_name, ctx.chunk_rows).reshape(x.shape)
+    want_b = ctx.has_bias and ctx.needs_input_grad[2]
+    grad_w, grad_b = param_grads(dy2d, x2d, weight, bias, ctx.needs_input_grad[1], want_b, ctx.plan)
+    return grad_x, grad_w, grad_b, *(None,) * 6
+
+
+column_parallel_op.register_autograd(_column_parallel_backward, setup_context=_tp_setup)
+
+
+@torch.library.custom_op(op_name("column_parallel_input_grad"), mutates_args=())
+def column_parallel_input_grad_op(
+    dy2d: torch.Tensor, weight: torch.Tensor, group_name: str, chunk_rows: int
+) -> torch.Tensor:
+    """The ``det_train::column_parallel_input_grad`` op: dX = the sum over ranks of ``dY_r W_r``,
+    chained in the unsplit order and broadcast (every rank gets the unsplit dX)."""
+    return _chained_sum(dy2d, weight, None, dy2d.dtype, _group(group_name), chunk_rows)
+
+
+@column_parallel_input_grad_op.register_fake
+def _(dy2d, weight, group_name, chunk_rows):
+    return dy2d.new_empty((dy2d.shape[0], weight.shape[1]))
 
 
 def row_parallel_linear(
@@ -153,7 +224,10 @@ def row_parallel_linear(
     chunk; the last rank broadcasts Y.
     """
     _check_linear(x, weight, bias)
-    return _RowParallel.apply(x, weight, bias, group, int(chunk_rows))
+    name = _group_name(group)
+    plan = plan_grads(math.prod(x.shape[:-1]), weight, bias)
+    args = (plan.ticket, plan.leaf_tokens, plan.weight, plan.bias)
+    return row_parallel_op(x, weight, bias, name, int(chunk_rows), *args)
 
 
 def column_parallel_linear(
@@ -188,4 +262,7 @@ def column_parallel_linear(
     unsplit dX for any split at multiples of the K step and any ``chunk_rows``.
     """
     _check_linear(x, weight, bias)
-    return _ColumnParallel.apply(x, weight, bias, group, int(chunk_rows))
+    name = _group_name(group)
+    plan = plan_grads(math.prod(x.shape[:-1]), weight, bias)
+    args = (plan.ticket, plan.leaf_tokens, plan.weight, plan.bias)
+    return column_parallel_op(x, weight, bias, name, int(chunk_rows), *args)
