@@ -77,6 +77,19 @@ def test_no_divergence_for_a_split_invariant_model(parts):
     assert "no divergence: 5 module outputs and 4 gradients are bitwise equal" in str(report)
 
 
+def test_a_step_that_ignores_its_split_is_flagged_not_reported_as_invariant():
+    def ignores_split(model, parts):
+        models.step(model, 1)
+
+    report = find_divergence(models.make_split_dependent, ignores_split, 1, 3)
+    assert not report.diverged and report.same_decomposition
+    assert report.micro_batch_sizes == ((models.ROWS,), (models.ROWS,))
+    assert "warning: both runs called the model with the same micro-batch sizes [6]" in str(report)
+    honest = find_divergence(models.make_clean, models.step, 1, 3)
+    assert not honest.same_decomposition and honest.micro_batch_sizes == ((6,), (2, 2, 2))
+    assert "warning" not in str(honest)
+
+
 def test_inline_code_is_blamed_on_the_parent_not_the_module_that_receives_it():
     report = find_divergence(models.make_inline, models.step, 1, 3)
     first = report.first_output
@@ -231,6 +244,10 @@ def test_bad_input_raises_clear_errors_and_removes_the_hooks():
         find_divergence(models.make_clean, models.step, 1, 2, batch_dim=-1)
     with pytest.raises(TypeError, match="torch.nn.Module"):
         find_divergence(lambda: "model", models.step, 1, 2)
+    with pytest.raises(TypeError, match="function that builds the model.*got a model instance"):
+        find_divergence(models.make_clean(), models.step, 1, 2)
+    with pytest.raises(TypeError, match="step must be callable"):
+        find_divergence(models.make_clean, "step", 1, 2)
     with pytest.raises(TypeError, match="keep_tensors"):
         find_divergence(models.make_clean, models.step, 1, 2, keep_tensors="mixer")
     with pytest.raises(TypeError, match="'fc1.weight' is a str"):

@@ -130,6 +130,9 @@ class DivergenceReport:
         split_a, split_b: the two decompositions as passed (``split_b is split_a`` for run-to-run).
         run_to_run: ``True`` when ``split_b`` was not given (one decomposition run twice).
         micro_batches: how many times each run called the model, ``(a, b)``.
+        micro_batch_sizes: per run, the ``batch_dim`` size of each model call's first tensor input
+            (None where it has no such dim); ``same_decomposition`` flags two different splits with
+            equal sizes (``str(report)`` then warns that ``step`` may ignore its split).
         outputs_compared, gradients_compared: how many tensors were compared bit for bit.
         output_differences: the module outputs that differ, in forward execution order of run a
             (the order the outputs were produced: a submodule before its parent).
@@ -157,6 +160,19 @@ class DivergenceReport:
     outputs_before_first: int = (
         0  # compared outputs, in forward order, that agree before the first difference
     )
+    micro_batch_sizes: tuple[tuple[int | None, ...], tuple[int | None, ...]] = ((), ())
+
+    @property
+    def same_decomposition(self) -> bool:
+        """Two different splits that called the model with the same micro-batch sizes: ``step``
+        probably ignores its ``split`` argument, and "no divergence" then says nothing."""
+        sizes_a, sizes_b = self.micro_batch_sizes
+        return (
+            not self.run_to_run
+            and bool(sizes_a)
+            and sizes_a == sizes_b
+            and not _same(self.split_a, self.split_b)
+        )
 
     @property
     def diverged(self) -> bool:
@@ -183,6 +199,12 @@ class DivergenceReport:
                 f"({_plural(mb_b, 'micro-batch')})"
             )
         lines = [f"find_divergence: {title}"]
+        if self.same_decomposition:
+            lines.append(
+                f"warning: both runs called the model with the same micro-batch sizes "
+                f"{list(self.micro_batch_sizes[0])}: does step(model, split) use its split? "
+                "(a step that ignores it compares a decomposition with itself)"
+            )
         if not self.diverged:
             lines.append(
                 f"no divergence: {self.outputs_compared} module outputs and {self.gradients_compared} "
@@ -306,6 +328,7 @@ class _Run:
         for name, module in model.named_modules(remove_duplicate=False):
             self.names.setdefault(id(module), name)
         self.micro_batches = 0
+        self.sizes: list[int | None] = []  # batch_dim size of each micro-batch's first tensor input
         self.uses: dict[str, int] = {}  # calls per module name in the current micro-batch
         self.stack: list[tuple[int, str, int]] = []  # (id(module), name, call) of the open calls
         self.outputs: dict[tuple[str, int, str], _Stream] = {}  # insertion order = forward order
@@ -323,6 +346,10 @@ class _Run:
         if module is self.model and not self.stack:
             self.micro_batches += 1
             self.uses.clear()
+            first = next((t for _, t in _digest_items(tuple(args)) if isinstance(t, torch.Tensor)), None)
+            self.sizes.append(
+                first.shape[self.batch_dim] if first is not None and first.dim() > self.batch_dim else None
+            )
         name = self._name(module)
         call = self.uses.get(name, 0)
         self.uses[name] = call + 1
@@ -512,9 +539,10 @@ def find_divergence(
         bit patterns in hex, and the count of differing elements.
 
     Raises:
-        TypeError: ``make_model`` does not return a ``torch.nn.Module``; ``gradients`` returns
-            something other than tensors or None; an output is a tensor subclass (e.g. DTensor);
-            ``keep_tensors`` is a string.
+        TypeError: ``make_model`` is a model instance instead of a function that builds one, or
+            ``make_model`` / ``step`` is not callable; ``make_model`` does not return a
+            ``torch.nn.Module``; ``gradients`` returns something other than tensors or None; an
+            output is a tensor subclass (e.g. DTensor); ``keep_tensors`` is a string.
         ValueError: ``batch_dim`` negative; ``make_model`` returned different initial weights in the
             two runs (it must seed); ``step`` never called ``model``.
         Exception: whatever ``make_model``, ``step`` or ``gradients`` raise, unchanged (the hooks
@@ -532,6 +560,17 @@ def find_divergence(
     """
     if not isinstance(batch_dim, int) or isinstance(batch_dim, bool) or batch_dim < 0:
         raise ValueError(f"batch_dim must be a non-negative int, got {batch_dim!r}")
+    if isinstance(make_model, torch.nn.Module):
+        raise TypeError(
+            "make_model must be a function that builds the model (e.g. lambda: "
+            f"{type(make_model).__name__}(...)), got a model instance: each run needs a fresh "
+            "model with the same initial weights"
+        )
+    if not callable(make_model) or not callable(step):
+        bad = "make_model" if not callable(make_model) else "step"
+        raise TypeError(
+            f"{bad} must be callable, got {type(make_model if bad == 'make_model' else step).__name__}"
+        )
     keep = _keep_predicate(keep_tensors)
     read_gradients = gradients or _default_gradients
     run_to_run = split_b is None
@@ -611,6 +650,7 @@ def find_divergence(
         gradient_differences=tuple(grad_diffs),
         skipped=tuple(skipped),
         outputs_before_first=before_first,
+        micro_batch_sizes=(tuple(run_a.sizes), tuple(run_b.sizes)),
     )
 
 
