@@ -193,7 +193,7 @@ def run_case(name, shapes, floor_ms_per_param, candidates) -> dict:
 def time_step(shapes) -> float:
     """``AdamWSR.step()`` with the committed default config (host overhead included)."""
     from adamw_sr import AdamWSR
-    from adamw_sr.optimizer import _PLAN_CACHE
+    from adamw_sr.functional import PLAN_CACHE
 
     params = []
     for s in shapes:
@@ -204,7 +204,7 @@ def time_step(shapes) -> float:
     opt.step()
     ms = bench(opt.step)
     del opt, params
-    _PLAN_CACHE.clear()
+    PLAN_CACHE.clear()
     gc.collect()
     torch.cuda.empty_cache()
     return ms

@@ -89,10 +89,10 @@ def test_kernel_equals_reference_bitwise(param_dtype, amsgrad, maximize, stochas
 )
 def test_kernel_variants_equal_reference(config, amsgrad, monkeypatch):
     from adamw_sr import kernel
-    from adamw_sr.optimizer import _PLAN_CACHE
+    from adamw_sr.functional import PLAN_CACHE
 
     monkeypatch.setitem(kernel.LAUNCH_CONFIGS, "interpreter", config)
-    _PLAN_CACHE.clear()
+    PLAN_CACHE.clear()
     shapes = [(7,), (100,), (3, 33), (130,)]
     bases = [0, 8, 2**33 + 1, 10**12 + 7]  # last two unaligned: leading lanes masked
     params = [
@@ -112,7 +112,7 @@ def test_kernel_variants_equal_reference(config, amsgrad, monkeypatch):
             adamw_sr_step_reference(
                 r, g, m, v, vm, step=step, lr=3e-2, weight_decay=0.1, amsgrad=amsgrad, seed=5, base_index=b
             )
-    _PLAN_CACHE.clear()
+    PLAN_CACHE.clear()
     for i, (p, r, (m, v, _)) in enumerate(zip(params, refs, states, strict=True)):
         assert_bitwise_equal(p, r, f"param {i}")
         assert_bitwise_equal(opt.state[p]["exp_avg"], m, f"exp_avg {i}")

@@ -122,10 +122,10 @@ def test_kernel_equals_reference_bitwise(state_dtype, rounding, param_dtype, ams
 )
 def test_kernel_variants_equal_reference(config, state_dtype, monkeypatch):
     from adamw_sr import kernel
-    from adamw_sr.optimizer import _PLAN_CACHE
+    from adamw_sr.functional import PLAN_CACHE
 
     monkeypatch.setitem(kernel.LAUNCH_CONFIGS, "interpreter", config)
-    _PLAN_CACHE.clear()
+    PLAN_CACHE.clear()
     shapes = [(7,), (100,), (3, 33), (130,)]
     # bf16: unaligned bases (masked leading lanes); 8-bit: bases on blocks, beyond 2**32
     bases = [0, 8, 2**33 + 1, 10**12 + 7] if state_dtype == torch.bfloat16 else [0, 32, 2**33, 10**12]
@@ -144,7 +144,7 @@ def test_kernel_variants_equal_reference(config, state_dtype, monkeypatch):
         opt.step()
         for r, g, st, b in zip(refs, grads, ref_states, bases, strict=True):
             _ref_step(r, g, st, step=step, lr=3e-2, weight_decay=0.1, seed=5, base_index=b)
-    _PLAN_CACHE.clear()
+    PLAN_CACHE.clear()
     for i, (p, r, st) in enumerate(zip(params, refs, ref_states, strict=True)):
         assert_bitwise_equal(p, r, f"param {i}")
         _assert_state_equal(opt.state[p], st, f"param {i}")

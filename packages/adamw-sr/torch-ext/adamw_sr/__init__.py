@@ -6,7 +6,9 @@ so they train without an fp32 master copy and every step is bitwise reproducible
 See docs/adamw-sr.md.
 """
 
-from .optimizer import AdamWSR, adamw_sr_step, default_base_indices, local_segments
+from .functional import adamw_sr_step
+from .indices import default_base_indices, local_segments
+from .optimizer import AdamWSR
 from .reference import adamw_sr_step_reference
 
 __version__ = "1.0.0"

@@ -1,0 +1,223 @@
+"""The global element index: where each parameter element sits in the unsharded parameter list.
+
+The stochastic-rounding bits of an element are keyed by its global index (det-core's RNG
+contract), so a sharded run must map every local element to the index it has in the unsharded
+run. Here: the default base index of each parameter (``default_base_indices``), the runs of a
+local tensor or DTensor shard that are consecutive in the global index (``local_segments``), and
+the 8-bit states' layout check over every rank's shard (``check_8bit_layout``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+from det_core import runtime
+
+from . import state_codes, states
+
+__all__ = [
+    "BASE_INDEX_ALIGNMENT",
+    "check_8bit_layout",
+    "default_base_indices",
+    "is_dtensor",
+    "local_segments",
+    "local_tensor",
+]
+
+# Default base indices start every parameter on a multiple of 8: its windows are then 4-aligned in the
+# global index (one Philox call per 4 elements) and 8-aligned in memory (vectorized loads) at once.
+BASE_INDEX_ALIGNMENT = 8
+
+
+def default_base_indices(numels, alignments=None) -> list[int]:
+    """The default global index of each parameter's first element: the running element offset over
+    the parameters in order, each rounded up to a multiple of its alignment (``BASE_INDEX_ALIGNMENT``,
+    8; a param with 8-bit states starts on a block of ``state_codes.QUANT_BLOCK``, 32).
+
+    Args:
+        numels: iterable of element counts (global counts for DTensors).
+        alignments: iterable of ints, one per param (default: 8 for every param).
+
+    Returns: list of ints.
+
+    **Determinism:** a pure function of the counts, the alignments and their order: a sharded run,
+    which sees the global counts, assigns the same indices as the unsharded one.
+    """
+    out, offset = [], 0
+    numels = list(numels)
+    alignments = [BASE_INDEX_ALIGNMENT] * len(numels) if alignments is None else list(alignments)
+    for n, align in zip(numels, alignments, strict=True):
+        offset = runtime.cdiv(offset, align) * align
+        out.append(offset)
+        offset = runtime.cdiv(offset + int(n), BASE_INDEX_ALIGNMENT) * BASE_INDEX_ALIGNMENT
+    return out
+
+
+# the types of a plain (unsharded) tensor: tested by ``type(t) in PLAIN_TENSOR_TYPES``, a set lookup
+# cheap enough for every tensor of every step
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2 / tensor-parallel parameter),
+    tested without importing ``torch.distributed`` (any shape and dtype).
+
+    **Determinism:** a pure function of ``t``'s type.
+    """
+    kind = type(t)
+    return kind not in PLAIN_TENSOR_TYPES and kind.__name__ == "DTensor" and hasattr(t, "_local_tensor")
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor the kernel reads: a DTensor's local shard, else ``t`` itself (same dtype; the
+    shard's shape).
+
+    **Determinism:** no copy: the shard itself, so the kernel writes it in place.
+    """
+    return t if type(t) in PLAIN_TENSOR_TYPES else (t._local_tensor if is_dtensor(t) else t)
+
+
+def local_segments(param: torch.Tensor, base_index: int) -> list[tuple[int, int, int]]:
+    """The runs of ``param``'s local elements that are consecutive in the global element index.
+
+    Args:
+        param: a plain tensor, or a DTensor (e.g. an FSDP2 parameter) whose local shard is a
+            box of the global tensor: placements ``Replicate``, ``Shard(d)`` (even, uneven or empty
+            shards), on a mesh of any dimension.
+        base_index: global index of the unsharded parameter's first element.
+
+    Returns:
+        ``[(local_start, length, global_start), ...]`` in local element order. One run for a plain
+        tensor or a ``Shard(0)`` shard, one per leading-index row for ``Shard(d)``, ``d > 0``;
+        empty for an empty shard.
+
+    Raises:
+        ValueError: the placement is not a box (e.g. ``_StridedShard``, ``Partial``).
+
+    **Determinism:** a pure function of the global shape, the placements and the rank's mesh
+    coordinate, so every rank maps its elements to the indices they have in the unsharded run.
+    """
+    if not is_dtensor(param):
+        return [(0, param.numel(), base_index)] if param.numel() else []
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for placement in param.placements:
+        if type(placement) not in (Shard, Replicate):
+            raise ValueError(
+                f"adamw_sr: DTensor placement {placement} is not supported; the global element index "
+                "is derived for Replicate and Shard(d) placements only. Pass an explicit base_index "
+                "per local tensor instead (param group key 'base_index')."
+            )
+    global_shape = tuple(param.shape)
+    local_shape, offset = compute_local_shape_and_global_offset(
+        global_shape, param.device_mesh, param.placements
+    )
+    return _box_runs(global_shape, tuple(local_shape), tuple(offset), base_index)
+
+
+def _box_runs(global_shape: tuple, local_shape: tuple, offset: tuple, base_index: int) -> list:
+    """``local_segments`` of the box ``local_shape`` at ``offset`` in a tensor of ``global_shape``."""
+    if math.prod(local_shape) == 0:
+        return []
+    ndim = len(global_shape)
+    differing = [d for d in range(ndim) if local_shape[d] != global_shape[d]]
+    if not differing:
+        return [(0, math.prod(local_shape), base_index)]
+    j = differing[-1]
+    inner = math.prod(local_shape[j:])  # contiguous run: dims j.. are whole beyond j
+    global_strides = [math.prod(global_shape[d + 1 :]) for d in range(ndim)]
+    segments = []
+    outer_shape = local_shape[:j]
+    for n in range(math.prod(outer_shape)):
+        coords, rest = [], n
+        for size in reversed(outer_shape):
+            coords.append(rest % size)
+            rest //= size
+        coords.reverse()
+        start = (
+            sum((offset[d] + coords[d]) * global_strides[d] for d in range(j)) + offset[j] * global_strides[j]
+        )
+        segments.append((n * inner, inner, base_index + start))
+    return segments
+
+
+def _merged(runs) -> list[tuple[int, int, int]]:
+    """``(local_start, length, global_start)`` runs with neighbours in both indices joined."""
+    out: list[list[int]] = []
+    for local_start, length, global_start in runs:
+        if out and out[-1][0] + out[-1][1] == local_start and out[-1][2] + out[-1][1] == global_start:
+            out[-1][1] += length
+        else:
+            out.append([local_start, length, global_start])
+    return [tuple(r) for r in out]
+
+
+def _boxes(global_shape: tuple, mesh_shape: tuple, placements) -> dict:
+    """``{mesh coordinate: (local_shape, offset)}`` of every rank's shard of a ``Shard``/``Replicate``
+    DTensor, by DTensor's rule (mesh dimensions in order, each ``Shard(d)`` splitting the current
+    extent of dim ``d`` as ``torch.chunk`` does)."""
+    from torch.distributed.tensor import Shard
+
+    out = {}
+    for coord in itertools.product(*(range(n) for n in mesh_shape)):
+        shape, offset = list(global_shape), [0] * len(global_shape)
+        for mesh_dim, placement in enumerate(placements):
+            if isinstance(placement, Shard):
+                d, n, k = placement.dim % len(global_shape), mesh_shape[mesh_dim], coord[mesh_dim]
+                chunk = runtime.cdiv(shape[d], n)
+                start = min(k * chunk, shape[d])
+                offset[d] += start
+                shape[d] = min(chunk, shape[d] - start)
+        out[coord] = (tuple(shape), tuple(offset))
+    return out
+
+
+def check_8bit_layout(param: torch.Tensor, base_index: int, runs: list) -> None:
+    """8-bit states: every run of every rank's shard starts on a block, and every rank's scale
+    shard (``states.scale_shape`` with the param's placements) holds exactly its blocks.
+
+    Checked for all ranks of a DTensor's mesh from the placement alone (no communication), so
+    every rank refuses the same params: a step never updates some ranks' shards and not others'.
+
+    Args:
+        param: a plain tensor or a DTensor (any shape; fp32 or bf16).
+        base_index: global index of the unsharded param's first element (int).
+        runs: this rank's ``local_segments(param, base_index)``.
+
+    Raises:
+        ValueError: a run off the block grid (``states.check_8bit_segments``, naming the block size),
+            or scales that the placement shards differently from the blocks (a sharded param whose
+            last dimension is not a multiple of 32, on some meshes), naming the fix.
+
+    **Determinism:** a check only, a pure function of the shape, the placements and the mesh
+    shape: every rank reaches the same verdict.
+
+    Method: DTensor's sharding rule (``torch.chunk`` per ``Shard`` mesh dimension, in order).
+    """
+    shape = tuple(param.shape)
+    if not is_dtensor(param):
+        states.check_8bit_segments(runs, shape, "AdamWSR.step")
+        return
+    from torch.distributed.tensor import Shard
+
+    block = state_codes.QUANT_BLOCK
+    mesh_shape = tuple(param.device_mesh.shape)
+    scale = states.scale_shape(shape)
+    mismatch = ValueError(
+        f"AdamWSR.step: state_dtype='8bit': the block scales (shape {scale}) of a param of shape "
+        f"{shape} with placements {tuple(param.placements)} do not shard like its blocks of {block} "
+        f"elements (a sharded param needs its last dimension to be a multiple of {block}); put "
+        "this parameter in a param group with state_dtype=torch.bfloat16"
+    )
+    if any(isinstance(pl, Shard) and not -len(scale) <= pl.dim < len(scale) for pl in param.placements):
+        raise mismatch  # the scales (new_state: the param's placements) have no such dimension
+    scale_boxes = _boxes(scale, mesh_shape, param.placements)
+    for coord, box in _boxes(shape, mesh_shape, param.placements).items():
+        rank_runs = _box_runs(shape, *box, base_index)
+        states.check_8bit_segments(rank_runs, shape, f"AdamWSR.step (the shard at mesh coordinate {coord})")
+        want = [(lo // block, runtime.cdiv(n, block), (g - base_index) // block) for lo, n, g in rank_runs]
+        if _merged(_box_runs(scale, *scale_boxes[coord], 0)) != _merged(want):
+            raise mismatch
