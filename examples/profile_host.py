@@ -11,9 +11,11 @@ replaced by a counter: outputs are garbage, only the host's Python and torch wor
 the host time per step without launches (min over repeats), the launches per step by kernel, the
 torch ops per step (torch.profiler) and the Python functions with the most time (cProfile).
 
-The shapes keep the gpu preset's code paths: 16 leaves of 64 tokens per micro-batch in 2
-micro-batches (the preset's 16 x 1024), every Linear in the "large" shape class, the TMA forward
-(1024 rows). At ``--width`` below 256 the shape class is forced to "large" (configs.shape_class):
+The shapes keep the gpu preset's code paths: 32 sequences (of 64 tokens here, 1024 there) in
+``--micro-batches`` micro-batches, leaves of ``--leaf-seqs`` sequences (8: the preset's 8192-token
+leaves, so at 8 and 16 micro-batches every leaf is split in 2 and 4 and carried as open leaves),
+every Linear in the "large" shape class, the TMA forward (1024 rows). At ``--width`` below 256 the
+shape class is forced to "large" (configs.shape_class):
 the host path of the gpu preset with less CPU arithmetic. What remains of torch's CPU arithmetic
 (elementwise ops, tree adds) is host time here but device time on a GPU; glibc is told to keep
 freed memory (mallopt) so that allocations cost about what the CUDA caching allocator's do.
@@ -74,20 +76,22 @@ def keep_freed_memory() -> None:
     libc.mallopt(m_trim_threshold, 1 << 30)
 
 
-def make_step(width: int, layers: int) -> bench_step.Step:
+def make_step(width: int, layers: int, micro_batches: int = 2, leaf_seqs: int = 8) -> bench_step.Step:
     if width < 256:  # every Linear in the large shape class, as at the gpu preset's widths
         importlib.import_module("det_train.configs").shape_class = lambda n, k: "large"
     cfg = tg.make_config(
-        "gpu", d_model=width, n_head=width // 64, d_ff=width, seq_len=64, batch_seqs=32, micro_batch_seqs=16,
-        leaf_tokens=64, n_layer=layers,
+        "gpu", d_model=width, n_head=width // 64, d_ff=width, seq_len=64, batch_seqs=32,
+        micro_batch_seqs=32 // micro_batches, leaf_tokens=64 * leaf_seqs, n_layer=layers,
     )  # fmt: skip
-    return bench_step.make_step(cfg, 2, torch.device("cpu"))
+    return bench_step.make_step(cfg, micro_batches, torch.device("cpu"))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--width", type=int, default=256, help="d_model = d_ff (a multiple of 64)")
     p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--micro-batches", type=int, default=2, help="micro-batches of the 32 sequences")
+    p.add_argument("--leaf-seqs", type=int, default=8, help="sequences per canonical leaf (preset: 8)")
     p.add_argument("--steps", type=int, default=5, help="steps per timed repeat")
     p.add_argument("--repeats", type=int, default=5, help="the minimum over repeats is reported")
     p.add_argument("--top", type=int, default=25, help="Python functions listed (0: none)")
@@ -96,7 +100,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     keep_freed_memory()
     stub_launches()
-    step = make_step(args.width, args.layers)
+    if 32 % args.micro_batches:
+        p.error(f"--micro-batches must divide the 32 sequences, got {args.micro_batches}")
+    step = make_step(args.width, args.layers, args.micro_batches, args.leaf_seqs)
     for _ in range(3):  # plans, caches and optimizer states
         step.run()
     times = []
@@ -106,7 +112,10 @@ def main(argv=None) -> int:
         for _ in range(args.steps):
             step.run()
         times.append((time.perf_counter() - start) / args.steps)
-    print(f"host time per step, launches stubbed: {min(times) * 1e3:.2f} ms (min of {args.repeats})")
+    print(
+        f"host time per step, launches stubbed: {min(times) * 1e3:.2f} ms (min of {args.repeats}; "
+        f"{args.micro_batches} micro-batches, leaves of {args.leaf_seqs} sequences)"
+    )
     per_step = {name: count / args.steps for name, count in LAUNCHES.items()}
     print(f"launches per step: {sum(per_step.values()):.0f}")
     for name, count in sorted(per_step.items(), key=lambda kv: (-kv[1], kv[0])):

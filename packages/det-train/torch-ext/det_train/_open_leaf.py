@@ -40,7 +40,7 @@ class _OpenFold:
         """The state after the next ``rows`` of the leaf, or (``finish``: they end the leaf or the
         batch) the leaf's fp32 sum."""
         step, fold_fn = self.fold
-        n = int(rows[0].shape[0]) if rows else 0
+        n = rows[0].shape[0] if rows else 0
         acc, done = self.acc, self.folded_end
         if self.rest:  # complete the waiting partial step first (a copy of fewer than `step` rows)
             need = min(step - int(self.rest[0].shape[0]), n)
@@ -53,9 +53,9 @@ class _OpenFold:
             if int(rows_in[0].shape[0]) < step and not finish:
                 return _OpenFold(self.start, self.fold, done, acc, rows_in)
             acc, done = fold_fn(rows_in, acc), done + int(rows_in[0].shape[0])
-        whole = n if finish else n // step * step
+        whole = n if finish else n - n % step
         if whole:
-            acc = fold_fn(tuple(r[:whole] for r in rows), acc)
+            acc = fold_fn(rows if whole == n else tuple(r[:whole] for r in rows), acc)
             done += whole
         if finish:
             return acc

@@ -335,12 +335,14 @@ class CanonicalGradAccumulator:
                 nothing to continue.
             RuntimeError: outside ``micro_batch``.
         """
-        n = int(rows[0].shape[0])
-        if any(int(r.shape[0]) != n for r in rows):
-            raise ValueError(f"deposit_rows: rows of different lengths {[int(r.shape[0]) for r in rows]}")
+        # Host work per call is O(1) in the rows: a few views, one leaf-sum or fold call (no per-row
+        # or per-leaf Python beyond the leaves this call starts), no device value read.
+        n = rows[0].shape[0]
+        for r in rows:
+            if r.shape[0] != n:
+                raise ValueError(f"deposit_rows: rows of different lengths {[int(r.shape[0]) for r in rows]}")
         if self._token_offset is not None:  # before _slot counts a use (outside: _slot raises)
-            name = self._names[self._index[id(param)]] if id(param) in self._index else "a parameter"
-            self._note_tokens(n, f"{name}: an op")
+            self._note_tokens(n, param)
         slot = self._slot(param)
         offset = self._token_offset
         leaf = self.leaf_tokens
@@ -356,14 +358,14 @@ class CanonicalGradAccumulator:
                     "parameter was not used in every micro-batch that split the leaf"
                 )
             pos = min(n, open_leaf.start + leaf - offset)  # own rows that belong to the open leaf
-            head = tuple(r[:pos] for r in rows)
+            head = rows if pos == n else tuple(r[:pos] for r in rows)
             if isinstance(open_leaf, _OpenFold):
                 done = open_leaf.start + leaf == offset + pos
                 advanced = open_leaf.advance(head, done)
                 if not done:
                     self._carry[key] = advanced
                     return
-                self._merge(slot, TreePartial().add_node(0, offset // leaf, advanced))
+                self._add_node(slot, offset // leaf, advanced)
                 del self._carry[key]
             else:
                 open_leaf.append(head, leaf_partial, self)
@@ -372,35 +374,44 @@ class CanonicalGradAccumulator:
                 self._flush()
                 self._merge(slot, leaf_partial(offset // leaf, open_leaf.rows()))
                 del self._carry[key]
+            if pos == n:  # this micro-batch ended with the leaf it continued
+                return
         full = (n - pos) // leaf * leaf
         first = (offset + pos) // leaf
-        for j in range(first, first + full // leaf + (pos + full < n)):  # leaves this call starts
-            if (*slot, j) in self._carry:
-                held = self._carry[(*slot, j)]
-                raise ValueError(
-                    f"{self._names[slot[0]]} (use {slot[1]}): leaf {j} already holds tokens "
-                    f"[{held.start}, {held.end}) of an earlier micro-batch: micro-batches overlap"
-                )
+        if self._carry:  # leaves this call starts must not be open already (overlapping micro-batches)
+            for j in range(first, first + full // leaf + (pos + full < n)):
+                held = self._carry.get((*slot, j))
+                if held is not None:
+                    raise ValueError(
+                        f"{self._names[slot[0]]} (use {slot[1]}): leaf {j} already holds tokens "
+                        f"[{held.start}, {held.end}) of an earlier micro-batch: micro-batches overlap"
+                    )
         if full:
             whole = rows if full == n else tuple(r[pos : pos + full] for r in rows)
             self._merge(slot, leaf_partial(first, whole))
         if pos + full < n:
             start = offset + pos + full
-            tail = tuple(r[pos + full :] for r in rows)
+            tail = rows if pos + full == 0 else tuple(r[pos + full :] for r in rows)
             if fold is not None:
                 self._carry[(*slot, start // leaf)] = _OpenFold(start, fold).advance(tail, False)
             else:
                 self._carry[(*slot, start // leaf)] = _OpenLeaf(start, tail, leaf, leaf_partial, self)
 
-    def _note_tokens(self, n: int, who: str) -> None:
-        """Record the micro-batch's token count; every canonical-order op must report the same."""
+    def _note_tokens(self, n: int, who) -> None:
+        """Record the micro-batch's token count; every canonical-order op must report the same.
+        ``who``: the reporting op's description, or the parameter it deposits for (named lazily)."""
         if self._tokens is not None and n != self._tokens:
+            if isinstance(who, torch.Tensor):
+                index = self._index.get(id(who))
+                who = f"{self._names[index] if index is not None else 'a parameter'}: an op"
             raise ValueError(
                 f"{who} reported {n} tokens in a micro-batch whose other ops saw {self._tokens}; "
                 "every canonical-order op of a micro-batch must see all its tokens"
             )
         self._tokens = n
-        self._max_end = max(self._max_end, self._token_offset + n)
+        end = self._token_offset + n
+        if end > self._max_end:
+            self._max_end = end
 
     def _flush(self) -> None:
         """Run the pending open-leaf row copies (one multi-tensor copy where torch has one)."""
@@ -411,9 +422,21 @@ class CanonicalGradAccumulator:
                 _COPY(list(dst), list(src))
 
     def _merge(self, slot: tuple[int, int], partial: TreePartial) -> None:
-        mine = self._partials.setdefault(slot, TreePartial())
+        mine = self._partials.get(slot)
+        if mine is None:
+            mine = self._partials[slot] = TreePartial()
         try:
             mine.merge(partial)
+        except ValueError as err:
+            raise ValueError(f"{self._names[slot[0]]} (use {slot[1]}): {err}") from None
+
+    def _add_node(self, slot: tuple[int, int], leaf: int, value: torch.Tensor) -> None:
+        """``_merge`` of one finished leaf (a node on this accumulator's device) without a partial."""
+        mine = self._partials.get(slot)
+        if mine is None:
+            mine = self._partials[slot] = TreePartial()
+        try:
+            mine.add_node(0, leaf, value)
         except ValueError as err:
             raise ValueError(f"{self._names[slot[0]]} (use {slot[1]}): {err}") from None
 
