@@ -246,6 +246,28 @@ def test_backward_outside_the_micro_batch_raises_and_device_checks_run_in_the_co
         run(ids + 32, targets, ids.numel())
 
 
+def test_reduce_is_a_graph_boundary():
+    """acc.reduce is torch.compiler.disable'd: inside fullgraph=True it raises, otherwise it
+    breaks the graph and runs eagerly (the gradients of an eager reduce)."""
+    w = torch.nn.Parameter(_randn(8, 16, seed=1))
+    x = _randn(6, 16, seed=2)
+
+    def grads(reduce):
+        acc = CanonicalGradAccumulator([w], leaf_tokens=4)
+        for s, e in ((0, 2), (2, 6)):
+            with acc.micro_batch(token_offset=s):
+                det_train.linear(x[s:e], w).float().sum().backward()
+        reduce(acc)
+        g, w.grad = w.grad, None
+        return g
+
+    want = grads(lambda acc: acc.reduce(total_tokens=6))
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        grads(torch.compile(lambda acc: acc.reduce(total_tokens=6), fullgraph=True, backend="aot_eager"))
+    got = grads(torch.compile(lambda acc: acc.reduce(total_tokens=6), backend="aot_eager"))
+    assert_bitwise_equal(got, want, "reduce called from a compiled function")
+
+
 def test_inductor_block_with_accumulator_gives_the_eager_bits():
     """The default backend (Inductor, C++ on CPU): det ops stay opaque calls, so 3 micro-batches
     through the compiled model give the eager whole-batch gradients bit for bit.

@@ -474,9 +474,14 @@ class CanonicalGradAccumulator:
         self._merge(self._slot(param), partial)
 
     # ------------------------------------------------------------------ reduce
+    # a graph boundary under torch.compile: host bookkeeping and collectives, always run eagerly
+    @torch.compiler.disable
     def reduce(self, total_tokens: int, group=None) -> None:
         """Merge all partials (this rank's micro-batches and, if distributed, every rank's), finish
         the canonical tree over ``ceil(total_tokens / leaf_tokens)`` leaves and set ``p.grad``.
+
+        Under ``torch.compile`` this is a graph boundary (``torch.compiler.disable``): a compiled
+        step that calls it breaks the graph there and runs it eagerly (``fullgraph=True`` raises).
 
         Args:
             total_tokens: tokens in the global batch (all micro-batches of all ranks).
