@@ -94,27 +94,79 @@ def check_packed(
     ``(batch, max_seqlen_q, max_seqlen_k, scale, dropout_p, seed, sequence_offset, head_offset)``."""
     total_q, heads, head_dim = q.shape
     total_k = k.shape[0]
-    len_q = check_cu_seqlens(cu_seqlens_q, total_q, q.device, "cu_seqlens_q", op)
-    len_k = check_cu_seqlens(cu_seqlens_k, total_k, q.device, "cu_seqlens_k", op)
-    if len_q.numel() != len_k.numel():
-        raise ValueError(
-            f"{op}: cu_seqlens_q and cu_seqlens_k describe {len_q.numel()} and "
-            f"{len_k.numel()} sequences; they must match"
-        )
-    if len_q.numel() > MAX_GRID_YZ:
-        raise ValueError(f"{op}: {len_q.numel()} sequences exceed {MAX_GRID_YZ}; split into several calls")
+    check_cu_seqlens_meta(cu_seqlens_q, q.device, "cu_seqlens_q", op)
+    len_q = cu_seqlens_lengths(cu_seqlens_q, total_q, "cu_seqlens_q", op)
+    check_cu_seqlens_meta(cu_seqlens_k, q.device, "cu_seqlens_k", op)
+    len_k = cu_seqlens_lengths(cu_seqlens_k, total_k, "cu_seqlens_k", op)
+    batch = check_sequence_count(cu_seqlens_q, cu_seqlens_k, op)
     max_seqlen_q = as_max_seqlen(max_seqlen_q, "max_seqlen_q", len_q, op)
     max_seqlen_k = as_max_seqlen(max_seqlen_k, "max_seqlen_k", len_k, op)
-    if bool(((len_q > 0) & (len_k == 0)).any()):
-        raise ValueError(f"{op}: a sequence has queries but no keys (its attention is undefined)")
+    check_keys_present(len_q, len_k, op)
     check_causal(causal, op)
-    if causal and bool((len_k < len_q).any()):
-        raise ValueError(f"{op}: causal attention needs every key length >= its query length (bottom-right)")
+    if causal:
+        check_causal_lengths(len_q, len_k, op)
     dropout_p, seed, sequence_offset, head_offset = check_dropout(
-        dropout_p, seed, sequence_offset, head_offset, heads, len_q.numel(), op
+        dropout_p, seed, sequence_offset, head_offset, heads, batch, op
     )
     scale = as_scale(softmax_scale, head_dim, op)
-    return len_q.numel(), max_seqlen_q, max_seqlen_k, scale, dropout_p, seed, sequence_offset, head_offset
+    return batch, max_seqlen_q, max_seqlen_k, scale, dropout_p, seed, sequence_offset, head_offset
+
+
+def check_packed_traced(
+    q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, dropout_p, seed,
+    sequence_offset, head_offset, op,
+) -> tuple:  # fmt: skip
+    """The checks of ``check_packed`` that read no tensor values, for torch.compile's trace (fake
+    tensors: shapes, dtypes, devices); the rest, ``check_packed_values``, runs inside the operator.
+    Takes and returns what ``check_packed`` does."""
+    heads, head_dim = q.shape[1:]
+    check_cu_seqlens_meta(cu_seqlens_q, q.device, "cu_seqlens_q", op)
+    check_cu_seqlens_meta(cu_seqlens_k, q.device, "cu_seqlens_k", op)
+    batch = check_sequence_count(cu_seqlens_q, cu_seqlens_k, op)
+    max_seqlen_q = as_max_seqlen(max_seqlen_q, "max_seqlen_q", None, op)
+    max_seqlen_k = as_max_seqlen(max_seqlen_k, "max_seqlen_k", None, op)
+    check_causal(causal, op)
+    dropout_p, seed, sequence_offset, head_offset = check_dropout(
+        dropout_p, seed, sequence_offset, head_offset, heads, batch, op
+    )
+    scale = as_scale(softmax_scale, head_dim, op)
+    return batch, max_seqlen_q, max_seqlen_k, scale, dropout_p, seed, sequence_offset, head_offset
+
+
+def check_packed_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, causal, op):
+    """The checks of ``check_packed`` that read the ``cu_seqlens`` values (on the host), for an
+    operator call whose arguments passed ``check_packed_traced``."""
+    len_q = cu_seqlens_lengths(cu_seqlens_q, total_q, "cu_seqlens_q", op)
+    len_k = cu_seqlens_lengths(cu_seqlens_k, total_k, "cu_seqlens_k", op)
+    as_max_seqlen(max_seqlen_q, "max_seqlen_q", len_q, op)
+    as_max_seqlen(max_seqlen_k, "max_seqlen_k", len_k, op)
+    check_keys_present(len_q, len_k, op)
+    if causal:
+        check_causal_lengths(len_q, len_k, op)
+
+
+def check_sequence_count(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, op: str) -> int:
+    """The number of sequences that two valid ``cu_seqlens`` describe (from their shapes)."""
+    n_q, n_k = cu_seqlens_q.shape[0] - 1, cu_seqlens_k.shape[0] - 1
+    if n_q != n_k:
+        raise ValueError(
+            f"{op}: cu_seqlens_q and cu_seqlens_k describe {n_q} and {n_k} sequences; they must match"
+        )
+    if n_q > MAX_GRID_YZ:
+        raise ValueError(f"{op}: {n_q} sequences exceed {MAX_GRID_YZ}; split into several calls")
+    return n_q
+
+
+def check_keys_present(len_q: torch.Tensor, len_k: torch.Tensor, op: str) -> None:
+    """Every sequence with queries has keys (host sequence lengths)."""
+    if bool(((len_q > 0) & (len_k == 0)).any()):
+        raise ValueError(f"{op}: a sequence has queries but no keys (its attention is undefined)")
+
+
+def check_causal_lengths(len_q: torch.Tensor, len_k: torch.Tensor, op: str) -> None:
+    """Every key length is at least its query length (causal, bottom-right; host sequence lengths)."""
+    if bool((len_k < len_q).any()):
+        raise ValueError(f"{op}: causal attention needs every key length >= its query length (bottom-right)")
 
 
 def check_dropout(
@@ -178,12 +230,14 @@ def as_dropout_p(value, name: str, op: str) -> float:
     return p
 
 
-def as_max_seqlen(value, name: str, lengths: torch.Tensor, op: str) -> int:
-    """``value`` as an int, at least the longest of ``lengths`` and at most ``MAX_SEQLEN``."""
+def as_max_seqlen(value, name: str, lengths: torch.Tensor | None, op: str) -> int:
+    """``value`` as an int, at least the longest of ``lengths`` (host sequence lengths; None: not
+    checked here) and at most ``MAX_SEQLEN``."""
     given = runtime.as_index(value, name, op, "; pass the longest sequence length, e.g. int(seqlens.max())")
-    longest = int(lengths.max())
-    if given < longest:
-        raise ValueError(f"{op}: {name}={given} is below the longest sequence ({longest})")
+    if lengths is not None:
+        longest = int(lengths.max())
+        if given < longest:
+            raise ValueError(f"{op}: {name}={given} is below the longest sequence ({longest})")
     if given > MAX_SEQLEN:
         raise ValueError(f"{op}: {name}={given} exceeds the supported {MAX_SEQLEN}")
     return given
@@ -193,16 +247,21 @@ def as_seed(value, name: str, op: str) -> int:
     return rng.as_seed(value, op, name, "; pass an int such as 0, a new one per training step")
 
 
-def check_cu_seqlens(cu: torch.Tensor, total: int, device: torch.device, name: str, op: str) -> torch.Tensor:
-    """The sequence lengths ``cu[1:] - cu[:-1]`` (on the host) of a valid ``cu_seqlens``."""
+def check_cu_seqlens_meta(cu: torch.Tensor, device: torch.device, name: str, op: str) -> None:
+    """A ``cu_seqlens``'s type, dtype, rank and device (no values read)."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor of int32, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
         raise TypeError(f"{op}: {name} must have dtype torch.int32, got {cu.dtype}")
-    if cu.dim() != 1 or cu.numel() < 2:
+    if cu.dim() != 1 or cu.shape[0] < 2:
         raise ValueError(f"{op}: {name} must be 1-D with batch + 1 >= 2 entries, got shape {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"{op}: {name} is on {cu.device} but q is on {device}")
+
+
+def cu_seqlens_lengths(cu: torch.Tensor, total: int, name: str, op: str) -> torch.Tensor:
+    """The sequence lengths ``cu[1:] - cu[:-1]`` (on the host) of a ``cu_seqlens`` that passed
+    ``check_cu_seqlens_meta``, after checking its values: from 0 to ``total``, non-decreasing."""
     host = cu.cpu()  # one small device-to-host copy: the checks below need the values
     if int(host[0]) != 0 or int(host[-1]) != total:
         raise ValueError(

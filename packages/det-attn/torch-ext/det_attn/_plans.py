@@ -105,15 +105,23 @@ def _plain(q, k, v, causal, softmax_scale, dropout_p) -> bool:
 
 def padded_key(q, k, v, causal, softmax_scale, dropout_p) -> tuple | None:
     """The cache key of an ``attention`` call from its arguments as given (before any check), or
-    None for other argument kinds (see ``_plain``)."""
+    None for other argument kinds (see ``_plain``). The operator finds the same key from its own
+    arguments (``padded_signature``): the public function passes a plain ``softmax_scale`` on as
+    given (None included)."""
     if not _plain(q, k, v, causal, softmax_scale, dropout_p):
         return None
     return _signature(q, k, v, causal, softmax_scale, dropout_p != 0)
 
 
+def padded_signature(q, k, v, causal: bool, softmax_scale: float | None, dropout: bool) -> tuple:
+    """The cache key of an ``attention_forward`` / ``attention_backward`` operator call (``_ops``)."""
+    return _signature(q, k, v, causal, softmax_scale, dropout)
+
+
 def packed_key(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, softmax_scale, dropout_p):
     """The cache key of an ``attention_varlen`` call from its arguments as given, or None for other
-    argument kinds (also: cu_seqlens_q not a plain tensor, a max_seqlen not an int)."""
+    argument kinds (also: cu_seqlens_q not a plain tensor, a max_seqlen not an int); the same key
+    as ``packed_signature`` of the operator call it makes."""
     if not (
         _plain(q, k, v, causal, softmax_scale, dropout_p)
         and type(cu_seqlens_q) is _TENSOR
@@ -123,6 +131,14 @@ def packed_key(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, softma
         return None
     n_cu = cu_seqlens_q.shape[0] if cu_seqlens_q.dim() == 1 else None
     return _signature(q, k, v, n_cu, max_seqlen_q, max_seqlen_k, causal, softmax_scale, dropout_p != 0)
+
+
+def packed_signature(
+    q, k, v, n_cu: int, max_seqlen_q: int, max_seqlen_k: int, causal, softmax_scale, dropout
+):
+    """The cache key of an ``attention_varlen_forward`` / ``_backward`` operator call (``_ops``;
+    ``n_cu``: the number of ``cu_seqlens`` entries)."""
+    return _signature(q, k, v, n_cu, max_seqlen_q, max_seqlen_k, causal, softmax_scale, dropout)
 
 
 def cached(key) -> Plan | None:

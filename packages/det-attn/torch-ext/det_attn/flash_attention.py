@@ -1,11 +1,11 @@
-"""Deterministic flash attention: the public ``attention`` functions and their autograd Function.
+"""Deterministic flash attention: the public ``attention`` functions.
 
 Reading order: ``attention`` (padded batch) and ``attention_varlen`` (packed), each "check ->
-plan -> launch", then the ``torch.autograd.Function``. The parts live beside this module, by
-role: the fixed config table in ``_configs``, the argument checks in ``_checks``, the launch
-plans, their cache and the launchers in ``_plans``; the forward kernel in ``_fwd_kernel``, the
-backward kernels in ``_bwd_kernels``, the helpers both use in ``_tiles``; a plain-torch
-reference in ``reference.py``.
+operator". The parts live beside this module, by role: the ``torch.library`` operators that every
+call goes through (eager or under torch.compile) and their autograd formula in ``_ops``; the fixed
+config table in ``_configs``, the argument checks in ``_checks``, the launch plans, their cache and
+the launchers in ``_plans``; the forward kernel in ``_fwd_kernel``, the backward kernels in
+``_bwd_kernels``, the helpers both use in ``_tiles``; a plain-torch reference in ``reference.py``.
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from __future__ import annotations
 import math
 
 import torch
-from det_core import runtime
 
-from . import _checks, _plans
+from . import _checks, _ops, _plans
 from ._checks import MAX_SEQLEN, SUPPORTED_HEAD_DIMS
 
 __all__ = ["MAX_SEQLEN", "SUPPORTED_HEAD_DIMS", "attention", "attention_varlen"]
@@ -93,22 +92,29 @@ def attention(
     tutorial, with atomics-free backward (separate dK/dV and dQ kernels).
     """
     op = "det_attn.attention"
-    # a signature with a plan has passed every check but dropout's (see _plans); otherwise every
-    # check runs, in order
-    key = _plans.padded_key(q, k, v, causal, softmax_scale, dropout_p)
-    plan = _plans.cached(key)
-    if plan is None:
+    # eager: a signature with a plan has passed every check but dropout's (see _plans), and the
+    # operator gets softmax_scale as given (its plan key is the same); otherwise every check runs,
+    # in order: under torch.compile at trace time, on shapes, dtypes and devices alone
+    compiling = torch.compiler.is_compiling()
+    key = None if compiling else _plans.padded_key(q, k, v, causal, softmax_scale, dropout_p)
+    if key is None or _plans.cached(key) is None:
         scale, dropout_p, seed, sequence_offset, head_offset = _checks.check_padded(
             q, k, v, causal, softmax_scale, dropout_p, seed, sequence_offset, head_offset, op
         )
-        plan = _plans.padded_plan(q, k, v, key, causal, scale, dropout_p > 0.0)
+        if key is None:
+            softmax_scale = scale
+        if not compiling:  # the plan the operator will look up: checks passed
+            _plans.padded_plan(q, k, v, key, causal, scale, dropout_p > 0.0)
     else:
         dropout_p, seed, sequence_offset, head_offset = _checks.check_dropout(
             dropout_p, seed, sequence_offset, head_offset, q.shape[2], q.shape[0], op
         )
+    # the operator; eager calls its Autograd kernel directly (the same path, one dispatch less)
+    forward = _ops.attention_forward if compiling else _ops.padded_autograd
+    o, lse2 = forward(
+        q, k, v, causal, softmax_scale, dropout_p, _ops.seed_word(seed), sequence_offset, head_offset
+    )
     batch, t_q, heads, head_dim = q.shape
-    drop = _plans.dropout_args(dropout_p, seed, sequence_offset, head_offset) if plan.dropout else None
-    o, lse2 = _attend(q, k, v, None, None, plan, drop)
     o = o.view(batch, t_q, heads, head_dim)
     if not return_lse:
         return o
@@ -170,67 +176,31 @@ def attention_varlen(
     Method: as ``attention`` (FlashAttention-2 varlen layout, Dao 2023).
     """
     op = "det_attn.attention_varlen"
-    # a signature with a plan has passed the checks of q, k, v (see _plans); the checks of the
-    # other arguments run on every call, in order
-    key = _plans.packed_key(
+    # eager: a signature with a plan has passed the checks of q, k, v (see _plans); the checks of
+    # the other arguments run on every call, in order, those of cu_seqlens on a host copy of their
+    # values. Under torch.compile every check that reads no values runs at trace time, and the
+    # operator checks the values (validate) when it runs.
+    compiling = torch.compiler.is_compiling()
+    key = None if compiling else _plans.packed_key(
         q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, softmax_scale, dropout_p
-    )
-    plan = _plans.cached(key)
+    )  # fmt: skip
+    plan = None if key is None else _plans.cached(key)
     if plan is None:
         _checks.check_packed_qkv(q, k, v, op)
-    batch, max_seqlen_q, max_seqlen_k, scale, dropout_p, seed, sequence_offset, head_offset = (
-        _checks.check_packed(
-            q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, dropout_p,
-            seed, sequence_offset, head_offset, op,
-        )
+    check = _checks.check_packed_traced if compiling else _checks.check_packed
+    checked = check(
+        q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+        softmax_scale, dropout_p, seed, sequence_offset, head_offset, op,
     )  # fmt: skip
-    if plan is None:
-        plan = _plans.packed_plan(
-            q, k, v, key, batch, max_seqlen_q, max_seqlen_k, causal, scale, dropout_p > 0.0
-        )
-    drop = _plans.dropout_args(dropout_p, seed, sequence_offset, head_offset) if plan.dropout else None
-    # the kernels read cu_seqlens with unit stride (a strided view's values were checked above)
-    o, lse2 = _attend(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), plan, drop)
+    batch, max_seqlen_q, max_seqlen_k, scale, dropout_p, seed, sequence_offset, head_offset = checked
+    if plan is None and not compiling:  # the plan the operator will look up: checks passed
+        _plans.packed_plan(q, k, v, key, batch, max_seqlen_q, max_seqlen_k, causal, scale, dropout_p > 0.0)
+    forward = _ops.attention_varlen_forward if compiling else _ops.packed_autograd  # see attention
+    o, lse2 = forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+        softmax_scale if key is not None else scale, dropout_p, _ops.seed_word(seed), sequence_offset,
+        head_offset, compiling,
+    )  # fmt: skip
     if not return_lse:
         return o
     return o, lse2 * math.log(2.0)
-
-
-def _attend(q, k, v, cu_q, cu_k, plan: _plans.Plan, drop: tuple | None):
-    """``(o, lse2)`` with o ``(tokens, H_q, D)``: ``_AttentionFunction.apply``, or, when no
-    gradient can flow (grad mode off, or no input requires one), the same forward launch without
-    autograd (whose per-call host time shows at short sequences). q, k, v as the caller got them
-    (``(B, T, H, D)`` for a padded batch, ``plan.dense``); ``drop``: the per-call dropout
-    arguments (``_plans.dropout_args``), None without dropout."""
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _AttentionFunction.apply(q, k, v, cu_q, cu_k, plan, drop)
-    q, k, v = _plans.kernel_inputs(q, k, v, plan.dense)
-    return _plans.launch_forward(plan, q, k, v, cu_q, cu_k, drop)
-
-
-class _AttentionFunction(torch.autograd.Function):
-    # A padded batch's (B, T, H, D) inputs are reshaped in here, not before: the reshapes then
-    # add no autograd nodes (three view nodes per call, forward and backward, in host time); the
-    # gradients are viewed back (splitting the token dim is always a view: the same layout the
-    # reshapes' backward gives).
-    @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, plan, drop):
-        shapes = (q.shape, k.shape, v.shape) if plan.dense is not None else None
-        q, k, v = _plans.kernel_inputs(q, k, v, plan.dense)
-        o, lse2 = _plans.launch_forward(plan, q, k, v, cu_q, cu_k, drop)
-        ctx.save_for_backward(q, k, v, o, lse2, cu_q, cu_k)
-        ctx.plan, ctx.drop, ctx.shapes = plan, drop, shapes  # the backward's launches: the forward's plan
-        ctx.mark_non_differentiable(lse2)
-        # lse2 never gets a gradient: do not let autograd allocate and zero-fill one per backward
-        ctx.set_materialize_grads(False)
-        return o, lse2
-
-    @staticmethod
-    def backward(ctx, do, _dlse2):
-        runtime.check_first_order("det_attn.attention")
-        q, k, v, o, lse2, cu_q, cu_k = ctx.saved_tensors
-        dq, dk, dv = _plans.launch_backward(ctx.plan, do, q, k, v, o, lse2, cu_q, cu_k, ctx.drop)
-        if ctx.shapes is not None:
-            q_shape, k_shape, v_shape = ctx.shapes
-            dq, dk, dv = dq.view(q_shape), dk.view(k_shape), dv.view(v_shape)
-        return dq, dk, dv, None, None, None, None

@@ -19,12 +19,15 @@ class DetAttention(nn.Module):
     """Deterministic attention core: ``forward(q, k, v, **kwargs) = det_attn.attention(q, k, v, **kwargs)``.
 
     Shapes, dtypes, errors and the **Determinism:** guarantees are those of ``det_attn.attention``
-    (``(B, T, H, D)`` bf16/fp16, run-to-run bitwise, batch and packing invariant).
+    (``(B, T, H, D)`` bf16/fp16, run-to-run bitwise, batch and packing invariant; under
+    ``torch.compile`` the eager bits, as the call runs det_attn's ``torch.library`` operators, which
+    torch.compile traces with no graph break: ``can_torch_compile = True``, so ``kernels.kernelize``
+    maps it in ``Mode.TORCH_COMPILE`` too).
     Method: FlashAttention-2 (Dao, 2023).
     """
 
     has_backward = True
-    can_torch_compile = False
+    can_torch_compile = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
         return attention(q, k, v, **kwargs)

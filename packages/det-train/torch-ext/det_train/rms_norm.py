@@ -28,11 +28,11 @@ from det_core.runtime import check_kernel_device
 
 from ._leaf_sums import finish_param_grad, fold_chunks, leaf_subtrees, sub_leaf_tokens
 from ._library import (
+    Op,
     accumulation,
     active_accumulator,
     deposit_ticket,
     finish_deposit,
-    op_name,
     tracked_parameter,
 )
 
@@ -199,7 +199,7 @@ def _out_dtype(x: torch.Tensor, weight: torch.Tensor | None) -> torch.dtype:
 
 
 # ----------------------------------------------------------------------------- torch.library ops
-@torch.library.custom_op(op_name("rms_norm"), mutates_args=())
+@Op("rms_norm")
 def rms_norm_op(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -262,10 +262,10 @@ def _rms_norm_backward(ctx, dy, _drstd):
     return dx.view(x.shape), dw if want_w else None, *(None,) * 6
 
 
-rms_norm_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
+rms_norm_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup, nondifferentiable=(1,))
 
 
-@torch.library.custom_op(op_name("rms_norm_backward"), mutates_args=())
+@Op("rms_norm_backward")
 def rms_norm_backward_op(
     dy2: torch.Tensor,
     x2: torch.Tensor,
@@ -292,7 +292,7 @@ def _(dy2, x2, weight, rstd, offset, leaf_tokens, want_dw):
     return x2.new_empty(x2.shape), dw
 
 
-@torch.library.custom_op(op_name("rms_norm_backward_deposit"), mutates_args=("ticket",))
+@Op("rms_norm_backward_deposit", ("ticket",))
 def rms_norm_backward_deposit_op(
     dy2: torch.Tensor,
     x2: torch.Tensor,

@@ -1,0 +1,333 @@
+"""det_attn's ``torch.library`` operators: the one path of every call, eager or under torch.compile.
+
+Four operators in this package's namespace (``det_attn`` from source; a Hub build's module id, such
+as ``_det_attn_cuda_<hash>``, so that several builds can live in one process):
+
+``attention_forward(q, k, v, causal, softmax_scale, dropout_p, seed, sequence_offset, head_offset)
+-> (out, lse2)`` and ``attention_backward(grad_out, q, k, v, out, lse2, <the same options>) ->
+(grad_q, grad_k, grad_v)``; ``attention_varlen_forward`` / ``attention_varlen_backward`` add
+``cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k`` after ``v`` (and the forward a last
+``validate``). Tensors in, fresh tensors out, nothing mutated; the options are plain schema types
+(``bool``, ``float?``, ``float``, ``SymInt``). ``out`` and the gradients come in the kernels'
+``(tokens, H, D)`` layout (a padded batch's ``(B * T, H, D)``; ``attention`` views ``out`` back),
+``lse2`` is the base-2 log-sum-exp ``(H_q, tokens)`` fp32. ``seed`` is the Philox seed as a signed
+64-bit word (``seed_word``; 0 without dropout).
+
+Each operator has a CPU and a CUDA kernel (the launches of ``_plans``; the launch plan is looked up
+from the arguments, never passed), a fake kernel (output shapes, strides and dtypes from the input
+metadata, for torch.compile and FakeTensor), and the forward ones an ``Autograd`` kernel: the
+autograd Function below, whose backward is the backward operator. Inductor treats the operators as
+extern calls, so it cannot reorder what they sum.
+
+Why ``torch.library.Library`` and not ``torch.library.custom_op``: custom_op's autograd wrapper
+spends tens of microseconds of host time per call (it rebinds the schema's defaults, reading each
+argument's schema entry per argument), at short sequences more than the rest of the call; the
+registrations here are what custom_op makes (a schema, backend kernels, a fake kernel registered
+with ``torch.library.register_fake``, an ``Autograd`` kernel around an autograd Function that
+redispatches below autograd), without that per-call work. ``torch.library.opcheck`` checks them.
+"""
+
+from __future__ import annotations
+
+import torch
+from det_core import runtime
+
+from . import _checks, _plans
+
+NAMESPACE = __name__.split(".")[0]
+_LIB = torch.library.Library(NAMESPACE, "FRAGMENT")  # held for the process: dropping it deregisters
+
+_OPTIONS = (
+    "bool causal, float? softmax_scale, float dropout_p, SymInt seed, SymInt sequence_offset, "
+    "SymInt head_offset"
+)
+_CU = "Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k"
+SCHEMAS = {
+    "attention_forward": f"(Tensor q, Tensor k, Tensor v, {_OPTIONS}) -> (Tensor out, Tensor lse2)",
+    "attention_backward": (
+        f"(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse2, {_OPTIONS}) "
+        "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)"
+    ),
+    "attention_varlen_forward": (
+        f"(Tensor q, Tensor k, Tensor v, {_CU}, {_OPTIONS}, bool validate) -> (Tensor out, Tensor lse2)"
+    ),
+    "attention_varlen_backward": (
+        f"(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse2, {_CU}, {_OPTIONS}) "
+        "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)"
+    ),
+}
+_PADDED_OP = "det_attn.attention"
+_PACKED_OP = "det_attn.attention_varlen"
+
+
+def seed_word(seed) -> int:
+    """A Philox seed in ``[0, 2**64)`` (or None: 0) as the operators' signed 64-bit ``seed``
+    (``seed - 2**64`` from ``2**63`` on); a ``torch.SymInt`` (a per-step seed under torch.compile)
+    as it is."""
+    if seed is None:
+        return 0
+    if isinstance(seed, torch.SymInt):
+        return seed
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+def _dropout(plan, dropout_p, seed, sequence_offset, head_offset, heads, batch, op) -> tuple | None:
+    """The kernels' dropout arguments of one call (None without dropout), checked: the operators
+    can be called directly."""
+    seed = seed % (1 << 64) if dropout_p > 0.0 else None
+    dropout_p, seed, sequence_offset, head_offset = _checks.check_dropout(
+        dropout_p, seed, sequence_offset, head_offset, heads, batch, op
+    )
+    return _plans.dropout_args(dropout_p, seed, sequence_offset, head_offset) if plan.dropout else None
+
+
+# --------------------------------------------------------------------------- padded batch
+
+
+def _padded_plan(q, k, v, causal, softmax_scale, dropout_p, seed, sequence_offset, head_offset):
+    """The plan of a padded call; a signature's first call runs every check of ``attention`` (a
+    cached plan is a signature that passed them)."""
+    key = _plans.padded_signature(q, k, v, causal, softmax_scale, dropout_p != 0.0)
+    plan = _plans.cached(key)
+    if plan is None:
+        seed = seed % (1 << 64) if dropout_p > 0.0 else None
+        scale = _checks.check_padded(
+            q, k, v, causal, softmax_scale, dropout_p, seed, sequence_offset, head_offset, _PADDED_OP
+        )[0]
+        plan = _plans.padded_plan(q, k, v, key, causal, scale, dropout_p != 0.0)
+    return plan
+
+
+def _forward(q, k, v, causal, softmax_scale, dropout_p, seed, sequence_offset, head_offset):
+    plan = _padded_plan(q, k, v, causal, softmax_scale, dropout_p, seed, sequence_offset, head_offset)
+    drop = _dropout(plan, dropout_p, seed, sequence_offset, head_offset, q.shape[2], q.shape[0], _PADDED_OP)
+    q, k, v = _plans.kernel_inputs(q, k, v, plan.dense)
+    return _plans.launch_forward(plan, q, k, v, None, None, drop)
+
+
+def _backward(
+    grad_out, q, k, v, out, lse2, causal, softmax_scale, dropout_p, seed, sequence_offset, head_offset
+):
+    plan = _padded_plan(q, k, v, causal, softmax_scale, dropout_p, seed, sequence_offset, head_offset)
+    drop = _dropout(plan, dropout_p, seed, sequence_offset, head_offset, q.shape[2], q.shape[0], _PADDED_OP)
+    q, k, v = _plans.kernel_inputs(q, k, v, plan.dense)
+    out, lse2 = _saved_outputs(plan, grad_out, q, out, lse2, _PADDED_OP)
+    return _plans.launch_backward(plan, grad_out, q, k, v, out, lse2, None, None, drop)
+
+
+def _forward_fake(q, k, v, causal, softmax_scale, dropout_p, seed, sequence_offset, head_offset):
+    batch, t_q, heads = q.shape[:3]
+    q, k, v = _plans.kernel_inputs(q, k, v, (batch, t_q, k.shape[1]))
+    return torch.empty_like(q), q.new_empty((heads, batch * t_q), dtype=torch.float32)
+
+
+def _backward_fake(grad_out, q, k, v, out, lse2, *options):
+    q, k, v = _plans.kernel_inputs(q, k, v, (q.shape[0], q.shape[1], k.shape[1]))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _saved_outputs(plan, grad_out, q, out, lse2, op):
+    """``out`` and ``lse2`` as the backward kernels read them: with the layout the forward gave
+    them (a relayout copy where a direct caller of the backward operator passes another)."""
+    shape = (*plan.lse_shape[::-1], plan.head_dim)  # (tokens, heads, head dim)
+    for name, t, want in (("grad_out", grad_out, shape), ("out", out, shape)):
+        if tuple(t.shape) != want or t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(
+                f"{op}: {name} must be {want} {q.dtype} on {q.device} (the forward's out), got "
+                f"{tuple(t.shape)} {t.dtype} on {t.device}"
+            )
+    if tuple(lse2.shape) != plan.lse_shape or lse2.dtype != torch.float32 or lse2.device != q.device:
+        raise ValueError(
+            f"{op}: lse2 must be the forward's {plan.lse_shape} float32, got {tuple(lse2.shape)}"
+        )
+    if out.stride()[:2] != plan.fwd_strides[4:6] or out.stride(2) != 1:
+        out = torch.empty_like(q).copy_(out)
+    if not lse2.is_contiguous():
+        lse2 = lse2.contiguous()
+    return out, lse2
+
+
+# --------------------------------------------------------------------------- packed (varlen)
+
+
+def _packed_plan(
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, dropout_p, seed, seq_off, head_off
+):
+    """The plan of a packed call; a signature's first call runs the checks of ``attention_varlen``
+    that read no ``cu_seqlens`` values (those run where ``validate`` is set, or in the caller)."""
+    key = _plans.packed_signature(
+        q, k, v, cu_q.shape[0], max_q, max_k, causal, softmax_scale, dropout_p != 0.0
+    )
+    plan = _plans.cached(key)
+    if plan is None:
+        seed = seed % (1 << 64) if dropout_p > 0.0 else None
+        _checks.check_packed_qkv(q, k, v, _PACKED_OP)
+        batch, max_q, max_k, scale = _checks.check_packed_traced(
+            q,
+            k,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            causal,
+            softmax_scale,
+            dropout_p,
+            seed,
+            seq_off,
+            head_off,
+            _PACKED_OP,
+        )[:4]
+        plan = _plans.packed_plan(q, k, v, key, batch, max_q, max_k, causal, scale, dropout_p != 0.0)
+    return plan
+
+
+def _varlen_forward(
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, dropout_p, seed, sequence_offset, head_offset,
+    validate,
+):  # fmt: skip
+    plan = _packed_plan(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        causal,
+        softmax_scale,
+        dropout_p,
+        seed,
+        sequence_offset,
+        head_offset,
+    )
+    if validate:  # under torch.compile: the checks that read cu_seqlens run here, at run time
+        _checks.check_packed_values(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k, causal, _PACKED_OP)
+    drop = _dropout(
+        plan, dropout_p, seed, sequence_offset, head_offset, q.shape[1], cu_q.shape[0] - 1, _PACKED_OP
+    )
+    q, k, v = _plans.kernel_inputs(q, k, v, None)
+    # the kernels read cu_seqlens with unit stride
+    return _plans.launch_forward(plan, q, k, v, cu_q.contiguous(), cu_k.contiguous(), drop)
+
+
+def _varlen_backward(
+    grad_out, q, k, v, out, lse2, cu_q, cu_k, max_q, max_k, causal, softmax_scale, dropout_p, seed,
+    sequence_offset, head_offset,
+):  # fmt: skip
+    plan = _packed_plan(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        causal,
+        softmax_scale,
+        dropout_p,
+        seed,
+        sequence_offset,
+        head_offset,
+    )
+    drop = _dropout(
+        plan, dropout_p, seed, sequence_offset, head_offset, q.shape[1], cu_q.shape[0] - 1, _PACKED_OP
+    )
+    q, k, v = _plans.kernel_inputs(q, k, v, None)
+    out, lse2 = _saved_outputs(plan, grad_out, q, out, lse2, _PACKED_OP)
+    cu_q, cu_k = cu_q.contiguous(), cu_k.contiguous()
+    return _plans.launch_backward(plan, grad_out, q, k, v, out, lse2, cu_q, cu_k, drop)
+
+
+def _varlen_forward_fake(q, k, v, cu_q, cu_k, *options):
+    q, k, v = _plans.kernel_inputs(q, k, v, None)
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def _varlen_backward_fake(grad_out, q, k, v, out, lse2, *options):
+    q, k, v = _plans.kernel_inputs(q, k, v, None)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+# --------------------------------------------------------------------------- autograd
+
+
+class _AttentionFunction(torch.autograd.Function):
+    """The autograd formula of both forward operators: the forward operator below autograd, then the
+    backward operator. ``cu_q``, ``cu_k``: None for a padded batch; ``options``: the forward
+    operator's arguments after the tensors (the varlen ``validate`` last)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, options):
+        with torch._C._AutoDispatchBelowAutograd():
+            if cu_q is None:
+                out, lse2 = attention_forward(q, k, v, *options)
+            else:
+                out, lse2 = attention_varlen_forward(q, k, v, cu_q, cu_k, *options)
+                options = options[:-1]  # validated once, in the forward
+        ctx.save_for_backward(q, k, v, out, lse2, cu_q, cu_k)
+        ctx.options = options
+        ctx.mark_non_differentiable(lse2)
+        # lse2 never gets a gradient: do not let autograd allocate and zero-fill one per backward
+        ctx.set_materialize_grads(False)
+        return out, lse2
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse2):
+        runtime.check_first_order("det_attn.attention")
+        q, k, v, out, lse2, cu_q, cu_k = ctx.saved_tensors
+        with torch._C._AutoDispatchBelowAutograd():
+            if cu_q is None:
+                dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse2, *ctx.options)
+                # (B * T, H, D) gradients viewed as (B, T, H, D): splitting the token dim is always
+                # a view (the layout the reshape's backward gives)
+                dq, dk, dv = dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+            else:
+                dq, dk, dv = attention_varlen_backward(grad_out, q, k, v, out, lse2, cu_q, cu_k, *ctx.options)
+        return dq, dk, dv, None, None, None
+
+
+def padded_autograd(q, k, v, *options):
+    """The ``Autograd`` kernel of ``attention_forward`` (eager ``attention`` calls it directly: one
+    dispatcher round trip less; torch.compile sees the operator)."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _AttentionFunction.apply(q, k, v, None, None, options)
+    with torch._C._AutoDispatchBelowAutograd():
+        return attention_forward(q, k, v, *options)
+
+
+def packed_autograd(q, k, v, cu_q, cu_k, *options):
+    """The ``Autograd`` kernel of ``attention_varlen_forward`` (see ``padded_autograd``)."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _AttentionFunction.apply(q, k, v, cu_q, cu_k, options)
+    with torch._C._AutoDispatchBelowAutograd():
+        return attention_varlen_forward(q, k, v, cu_q, cu_k, *options)
+
+
+def _first_order(backward):
+    """The ``Autograd`` kernel of a backward operator: it has no derivative of its own."""
+
+    def kernel(*args):
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            runtime.check_first_order("det_attn.attention")
+        with torch._C._AutoDispatchBelowAutograd():
+            return backward(*args)
+
+    return kernel
+
+
+def _op(name: str, impl, fake):
+    _LIB.define(name + SCHEMAS[name])
+    for key in ("CPU", "CUDA"):
+        _LIB.impl(name, impl, key)
+    torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIB)
+    return getattr(getattr(torch.ops, NAMESPACE), name).default
+
+
+attention_forward = _op("attention_forward", _forward, _forward_fake)
+attention_backward = _op("attention_backward", _backward, _backward_fake)
+attention_varlen_forward = _op("attention_varlen_forward", _varlen_forward, _varlen_forward_fake)
+attention_varlen_backward = _op("attention_varlen_backward", _varlen_backward, _varlen_backward_fake)
+_LIB.impl("attention_forward", padded_autograd, "Autograd")
+_LIB.impl("attention_varlen_forward", packed_autograd, "Autograd")
+_LIB.impl("attention_backward", _first_order(attention_backward), "Autograd")
+_LIB.impl("attention_varlen_backward", _first_order(attention_varlen_backward), "Autograd")
