@@ -234,8 +234,8 @@ for _op in _OPS.values():
     _op.register_fake(_no_output)
 
 
-def _launch(launch: StepLaunch) -> None:
-    """``launch`` over its cached plan (the custom ops' body and the eager path)."""
+def _launch(launch: StepLaunch) -> LaunchPlan:
+    """``launch`` over its cached plan (the custom ops' body and the eager path); returns the plan."""
     plan = get_plan(launch)
     roles = (
         launch.params, launch.grads, launch.exp_avgs, launch.exp_avg_sqs,
@@ -248,15 +248,17 @@ def _launch(launch: StepLaunch) -> None:
         state_stochastic=launch.state_stochastic,
         scales=(launch.exp_avg_scales, launch.exp_avg_sq_scales),
     )  # fmt: skip
+    return plan
 
 
-def fused_step(launch: StepLaunch) -> None:
+def fused_step(launch: StepLaunch) -> LaunchPlan | None:
     """Run one ``StepLaunch`` (no checks: callers validate first; see ``adamw_sr_step``).
 
     Through a custom op when a compiler or a dispatch mode (e.g. fake tensors) is watching; in
     plain eager mode straight to the launch, skipping the op's per-tensor dispatch checks (a third
     of ``step()``'s host time at 2,000 tensors), and bumping the version counters of the tensors
-    written in place, as the op would.
+    written in place, as the op would. Returns the ``LaunchPlan`` it launched over (``None``
+    through the op).
 
     **Determinism:** both ways run the same launch: the bits of ``adamw_sr_step``.
     """
@@ -268,11 +270,12 @@ def fused_step(launch: StepLaunch) -> None:
     ):
         fp32 = launch.state_format == kernel.FORMAT_FP32
         _OPS["states" if not fp32 else "fp32_amp" if amp else "fp32"](*launch.op_args())
-        return
-    _launch(launch)
+        return None
+    plan = _launch(launch)
     written = [*launch.params, *launch.exp_avgs, *launch.exp_avg_sqs, *launch.max_exp_avg_sqs]
     written += [*launch.exp_avg_scales, *launch.exp_avg_sq_scales]
     increment_versions(written + launch.grads if amp else written)
+    return plan
 
 
 def increment_versions(tensors: list[torch.Tensor]) -> None:
@@ -351,8 +354,9 @@ def adamw_sr_step(
             and states bitwise untouched), read on the device, so no host sync. ``steps`` is only
             read: a caller keeping step counts advances them by ``found_inf == 0``. Both are
             moved to the params' device when they are elsewhere (as torch's fused AdamW does).
-        state_rounding: bf16 / 8-bit moments: ``"stochastic"`` (default; the bits of det-core's
-            ``STREAM_EXP_AVG_SR`` / ``STREAM_EXP_AVG_SQ_SR`` at each element's global index) or
+        state_rounding: bf16 / 8-bit moments: ``"stochastic"`` (default; 16 bits each of the word
+            of det-core's ``STREAM_STATE_SR`` at each element's global index: low half ``exp_avg``,
+            high half ``exp_avg_sq``) or
             ``"nearest"``. No effect on fp32 moments.
         exp_avg_scales, exp_avg_sq_scales: 8-bit moments: contiguous uint8 tensors, one per param,
             of ``ceil(numel / 32)`` block scales (``states.scale_shape``); updated in place. With

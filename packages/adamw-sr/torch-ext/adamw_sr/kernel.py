@@ -23,8 +23,9 @@ Layout of a launch (all tensors on one device, one param dtype and one grad dtyp
   block of 32 global indices (``state_codes``), in ``adamw_sr_states_kernel``. Both run one program
   body (``_step_program``, the format a constexpr ``STATE``), so the fp32 kernel compiles as before.
   The moments are decoded to fp32, updated, used by the step, and rounded once into their format
-  (stochastically with the bits of det-core's ``STREAM_EXP_AVG_SR`` / ``STREAM_EXP_AVG_SQ_SR``, or to
-  nearest); 8-bit tiles start on a block, and the tensor table has two more columns (the scales).
+  (stochastically, or to nearest): one Philox call per 4 elements under det-core's
+  ``STREAM_STATE_SR`` serves both moments, 16 bits each (low half ``exp_avg``, high half
+  ``exp_avg_sq``); 8-bit tiles start on a block, and the tensor table has two more columns (the scales).
 * AMP (``torch.amp.GradScaler``): with ``UNSCALE`` the gradient is multiplied by the fp32 reciprocal
   of the loss scale (read from ``grad_scale``, computed in fp64 and rounded once, as
   ``GradScaler.unscale_`` does, and a bf16 gradient rounded back to bf16 as the in-place unscale
@@ -267,14 +268,14 @@ def adamw_sr_kernel(
         param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
         exp_avg_ptr, exp_avg_sq_ptr,  # no scales: never read with fp32 moments
         tensor_table_ptr, chunk_table_ptr, steps_ptr, hyper_ptr, scalars_ptr,
-        seed_lo, seed_hi, rng_stream, rng_stream, rng_stream,
+        seed_lo, seed_hi, rng_stream, rng_stream,
         grad_scale_ptr, found_inf_ptr,
         AMSGRAD, MAXIMIZE, PARAM_BF16, STOCHASTIC, ALIGNED, BLOCK, SUB, TILE_2D, PRECOMPUTED, UNSCALE,
         SKIP_ON_INF, STATE_FP32, False,
     )  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "rng_stream", "exp_avg_stream", "exp_avg_sq_stream"])
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "rng_stream", "state_stream"])
 def adamw_sr_states_kernel(
     # base pointers, one per tensor role (scales: 8-bit states only)
     param_ptr,
@@ -290,12 +291,11 @@ def adamw_sr_states_kernel(
     steps_ptr,
     hyper_ptr,
     scalars_ptr,
-    # Philox key words, and the streams of the param and of each moment
+    # Philox key words, and the streams of the param and of the moments
     seed_lo,
     seed_hi,
     rng_stream,
-    exp_avg_stream,
-    exp_avg_sq_stream,
+    state_stream,
     # AMP (GradScaler) device scalars, fp32 [1]: the loss scale, and the inf/NaN flag
     grad_scale_ptr,
     found_inf_ptr,
@@ -320,11 +320,12 @@ def adamw_sr_states_kernel(
     block scales (``exp_avg_scale_ptr``, ``exp_avg_sq_scale_ptr``; one per ``QUANT_BLOCK`` global
     indices) whose element offsets are two more ``tensor_table`` columns
     (``TENSOR_TABLE_COLUMNS_8BIT``). ``STATE_STOCHASTIC``: the moments are rounded stochastically
-    into their format, with the bits of ``exp_avg_stream`` / ``exp_avg_sq_stream``; else to
-    nearest-even. Checks nothing (see ``adamw_sr_kernel``).
+    into their format with 16 bits each of one Philox word per element under ``state_stream`` (low
+    half: ``exp_avg``, high half: ``exp_avg_sq``); else to nearest-even. Checks nothing (see
+    ``adamw_sr_kernel``).
 
-    **Determinism:** as ``adamw_sr_kernel``, the moments' rounding bits keyed by their own streams
-    at the element's global index, and an 8-bit block's scale a function of its whole block of
+    **Determinism:** as ``adamw_sr_kernel``, the moments' rounding bits keyed by ``(seed, step,
+    state_stream)`` at the element's global index, and an 8-bit block's scale a function of its whole block of
     ``QUANT_BLOCK`` global indices.
 
     Method: AdamW (Loshchilov & Hutter, ICLR 2019); 8-bit states: block-wise quantization
@@ -335,7 +336,7 @@ def adamw_sr_states_kernel(
         param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
         exp_avg_scale_ptr, exp_avg_sq_scale_ptr,
         tensor_table_ptr, chunk_table_ptr, steps_ptr, hyper_ptr, scalars_ptr,
-        seed_lo, seed_hi, rng_stream, exp_avg_stream, exp_avg_sq_stream,
+        seed_lo, seed_hi, rng_stream, state_stream,
         grad_scale_ptr, found_inf_ptr,
         AMSGRAD, MAXIMIZE, PARAM_BF16, STOCHASTIC, ALIGNED, BLOCK, SUB, TILE_2D, PRECOMPUTED, UNSCALE,
         SKIP_ON_INF, STATE, STATE_STOCHASTIC,
@@ -347,7 +348,7 @@ def _step_program(
     param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
     exp_avg_scale_ptr, exp_avg_sq_scale_ptr,
     tensor_table_ptr, chunk_table_ptr, steps_ptr, hyper_ptr, scalars_ptr,
-    seed_lo, seed_hi, rng_stream, exp_avg_stream, exp_avg_sq_stream,
+    seed_lo, seed_hi, rng_stream, state_stream,
     grad_scale_ptr, found_inf_ptr,
     AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, PARAM_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
     ALIGNED: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, TILE_2D: tl.constexpr,
@@ -429,7 +430,7 @@ def _step_program(
                 beta1_f, one_minus_beta1, beta2_f, one_minus_beta2, eps_f, inv_scale,
                 seed_lo, seed_hi, rng_stream,
                 exp_avg_scale_ptr, exp_avg_sq_scale_ptr, exp_avg_scale_off, exp_avg_sq_scale_off,
-                exp_avg_stream, exp_avg_sq_stream,
+                state_stream,
                 AMSGRAD, MAXIMIZE, PARAM_BF16, STOCHASTIC, ALIGNED, False, SUB, TILE_2D, UNSCALE,
                 STATE, STATE_STOCHASTIC,
             )  # fmt: skip
@@ -442,7 +443,7 @@ def _step_program(
                 beta1_f, one_minus_beta1, beta2_f, one_minus_beta2, eps_f, inv_scale,
                 seed_lo, seed_hi, rng_stream,
                 exp_avg_scale_ptr, exp_avg_sq_scale_ptr, exp_avg_scale_off, exp_avg_sq_scale_off,
-                exp_avg_stream, exp_avg_sq_stream,
+                state_stream,
                 AMSGRAD, MAXIMIZE, PARAM_BF16, STOCHASTIC, False, True, SUB, TILE_2D, UNSCALE,
                 STATE, STATE_STOCHASTIC,
             )  # fmt: skip
@@ -485,11 +486,9 @@ def _tile_bits(seed_lo, seed_hi, step, stream, tile_global, SUB: tl.constexpr, T
 
 
 @triton.jit
-def _round_bf16(x, seed_lo, seed_hi, step, stream, tile_global, SUB: tl.constexpr, TILE_2D: tl.constexpr,
-                STOCHASTIC: tl.constexpr):  # fmt: skip
-    """fp32 -> bf16: stochastic (bits of ``stream``, keyed by global index) or nearest-even."""
+def _round_bf16(x, rbits, STOCHASTIC: tl.constexpr):
+    """fp32 -> bf16: stochastic with the low 16 bits of ``rbits`` (uint32), or nearest-even."""
     if STOCHASTIC:
-        rbits = _tile_bits(seed_lo, seed_hi, step, stream, tile_global, SUB, TILE_2D)
         return sr.stochastic_round_bf16(x, rbits)
     else:
         return _round_nearest_even_bf16(x)
@@ -512,10 +511,35 @@ def _expand_blocks(values, SUB: tl.constexpr, TILE_2D: tl.constexpr):
 
 
 @triton.jit
-def _block_scales(x, mask, SUB: tl.constexpr):
-    """The scale byte (int32) of each block of the tile from its fp32 values (lanes off ``mask``: none)."""
-    bits = tl.where(mask, state_codes.magnitude_bits(x), 0)
+def _block_scales(x, mask, SUB: tl.constexpr, MASKED: tl.constexpr):
+    """The scale byte (int32) of each block of the tile from its fp32 values (``MASKED``: lanes off
+    ``mask`` count as zeros)."""
+    bits = state_codes.magnitude_bits(x)
+    if MASKED:
+        bits = tl.where(mask, bits, 0)
     return state_codes.block_scale(tl.max(tl.reshape(bits, [SUB // QUANT_BLOCK, QUANT_BLOCK]), axis=1))
+
+
+@triton.jit
+def _store_block_scales(scale_ptr, first_block, tile_local, segment_end, scales, SUB: tl.constexpr,
+                        TILE_2D: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """Store the tile's block scales (int32 ``[SUB // QUANT_BLOCK]``) as bytes from ``first_block`` on.
+
+    With ``TILE_2D`` each row of 4 elements has its block's scale, and the row holding a block's first
+    element writes it: a store in the tile's own layout, so no exchange between threads (a store of the
+    ``[SUB // QUANT_BLOCK]`` vector would redistribute it through shared memory).
+    """
+    if TILE_2D:
+        rows = tl.arange(0, SUB // 4)
+        row_scales = tl.max(_expand_blocks(scales, SUB, TILE_2D), axis=1)  # 4 equal values per row
+        first = (rows % (QUANT_BLOCK // 4)) == 0
+        if MASKED:
+            first = first & (tile_local + rows.to(tl.int64) * 4 < segment_end)
+        tl.store(scale_ptr + first_block + rows // (QUANT_BLOCK // 4), row_scales.to(tl.uint8), mask=first)
+    else:
+        blocks = tl.arange(0, SUB // QUANT_BLOCK)
+        block_mask = tile_local + blocks.to(tl.int64) * QUANT_BLOCK < segment_end
+        _store(scale_ptr + first_block + blocks, scales.to(tl.uint8), block_mask, MASKED)
 
 
 @triton.jit
@@ -527,7 +551,7 @@ def _step_tile(
     eps_f, inv_scale,
     seed_lo, seed_hi, rng_stream,
     exp_avg_scale_ptr, exp_avg_sq_scale_ptr, exp_avg_scale_off, exp_avg_sq_scale_off,
-    exp_avg_stream, exp_avg_sq_stream,
+    state_stream,
     AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, PARAM_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
     ALIGNED: tl.constexpr, MASKED: tl.constexpr, SUB: tl.constexpr, TILE_2D: tl.constexpr,
     UNSCALE: tl.constexpr, STATE: tl.constexpr, STATE_STOCHASTIC: tl.constexpr,
@@ -586,12 +610,16 @@ def _step_tile(
     p = p - p * lr_decay
     m = beta1_f * m + one_minus_beta1 * g
     v = beta2_f * v + one_minus_beta2 * (g * g)
+    if STATE != STATE_FP32:
+        # the moments' random bits: one Philox call per 4 elements serves both, 16 bits each (low half
+        # exp_avg, high half exp_avg_sq); unread when rounding to nearest
+        state_bits = m.to(tl.uint32, bitcast=True)
+        if STATE_STOCHASTIC:
+            state_bits = _tile_bits(seed_lo, seed_hi, step, state_stream, tile_global, SUB, TILE_2D)
     if STATE == STATE_BF16:
-        # the moments' one rounding each, on their own streams (the step itself uses the fp32 values)
-        m_out = _round_bf16(m, seed_lo, seed_hi, step, exp_avg_stream, tile_global, SUB, TILE_2D,
-                            STATE_STOCHASTIC)  # fmt: skip
-        v_out = _round_bf16(v, seed_lo, seed_hi, step, exp_avg_sq_stream, tile_global, SUB, TILE_2D,
-                            STATE_STOCHASTIC)  # fmt: skip
+        # the moments' one rounding each (the step itself uses the fp32 values)
+        m_out = _round_bf16(m, state_bits, STATE_STOCHASTIC)
+        v_out = _round_bf16(v, state_bits >> 16, STATE_STOCHASTIC)
     if AMSGRAD:
         vmax_idx = _index(max_off, local, ALIGNED, SUB, TILE_2D)
         if STATE == STATE_BF16:
@@ -610,24 +638,22 @@ def _step_tile(
     p = p - step_size * tl.div_rn(m, denom)
 
     if STATE == STATE_8BIT:
-        # each block's new scale from its new values, then the codes (rounded on the moments' streams)
-        m_scale = _block_scales(m, mask, SUB)
-        v_scale = _block_scales(v, mask, SUB)
-        m_bits = m_scale  # unread when rounding to nearest
-        v_bits = v_scale
-        if STATE_STOCHASTIC:
-            m_bits = _tile_bits(seed_lo, seed_hi, step, exp_avg_stream, tile_global, SUB, TILE_2D)
-            v_bits = _tile_bits(seed_lo, seed_hi, step, exp_avg_sq_stream, tile_global, SUB, TILE_2D)
+        # each block's new scale from its new values, then the codes (rounded with the state bits)
+        m_scale = _block_scales(m, mask, SUB, MASKED)
+        v_scale = _block_scales(v, mask, SUB, MASKED)
         m_code = state_codes.encode(
-            m, _expand_blocks(m_scale, SUB, TILE_2D), m_bits, EXP_AVG_M, True, STATE_STOCHASTIC
+            m, _expand_blocks(m_scale, SUB, TILE_2D), state_bits, EXP_AVG_M, True, STATE_STOCHASTIC
         )
         v_code = state_codes.encode(
-            v, _expand_blocks(v_scale, SUB, TILE_2D), v_bits, EXP_AVG_SQ_M, False, STATE_STOCHASTIC
+            v, _expand_blocks(v_scale, SUB, TILE_2D), state_bits >> 16, EXP_AVG_SQ_M, False, STATE_STOCHASTIC
         )
         _store(exp_avg_ptr + m_idx, m_code, mask, MASKED)
         _store(exp_avg_sq_ptr + v_idx, v_code, mask, MASKED)
-        _store(exp_avg_scale_ptr + m_scale_idx, m_scale.to(tl.uint8), block_mask, MASKED)
-        _store(exp_avg_sq_scale_ptr + v_scale_idx, v_scale.to(tl.uint8), block_mask, MASKED)
+        first_block = tile_local // QUANT_BLOCK
+        _store_block_scales(exp_avg_scale_ptr, exp_avg_scale_off + first_block, tile_local, segment_end,
+                            m_scale, SUB, TILE_2D, MASKED)  # fmt: skip
+        _store_block_scales(exp_avg_sq_scale_ptr, exp_avg_sq_scale_off + first_block, tile_local,
+                            segment_end, v_scale, SUB, TILE_2D, MASKED)  # fmt: skip
     elif STATE == STATE_BF16:
         _store(exp_avg_ptr + m_idx, m_out, mask, MASKED)
         _store(exp_avg_sq_ptr + v_idx, v_out, mask, MASKED)

@@ -291,6 +291,6 @@ def launch_fused_step(
         ms, vs = (tensors[low] for tensors, low in zip(scales, plan.lowest[5:], strict=True))
     return runtime.launch(
         kernel.adamw_sr_states_kernel, (plan.num_chunks,), p, g, m, v, vmax, ms, vs, *tables,
-        seed_lo, seed_hi, rng.STREAM_PARAM_SR, rng.STREAM_EXP_AVG_SR, rng.STREAM_EXP_AVG_SQ_SR, *amp,
+        seed_lo, seed_hi, rng.STREAM_PARAM_SR, rng.STREAM_STATE_SR, *amp,
         STATE=plan.state_format, STATE_STOCHASTIC=state_stochastic, **meta,
     )  # fmt: skip

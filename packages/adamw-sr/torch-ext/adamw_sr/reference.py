@@ -158,8 +158,9 @@ def adamw_sr_step_reference(
             back, as torch's fused AdamW does).
         found_inf: AMP: when nonzero the step is skipped: nothing is written (the caller keeps
             its step count where it was).
-        state_rounding: bf16 / 8-bit moments: ``"stochastic"`` (the bits of streams
-            ``STREAM_EXP_AVG_SR`` / ``STREAM_EXP_AVG_SQ_SR`` at the element's global index) or
+        state_rounding: bf16 / 8-bit moments: ``"stochastic"`` (16 bits each of the
+            ``STREAM_STATE_SR`` word at the element's global index: low half ``exp_avg``, high half
+            ``exp_avg_sq``) or
             ``"nearest"`` (nearest-even).
         exp_avg_scale, exp_avg_sq_scale: 8-bit moments: uint8 tensors of
             ``state_codes.QUANT_BLOCK``-element block scales, one per block of ``param``'s flat
@@ -211,10 +212,14 @@ def adamw_sr_step_reference(
         m_old, v_old = exp_avg.to(torch.float32), exp_avg_sq.to(torch.float32)
     m = s["beta1"] * m_old + s["one_minus_beta1"] * g
     v = s["beta2"] * v_old + s["one_minus_beta2"] * (g * g)
+    # the moments' random bits: one word per element of the state stream, 16 bits per moment
+    state_bits = None
+    if stochastic_states and state_dtype != torch.float32:
+        state_bits = rng.random_bits_torch(seed, step, rng.STREAM_STATE_SR, global_index)
     if state_dtype == torch.bfloat16:
-        # each moment's one rounding, on its own stream; the step itself uses the fp32 values
-        m_out = _round_bf16(m, seed, step, rng.STREAM_EXP_AVG_SR, global_index, stochastic_states)
-        v_out = _round_bf16(v, seed, step, rng.STREAM_EXP_AVG_SQ_SR, global_index, stochastic_states)
+        # each moment's one rounding; the step itself uses the fp32 values
+        m_out = _round_bf16(m, state_bits)
+        v_out = _round_bf16(v, None if state_bits is None else state_bits >> 16)
     if amsgrad:
         if state_dtype == torch.bfloat16:  # the maximum of the stored v: a bf16 value, kept exactly
             v_hat = torch.maximum(max_exp_avg_sq.to(torch.float32), v_out.to(torch.float32))
@@ -227,12 +232,11 @@ def adamw_sr_step_reference(
     p = p - s["step_size"] * (m / denom)
     if quantized:
         m_bits, v_bits = state_codes.EXP_AVG_MANTISSA_BITS, state_codes.EXP_AVG_SQ_MANTISSA_BITS
-        for x, code, scale, stream, bits, signed in (
-            (m, exp_avg, exp_avg_scale, rng.STREAM_EXP_AVG_SR, m_bits, True),
-            (v, exp_avg_sq, exp_avg_sq_scale, rng.STREAM_EXP_AVG_SQ_SR, v_bits, False),
+        for x, code, scale, shift, bits, signed in (
+            (m, exp_avg, exp_avg_scale, 0, m_bits, True),
+            (v, exp_avg_sq, exp_avg_sq_scale, 16, v_bits, False),
         ):
-            rbits = rng.random_bits_torch(seed, step, stream, global_index) if stochastic_states else None
-            _encode(x, code, scale, rbits, bits, signed)
+            _encode(x, code, scale, None if state_bits is None else state_bits >> shift, bits, signed)
     elif state_dtype == torch.bfloat16:
         exp_avg.copy_(m_out)
         exp_avg_sq.copy_(v_out)
@@ -249,11 +253,11 @@ def adamw_sr_step_reference(
         param.copy_(p)
 
 
-def _round_bf16(x, seed, step, stream, global_index, stochastic: bool) -> torch.Tensor:
-    """fp32 -> bf16: stochastic with the bits of ``stream`` at ``global_index``, or nearest-even."""
-    if not stochastic:
+def _round_bf16(x, rbits) -> torch.Tensor:
+    """fp32 -> bf16: stochastic with the low 16 bits of ``rbits``, or nearest-even (``rbits=None``)."""
+    if rbits is None:
         return round_nearest_bf16_torch(x)
-    return sr.stochastic_round_bf16_torch(x, rng.random_bits_torch(seed, step, stream, global_index))
+    return sr.stochastic_round_bf16_torch(x, rbits & 0xFFFF)
 
 
 def _check_quantized(param, exp_avg_scale, exp_avg_sq_scale, amsgrad, base_index, global_index) -> None:

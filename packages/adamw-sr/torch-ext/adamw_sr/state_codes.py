@@ -16,8 +16,10 @@ Format (block floating point, as the OCP Microscaling (MX) formats: a block of e
   subnormal, ``mant * 2**(-14 - M)``; ``f = 15``: ``mant = 0`` is exactly 1.0 (where a value just
   below 1 rounds up to), ``mant = 2**M - 1`` is NaN. The first moment (signed) adds a sign bit:
   sign + E4M3 (``M = 3``); the second moment (non-negative) uses all 8 bits: E4M4 (``M = 4``).
-* Rounding into the code is stochastic (unbiased: the value rounds up with probability equal to the
-  discarded fraction, from the low ``23 - M`` bits of the element's Philox word) or to nearest-even.
+* Rounding into the code is stochastic or to nearest-even. Stochastic: 16 random bits are added at
+  the top of the ``23 - M`` discarded pattern bits and the pattern truncated, so the value rounds up
+  with probability equal to the discarded fraction truncated to 16 bits (unbiased to below ``2**-16``
+  of a code step; the bf16 rounding's 16 bits cover its 16 discarded bits exactly).
   For ``y >= 2**-14`` the fp32 pattern of ``y`` is rounded to ``M`` mantissa bits (the bf16 rounding
   with a shorter mantissa); below, the pattern of ``y + 2**-14`` is, which puts the subnormal codes
   on the same fixed-point grid (this sum's own fp32 rounding is below 2**-21 of a code step).
@@ -56,11 +58,10 @@ def magnitude_bits(x):
     For non-negative floats the pattern order is the value order, so an integer maximum of these
     is the block's largest magnitude (no NaN rules involved). ``x``: fp32 tensor, any shape.
 
-    **Determinism:** integer bit operations: the same bits on the GPU and in the interpreter.
+    **Determinism:** one comparison and bit operations: the same bits on the GPU and in the interpreter.
     """
-    xb = x.to(tl.int32, bitcast=True)
-    overflow = (xb & 0x7F800000) >= (253 << 23)
-    return tl.where(overflow, 0, xb & 0x7FFFFFFF)
+    ax = tl.abs(x)
+    return tl.where(ax < 8.507059173023462e37, ax.to(tl.int32, bitcast=True), 0)  # 2**126
 
 
 @triton.jit
@@ -76,31 +77,33 @@ def block_scale(max_bits):
 def encode(x, scale, rbits, M: tl.constexpr, SIGNED: tl.constexpr, STOCHASTIC: tl.constexpr):
     """fp32 ``x`` -> uint8 codes under the int32 block scale ``scale`` (same shape; see the module).
 
-    ``rbits``: uint32 Philox words (low ``23 - M`` bits used) when ``STOCHASTIC``, else unused
+    ``rbits``: uint32 words whose low 16 bits are the random bits when ``STOCHASTIC``, else unused
     (round to nearest-even). ``M``: mantissa bits; ``SIGNED``: a sign bit (``exp_avg``).
 
-    **Determinism:** integer bit arithmetic, one exact power-of-two scaling and one IEEE fp32 addition
-    (no FMA: the kernels compile without contraction): bit-identical to ``encode_torch``.
+    ``y = |x| 2**(127 - S)`` is in ``[0, 1)``, and the fp32 pattern of ``y 2**-112`` is the code shifted
+    left by ``23 - M``: the exponent field is the code's ``f`` for ``y >= 2**-14``, and below, where
+    ``y 2**-112`` is an fp32 subnormal, the pattern is the fixed-point value on the subnormal codes' grid.
+    So rounding the pattern to ``M`` mantissa bits rounds ``y`` to its code, normal or subnormal, with
+    one carry rule (``encode_torch`` computes the same bits through ``y + 2**-14``).
+
+    **Determinism:** integer bit arithmetic and two IEEE fp32 multiplications by powers of two (the
+    second rounds only below ``2**-21`` of a subnormal code step): bit-identical to ``encode_torch``.
     """
-    xb = x.to(tl.int32, bitcast=True)
-    overflow = (xb & 0x7F800000) >= (253 << 23)
+    ax = tl.abs(x)
+    finite = ax < 8.507059173023462e37  # |x| < 2**126 (not Inf, not NaN)
     factor = ((254 - scale) << 23).to(tl.float32, bitcast=True)  # 2**(127 - S), a normal fp32
-    y = tl.where(overflow, 0, xb & 0x7FFFFFFF).to(tl.float32, bitcast=True) * factor
-    small = y < 6.103515625e-05  # 2**-14: the subnormal codes, on the grid of y + 2**-14
-    pattern = tl.where(small, y + 6.103515625e-05, y).to(tl.int32, bitcast=True)
+    pattern = ((ax * factor) * 1.925929944387236e-34).to(tl.int32, bitcast=True)  # y * 2**-112
     # (powers written 2**M: Triton's constexpr has no reflected shifts)
-    low = 2 ** (23 - M) - 1
-    if STOCHASTIC:
-        pattern = (pattern + (rbits.to(tl.int32, bitcast=True) & low)) & ~low
+    if STOCHASTIC:  # 16 random bits at the top of the 23 - M discarded ones
+        pattern = pattern + ((rbits.to(tl.int32, bitcast=True) & 0xFFFF) << (7 - M))
     else:
-        pattern = (pattern + (low >> 1) + ((pattern >> (23 - M)) & 1)) & ~low
-    code = (pattern >> (23 - M)) - tl.where(small, 113 * 2**M, 112 * 2**M)
-    if not SIGNED:
-        code = tl.where((code == 0) & (x > 0.0), 1, code)  # a positive v never decodes to 0
+        pattern = pattern + (2 ** (22 - M) - 1) + ((pattern >> (23 - M)) & 1)
+    code = pattern >> (23 - M)
     if SIGNED:
-        code = code | ((xb >> 24) & 0x80)
-    nan_code = 16 * 2**M - 1
-    code = tl.where(overflow, nan_code, code)
+        code = code | ((x.to(tl.int32, bitcast=True) >> 24) & 0x80)
+    else:
+        code = tl.maximum(code, tl.minimum(x.to(tl.int32, bitcast=True), 1))  # a positive v never codes 0
+    code = tl.where(finite, code, 16 * 2**M - 1)  # non-finite and >= 2**126: NaN
     return code.to(tl.uint8)
 
 
@@ -108,23 +111,22 @@ def encode(x, scale, rbits, M: tl.constexpr, SIGNED: tl.constexpr, STOCHASTIC: t
 def decode(code, scale, M: tl.constexpr, SIGNED: tl.constexpr):
     """uint8 codes and their int32 block scales (same shape) -> fp32 values (see the module).
 
-    **Determinism:** integer bit arithmetic and exact fp32 operations: bit-identical to ``decode_torch``.
+    The code shifted left by ``23 - M`` is the fp32 pattern of ``2**-112`` times its value (subnormal
+    codes: fp32 subnormals), so one exact multiplication by ``2**112`` decodes every code.
+
+    **Determinism:** integer bit arithmetic and exact fp32 multiplications: bit-identical to
+    ``decode_torch``.
     """
     c = code.to(tl.int32)
+    mag = c
     if SIGNED:
-        sign = (c & 0x80) << 24
-        c = c & 0x7F
-    f = c >> M
-    mant = c & (2**M - 1)
-    normal = ((c + 112 * 2**M) << (23 - M)).to(tl.float32, bitcast=True)
-    # f == 0: mant * 2**(-14 - M), as (2**-14 + mant * 2**(-14 - M)) - 2**-14 (exact: Sterbenz)
-    sub = ((113 << 23) | (mant << (23 - M))).to(tl.float32, bitcast=True) - 6.103515625e-05
-    value = tl.where(f == 0, sub, normal)
+        mag = c & 0x7F
+    value = (mag << (23 - M)).to(tl.float32, bitcast=True) * 5.192296858534828e33  # 2**112
     nan = (tl.zeros_like(c) + 0x7FC00000).to(tl.float32, bitcast=True)
-    value = tl.where((f == 15) & (mant != 0), nan, value)
+    value = tl.where(mag > 15 * 2**M, nan, value)  # f = 15 with a nonzero mantissa
     value = value * (scale << 23).to(tl.float32, bitcast=True)  # 2**(S - 127): exact
     if SIGNED:
-        value = (value.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+        value = (value.to(tl.int32, bitcast=True) | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
     return value
 
 
@@ -167,8 +169,8 @@ def encode_torch(
 
     Args:
         x: fp32 tensor. scale: integer tensor of ``x``'s shape, the block scale of each element
-            (``1..253``). rbits: integer tensor of ``x``'s shape holding uint32 Philox words
-            (stochastic rounding), or ``None`` (nearest-even). mantissa_bits: ``M`` (3 for
+            (``1..253``). rbits: integer tensor of ``x``'s shape whose low 16 bits are the random
+            bits (stochastic rounding), or ``None`` (nearest-even). mantissa_bits: ``M`` (3 for
             ``exp_avg``, 4 for ``exp_avg_sq``). signed: a sign bit (``exp_avg``) or not.
 
     Returns: uint8 tensor of ``x``'s shape.
@@ -192,7 +194,7 @@ def encode_torch(
     pattern = _as_int32(torch.where(small, y + _TWO_POW_M14, y))
     low = (1 << (23 - m)) - 1
     if rbits is not None:
-        pattern = (pattern + (rbits.to(torch.int64) & low)) & ~low
+        pattern = (pattern + ((rbits.to(torch.int64) & 0xFFFF) << (7 - m))) & ~low
     else:
         pattern = (pattern + (low >> 1) + ((pattern >> (23 - m)) & 1)) & ~low
     code = (pattern >> (23 - m)) - torch.where(small, 113 << m, 112 << m)
