@@ -234,8 +234,8 @@ for _op in _OPS.values():
     _op.register_fake(_no_output)
 
 
-def _launch(launch: StepLaunch) -> LaunchPlan:
-    """``launch`` over its cached plan (the custom ops' body and the eager path); returns the plan."""
+def _launch(launch: StepLaunch) -> None:
+    """``launch`` over its cached plan (the custom ops' body and the eager path)."""
     plan = get_plan(launch)
     roles = (
         launch.params, launch.grads, launch.exp_avgs, launch.exp_avg_sqs,
@@ -248,17 +248,15 @@ def _launch(launch: StepLaunch) -> LaunchPlan:
         state_stochastic=launch.state_stochastic,
         scales=(launch.exp_avg_scales, launch.exp_avg_sq_scales),
     )  # fmt: skip
-    return plan
 
 
-def fused_step(launch: StepLaunch) -> LaunchPlan | None:
+def fused_step(launch: StepLaunch) -> None:
     """Run one ``StepLaunch`` (no checks: callers validate first; see ``adamw_sr_step``).
 
     Through a custom op when a compiler or a dispatch mode (e.g. fake tensors) is watching; in
     plain eager mode straight to the launch, skipping the op's per-tensor dispatch checks (a third
     of ``step()``'s host time at 2,000 tensors), and bumping the version counters of the tensors
-    written in place, as the op would. Returns the ``LaunchPlan`` it launched over (``None``
-    through the op).
+    written in place, as the op would.
 
     **Determinism:** both ways run the same launch: the bits of ``adamw_sr_step``.
     """
@@ -270,12 +268,11 @@ def fused_step(launch: StepLaunch) -> LaunchPlan | None:
     ):
         fp32 = launch.state_format == kernel.FORMAT_FP32
         _OPS["states" if not fp32 else "fp32_amp" if amp else "fp32"](*launch.op_args())
-        return None
-    plan = _launch(launch)
+        return
+    _launch(launch)
     written = [*launch.params, *launch.exp_avgs, *launch.exp_avg_sqs, *launch.max_exp_avg_sqs]
     written += [*launch.exp_avg_scales, *launch.exp_avg_sq_scales]
     increment_versions(written + launch.grads if amp else written)
-    return plan
 
 
 def increment_versions(tensors: list[torch.Tensor]) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 from det_core import rng, runtime
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import states
 from .functional import (
@@ -33,7 +32,6 @@ from .indices import (
     local_tensor,
 )
 from .launch import to_device_async
-from .step_cache import GroupLaunches, LaunchSet, grad_mask, pack_steps
 
 __all__ = ["AdamWSR", "adamw_sr_step", "default_base_indices", "local_segments"]
 
@@ -197,8 +195,6 @@ class AdamWSR(torch.optim.Optimizer):
         self._base_index_cache = {}
         self._segments_cache = runtime.PlanCache(limit=64)  # param list -> its launch's index segments
         self._hyper_cache = runtime.PlanCache(limit=256)  # hyperparameter values -> their device tensor
-        # id(group) -> the group's recorded launches (step_cache), re-checked at every eager step
-        self._launch_records: dict = {}
         # "unchecked": a loaded state not yet validated (states this class creates are valid by
         # construction, so the per-tensor state check runs once per load, not every step). A dict
         # mutated in place: dynamo (torch 2.11) refuses setattr on the optimizer while tracing.
@@ -265,14 +261,8 @@ class AdamWSR(torch.optim.Optimizer):
                     f"AdamWSR: base_index must list one non-negative int (or None) per param, "
                     f"got {base!r} for {len(group['params'])} params"
                 )
-        self._clear_launch_caches()
-
-    def _clear_launch_caches(self) -> None:
-        """Forget the base indices, launch segments and recorded launches (params, groups, state
-        formats or the state changed)."""
-        self._base_index_cache.clear()
+        self._base_index_cache = {}
         self._segments_cache.clear()
-        self._launch_records.clear()
 
     @staticmethod
     def _check_device_flags(group: dict) -> None:
@@ -395,7 +385,8 @@ class AdamWSR(torch.optim.Optimizer):
                 step = self.state[p].get("step")
                 if isinstance(step, torch.Tensor) and step is saved[pid].get("step"):
                     self.state[p]["step"] = step.clone()  # torch would alias the caller's step tensor
-        self._clear_launch_caches()
+        self._base_index_cache = {}
+        self._segments_cache.clear()
         self._state_flags = {"unchecked": True, "state_dtypes": ()}
 
     def _check_loadable(self, state_dict: dict) -> None:
@@ -447,11 +438,6 @@ class AdamWSR(torch.optim.Optimizer):
         """Fill group options a loaded state lacks (e.g. a ``torch.optim.AdamW`` state_dict), like torch."""
         super().__setstate__(state)
         self._state_flags = {"unchecked": True, "state_dtypes": ()}
-        # caches are not pickled (torch's __getstate__ keeps defaults, state and param_groups)
-        self._base_index_cache = {}
-        self._segments_cache = runtime.PlanCache(limit=64)
-        self._hyper_cache = runtime.PlanCache(limit=256)
-        self._launch_records = {}
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
@@ -500,13 +486,17 @@ class AdamWSR(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        compiling = torch.compiler.is_compiling()
         # as torch's optimizers: the capture query is not traceable (dynamo would break the graph here)
-        capturing = not compiling and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        capturing = (
+            not torch.compiler.is_compiling()
+            and torch.cuda.is_available()
+            and torch.cuda.is_current_stream_capturing()
+        )
+        work = []
         for group in self.param_groups:
             if capturing and not group["capturable"]:
                 raise RuntimeError("AdamWSR: step() is being captured in a CUDA graph; pass capturable=True")
-            if not compiling:
+            if not torch.compiler.is_compiling():
                 # param_groups are user-editable (schedulers write lr): re-check the values the
                 # kernel reads before any state (the step counters) changes. Not while tracing:
                 # the compiled step guards on these values, checked by the eager calls before it.
@@ -517,32 +507,6 @@ class AdamWSR(torch.optim.Optimizer):
                 group["state_dtype"] = states.canonical_state_dtype(group["state_dtype"], "AdamWSR.step")
                 group["state_rounding"] = states.check_state_rounding(group["state_rounding"], "AdamWSR.step")
                 states.check_combination(group["state_dtype"], group["amsgrad"], "AdamWSR.step")
-        if not compiling:
-            # a group's state_dtype edited since the last step: indices (8-bit params start on a
-            # block) and launch segments are rebuilt, and existing states are checked against it
-            formats = tuple(g["state_dtype"] for g in self.param_groups)
-            if formats != self._state_flags["state_dtypes"]:
-                self._clear_launch_caches()
-                self._state_flags["unchecked"] = True
-                self._state_flags["state_dtypes"] = formats
-        check_states = self._state_flags["unchecked"] or compiling
-        if check_states:
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if self.state.get(p):
-                        self._check_state(p, self.state[p], group)
-        # set by torch.amp.GradScaler.step for the length of this call (None: not under a GradScaler,
-        # or grad_scale None when the gradients were unscaled already)
-        amp = (getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
-        # recorded launches (step_cache) serve plain tensors in plain eager mode
-        recordable = not (compiling or capturing or check_states or _get_current_dispatch_mode() is not None)
-        work = []  # per group: (group, record, gradients per recorded launch) or (group, with_grad)
-        for group in self.param_groups:
-            record = self._launch_records.get(id(group)) if recordable else None
-            picked = None if record is None else record.match(group, self.state, amp[1])
-            if picked is not None:
-                work.append((group, record, picked))
-                continue
             with_grad = [p for p in group["params"] if p.grad is not None]
             self._check_grads(with_grad)
             if with_grad:  # CPU params need the Triton interpreter: say so before any state is touched
@@ -550,29 +514,38 @@ class AdamWSR(torch.optim.Optimizer):
                 if group["capturable"] and local_tensor(with_grad[0]).device.type != "cuda":
                     self._check_device_flags(group)  # a loaded param group may set capturable
             work.append((group, with_grad))
-        if check_states and not compiling:
-            self._state_flags["unchecked"] = False
-        devices = [w[1].device if len(w) == 3 else local_tensor(w[1][0]).device for w in work if w[-1]]
-        if (amp[0] is not None or amp[1] is not None) and devices:
+        if not torch.compiler.is_compiling():
+            # a group's state_dtype edited since the last step: indices (8-bit params start on a
+            # block) and launch segments are rebuilt, and existing states are checked against it
+            formats = tuple(g["state_dtype"] for g in self.param_groups)
+            if formats != self._state_flags["state_dtypes"]:
+                self._base_index_cache.clear()
+                self._segments_cache.clear()
+                self._state_flags["unchecked"] = True
+                self._state_flags["state_dtypes"] = formats
+        check_states = self._state_flags["unchecked"] or torch.compiler.is_compiling()
+        if check_states:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if self.state.get(p):
+                        self._check_state(p, self.state[p], group)
+            if not torch.compiler.is_compiling():
+                self._state_flags["unchecked"] = False
+        # set by torch.amp.GradScaler.step for the length of this call (None: not under a GradScaler,
+        # or grad_scale None when the gradients were unscaled already)
+        amp = (getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        if (amp[0] is not None or amp[1] is not None) and any(with_grad for _, with_grad in work):
+            device = next(local_tensor(ps[0]).device for _, ps in work if ps)
             amp = tuple(
-                amp_scalar(value, name, devices[0], "AdamWSR.step")
+                amp_scalar(value, name, device, "AdamWSR.step")
                 for value, name in zip(amp, ("grad_scale", "found_inf"), strict=True)
             )
         base = self._base_indices()
         # launch segments (8-bit: checked to lie on the block grid) before any state changes
-        plans = [w if len(w) == 3 else (*w, self._launch_plans(w[0], w[1], base)) for w in work]
-        for group, first, second in plans:
-            if isinstance(first, GroupLaunches):
-                hyper = hyper_tensor(
-                    group["lr"], group["betas"], group["eps"], group["weight_decay"], first.device,
-                    self._hyper_cache,
-                )  # fmt: skip
-                for launch_set, grads in zip(first.sets, second, strict=True):
-                    launch_set.run(grads, group, hyper, *amp)
-            elif first:
-                record = self._group_step(group, first, second, *amp, record=recordable)
-                if record is not None:
-                    self._launch_records[id(group)] = record
+        plans = [(group, with_grad, self._launch_plans(group, with_grad, base)) for group, with_grad in work]
+        for group, with_grad, launches in plans:
+            if with_grad:
+                self._group_step(group, with_grad, launches, *amp)
         return loss
 
     @staticmethod
@@ -623,11 +596,7 @@ class AdamWSR(torch.optim.Optimizer):
         launches: list,
         grad_scale: torch.Tensor | None = None,
         found_inf: torch.Tensor | None = None,
-        *,
-        record: bool = False,
-    ) -> GroupLaunches | None:
-        """The step of one group's validated ``launches`` (``_launch_plans``), the full way; with
-        ``record``, its ``GroupLaunches`` for the next steps when every param is a plain tensor."""
+    ) -> None:
         amsgrad, capturable, state_dtype = group["amsgrad"], group["capturable"], group["state_dtype"]
         device = local_tensor(with_grad[0]).device
         all_states = [self.state[p] for p in with_grad]  # one (Python-level) tensor hash per param
@@ -638,72 +607,49 @@ class AdamWSR(torch.optim.Optimizer):
                 state.update(states.new_state(p, state_dtype, dtensor=is_dtensor(p)))
             if amsgrad and "max_exp_avg_sq" not in state:
                 state["max_exp_avg_sq"] = states.zero_moment(p, state_dtype)
-        if found_inf is not None:
+        if found_inf is None:
+            torch._foreach_add_([s["step"] for s in all_states], 1.0)
+        else:
             # a skipped step leaves the counts as they are, decided on the device: the counts move
             # there (once; torch's fused AdamW keeps them there too) and advance after the launch
             for state in all_states:
                 if state["step"].device != device:
                     state["step"] = to_device_async(state["step"], device)
-        record = record and all(type(p) in PLAIN_TENSOR_TYPES for p in with_grad)
         hyper = hyper_tensor(
             group["lr"], group["betas"], group["eps"], group["weight_decay"], device, self._hyper_cache
         )
-        roles = ("exp_avg", "exp_avg_sq", *(("max_exp_avg_sq",) if amsgrad else ()))
-        if state_dtype == states.EIGHT_BIT:
-            roles += states.SCALE_KEYS
-        position = {id(p): i for i, p in enumerate(group["params"])} if record else {}
-        sets = []
+        quantized = state_dtype == states.EIGHT_BIT
         for ps, segments in launches:
             ps_states = [self.state[p] for p in ps]
-            counts = pack_steps(ps_states) if record else None  # one buffer: one add_ per step
-            step_list = [s["step"] for s in ps_states]
-            if found_inf is None:
-                if counts is None:
-                    torch._foreach_add_(step_list, 1.0)
-                else:
-                    counts.add_(1.0)
-            steps = counts if counts is not None else torch.stack(step_list).to(torch.float32)
+            steps = torch.stack([s["step"] for s in ps_states]).to(torch.float32)
             if steps.device != device:
                 steps = to_device_async(steps, device)
             if found_inf is not None:
                 steps = steps + 1.0  # the step number of this step; the counts advance below
-            role = {key: _state_role(ps_states, key) for key in roles}
-            launch = StepLaunch(
-                params=[local_tensor(p) for p in ps],
-                grads=[local_tensor(p.grad) for p in ps],
-                exp_avgs=role["exp_avg"],
-                exp_avg_sqs=role["exp_avg_sq"],
-                max_exp_avg_sqs=role.get("max_exp_avg_sq", []),
-                steps=steps,
-                hyper=hyper,
-                segments=segments,
-                seed=group["seed"],
-                amsgrad=amsgrad,
-                maximize=group["maximize"],
-                stochastic=ps[0].dtype == torch.bfloat16 and group["stochastic_rounding"] is not False,
-                grad_scale=grad_scale,
-                found_inf=found_inf,
-                state_stochastic=group["state_rounding"] == "stochastic",
-                exp_avg_scales=role.get("exp_avg_scale", []),
-                exp_avg_sq_scales=role.get("exp_avg_sq_scale", []),
+            fused_step(
+                StepLaunch(
+                    params=[local_tensor(p) for p in ps],
+                    grads=[local_tensor(p.grad) for p in ps],
+                    exp_avgs=_state_role(ps_states, "exp_avg"),
+                    exp_avg_sqs=_state_role(ps_states, "exp_avg_sq"),
+                    max_exp_avg_sqs=_state_role(ps_states, "max_exp_avg_sq") if amsgrad else [],
+                    steps=steps,
+                    hyper=hyper,
+                    segments=segments,
+                    seed=group["seed"],
+                    amsgrad=amsgrad,
+                    maximize=group["maximize"],
+                    stochastic=ps[0].dtype == torch.bfloat16 and group["stochastic_rounding"] is not False,
+                    grad_scale=grad_scale,
+                    found_inf=found_inf,
+                    state_stochastic=group["state_rounding"] == "stochastic",
+                    exp_avg_scales=_state_role(ps_states, "exp_avg_scale") if quantized else [],
+                    exp_avg_sq_scales=_state_role(ps_states, "exp_avg_sq_scale") if quantized else [],
+                )
             )
-            plan = fused_step(launch)
-            if found_inf is not None:  # + 1 where no inf was found, + 0.0 (the same bits) where one was
-                advance = (found_inf == 0).to(torch.float32).reshape(())
-                if counts is None:
-                    torch._foreach_add_(step_list, [advance] * len(step_list))
-                else:
-                    counts.add_(advance)
-            if record and plan is not None:
-                picks = [position[id(p)] for p in ps]
-                picks = None if picks == list(range(len(group["params"]))) else tuple(picks)
-                sets.append(LaunchSet(launch, plan, picks, ps_states, roles, counts))
-        if not record or len(sets) != len(launches):
-            return None
-        mask = grad_mask([p.grad for p in group["params"]])
-        return GroupLaunches(
-            group, list(group["params"]), mask, GroupLaunches.options_of(group), device, sets
-        )
+        if found_inf is not None:  # + 1 where no inf was found, + 0.0 (the same bits) where one was
+            advance = (found_inf == 0).to(torch.float32).reshape(())
+            torch._foreach_add_([s["step"] for s in all_states], [advance] * len(all_states))
 
 
 def _state_role(param_states: list[dict], key: str) -> list[torch.Tensor]:
