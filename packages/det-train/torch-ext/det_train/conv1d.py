@@ -18,7 +18,7 @@ import math
 import torch
 from det_core import runtime
 
-from ._library import op_name
+from ._library import Op
 from .linear import GradPlan, param_grads, plan_grads
 from .matmul import launch_matmul, matmul_op
 
@@ -28,7 +28,7 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 # ----------------------------------------------------------------------------- torch.library ops
-@torch.library.custom_op(op_name("conv1d"), mutates_args=())
+@Op("conv1d")
 def conv1d_op(
     x: torch.Tensor,
     weight: torch.Tensor,

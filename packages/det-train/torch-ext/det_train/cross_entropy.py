@@ -18,7 +18,7 @@ from det_core import runtime
 from det_core.runtime import as_index, check_kernel_device
 
 from ._leaf_sums import leaf_layout, tree_in_place
-from ._library import op_name
+from ._library import Op
 
 __all__ = ["cross_entropy"]
 
@@ -110,7 +110,7 @@ _LANES = 128  # changes bits of the loss sum (fixed)
 
 
 # ----------------------------------------------------------------------------- torch.library ops
-@torch.library.custom_op(op_name("cross_entropy"), mutates_args=())
+@Op("cross_entropy")
 def cross_entropy_op(
     logits2: torch.Tensor,
     targets1: torch.Tensor,
@@ -195,10 +195,12 @@ def _cross_entropy_backward(ctx, grad_out, _dlse, _dcount):
     return dx, None, None, None, None
 
 
-cross_entropy_op.register_autograd(_cross_entropy_backward, setup_context=_cross_entropy_setup)
+cross_entropy_op.register_autograd(
+    _cross_entropy_backward, setup_context=_cross_entropy_setup, nondifferentiable=(1,)
+)
 
 
-@torch.library.custom_op(op_name("cross_entropy_backward"), mutates_args=())
+@Op("cross_entropy_backward")
 def cross_entropy_backward_op(
     grad_out: torch.Tensor,
     logits2: torch.Tensor,

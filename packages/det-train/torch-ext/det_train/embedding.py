@@ -34,11 +34,11 @@ from det_core.runtime import as_index, check_kernel_device
 
 from ._leaf_sums import cast_out, coarsen, dyadic_nodes, sub_leaf_tokens, tree_combine
 from ._library import (
+    Op,
     accumulation,
     active_accumulator,
     deposit_ticket,
     finish_deposit,
-    op_name,
     tracked_parameter,
 )
 
@@ -228,7 +228,7 @@ def _grad_rows(ids: torch.Tensor, dy: torch.Tensor, d: int, padding_idx: int | N
 
 
 # ----------------------------------------------------------------------------- torch.library ops
-@torch.library.custom_op(op_name("embedding"), mutates_args=())
+@Op("embedding")
 def embedding_op(
     ids: torch.Tensor,
     weight: torch.Tensor,
@@ -276,7 +276,7 @@ def _embedding_backward(ctx, dy):
 embedding_op.register_autograd(_embedding_backward, setup_context=_embedding_setup)
 
 
-@torch.library.custom_op(op_name("embedding_backward"), mutates_args=())
+@Op("embedding_backward")
 def embedding_backward_op(
     ids: torch.Tensor,
     dy: torch.Tensor,
@@ -299,7 +299,7 @@ def _(ids, dy, num_embeddings, padding_idx, leaf_tokens, dtype):
     return dy.new_empty((num_embeddings, dy.shape[-1]), dtype=dtype)
 
 
-@torch.library.custom_op(op_name("embedding_deposit"), mutates_args=("ticket",))
+@Op("embedding_deposit", ("ticket",))
 def embedding_deposit_op(
     ids: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, padding_idx: int | None, ticket: torch.Tensor
 ) -> None:

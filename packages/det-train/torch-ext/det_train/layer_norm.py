@@ -32,11 +32,11 @@ from det_core.runtime import check_kernel_device
 
 from ._leaf_sums import cast_out, finish_param_grad, fold_chunks, leaf_subtrees, sub_leaf_tokens
 from ._library import (
+    Op,
     accumulation,
     active_accumulator,
     deposit_ticket,
     finish_deposit,
-    op_name,
     tracked_parameter,
 )
 from .linear import GradPlan, bias_grad_op, deposit_bias_op
@@ -156,7 +156,7 @@ def _layout(leaf: int) -> tuple[int, int]:
 
 
 # ----------------------------------------------------------------------------- torch.library ops
-@torch.library.custom_op(op_name("layer_norm"), mutates_args=())
+@Op("layer_norm")
 def layer_norm_op(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -233,10 +233,12 @@ def _layer_norm_backward(ctx, dy, _dmean, _drstd):
     return dx.view(x.shape), dw, db, *none
 
 
-layer_norm_op.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup)
+layer_norm_op.register_autograd(
+    _layer_norm_backward, setup_context=_layer_norm_setup, nondifferentiable=(1, 2)
+)
 
 
-@torch.library.custom_op(op_name("layer_norm_backward"), mutates_args=())
+@Op("layer_norm_backward")
 def layer_norm_backward_op(
     dy2: torch.Tensor,
     x2: torch.Tensor,
@@ -262,7 +264,7 @@ def _(dy2, x2, weight, mean, rstd, leaf_tokens, want_dw):
     return x2.new_empty(x2.shape), dw
 
 
-@torch.library.custom_op(op_name("layer_norm_backward_deposit"), mutates_args=("ticket",))
+@Op("layer_norm_backward_deposit", ("ticket",))
 def layer_norm_backward_deposit_op(
     dy2: torch.Tensor,
     x2: torch.Tensor,

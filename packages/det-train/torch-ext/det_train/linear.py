@@ -21,11 +21,11 @@ from det_core.reduce import TreePartial, num_leaves
 
 from ._leaf_fold import weight_grad_fold
 from ._library import (
+    Op,
     accumulation,
     active_accumulator,
     deposit_ticket,
     finish_deposit,
-    op_name,
     tracked_parameter,
 )
 from .configs import weight_grad_config
@@ -69,7 +69,7 @@ def plan_grads(tokens: int, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return GradPlan(leaf, dep_w, dep_b, deposit_ticket() if dep_w or dep_b else None)
 
 
-@torch.library.custom_op(op_name("linear"), mutates_args=())
+@Op("linear")
 def linear_op(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -123,7 +123,7 @@ def _linear_backward(ctx, dy):
 linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
 
 
-@torch.library.custom_op(op_name("linear_weight_grad"), mutates_args=())
+@Op("linear_weight_grad")
 def weight_grad_op(dy: torch.Tensor, x: torch.Tensor, leaf_tokens: int, dtype: torch.dtype) -> torch.Tensor:
     """The ``det_train::linear_weight_grad`` op: dW = dY^T X ``(N, K)`` in ``dtype``, the canonical
     tree over this call's leaves of ``leaf_tokens`` (zeros for no tokens)."""
@@ -137,7 +137,7 @@ def _(dy, x, leaf_tokens, dtype):
     return dy.new_empty((dy.shape[1], x.shape[1]), dtype=dtype)
 
 
-@torch.library.custom_op(op_name("linear_bias_grad"), mutates_args=())
+@Op("linear_bias_grad")
 def bias_grad_op(dy: torch.Tensor, leaf_tokens: int, dtype: torch.dtype) -> torch.Tensor:
     """The ``det_train::linear_bias_grad`` op: db = the canonical sum of ``dy (T, N)`` over tokens
     (leaves of ``leaf_tokens``) in ``dtype`` (zeros for no tokens)."""
@@ -152,7 +152,7 @@ def _(dy, leaf_tokens, dtype):
     return dy.new_empty((dy.shape[1],), dtype=dtype)
 
 
-@torch.library.custom_op(op_name("linear_deposit_weight"), mutates_args=("ticket",))
+@Op("linear_deposit_weight", ("ticket",))
 def deposit_weight_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, ticket: torch.Tensor) -> None:
     """The ``det_train::linear_deposit_weight`` op: deposit dW = dY^T X of this micro-batch's rows
     into the active accumulator (``deposit_rows`` with the resumable fold), at run time."""
@@ -170,7 +170,7 @@ def _(dy, x, weight, ticket):
     return None
 
 
-@torch.library.custom_op(op_name("linear_deposit_bias"), mutates_args=("ticket",))
+@Op("linear_deposit_bias", ("ticket",))
 def deposit_bias_op(dy: torch.Tensor, bias: torch.Tensor, ticket: torch.Tensor) -> None:
     """The ``det_train::linear_deposit_bias`` op: deposit db = the sum of ``dy``'s rows into the
     active accumulator, at run time."""

@@ -24,7 +24,7 @@ import triton.language as tl
 from det_core import runtime
 
 from . import configs
-from ._library import op_name
+from ._library import Op
 from ._tiles import (
     INTERPRET,
     bf16_by_bits,
@@ -541,7 +541,7 @@ def check_bias(bias: torch.Tensor, n: int, like: torch.Tensor, op: str) -> None:
 # Forward only (no autograd formula: a backward through them raises torch's "no autograd formula"
 # RuntimeError; the public functions refuse operands that require grad, or are used where autograd
 # has its own formula). Opaque to torch.compile: Inductor runs them as they are.
-@torch.library.custom_op(op_name("matmul"), mutates_args=())
+@Op("matmul")
 def matmul_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The ``det_train::matmul`` op: ``forward_matmul(a, b)`` (``matmul`` after its checks)."""
     return forward_matmul(a, b)
@@ -552,7 +552,7 @@ def _(a, b):
     return a.new_empty((*_batch_shape(a, b), a.shape[-2], b.shape[-1]))
 
 
-@torch.library.custom_op(op_name("matmul_partial"), mutates_args=())
+@Op("matmul_partial")
 def matmul_partial_op(
     a: torch.Tensor, b: torch.Tensor, carry: torch.Tensor | None, bias: torch.Tensor | None, finish: bool
 ) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from det_core import runtime
 
-from ._library import op_name
+from ._library import Op
 from .configs import matmul_config
 from .linear import GradPlan, _check_linear, param_grads, plan_grads
 from .matmul import chain_part, launch_matmul, matmul_op
@@ -85,7 +85,7 @@ def _group(group_name: str):
 # ----------------------------------------------------------------------------- torch.library ops
 # The collectives (send / recv / broadcast of the chain) run inside these opaque ops: a compiled
 # graph calls them in its own order, the same on every rank (one graph, one schedule).
-@torch.library.custom_op(op_name("row_parallel_linear"), mutates_args=())
+@Op("row_parallel_linear")
 def row_parallel_op(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -132,7 +132,7 @@ def _row_parallel_backward(ctx, dy):
 row_parallel_op.register_autograd(_row_parallel_backward, setup_context=_tp_setup)
 
 
-@torch.library.custom_op(op_name("column_parallel_linear"), mutates_args=())
+@Op("column_parallel_linear")
 def column_parallel_op(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -174,7 +174,7 @@ def _column_parallel_backward(ctx, dy):
 column_parallel_op.register_autograd(_column_parallel_backward, setup_context=_tp_setup)
 
 
-@torch.library.custom_op(op_name("column_parallel_input_grad"), mutates_args=())
+@Op("column_parallel_input_grad")
 def column_parallel_input_grad_op(
     dy2d: torch.Tensor, weight: torch.Tensor, group_name: str, chunk_rows: int
 ) -> torch.Tensor:
