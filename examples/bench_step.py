@@ -2,6 +2,7 @@
 
     python examples/bench_step.py --out docs/benchmarks
     python examples/bench_step.py --no-graph        # eager rows only (the earlier two-row table)
+    python examples/bench_step.py --compile --out docs/benchmarks   # torch.compile table
 
 Both models have the same architecture, shapes and bf16 weights (the "gpu" preset of
 train_gpt.py, ~100 M params, sequence 1024):
@@ -37,6 +38,15 @@ optimizer step. Each implementation is timed three ways:
   during capture, and ``reduce`` allocates new gradients, whose addresses in the graph's memory
   pool differ from the warm-up's.
 
+``--compile`` times a different table instead, at each of ``--compile-micro-batches`` (2, 4, 8,
+16, 32 by default): the det step with its model under ``torch.compile`` (Inductor, fullgraph: the
+det-train / det-attn ops are opaque custom ops inside the graph; ``acc.micro_batch``, ``backward``,
+``acc.reduce`` and the optimizer step stay eager), the eager det step, and torch's step with its
+model under ``torch.compile`` (its own kernels: Inductor, SDPA, cuBLAS), same batch and
+micro-batch counts. Compilation runs in warm-up steps before the timing. It then checks that the
+compiled det model gives the eager det model's bits: 2 steps each from the same initial weights
+and batch, every weight compared (written under the table).
+
 Timed with ``triton.testing.do_bench`` (median, all in this process, side by side). A graph
 whose capture fails is reported in its row ("capture failed: <type>: <msg>", the traceback is
 printed above the table); the other rows are still measured. Target: det step time <= 1.2x the
@@ -61,6 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_gpt as tg  # noqa: E402  (the package sources come from PYTHONPATH: nox -s bench)
 
 EAGER, EAGER_1T, GRAPH = "eager", "eager, backward on the calling thread", "CUDA graph"
+COMPILED = "torch.compile"
 _REPO = Path(__file__).resolve().parent.parent
 
 
@@ -75,14 +86,24 @@ class Step:
     model: torch.nn.Module
 
 
-def make_step(cfg: tg.TrainConfig, micro_batches: int, device, *, graph: bool = False) -> Step:
+def make_step(
+    cfg: tg.TrainConfig,
+    micro_batches: int,
+    device,
+    *,
+    graph: bool = False,
+    compile_options: dict | None = None,
+) -> Step:
     """A closure running one full training step of ``cfg`` (det or torch), and its tokens per step.
 
     ``graph`` prepares the step for CUDA-graph capture: capturable optimizers, and (det) static
     gradient buffers that ``AdamWSR.step`` reads, so its launch tables built in the warm-up
     (keyed by tensor addresses) are valid during capture. Gradient values are unchanged.
+    ``compile_options`` (``torch.compile`` keyword arguments) runs the model's forward (and so its
+    backward) compiled; the accumulator's micro-batches, ``reduce`` and the optimizer stay eager.
     """
     model = tg.build_model(cfg, device)
+    run = model if compile_options is None else torch.compile(model, **compile_options)
     # capturable (step counts on the device) is for CUDA: both optimizers refuse it for CPU params
     opt = tg.build_optimizer(cfg, model, capturable=graph and torch.device(device).type == "cuda")
     acc = None
@@ -102,10 +123,10 @@ def make_step(cfg: tg.TrainConfig, micro_batches: int, device, *, graph: bool = 
         for m in range(micro_batches):
             xs, ys = x[m * per : (m + 1) * per], y[m * per : (m + 1) * per]
             if acc is None:
-                model(xs, ys, num_global_tokens=n_tokens)[1].backward()
+                run(xs, ys, num_global_tokens=n_tokens)[1].backward()
             else:
                 with acc.micro_batch(token_offset=m * per * cfg.seq_len):
-                    model(xs, ys, num_global_tokens=n_tokens)[1].backward()
+                    run(xs, ys, num_global_tokens=n_tokens)[1].backward()
         if acc is not None:
             acc.reduce(total_tokens=n_tokens)
             if grad_buffers is not None:
@@ -285,6 +306,148 @@ def _time_step(name: str, cfg: tg.TrainConfig, mode: str, args, backend) -> dict
     return {"ms_per_step": ms, "tokens_per_s": s.n_tokens / ms * 1e3}
 
 
+def _compile_options(args) -> dict:
+    return dict(fullgraph=not args.allow_graph_breaks, dynamic=False)
+
+
+def _inductor_casts(args, cfg: tg.TrainConfig):
+    """Inductor rounds the bf16 intermediates of the det model's torch ops (residual adds, SiLU,
+    products) as eager does (``emulate_precision_casts``), unless ``--no-emulate-precision-casts``;
+    torch's compiled model keeps Inductor's defaults (its fastest form)."""
+    if cfg.kernels != "det" or not args.emulate_precision_casts:
+        return contextlib.nullcontext()
+    return torch._inductor.config.patch(emulate_precision_casts=True)
+
+
+def _time_compiled(name: str, cfg: tg.TrainConfig, micro_batches: int, compiled: bool, args, backend) -> dict:
+    """One row of the ``--compile`` table: the median step time (compilation in the warm-up steps
+    before), or the error that stopped the compilation or the step."""
+    import triton.testing
+    from torch.nn.attention import sdpa_kernel
+
+    mode = f"{COMPILED if compiled else EAGER}, {micro_batches} micro-batches"
+    row = {"impl": name, "mode": mode, "micro_batches": micro_batches, "compiled": compiled}
+    row.update(ms_per_step=None, tokens_per_s=None, error=None, graph_breaks=None)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    try:
+        with sdpa_kernel([backend]) if cfg.kernels == "torch" else contextlib.nullcontext():
+            options = _compile_options(args) if compiled else None
+            s = make_step(cfg, micro_batches, torch.device("cuda"), compile_options=options)
+            with _inductor_casts(args, cfg):
+                for _ in range(args.compile_warmup):  # compiles (forward and backward graphs) here
+                    s.run()
+                torch.cuda.synchronize()
+                ms = triton.testing.do_bench(
+                    s.run, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median"
+                )
+        row.update(ms_per_step=ms, tokens_per_s=s.n_tokens / ms * 1e3)
+        if compiled:
+            row["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
+    except Exception as exc:  # a benchmark: report the failure in its row, measure the others
+        row["error"] = f"failed: {_describe(exc)}"
+        print(f"\n## {name}, {mode}: {row['error']}\n{traceback.format_exc()}", flush=True)
+    with contextlib.suppress(Exception):
+        torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return row
+
+
+def compiled_matches_eager(
+    cfg: tg.TrainConfig, micro_batches: int, device, compile_options: dict, steps: int = 2
+) -> str | None:
+    """None when ``steps`` steps of the det step with its model compiled leave every weight bitwise
+    equal to the eager det step's (same initial weights and batch), else the first differing one."""
+    torch._dynamo.reset()
+    eager = make_step(cfg, micro_batches, device)
+    compiled = make_step(cfg, micro_batches, device, compile_options=compile_options)
+    for _ in range(steps):
+        eager.run()
+        compiled.run()
+    for (name, p), q in zip(compiled.model.named_parameters(), eager.model.parameters(), strict=True):
+        if not torch.equal(p.detach().view(torch.int16), q.detach().view(torch.int16)):
+            return name
+    return None
+
+
+def compile_main(args, det_cfg, torch_cfg, n_params: int, backend) -> int:
+    """``--compile``: the table of compiled det / eager det / compiled torch steps per micro-batch count."""
+    counts = [int(c) for c in args.compile_micro_batches.split(",")]
+    det_name, torch_name = "det (ours)", f"torch ({backend.name}, cuBLAS, fused AdamW)"
+    rows = []
+    for mb in counts:
+        if args.batch % mb:
+            raise SystemExit(f"--batch {args.batch} is not a multiple of the micro-batch count {mb}")
+        cfgs = [dataclasses.replace(c, micro_batch_seqs=args.batch // mb) for c in (det_cfg, torch_cfg)]
+        for name, cfg, compiled in (
+            (det_name, cfgs[0], True),
+            (det_name, cfgs[0], False),
+            (torch_name, cfgs[1], True),
+        ):
+            rows.append(_time_compiled(name, cfg, mb, compiled, args, backend))
+    title = (
+        f"GPT train step under torch.compile, {n_params / 1e6:.0f} M params "
+        f"({det_cfg.n_layer} layers, d_model {det_cfg.d_model}), bf16 weights, batch {args.batch} x "
+        f"{det_cfg.seq_len} tokens, {torch.cuda.get_device_name()}, torch {torch.__version__}"
+    )
+    lines = [
+        f"**{title}**",
+        "",
+        "| implementation | mode | ms / step | tokens / s | time vs torch compiled (same micro-batches) |",
+        "|---|---|---|---|---|",
+    ]
+    ref = {r["micro_batches"]: r["ms_per_step"] for r in rows if r["impl"] == torch_name}
+    for r in rows:
+        if r["error"] is not None:
+            lines.append(f"| {r['impl']} | {r['mode']} | {_cell(r['error'])} | - | - |")
+            continue
+        base = ref.get(r["micro_batches"])
+        vs = f"{r['ms_per_step'] / base:.2f}x" if base else "-"
+        mode = r["mode"] + (f" ({r['graph_breaks']} graph breaks)" if r["graph_breaks"] else "")
+        lines.append(f"| {r['impl']} | {mode} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {vs} |")
+    lines.append("")
+    try:
+        with _inductor_casts(args, det_cfg):
+            differs = compiled_matches_eager(
+                dataclasses.replace(det_cfg, micro_batch_seqs=args.batch // counts[0]),
+                counts[0],
+                "cuda",
+                _compile_options(args),
+            )
+        bits = "every weight bitwise equal" if differs is None else f"**differ** (first: {differs})"
+    except Exception as exc:
+        bits = f"check failed: {_describe(exc)}"
+    lines += [
+        f"Compiled det vs eager det, weights after 2 steps at {counts[0]} micro-batches: {bits}.",
+        "",
+        "torch.compile: the model's forward and backward compiled (Inductor, "
+        f"fullgraph={not args.allow_graph_breaks}, dynamic=False, det with "
+        f"emulate_precision_casts={args.emulate_precision_casts}; compilation in "
+        f"{args.compile_warmup} warm-up steps, not timed); micro-batch loop, backward() calls, "
+        "gradient reduction and optimizer step eager.",
+    ]
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "main-job_train_step_compile.md").write_text(table + "\n")
+        meta = {
+            "title": title,
+            "rows": rows,
+            "bits": bits,
+            "n_params": n_params,
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(),
+            "config": vars(det_cfg),
+            "sdpa_backend": backend.name,
+            "compile": _compile_options(args),
+            "do_bench_ms": {"warmup": args.warmup_ms, "rep": args.rep_ms},
+        }
+        (out / "main-job_train_step_compile.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+    return 0
+
+
 def _on_calling_thread(run):
     def step():
         with torch.autograd.set_multithreading_enabled(False):
@@ -318,6 +481,24 @@ def main(argv=None) -> int:
     p.add_argument(
         "--profile", action="store_true", help="also print where each step spends device and host time"
     )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="time the torch.compile table instead (compiled det, eager det, compiled torch per count)",
+    )
+    p.add_argument(
+        "--compile-micro-batches", default="2,4,8,16,32", help="micro-batch counts of the --compile table"
+    )
+    p.add_argument("--compile-warmup", type=int, default=3, help="untimed steps before timing (compilation)")
+    p.add_argument(
+        "--allow-graph-breaks", action="store_true", help="--compile with fullgraph=False (breaks counted)"
+    )
+    p.add_argument(
+        "--emulate-precision-casts",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--compile: Inductor rounds the det model's bf16 intermediates as eager (default: on)",
+    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_step.py needs a CUDA GPU (the interpreter path is for correctness, not speed)")
@@ -333,6 +514,8 @@ def main(argv=None) -> int:
     n_params = sum(p.numel() for p in tg.GPT(det_cfg.model_config(), kernels="torch").parameters())
 
     backend = _sdpa_backend()
+    if args.compile:
+        return compile_main(args, det_cfg, torch_cfg, n_params, backend)
     det_name, torch_name = "det (ours)", f"torch ({backend.name}, cuBLAS, fused AdamW)"
     plan = [(det_name, det_cfg, EAGER), (torch_name, torch_cfg, EAGER)]
     plan += [(det_name, det_cfg, EAGER_1T), (torch_name, torch_cfg, EAGER_1T)]

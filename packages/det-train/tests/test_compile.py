@@ -297,6 +297,19 @@ def test_inductor_block_with_accumulator_gives_the_eager_bits():
         assert_bitwise_equal(got[name], want[name], f"inductor grad {name}")
 
 
+@pytest.mark.slow  # ~15 s on 2 cores (det_attn and AdamWSR through the interpreter too)
+def test_main_job_step_with_compiled_model_gives_the_eager_bits():
+    """examples/bench_step.py's check on the main job's GPT (det_train, det_attn, AdamWSR; tiny
+    preset, leaves of 12 tokens cut by micro-batches of 16): 2 steps with the model compiled
+    (fullgraph, aot_eager) leave every weight bitwise equal to 2 eager steps."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+    from examples import bench_step
+
+    cfg = bench_step.tg.make_config("tiny", batch_seqs=4, micro_batch_seqs=2, seq_len=8, leaf_tokens=12)
+    options = dict(fullgraph=True, backend="aot_eager")
+    assert bench_step.compiled_matches_eager(cfg, 2, DEVICE, options) is None
+
+
 # ----------------------------------------------------------------------------- kernels layers
 class _Repo:
     """A kernels repository (``load()``) serving det_train.layers from the source tree (no Hub build)."""
