@@ -135,14 +135,15 @@ def test_opcheck_every_op_forward_and_backward():
 
 # ----------------------------------------------------------------------------- a transformer block
 class _Block(torch.nn.Module):
-    """Embedding, RMSNorm, attention (torch SDPA on det_train.Linear projections), LayerNorm, an MLP
-    of det_train.Linear and Conv1D, the LM head and det_train.cross_entropy; bf16."""
+    """Embedding, RMSNorm, attention (on det_train.Linear projections: torch SDPA, or det_attn on
+    the GPU, where SDPA's backward is not deterministic), LayerNorm, an MLP of det_train.Linear and
+    Conv1D, the LM head and det_train.cross_entropy; bf16."""
 
-    def __init__(self, vocab=32, d=16, ff=32, heads=2):
+    def __init__(self, vocab=32, d=16, ff=32, heads=2, det_attn=False):
         super().__init__()
         kw = dict(dtype=BF16, device=DEVICE)
         torch.manual_seed(0)
-        self.heads = heads
+        self.heads, self.det_attn = heads, det_attn
         self.emb = det_train.Embedding(vocab, d, **kw)
         self.norm1 = det_train.RMSNorm(d, eps=1e-5, **kw)
         self.qkv = det_train.Linear(d, 3 * d, bias=False, **kw)
@@ -156,10 +157,14 @@ class _Block(torch.nn.Module):
         B, T = ids.shape
         x = self.emb(ids)
         q, k, v = self.qkv(self.norm1(x)).view(B, T, 3, self.heads, -1).unbind(2)
-        a = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
-        x = x + self.out(a.transpose(1, 2).reshape(B, T, -1))
+        if self.det_attn:
+            import det_attn
+
+            a = det_attn.attention(q, k, v, causal=True)
+        else:
+            t = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            a = F.scaled_dot_product_attention(*t, is_causal=True).transpose(1, 2)
+        x = x + self.out(a.reshape(B, T, -1))
         x = x + self.down(torch.relu(self.up(self.norm2(x))))
         logits = self.head(x)
         return det_train.cross_entropy(logits.view(B * T, -1), targets.reshape(-1), num_global_tokens=n)
@@ -194,10 +199,10 @@ def test_block_compiles_to_one_graph_with_the_eager_bits():
         assert_bitwise_equal(got[name], want[name], f"grad {name}")
 
 
-def _train(model, run, micro_batches, steps, leaf_tokens):
-    """``steps`` SGD steps of ``run`` (a model or its compiled form) over the batch cut into
-    ``micro_batches`` contiguous micro-batches through the accumulator; returns the last grads."""
-    ids, targets = _batch()
+def _train(model, run, micro_batches, steps, leaf_tokens, batch=None):
+    """``steps`` SGD steps of ``run`` (a model or its compiled form) over the batch (``_batch(**batch)``)
+    cut into ``micro_batches`` contiguous micro-batches through the accumulator; returns the last grads."""
+    ids, targets = _batch(**(batch or {}))
     t = ids.shape[1]
     total = ids.numel()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -465,23 +470,30 @@ def test_compiled_tensor_parallel_over_3_ranks_reproduces_unsplit(tmp_path):
 # ----------------------------------------------------------------------------- GPU (Inductor, CUDA)
 @pytest.mark.gpu
 def test_gpu_inductor_block_plain_and_accumulated_give_the_eager_bits():
-    """On CUDA with Inductor: the block's loss and gradients equal eager's (plain backward), and 3
-    micro-batches through the compiled block give the eager whole-batch weights after 2 steps."""
-    ids, targets = _batch()
-    eager = _Block()
+    """On CUDA with Inductor (det_attn attention, head dim 64): the block's loss and gradients equal
+    eager's (plain backward), and 3 micro-batches cut inside leaves through the compiled block give
+    the eager whole-batch gradients and weights after 2 SGD steps."""
+
+    def block():
+        return _Block(vocab=512, d=128, ff=384, heads=2, det_attn=True)
+
+    ids, targets = _batch(seqs=3, t=40, vocab=512)
+    eager = block()
     loss = eager(ids, targets, ids.numel())
     loss.backward()
-    compiled_model = _Block()
+    compiled_model = block()
     with torch._inductor.config.patch(emulate_precision_casts=True):
-        run = torch.compile(compiled_model, fullgraph=True)
-        c_loss = run(ids, targets, ids.numel())
+        c_loss = torch.compile(compiled_model, fullgraph=True)(ids, targets, ids.numel())
         c_loss.backward()
         assert_bitwise_equal(c_loss, loss, "loss")
         for name, g in _grads(eager).items():
             assert_bitwise_equal(_grads(compiled_model)[name], g, f"grad {name}")
-        eager, compiled_model = _Block(), _Block()
-        want = _train(eager, eager, micro_batches=1, steps=2, leaf_tokens=8)
-        got = _train(compiled_model, torch.compile(compiled_model, fullgraph=True), 3, 2, 8)
+        torch._dynamo.reset()
+        eager, compiled_model = block(), block()
+        batch = dict(seqs=3, t=40, vocab=512)
+        want = _train(eager, eager, micro_batches=1, steps=2, leaf_tokens=64, batch=batch)
+        run = torch.compile(compiled_model, fullgraph=True)
+        got = _train(compiled_model, run, micro_batches=3, steps=2, leaf_tokens=64, batch=batch)
     for name in want:
         assert_bitwise_equal(got[name], want[name], f"step 2 grad {name}")
     for (name, p), q in zip(compiled_model.named_parameters(), eager.parameters(), strict=True):
