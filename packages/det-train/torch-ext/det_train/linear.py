@@ -45,6 +45,10 @@ class GradPlan:
     ``leaf_tokens``: the canonical order's leaf (the accumulator's, else ``DEFAULT_LEAF_TOKENS``);
     ``weight`` / ``bias``: deposit that gradient into the active accumulator (the autograd gradient
     is then None) instead of returning it; ``ticket``: the deposit ops' mutated ticket, or None.
+
+    **Determinism:** part of the op's schema arguments (so of a compiled graph): the leaf size is
+    part of the canonical order; depositing or returning gives the same sums for a leaf-aligned
+    call, and deposits make the gradient independent of the micro-batch split.
     """
 
     leaf_tokens: int
@@ -60,6 +64,12 @@ def plan_grads(tokens: int, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     a cast or view of one (not a leaf) gets an autograd gradient in the accumulator's leaf order;
     a call with no tokens returns zero gradients. Read in the forward, so that ``torch.compile``
     traces (and guards) one choice per graph.
+
+    Args: ``tokens`` the call's rows, ``weight`` / ``bias`` the op's parameters (bias may be None).
+    Returns a ``GradPlan``; raises nothing.
+
+    **Determinism:** a pure function of the active accumulator (or its absence) and the tensors'
+    leaf status; the token offset is read later, by the deposit ops at run time.
     """
     leaf, active = accumulation()
     if not (active and tokens):
@@ -200,6 +210,14 @@ def param_grads(
     the deposit ops, and its autograd gradient is None; the rest is returned, finished in the
     parameter's dtype over ``plan.leaf_tokens`` leaves. Operands are given as rows (``dy2d (T, N)``,
     ``x2d (T, K)``), so ``Conv1D``'s ``X^T dY`` is the same call with the two exchanged.
+
+    Returns ``(grad_w (N, K) or None, grad_b (N,) or None)`` in the parameters' dtypes. Raises what
+    the accumulator raises for a deposit (``RuntimeError`` outside the forward's micro-batch,
+    ``ValueError`` for an untracked parameter or mismatched token counts).
+
+    **Determinism:** dW and db in the canonical token order (fp32 leaf folds of ``block_t``
+    tokens, the fixed tree over global leaf indices), the bits of ``linear``'s gradients.
+    Method: canonical pairwise tree (Higham, SISC 1993), as ``linear``.
     """
     grad_w = grad_b = None
     if want_w:

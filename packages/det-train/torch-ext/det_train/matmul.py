@@ -510,7 +510,13 @@ def matmul_partial(
 def chain_part(
     a: torch.Tensor, b: torch.Tensor, carry: torch.Tensor | None, bias: torch.Tensor | None, finish: bool
 ) -> torch.Tensor:
-    """``matmul_partial`` after its checks: the launch (also the ``det_train::matmul_partial`` op)."""
+    """``matmul_partial`` after its checks: the launch (also the ``det_train::matmul_partial`` op).
+
+    ``a (M, K)``, ``b (K, N)``, ``carry`` fp32 ``(M, N)`` or None, ``bias (N,)`` or None (with
+    ``finish``); returns fp32 ``(M, N)`` or, with ``finish``, ``a.dtype``. No checks (see
+    ``matmul_partial`` for the errors). **Determinism:** ``matmul_partial``'s: the fold over K
+    continues ``carry`` in the fixed ``block_k`` steps.
+    """
     M, K = a.shape
     N = b.shape[1]
     out = torch.empty((M, N), dtype=a.dtype if finish else torch.float32, device=a.device)
