@@ -17,7 +17,16 @@ FlashAttention convention). Prints a markdown table with ratios to the peers, wr
 >= 0.60x cuDNN and >= 2x efficient. ``--sweep`` also times candidate kernel configs at the
 headline shapes (to choose the fixed table; never used at run time).
 
+``--compile`` times instead det_attn eager against ``torch.compile(fullgraph=True)`` (Inductor;
+``--compile-mode`` passes a mode such as ``max-autotune-no-cudagraphs``), forward+backward, two
+ways per shape: ``attention`` alone on given q, k, v, and in a block (bias-free q/k/v and output
+projections, causal attention, residual; width H*D). Target: compiled no slower than eager.
+Also reports whether the compiled run gives the eager bits (attention: o, dq, dk, dv; block: y,
+dx and the weight gradients; the block's matmuls are Inductor's choice). Writes
+``OUT/det-attn_compile.md`` and ``.json``.
+
     python packages/det-attn/benchmarks/bench_attention.py --out bench-results [--sweep]
+    python packages/det-attn/benchmarks/bench_attention.py --out bench-results --compile
 """
 
 from __future__ import annotations
@@ -264,15 +273,119 @@ def sweep() -> list[dict]:
     return results
 
 
+# --------------------------------------------------------------------------- eager vs torch.compile
+
+# (B, H_q, H_kv, T, D), causal
+COMPILE_SHAPES = [(4, 32, 8, 1024, 128), (4, 32, 8, 4096, 128), (8, 16, 16, 512, 64), (1, 16, 4, 128, 128)]
+
+
+class _Block(torch.nn.Module):
+    """Bias-free fused q/k/v projection, causal det_attn attention, output projection, residual."""
+
+    def __init__(self, heads: int, kv_heads: int, d: int) -> None:
+        super().__init__()
+        width = heads * d
+        self.d, self.split = d, (heads, kv_heads, kv_heads)
+        self.qkv = torch.nn.Linear(width, (heads + 2 * kv_heads) * d, bias=False, dtype=torch.bfloat16)
+        self.out = torch.nn.Linear(width, width, bias=False, dtype=torch.bfloat16)
+
+    def forward(self, x):
+        from det_attn import attention
+
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, -1, self.d).split(self.split, dim=2)
+        return x + self.out(attention(q, k, v, causal=True).reshape(b, t, -1))
+
+
+def _same(a, b) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def _eager_vs_compiled(eager, inputs, grad_out, params, mode) -> dict:
+    """fwd+bwd ms of ``eager`` and of its torch.compile, and whether the outputs and the gradients
+    of ``inputs`` and ``params`` have the same bits."""
+    compiled = torch.compile(eager, fullgraph=True, mode=mode)
+    leaves = [*inputs, *params]
+
+    def step(fn):
+        for t in leaves:
+            t.grad = None
+        out = fn(*inputs)
+        out.backward(grad_out)
+        return [out.detach(), *(t.grad.clone() for t in leaves)]
+
+    bits = all(_same(a, b) for a, b in zip(step(compiled), step(eager), strict=True))
+    row = {"bitwise": bits}
+    for name, fn in (("eager", eager), ("compiled", compiled)):
+        row[f"{name}_ms"] = _bench(lambda fn=fn: fn(*inputs).backward(grad_out), grad_to_none=leaves)
+    return row
+
+
+def compile_rows(mode: str | None) -> list[dict]:
+    from det_attn import attention
+
+    rows = []
+    for b, h, h_kv, t, d in COMPILE_SHAPES:
+        shape = f"B{b} H{h}/{h_kv} T{t} D{d} causal"
+        g = torch.Generator(device="cuda").manual_seed(0)
+
+        def randn(*size, g=g):
+            return torch.randn(size, generator=g, device="cuda", dtype=torch.bfloat16)
+
+        q, k, v = (randn(b, t, n, d).requires_grad_() for n in (h, h_kv, h_kv))
+        row = _eager_vs_compiled(
+            lambda q, k, v: attention(q, k, v, causal=True), (q, k, v), randn(b, t, h, d), [], mode
+        )
+        rows.append({"shape": shape, "what": "attention", **row})
+        torch.manual_seed(0)
+        block = _Block(h, h_kv, d).cuda()
+        x = randn(b, t, h * d).requires_grad_()
+        row = _eager_vs_compiled(block, (x,), randn(b, t, h * d), list(block.parameters()), mode)
+        rows.append({"shape": shape, "what": "block", **row})
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def compile_table(rows: list[dict], mode: str | None) -> str:
+    lines = [
+        f"det_attn forward+backward, eager vs torch.compile(fullgraph=True, mode={mode!r}), Inductor, bf16",
+        "",
+        "| shape | what | eager ms | compiled ms | compiled / eager (<= 1) | compiled bits == eager |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        ok = isinstance(r["eager_ms"], float) and isinstance(r["compiled_ms"], float)
+        ratio = r["compiled_ms"] / r["eager_ms"] if ok else None
+        lines.append(
+            f"| {r['shape']} | {r['what']} | {_fmt(r['eager_ms'], 3)} | {_fmt(r['compiled_ms'], 3)} | "
+            f"{_fmt(ratio, 3)} | {_fmt(r['bitwise'])} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--sweep", action="store_true", help="also time candidate kernel configs")
+    parser.add_argument("--compile", action="store_true", help="only: eager vs torch.compile (Inductor)")
+    parser.add_argument("--compile-mode", default=None, help="torch.compile mode for --compile")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_attention: needs a CUDA GPU", file=sys.stderr)
         return 1
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.compile:
+        rows = compile_rows(args.compile_mode)
+        text = "## det-attn under torch.compile, " + torch.cuda.get_device_name() + "\n\n"
+        text += compile_table(rows, args.compile_mode)
+        text += f"\n\ntorch {torch.__version__}, triton {__import__('triton').__version__}"
+        print(text)
+        (args.out / "det-attn_compile.md").write_text(text + "\n")
+        (args.out / "det-attn_compile.json").write_text(
+            json.dumps({"mode": args.compile_mode, "rows": rows}, indent=2)
+        )
+        return 0
     rows = []
     for shape in SHAPES:
         rows += measure(shape)

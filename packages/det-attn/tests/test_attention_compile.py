@@ -183,12 +183,24 @@ def test_compiled_entry_points_equal_eager_bitwise_and_check_cu_seqlens_at_run_t
 
 
 def test_compiled_attention_raises_eagers_errors():
-    q = _randn(1, 8, 2, 32, seed=18)
-    with pytest.raises(ValueError, match="head dim 32 is not supported"):  # at trace time
-        torch.compile(attention, backend="aot_eager")(q, q, q)
-    q = _randn(1, 8, 2, D, seed=19)
+    # gradients of gradients: eager raises at the create_graph backward, compiled at the second
+    (q,) = _leaves(_randn(1, 8, 2, D, seed=19))
+    out = torch.compile(lambda q: attention(q, q, q), backend="aot_eager")(q)
+    (grad,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="does not currently support double backward"):
+        grad.sum().backward()
+    # bad arguments: eager's errors, at trace time
+    with pytest.raises(ValueError, match="head dim 32 is not supported"):
+        q32 = _randn(1, 8, 2, 32, seed=18)
+        torch.compile(lambda q: attention(q, q, q), backend="aot_eager")(q32)
     with pytest.raises(ValueError, match=r"dropout_p > 0 needs an explicit integer seed"):
-        torch.compile(attention, backend="aot_eager")(q, q, q, dropout_p=0.1)
+        torch.compile(lambda q: attention(q, q, q, dropout_p=0.1), backend="aot_eager")(q.detach())
+    # after an error Dynamo runs the frame eagerly from then on, tracing only what it calls: the
+    # eager path below the checks is not traced
+    compiled = torch.compile(attention, backend="aot_eager")
+    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
+        compiled(q, q, q, dropout_p=1.5, seed=1)
+    assert_bitwise_equal(compiled(q, q, q, dropout_p=0.5, seed=1), attention(q, q, q, dropout_p=0.5, seed=1))
 
 
 def test_inductor_compiled_attention_equals_eager_bitwise():

@@ -1,7 +1,8 @@
 """Argument checks of ``attention`` and ``attention_varlen``: each returns the checked values or
 raises a ``TypeError`` / ``ValueError`` that says what was wrong and what to pass instead, before
 anything is allocated or launched. They read tensor attributes only, except the ``cu_seqlens``
-checks, which read the values on the host.
+checks, which read the values on the host: under torch.compile ``attention_varlen`` runs those
+(``check_packed_values``) inside its operator, the others (``check_packed_traced``) at trace time.
 """
 
 from __future__ import annotations

@@ -286,6 +286,10 @@ class _AttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+# Eager only (under torch.compile the public functions call the operators): never traced. Where
+# Dynamo runs a caller eagerly (a frame it gave up on) it would otherwise trace down into the
+# launches; ``disable`` costs about a microsecond per call.
+@torch.compiler.disable
 def padded_autograd(q, k, v, *options):
     """The ``Autograd`` kernel of ``attention_forward`` (eager ``attention`` calls it directly: one
     dispatcher round trip less; torch.compile sees the operator)."""
@@ -295,6 +299,7 @@ def padded_autograd(q, k, v, *options):
         return attention_forward(q, k, v, *options)
 
 
+@torch.compiler.disable  # as padded_autograd
 def packed_autograd(q, k, v, cu_q, cu_k, *options):
     """The ``Autograd`` kernel of ``attention_varlen_forward`` (see ``padded_autograd``)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
