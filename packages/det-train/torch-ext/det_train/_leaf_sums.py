@@ -22,11 +22,13 @@ from .grad_accum import DEFAULT_LEAF_TOKENS, current_accumulator
 
 __all__ = [
     "SUB_LEAF_TOKENS",
+    "SubLeafFold",
     "cast_out",
     "coarsen",
     "dyadic_nodes",
     "finish_param_grad",
     "fold_chunks",
+    "fold_chunks_resume",
     "leaf_layout",
     "leaf_subtrees",
     "sub_leaf_tokens",
@@ -57,6 +59,35 @@ def _fold_chunks_kernel(
             mask=mask & ((chunk + cols * 0) < n_chunks),
             other=0.0,
         )
+    tl.store(out_ptr + leaf.to(tl.int64) * N + cols, acc, mask=mask)
+
+
+@triton.jit
+def _fold_chunks_resume_kernel(
+    partial_ptr,
+    init_ptr,
+    out_ptr,
+    n_chunks,
+    N,
+    skip,
+    CHUNKS_PER_LEAF: tl.constexpr,
+    RESUME: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """``_fold_chunks_kernel`` for chunks that start ``skip`` chunks into their first leaf: that
+    leaf's fold continues from ``init`` (its earlier chunks' fold, ``RESUME``) and adds +0.0 for the
+    chunks before ``skip`` (exact: a fold from +0.0 is never -0.0), so the bits of one fold."""
+    leaf = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    if RESUME:
+        acc = tl.load(init_ptr + cols, mask=mask & ((leaf + cols * 0) == 0), other=0.0)
+    else:
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c in range(0, CHUNKS_PER_LEAF):
+        chunk = leaf * CHUNKS_PER_LEAF + c - skip
+        inside = (chunk + cols * 0 >= 0) & ((chunk + cols * 0) < n_chunks)
+        acc += tl.load(partial_ptr + chunk.to(tl.int64) * N + cols, mask=mask & inside, other=0.0)
     tl.store(out_ptr + leaf.to(tl.int64) * N + cols, acc, mask=mask)
 
 
@@ -192,6 +223,73 @@ def fold_chunks(partials: torch.Tensor, chunks_per_leaf: int) -> torch.Tensor:
         )
     bound[1](bound[0], partials, out)
     return out
+
+
+def fold_chunks_resume(
+    partials: torch.Tensor, chunks_per_leaf: int, skip: int, init: torch.Tensor | None
+) -> torch.Tensor:
+    """``fold_chunks`` of chunks whose first one is chunk ``skip`` of its leaf: ``(n_out, N)`` fp32
+    leaf sums, ``n_out = ceil((skip + n_chunks) / chunks_per_leaf)``; leaf 0's fold continues from
+    ``init`` (fp32 ``(N,)``, the fold of its first ``skip`` chunks; None only when ``skip`` is 0).
+    Resumed at any chunk, the folds have the bits of ``fold_chunks`` over all the leaf's chunks."""
+    if skip and init is None:
+        raise ValueError("fold_chunks_resume: a fold resumed inside a leaf needs its accumulator")
+    partials = partials.contiguous()
+    n_chunks, n = partials.shape
+    n_out = num_leaves(skip + n_chunks, chunks_per_leaf)
+    out = torch.empty((n_out, n), dtype=torch.float32, device=partials.device)
+    resume = init is not None
+    key = ("fold_resume", n_chunks, n, chunks_per_leaf, skip, resume)
+    bound = _BOUND.get(key)
+    if bound is None:
+        block = min(_FOLD_BLOCK, max(16, runtime.next_power_of_2(n)))
+        grid = (n_out, runtime.cdiv(n, block))
+        meta = dict(CHUNKS_PER_LEAF=chunks_per_leaf, RESUME=resume, BLOCK=block)
+        bound = _bind(key, grid, _fold_chunks_resume_kernel, 3, (n_chunks, n, skip), **meta)
+    bound[1](bound[0], partials, init if resume else partials, out)
+    return out
+
+
+class SubLeafFold:
+    """An open leaf of a vector reduction carried as its fp32 sub-leaf folds, not as its rows.
+
+    ``tokens``: the leaf's tokens folded so far (a multiple of the op's chunk step);
+    ``nodes``: the finished sub-leaves' canonical subtrees ``{(level, local index): fp32}``
+    (``TreePartial`` over the leaf's sub-leaves, numbered from 0 in the leaf); ``open``: the fp32
+    chunk fold of the sub-leaf ``tokens`` ends inside, or None. Immutable (``advance`` makes a new
+    one), so a micro-batch that raises leaves the old state. Memory: at most log2(sub-leaves) + 2
+    tensors of the parameter's size, whatever the leaf's rows.
+    """
+
+    __slots__ = ("tokens", "nodes", "open")
+
+    def __init__(self, tokens: int = 0, nodes: dict | None = None, open: torch.Tensor | None = None) -> None:
+        self.tokens, self.nodes, self.open = tokens, {} if nodes is None else nodes, open
+
+    def advance(self, chunk_sums: torch.Tensor, tokens: int, sub: int, rows_per_chunk: int) -> SubLeafFold:
+        """The state after ``tokens`` more tokens whose chunk sums (fp32 ``(ceil(tokens /
+        rows_per_chunk), N)``, chunks aligned to the leaf's start) are ``chunk_sums``."""
+        per_sub = sub // rows_per_chunk
+        skip = self.tokens % sub // rows_per_chunk
+        sums = fold_chunks_resume(chunk_sums, per_sub, skip, self.open if skip else None)
+        first, end = self.tokens // sub, self.tokens + tokens
+        tree = TreePartial()
+        tree.nodes = dict(self.nodes)
+        done = end // sub - first  # sub-leaves this call completes
+        for i in range(done):
+            tree.add_node(0, first + i, sums[i])
+        return SubLeafFold(end, tree.nodes, sums[done] if done < sums.shape[0] else None)
+
+    def close(self, sub: int, ratio: int, shape: torch.Size) -> torch.Tensor:
+        """The leaf's fp32 node (of ``shape``): the canonical tree over its ``ratio`` sub-leaves of
+        ``sub`` tokens (a short last leaf's present ones, the open one included), as ``coarsen``
+        makes it from the sub-leaf sums of one call: the bits of an unsplit batch."""
+        tree = TreePartial()
+        tree.nodes = dict(self.nodes)
+        if self.open is not None:
+            tree.add_node(0, self.tokens // sub, self.open)
+        (node,) = coarsen(tree, ratio).nodes.values()
+        return node if node.shape == shape else node.view(shape)
 
 
 # (grid, launch with sizes and constexprs bound) by what they are computed from: a call keys only

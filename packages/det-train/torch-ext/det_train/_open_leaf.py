@@ -1,9 +1,10 @@
 """An open leaf of the canonical order: a leaf that a micro-batch ended inside, kept by
 ``CanonicalGradAccumulator`` until the micro-batch that completes it (or ``reduce``).
 
-Two forms: ``_OpenFold``, an op's fp32 fold of the leaf so far (the Linear weight's dW), continued
-by the next micro-batch's kernel; ``_OpenLeaf``, copies of the leaf's rows, summed by the op's
-leaf-sum function once the leaf is complete (the vector reductions).
+Two forms: ``_OpenFold``, an op's fp32 fold of the leaf so far (the Linear weight's dW; the RMSNorm
+weight's sub-leaf folds), continued by the next micro-batch's kernel; ``_OpenLeaf``, copies of the
+leaf's rows, summed by the op's leaf-sum function once the leaf is complete (the ops without a
+resumable fold: embedding, bias, LayerNorm).
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ __all__ = ["LeafFold", "LeafPartial"]
 
 # A leaf-sum function of an op: (global index of the first leaf, rows of whole leaves) -> partial tree.
 LeafPartial = Callable[[int, tuple], TreePartial]
-# An op's resumable leaf fold: (token step, fold(rows, acc or None) -> new fp32 fold of the param's shape).
-LeafFold = tuple[int, Callable[[tuple, torch.Tensor | None], torch.Tensor]]
+# An op's resumable leaf fold: (token step, fold(rows, acc or None) -> new fp32 fold of the param's
+# shape), or (step, fold, close) whose fold state is any immutable object and close(state) -> the
+# leaf's fp32 node (the vector reductions: sub-leaf folds, _leaf_sums.SubLeafFold).
+LeafFold = tuple  # (int, Callable[[tuple, object], object]) or (..., Callable[[object], torch.Tensor])
 
 
 class _OpenFold:
@@ -36,10 +39,12 @@ class _OpenFold:
     def end(self) -> int:
         return self.folded_end + (int(self.rest[0].shape[0]) if self.rest else 0)
 
-    def advance(self, rows: tuple, finish: bool):
+    def advance(self, rows: tuple, finish: bool, fold: LeafFold | None = None):
         """The state after the next ``rows`` of the leaf, or (``finish``: they end the leaf or the
-        batch) the leaf's fp32 sum."""
-        step, fold_fn = self.fold
+        batch) the leaf's fp32 sum. ``fold``: the op's fold of this call (the same order as the
+        stored one; an op may bind what it computed for these rows), kept for the next call."""
+        fold = self.fold if fold is None else fold
+        step, fold_fn = fold[0], fold[1]
         n = rows[0].shape[0] if rows else 0
         acc, done = self.acc, self.folded_end
         if self.rest:  # complete the waiting partial step first (a copy of fewer than `step` rows)
@@ -51,16 +56,16 @@ class _OpenFold:
             else:
                 rows_in = self.rest
             if int(rows_in[0].shape[0]) < step and not finish:
-                return _OpenFold(self.start, self.fold, done, acc, rows_in)
+                return _OpenFold(self.start, fold, done, acc, rows_in)
             acc, done = fold_fn(rows_in, acc), done + int(rows_in[0].shape[0])
         whole = n if finish else n - n % step
         if whole:
             acc = fold_fn(rows if whole == n else tuple(r[:whole] for r in rows), acc)
             done += whole
         if finish:
-            return acc
+            return fold[2](acc) if len(fold) > 2 else acc
         rest = tuple(r[whole:].clone() for r in rows) if whole < n else ()
-        return _OpenFold(self.start, self.fold, done, acc, rest)
+        return _OpenFold(self.start, fold, done, acc, rest)
 
 
 class _OpenLeaf:

@@ -314,7 +314,11 @@ class CanonicalGradAccumulator:
             fold: the op's resumable leaf fold, ``(step, fold_fn)``: ``fold_fn(leaf_rows, acc)``
                 returns a new fp32 tensor of ``param``'s shape, ``acc`` (the fold of the leaf's
                 earlier tokens, or None) continued over ``leaf_rows`` in steps of ``step`` tokens;
-                over a whole leaf from None it equals that leaf's node of ``leaf_partial``.
+                over a whole leaf from None it equals that leaf's node of ``leaf_partial``. Or
+                ``(step, fold_fn, close_fn)``: the fold's state is any immutable object (e.g. the
+                RMSNorm weight's sub-leaf folds) and ``close_fn(state)`` gives the leaf's fp32
+                node. This call's ``fold`` continues a leaf an earlier call left open (an op may
+                bind what it already computed for these rows).
 
         The leaf this micro-batch leaves unfinished stays open. With ``fold`` its fp32 fold is kept
         (one tensor of ``param``'s shape; rows past the last whole step, fewer than ``step``, are
@@ -361,7 +365,7 @@ class CanonicalGradAccumulator:
             head = rows if pos == n else tuple(r[:pos] for r in rows)
             if isinstance(open_leaf, _OpenFold):
                 done = open_leaf.start + leaf == offset + pos
-                advanced = open_leaf.advance(head, done)
+                advanced = open_leaf.advance(head, done, fold)
                 if not done:
                     self._carry[key] = advanced
                     return

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import weakref
 
 import torch
 import triton
@@ -26,7 +27,7 @@ import triton.language as tl
 from det_core import runtime
 from det_core.runtime import check_kernel_device
 
-from ._leaf_sums import finish_param_grad, fold_chunks, leaf_subtrees, sub_leaf_tokens
+from ._leaf_sums import SubLeafFold, finish_param_grad, fold_chunks, leaf_subtrees, sub_leaf_tokens
 from ._library import (
     Op,
     accumulation,
@@ -315,7 +316,8 @@ def rms_norm_backward_deposit_op(
         finish_param_grad(acc, param, first_leaf, fold_chunks(partial, sub // rows), leaf // sub)
     else:
         leaves = functools.partial(_dweight_leaves, param, leaf, sub, rows, offset)
-        acc.deposit_rows(param, (dy2, x2, rstd), leaves)
+        fold = _dweight_fold(param, leaf, sub, rows, offset, dy2, partial)  # an open leaf: its folds
+        acc.deposit_rows(param, (dy2, x2, rstd), leaves, fold)
         finish_deposit(acc)
     ticket.add_(1)
     return dx
@@ -354,6 +356,38 @@ def _dweight_leaves(weight, leaf: int, sub: int, rows: int, offset: float, first
     dy2, x2, rstd = leaf_rows
     _, partial = _backward(dy2, x2, weight, rstd, rows, offset)
     return leaf_subtrees(fold_chunks(partial, sub // rows), first_leaf, weight.shape, leaf // sub)
+
+
+def _dweight_fold(weight, leaf: int, sub: int, rows: int, offset: float, dy2, chunk_sums) -> tuple:
+    """The accumulator's resumable fold of the RMSNorm weight (``(step, fold, close)``): a leaf a
+    micro-batch ends inside is carried as its sub-leaf folds (``SubLeafFold``: the finished
+    sub-leaves' subtrees and the open sub-leaf's fp32 chunk fold), continued by the next
+    micro-batch from its chunk sums; on the chunk step (``rows`` tokens) the bits of one batch.
+
+    The chunk sums this micro-batch's backward already computed (``chunk_sums`` of ``dy2``'s
+    chunks) serve the rows that are chunk-aligned views of ``dy2`` (held weakly: the carried state
+    keeps no rows); other rows (the few copied ones that complete a step) run the backward kernel.
+    """
+    dy_ref, sums_ref = weakref.ref(dy2), weakref.ref(chunk_sums)
+    ratio = leaf // sub
+
+    def chunk_sums_of(leaf_rows: tuple) -> torch.Tensor:
+        dy, x, rstd = leaf_rows
+        src, sums = dy_ref(), sums_ref()
+        if src is not None and sums is not None and dy.dtype == src.dtype and dy.stride() == src.stride():
+            row_bytes = src.stride(0) * src.element_size()
+            off = dy.data_ptr() - src.data_ptr()
+            r, m = (off // row_bytes if row_bytes else -1), dy.shape[0]
+            if off >= 0 and row_bytes and off % row_bytes == 0 and r + m <= src.shape[0] and r % rows == 0:
+                if m % rows == 0 or r + m == src.shape[0]:  # whole chunks of this pass
+                    return sums[r // rows : runtime.cdiv(r + m, rows)]
+        return _backward(dy, x, weight, rstd, rows, offset)[1]  # its dX is discarded
+
+    def fold(leaf_rows: tuple, state: SubLeafFold | None) -> SubLeafFold:
+        state = SubLeafFold() if state is None else state
+        return state.advance(chunk_sums_of(leaf_rows), leaf_rows[0].shape[0], sub, rows)
+
+    return rows, fold, lambda state: state.close(sub, ratio, weight.shape)
 
 
 def rms_norm(
