@@ -1,6 +1,6 @@
 """Sub-ULP moment updates: a tiny steady gradient under each AdamWSR state format.
 
-    python examples/adamw_sub_ulp.py                                        # CPU (interpreter): < 1 min
+    python examples/adamw_sub_ulp.py                                        # CPU (interpreter): ~40 s CPU
     python examples/adamw_sub_ulp.py --steps 1000 --betas 0.99 0.999 --out docs/img   # the docs figure
     python examples/adamw_sub_ulp.py --steps 20000 --betas 0.999 0.9999 --out DIR     # GPU: a longer memory
 
