@@ -128,10 +128,10 @@ _WAVE_TILE = (128, 256)  # the output tile of the large entries, which the wave 
 # dtype, so the same bits (module docstring). Chosen from benchmarks/ablate_matmul.py and
 # benchmarks/sweep_micro_batches.py on an H200 (the numbers: docs/benchmarks).
 _MATMUL_TABLE: dict[tuple[str, str, str, str], MatmulConfig] = {
-    ("half", "nn", "large", "mid"): MatmulConfig(128, 128, 64, 8, 8, 4),
+    ("half", "nn", "large", "mid"): MatmulConfig(128, 128, 64, 8, 4, 4),
     ("half", "nn", "large", "any"): MatmulConfig(128, 256, 64, 8, 8, 4),
     ("half", "nt", "large", "many"): MatmulConfig(128, 256, 64, 8, 8, 4, tma=True),
-    ("half", "nt", "large", "mid"): MatmulConfig(128, 128, 64, 8, 8, 4, tma=True),
+    ("half", "nt", "large", "mid"): MatmulConfig(128, 128, 64, 8, 4, 3, tma=True),
     ("half", "nt", "large", "few"): MatmulConfig(128, 256, 64, 8, 8, 3),
     ("half", "tn", "large", "any"): MatmulConfig(128, 256, 64, 8, 8, 3),
     ("half", "tt", "large", "any"): MatmulConfig(128, 256, 64, 8, 8, 3),
