@@ -162,8 +162,9 @@ def test_other_argument_kinds_are_checked_every_call(fresh_caches, counts):
 
 @pytest.mark.parametrize("layout", ["contiguous", "packed qkv", "transposed", "transposed B1"])
 def test_input_layouts_give_the_same_bits_and_gradient_shapes(layout):
-    # the padded batch's (B, T, H, D) -> (B * T, H, D) reshape happens inside the autograd
-    # function (a view, or a copy where none exists) and the gradients are viewed back
+    # the padded batch's (B, T, H, D) -> (B * T, H, D) reshape happens inside the operators (a
+    # view, or a copy where none exists: in the forward and again in the backward) and the
+    # gradients are viewed back
     batch = 1 if layout == "transposed B1" else 2
     q, k, v = (_randn(batch, 27, 4, D, seed=30 + i) for i in range(3))
     do = _randn(batch, 27, 4, D, seed=33)

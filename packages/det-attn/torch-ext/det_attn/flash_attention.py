@@ -87,6 +87,9 @@ def attention(
     the kernel, in another order). Dropout masks are a pure
     function of (seed, sequence index, head, query position, key position). Not guaranteed across
     GPU models, Triton versions, or between the GPU and the CPU interpreter (other block sizes).
+    Under ``torch.compile`` (``fullgraph=True`` traces it) the same bits as eager: the call is the
+    ``det_attn::attention_forward`` / ``attention_backward`` operators, which Inductor calls as
+    extern kernels; the argument checks run at trace time (errors as eager's).
 
     Method: FlashAttention-2 (Dao, 2023, arXiv:2307.08691) after the Triton fused-attention
     tutorial, with atomics-free backward (separate dK/dV and dQ kernels).
@@ -171,7 +174,9 @@ def attention_varlen(
     **Determinism:** as ``attention``: tiles start at each sequence's first token, so a
     sequence's O, LSE, dq, dk, dv are the same bits whatever is packed beside it, and equal to
     ``attention`` on that sequence alone (with the same sequence index for dropout). Validating
-    ``cu_seqlens`` reads them on the host (one small copy, a synchronisation).
+    ``cu_seqlens`` reads them on the host (one small copy, a synchronisation); under
+    ``torch.compile`` (eager's bits, the ``det_attn::attention_varlen_*`` operators) that check runs
+    inside the operator when the graph runs, the others at trace time.
 
     Method: as ``attention`` (FlashAttention-2 varlen layout, Dao 2023).
     """

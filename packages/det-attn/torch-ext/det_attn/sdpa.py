@@ -46,7 +46,8 @@ def scaled_dot_product_attention(
             ``enable_gqa``, ``is_causal`` with ``L != S``, or what ``det_attn.attention`` rejects
             by value.
 
-    **Determinism:** as ``det_attn.attention`` (run to run, batch invariant, no atomics).
+    **Determinism:** as ``det_attn.attention`` (run to run, batch invariant, no atomics; the same
+    bits under ``torch.compile``, which traces it with no graph break).
 
     Method: FlashAttention-2 (Dao, 2023); see ``det_attn.attention``.
     """

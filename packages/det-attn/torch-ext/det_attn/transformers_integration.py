@@ -46,7 +46,9 @@ def det_attn_transformers_forward(
             ``det_attn.attention`` rejects.
 
     **Determinism:** as ``det_attn.attention`` / ``attention_varlen``; causal masks are
-    bottom-right aligned, which is what KV-cache decoding needs.
+    bottom-right aligned, which is what KV-cache decoding needs. ``torch.compile`` traces it with no
+    graph break (eager's bits) when ``attention_mask`` is None and packed calls give
+    ``max_length_q/k`` as ints (a mask or a missing max length is read from tensor values).
     Method: FlashAttention-2 (Dao, 2023).
     """
     op = "det_attn (transformers)"
