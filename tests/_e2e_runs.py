@@ -29,8 +29,9 @@ CHECKPOINT_STEP = 1
 GLOBAL_BATCH = 8  # sequences of SEQ_LEN tokens
 # Shorter sequences than the tiny preset's 16 (the interpreter's cost grows with the token count);
 # one canonical leaf per sequence, so every split below is at leaf boundaries and still has to
-# reproduce the same 8-leaf reduction tree.
-SEQ_LEN = 8
+# reproduce the same 8-leaf reduction tree. At 4 tokens every kernel still runs the tile and leaf
+# structure it runs at 8 (a micro-batch is one row tile either way, a leaf one fold chunk).
+SEQ_LEN = 4
 
 SHARED_DIR_ENV = "DET_E2E_SHARED_DIR"
 _PRIVATE_DIR = None  # this process's own folder when no shared one is set
@@ -82,21 +83,60 @@ def baseline() -> dict:
     return _once_per_run("baseline", run)
 
 
-# Spawned process groups, one per world size, each running several jobs (start-up paid once):
-# (kind, micro-batch size). "dp": replicated weights; "fsdp": FSDP2-sharded weights and state.
-# 3 ranks hold 3, 3, 2 sequences; FSDP needs the same micro-batch count on every rank (3 -> 1 each).
+# Jobs on spawned gloo ranks, per world size: (kind, micro-batch size). "dp": replicated weights;
+# "fsdp": FSDP2-sharded weights and state. 3 ranks hold 3, 3, 2 sequences (2 + 1, 2 + 1 and 2 in
+# micro-batches of 2); FSDP needs the same micro-batch count on every rank (3 -> 1 each).
 SPAWNED_JOBS = {
-    2: [("dp", 4), ("dp", 2), ("fsdp", 2)],
-    3: [("dp", 2), ("fsdp", 3)],
     4: [("dp", 2)],
+    3: [("dp", 2), ("fsdp", 3)],
 }
+
+
+def _spawned_worker(rank: int, jobs: dict, folder: str) -> None:
+    """One of ``max(jobs)`` spawned processes: for each world size, largest first, the ranks below
+    it join a new process group of that size (the process start-up is paid once for all sizes), run
+    its jobs, and rank 0 writes their results."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # ranks share the cores
+    cuda = torch.cuda.is_available()  # as train_gpt's own ranks: one GPU each, else gloo on CPU
+    if cuda:
+        torch.cuda.set_device(rank)
+    for world, world_jobs in sorted(jobs.items(), reverse=True):
+        if rank >= world:
+            return
+        init = f"file://{os.path.join(folder, f'pg-{world}')}"
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank, world_size=world)
+        try:
+            results = []
+            for cfg, kwargs in world_jobs:
+                device = f"cuda:{rank}" if cuda else "cpu"
+                result = tg.train(cfg, rank=rank, world=world, device=device, **kwargs)
+                result.pop("model")
+                results.append(result)
+            if rank == 0:
+                torch.save(results, os.path.join(folder, f"result-{world}.pt"))
+        finally:
+            dist.destroy_process_group()
+
+
+def _train_spawned(jobs: dict) -> dict:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_spawned_worker, args=(jobs, tmp), nprocs=max(jobs), join=True)
+        return {w: torch.load(os.path.join(tmp, f"result-{w}.pt"), weights_only=True) for w in jobs}
 
 
 @functools.cache
 def spawned(world: int) -> dict[tuple[str, int], dict]:
-    """Results of ``SPAWNED_JOBS[world]`` on ``world`` spawned gloo ranks, keyed by (kind, micro)."""
-    jobs = [(tiny(micro_batch_seqs=micro), {"fsdp": kind == "fsdp"}) for kind, micro in SPAWNED_JOBS[world]]
-    results = _once_per_run(f"spawned-{world}", lambda _: tg.train_spawned_many(jobs, world))
+    """Results of ``SPAWNED_JOBS[world]`` on ``world`` gloo ranks, keyed by (kind, micro). All world
+    sizes run in one set of spawned processes, once per pytest run."""
+    jobs = {
+        w: [(tiny(micro_batch_seqs=micro), {"fsdp": kind == "fsdp"}) for kind, micro in w_jobs]
+        for w, w_jobs in SPAWNED_JOBS.items()
+    }
+    results = _once_per_run("spawned", lambda _: _train_spawned(jobs))[world]
     return dict(zip(SPAWNED_JOBS[world], results, strict=True))
 
 
