@@ -1,5 +1,7 @@
 """End to end: FSDP2 (``fully_shard``) sharding of the parameters and of the AdamWSR state gives the
-bits of the unsharded single-process run (gloo on CPU; 2 and 3 ranks, the 3-rank shards uneven).
+bits of the unsharded single-process run (gloo on CPU; 3 ranks, the shards uneven, one of them empty).
+FSDP2 with gradient accumulation (micro-batches of 2 on 2 ranks) is checked on the same main job by
+packages/det-train/tests/test_dp_reduce.py, at every step's gradients.
 
 Gradients come from det_train.CanonicalGradAccumulator (canonical order over all ranks'
 micro-batches), not from FSDP's reduce-scatter; AdamWSR keys its stochastic rounding by global
@@ -13,13 +15,12 @@ from examples import train_gpt as tg
 from tests._e2e_runs import assert_same_training, baseline, spawned, tiny
 
 
-@pytest.mark.parametrize("world, micro", [(2, 2), (3, 3)])
-def test_fsdp2_sharded_matches_unsharded(world, micro):
-    # 2 ranks: micro-batches of 2 (2 accumulation steps each). 3 ranks: 3, 3, 2 sequences in one
-    # micro-batch each, and torch.chunk shards every weight 3 ways, unevenly (the 256-row embedding
-    # table as 86, 86, 84 rows, the 8-row position table as 3, 3, 2)
-    got = spawned(world)[("fsdp", micro)]
-    assert_same_training(got, baseline(), f"FSDP2 over {world} ranks, micro-batch {micro}")
+def test_fsdp2_sharded_matches_unsharded():
+    # 3 ranks: 3, 3, 2 sequences in one micro-batch each, and torch.chunk shards every weight 3
+    # ways, unevenly (the 256-row embedding table as 86, 86, 84 rows; the 4-row position table as
+    # 2, 2 and an empty shard on rank 2)
+    got = spawned(3)[("fsdp", 3)]
+    assert_same_training(got, baseline(), "FSDP2 over 3 ranks, micro-batch 3")
 
 
 def test_fsdp_refuses_unsupported_combinations():
