@@ -9,7 +9,6 @@ device scalars it builds (``hyper_tensor``, ``amp_scalar``).
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from typing import Optional
 
 import torch
@@ -17,68 +16,26 @@ from det_core import rng, runtime
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import kernel, state_codes, states
+from .checks import SUPPORTED_GRAD_DTYPES, SUPPORTED_PARAM_DTYPES, amp_scalar, check_hyperparameters
 from .indices import BASE_INDEX_ALIGNMENT, PLAIN_TENSOR_TYPES, default_base_indices
 from .launch import LaunchPlan, launch_fused_step, to_device_async
 
 __all__ = [
     "MAX_STEP",
     "PLAN_CACHE",
-    "SUPPORTED_GRAD_DTYPES",
-    "SUPPORTED_PARAM_DTYPES",
     "StepLaunch",
     "adamw_sr_step",
-    "amp_scalar",
-    "check_hyperparameters",
     "fused_step",
     "get_plan",
     "hyper_tensor",
     "increment_versions",
 ]
 
-SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16)
-SUPPORTED_GRAD_DTYPES = (torch.float32, torch.bfloat16)
 
 # Steps travel as fp32 (torch's layout of ``state["step"]``), exact for integers up to 2**24; the
 # next increment (2**24 + 1) rounds back to 2**24, so a step count at or past it would repeat its
 # stochastic-rounding bits. The kernel's own counters (Philox word, 32-bit exponent) hold 2**32.
 MAX_STEP = 2**24 - 1
-
-
-def check_hyperparameters(lr, betas, eps, weight_decay, op: str) -> None:
-    """``torch.optim.AdamW``'s ranges: ``lr >= 0``, ``0 <= beta < 1``, ``eps >= 0``,
-    ``weight_decay >= 0`` (NaN fails every one). Each may be a real number or, as in torch, a
-    1-element tensor, whose value is checked only where reading it needs no device sync (a CPU
-    tensor, outside torch.compile). ``op`` names the caller in the messages.
-
-    Raises:
-        ValueError: a value out of range, ``betas`` not a pair, a tensor of other than 1 element.
-        TypeError: a value that is neither a real number (bools excluded) nor a tensor.
-
-    **Determinism:** a check only; no value changes.
-    """
-    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
-        raise ValueError(f"{op}: betas must be a pair (beta1, beta2), got {betas!r}")
-    checks = (
-        ("lr", lr, lambda x: 0.0 <= x, "Invalid learning rate: {}; it must be >= 0"),
-        ("betas[0]", betas[0], lambda x: 0.0 <= x < 1.0, "Invalid betas {}: each must be in [0, 1)"),
-        ("betas[1]", betas[1], lambda x: 0.0 <= x < 1.0, "Invalid betas {}: each must be in [0, 1)"),
-        ("eps", eps, lambda x: 0.0 <= x, "Invalid epsilon value: {}; it must be >= 0"),
-        ("weight_decay", weight_decay, lambda x: 0.0 <= x, "Invalid weight_decay value: {}; it must be >= 0"),
-    )
-    for name, value, ok, message in checks:
-        shown = tuple(betas) if name.startswith("betas") else value
-        if isinstance(value, torch.Tensor):
-            if value.numel() != 1:
-                raise ValueError(
-                    f"{op}: {name} as a tensor must have 1 element, got shape {tuple(value.shape)}"
-                )
-            if value.device.type == "cpu" and not torch.compiler.is_compiling() and not ok(float(value)):
-                raise ValueError(f"{op}: " + message.format(shown))
-            continue
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"{op}: {name} must be a real number, got {type(value).__name__} {value!r}")
-        if not ok(value):
-            raise ValueError(f"{op}: " + message.format(shown))
 
 
 # launch tables by addresses, dtypes and index segments (one per param list in use; rebuilt on a miss)
@@ -234,8 +191,8 @@ for _op in _OPS.values():
     _op.register_fake(_no_output)
 
 
-def _launch(launch: StepLaunch) -> None:
-    """``launch`` over its cached plan (the custom ops' body and the eager path)."""
+def _launch(launch: StepLaunch) -> LaunchPlan:
+    """``launch`` over its cached plan (the custom ops' body and the eager path); returns the plan."""
     plan = get_plan(launch)
     roles = (
         launch.params, launch.grads, launch.exp_avgs, launch.exp_avg_sqs,
@@ -248,15 +205,17 @@ def _launch(launch: StepLaunch) -> None:
         state_stochastic=launch.state_stochastic,
         scales=(launch.exp_avg_scales, launch.exp_avg_sq_scales),
     )  # fmt: skip
+    return plan
 
 
-def fused_step(launch: StepLaunch) -> None:
+def fused_step(launch: StepLaunch) -> LaunchPlan | None:
     """Run one ``StepLaunch`` (no checks: callers validate first; see ``adamw_sr_step``).
 
     Through a custom op when a compiler or a dispatch mode (e.g. fake tensors) is watching; in
     plain eager mode straight to the launch, skipping the op's per-tensor dispatch checks (a third
     of ``step()``'s host time at 2,000 tensors), and bumping the version counters of the tensors
-    written in place, as the op would.
+    written in place, as the op would. Returns the ``LaunchPlan`` it launched over (``None``
+    through the op).
 
     **Determinism:** both ways run the same launch: the bits of ``adamw_sr_step``.
     """
@@ -268,11 +227,12 @@ def fused_step(launch: StepLaunch) -> None:
     ):
         fp32 = launch.state_format == kernel.FORMAT_FP32
         _OPS["states" if not fp32 else "fp32_amp" if amp else "fp32"](*launch.op_args())
-        return
-    _launch(launch)
+        return None
+    plan = _launch(launch)
     written = [*launch.params, *launch.exp_avgs, *launch.exp_avg_sqs, *launch.max_exp_avg_sqs]
     written += [*launch.exp_avg_scales, *launch.exp_avg_sq_scales]
     increment_versions(written + launch.grads if amp else written)
+    return plan
 
 
 def increment_versions(tensors: list[torch.Tensor]) -> None:
@@ -496,28 +456,6 @@ def adamw_sr_step(
             exp_avg_sq_scales=lists.get("exp_avg_sq_scales", []),
         )
     )
-
-
-def amp_scalar(value, name: str, device: torch.device, op: str) -> torch.Tensor | None:
-    """``grad_scale`` / ``found_inf`` (``torch.amp.GradScaler``'s 1-element fp32 tensors) on ``device``.
-
-    Returns ``None`` for ``None``, else the tensor itself or its copy on ``device`` (non-blocking).
-
-    Raises:
-        TypeError: not a tensor, or not float32. ValueError: not exactly 1 element.
-
-    **Determinism:** the value unchanged (a copy at most): what ``GradScaler`` set.
-    """
-    if value is None:
-        return None
-    if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
-        kind = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
-        raise TypeError(
-            f"{op}: {name} must be a float32 tensor (as torch.amp.GradScaler sets it), got {kind}"
-        )
-    if value.numel() != 1:
-        raise ValueError(f"{op}: {name} must have 1 element, got shape {tuple(value.shape)}")
-    return value if value.device == device else value.to(device, non_blocking=True)
 
 
 def _check_steps(steps: torch.Tensor) -> None:

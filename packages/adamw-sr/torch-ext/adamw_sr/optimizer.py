@@ -11,18 +11,11 @@ from __future__ import annotations
 
 import torch
 from det_core import rng, runtime
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import states
-from .functional import (
-    SUPPORTED_GRAD_DTYPES,
-    SUPPORTED_PARAM_DTYPES,
-    StepLaunch,
-    adamw_sr_step,
-    amp_scalar,
-    check_hyperparameters,
-    fused_step,
-    hyper_tensor,
-)
+from .checks import amp_scalar, check_grads, check_hyperparameters, param_problem
+from .functional import StepLaunch, adamw_sr_step, fused_step, hyper_tensor
 from .indices import (
     PLAIN_TENSOR_TYPES,
     check_8bit_layout,
@@ -32,6 +25,7 @@ from .indices import (
     local_tensor,
 )
 from .launch import to_device_async
+from .step_cache import GroupLaunches, LaunchSet, grad_mask, pack_steps
 
 __all__ = ["AdamWSR", "adamw_sr_step", "default_base_indices", "local_segments"]
 
@@ -195,6 +189,8 @@ class AdamWSR(torch.optim.Optimizer):
         self._base_index_cache = {}
         self._segments_cache = runtime.PlanCache(limit=64)  # param list -> its launch's index segments
         self._hyper_cache = runtime.PlanCache(limit=256)  # hyperparameter values -> their device tensor
+        # id(group) -> the group's recorded launches (step_cache), re-checked at every eager step
+        self._launch_records: dict = {}
         # "unchecked": a loaded state not yet validated (states this class creates are valid by
         # construction, so the per-tensor state check runs once per load, not every step). A dict
         # mutated in place: dynamo (torch 2.11) refuses setattr on the optimizer while tracing.
@@ -227,7 +223,7 @@ class AdamWSR(torch.optim.Optimizer):
                 f"{sorted(map(str, devices))}; use one optimizer per device"
             )
         for p in group["params"]:
-            problem = self._param_problem(p)
+            problem = param_problem(p)
             if problem:
                 self.param_groups.pop()
                 raise (TypeError if "dtype" in problem else ValueError)(f"AdamWSR: {problem}")
@@ -261,8 +257,14 @@ class AdamWSR(torch.optim.Optimizer):
                     f"AdamWSR: base_index must list one non-negative int (or None) per param, "
                     f"got {base!r} for {len(group['params'])} params"
                 )
-        self._base_index_cache = {}
+        self._clear_launch_caches()
+
+    def _clear_launch_caches(self) -> None:
+        """Forget the base indices, launch segments and recorded launches (params, groups, state
+        formats or the state changed)."""
+        self._base_index_cache.clear()
         self._segments_cache.clear()
+        self._launch_records.clear()
 
     @staticmethod
     def _check_device_flags(group: dict) -> None:
@@ -280,28 +282,6 @@ class AdamWSR(torch.optim.Optimizer):
                 f"which needs CUDA params; these are on {device.type} (torch.optim.AdamW refuses "
                 "capturable=True there too): pass capturable=False"
             )
-
-    @staticmethod
-    def _param_problem(p: torch.Tensor) -> str | None:
-        if p.is_complex():
-            return (
-                f"complex params (dtype {p.dtype}) are not supported; view them as real (torch.view_as_real)"
-            )
-        if p.dtype == torch.float16:
-            return (
-                "float16 params are not supported (dtype float16): train in bfloat16 (stochastic rounding) "
-                "or float32"
-            )
-        if p.dtype not in SUPPORTED_PARAM_DTYPES:
-            return f"params must be float32 or bfloat16, got dtype {p.dtype}"
-        if not is_dtensor(p) and p.numel() == 0:
-            return f"zero-size param of shape {tuple(p.shape)}: remove it from the optimizer"
-        if not local_tensor(p).is_contiguous():
-            return (
-                f"param of shape {tuple(p.shape)} is not contiguous: make it contiguous before building "
-                "the optimizer"
-            )
-        return None
 
     def _base_indices(self) -> dict[int, int]:
         """id(param) -> global index of its first element (running offset, or the group's override)."""
@@ -385,8 +365,7 @@ class AdamWSR(torch.optim.Optimizer):
                 step = self.state[p].get("step")
                 if isinstance(step, torch.Tensor) and step is saved[pid].get("step"):
                     self.state[p]["step"] = step.clone()  # torch would alias the caller's step tensor
-        self._base_index_cache = {}
-        self._segments_cache.clear()
+        self._clear_launch_caches()
         self._state_flags = {"unchecked": True, "state_dtypes": ()}
 
     def _check_loadable(self, state_dict: dict) -> None:
@@ -438,6 +417,11 @@ class AdamWSR(torch.optim.Optimizer):
         """Fill group options a loaded state lacks (e.g. a ``torch.optim.AdamW`` state_dict), like torch."""
         super().__setstate__(state)
         self._state_flags = {"unchecked": True, "state_dtypes": ()}
+        # caches are not pickled (torch's __getstate__ keeps defaults, state and param_groups)
+        self._base_index_cache = {}
+        self._segments_cache = runtime.PlanCache(limit=64)
+        self._hyper_cache = runtime.PlanCache(limit=256)
+        self._launch_records = {}
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
@@ -474,6 +458,12 @@ class AdamWSR(torch.optim.Optimizer):
         Every check runs before any state changes: a rejected step leaves params and state
         (the step counters included) untouched.
 
+        Host work: in eager mode a group's first step (and any step after its params, gradients'
+        dtypes / shapes / devices / layouts, states or shaping options changed) takes the full
+        path and records its launches; later steps re-check that record in C-level passes and
+        launch from it (``step_cache``), with the same bits. The step counters of one launch are
+        then 0-dim views of one fp32 buffer (``state["step"]`` stays a 0-dim fp32 tensor).
+
         AMP: ``torch.amp.GradScaler.step(opt)`` sets ``opt.grad_scale`` and ``opt.found_inf`` for
         the call (this class has ``_step_supports_amp_scaling``, as torch's fused AdamW); the step
         then unscales the gradients in the kernel (the bits of ``scaler.unscale_(opt)`` followed by
@@ -486,17 +476,16 @@ class AdamWSR(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        compiling = torch.compiler.is_compiling()
+        # read once: under torch.compile each read of param_groups makes dynamo mark the groups
+        # capturable (torch._dynamo.variables.optimizer), which the device check below would refuse
+        groups = self.param_groups
         # as torch's optimizers: the capture query is not traceable (dynamo would break the graph here)
-        capturing = (
-            not torch.compiler.is_compiling()
-            and torch.cuda.is_available()
-            and torch.cuda.is_current_stream_capturing()
-        )
-        work = []
-        for group in self.param_groups:
+        capturing = not compiling and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        for group in groups:
             if capturing and not group["capturable"]:
                 raise RuntimeError("AdamWSR: step() is being captured in a CUDA graph; pass capturable=True")
-            if not torch.compiler.is_compiling():
+            if not compiling:
                 # param_groups are user-editable (schedulers write lr): re-check the values the
                 # kernel reads before any state (the step counters) changes. Not while tracing:
                 # the compiled step guards on these values, checked by the eager calls before it.
@@ -507,87 +496,71 @@ class AdamWSR(torch.optim.Optimizer):
                 group["state_dtype"] = states.canonical_state_dtype(group["state_dtype"], "AdamWSR.step")
                 group["state_rounding"] = states.check_state_rounding(group["state_rounding"], "AdamWSR.step")
                 states.check_combination(group["state_dtype"], group["amsgrad"], "AdamWSR.step")
+        if not compiling:
+            # a group's state_dtype edited since the last step: indices (8-bit params start on a
+            # block) and launch segments are rebuilt, and existing states are checked against it
+            formats = tuple(g["state_dtype"] for g in groups)
+            if formats != self._state_flags["state_dtypes"]:
+                self._clear_launch_caches()
+                self._state_flags["unchecked"] = True
+                self._state_flags["state_dtypes"] = formats
+        check_states = self._state_flags["unchecked"] or compiling
+        if check_states:
+            for group in groups:
+                for p in group["params"]:
+                    if self.state.get(p):
+                        self._check_state(p, self.state[p], group)
+        # set by torch.amp.GradScaler.step for the length of this call (None: not under a GradScaler,
+        # or grad_scale None when the gradients were unscaled already)
+        amp = (getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        # recorded launches (step_cache) serve plain tensors in plain eager mode
+        recordable = not (compiling or capturing or _get_current_dispatch_mode() is not None)
+        # per group: (group, its record, each recorded launch's gradients) when the record still
+        # holds (step_cache), else (group, the params with a gradient, None) for the full path
+        work = []
+        for group in groups:
+            record = self._launch_records.get(id(group)) if recordable else None
+            picked = None if record is None else record.match(group, self.state, amp[1])
+            if picked is not None:
+                work.append((group, record, picked))
+                continue
             with_grad = [p for p in group["params"] if p.grad is not None]
-            self._check_grads(with_grad)
+            check_grads(with_grad)
             if with_grad:  # CPU params need the Triton interpreter: say so before any state is touched
                 runtime.check_kernel_device(*(local_tensor(p) for p in with_grad), op="AdamWSR.step")
                 if group["capturable"] and local_tensor(with_grad[0]).device.type != "cuda":
                     self._check_device_flags(group)  # a loaded param group may set capturable
-            work.append((group, with_grad))
-        if not torch.compiler.is_compiling():
-            # a group's state_dtype edited since the last step: indices (8-bit params start on a
-            # block) and launch segments are rebuilt, and existing states are checked against it
-            formats = tuple(g["state_dtype"] for g in self.param_groups)
-            if formats != self._state_flags["state_dtypes"]:
-                self._base_index_cache.clear()
-                self._segments_cache.clear()
-                self._state_flags["unchecked"] = True
-                self._state_flags["state_dtypes"] = formats
-        check_states = self._state_flags["unchecked"] or torch.compiler.is_compiling()
-        if check_states:
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if self.state.get(p):
-                        self._check_state(p, self.state[p], group)
-            if not torch.compiler.is_compiling():
-                self._state_flags["unchecked"] = False
-        # set by torch.amp.GradScaler.step for the length of this call (None: not under a GradScaler,
-        # or grad_scale None when the gradients were unscaled already)
-        amp = (getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
-        if (amp[0] is not None or amp[1] is not None) and any(with_grad for _, with_grad in work):
-            device = next(local_tensor(ps[0]).device for _, ps in work if ps)
+            work.append((group, with_grad, None))
+        if check_states and not compiling:
+            self._state_flags["unchecked"] = False
+        devices = [
+            first.device if picked is not None else local_tensor(first[0]).device
+            for _, first, picked in work
+            if (picked if picked is not None else first)
+        ]
+        if (amp[0] is not None or amp[1] is not None) and devices:
             amp = tuple(
-                amp_scalar(value, name, device, "AdamWSR.step")
+                amp_scalar(value, name, devices[0], "AdamWSR.step")
                 for value, name in zip(amp, ("grad_scale", "found_inf"), strict=True)
             )
         base = self._base_indices()
         # launch segments (8-bit: checked to lie on the block grid) before any state changes
-        plans = [(group, with_grad, self._launch_plans(group, with_grad, base)) for group, with_grad in work]
-        for group, with_grad, launches in plans:
-            if with_grad:
-                self._group_step(group, with_grad, launches, *amp)
+        launches = [
+            None if picked is not None else self._launch_plans(g, first, base) for g, first, picked in work
+        ]
+        for (group, first, picked), group_launches in zip(work, launches, strict=True):
+            if picked is not None:
+                hyper = hyper_tensor(
+                    group["lr"], group["betas"], group["eps"], group["weight_decay"], first.device,
+                    self._hyper_cache,
+                )  # fmt: skip
+                for launch_set, grads in zip(first.sets, picked, strict=True):
+                    launch_set.run(grads, group, hyper, *amp)
+            elif first:
+                record = self._group_step(group, first, group_launches, *amp, record=recordable)
+                if record is not None:
+                    self._launch_records[id(group)] = record
         return loss
-
-    @staticmethod
-    def _check_grads(ps: list[torch.Tensor]) -> None:
-        """``_check_grad`` for each param, with a fast test for the common plain-tensor case."""
-        strided, dtypes, param_dtypes = torch.strided, SUPPORTED_GRAD_DTYPES, SUPPORTED_PARAM_DTYPES
-        for p in ps:
-            g = p.grad
-            if (
-                type(g) not in PLAIN_TENSOR_TYPES
-                or type(p) not in PLAIN_TENSOR_TYPES
-                or p.dtype not in param_dtypes
-                or not p.is_contiguous()
-                or g.layout != strided
-                or g.dtype not in dtypes
-                or g.shape != p.shape
-                or g.device != p.device
-                or not g.is_contiguous()
-            ):
-                AdamWSR._check_grad(p)  # the full check, with its precise error
-
-    @staticmethod
-    def _check_grad(p: torch.Tensor) -> None:
-        # the param itself again: ``p.data`` may have been replaced since the optimizer was built
-        problem = AdamWSR._param_problem(p)
-        if problem:
-            raise (TypeError if "dtype" in problem else ValueError)(f"AdamWSR: {problem}")
-        g = p.grad
-        if g.is_sparse or g.layout != torch.strided:
-            raise RuntimeError("AdamWSR does not support sparse gradients; use torch.optim.SparseAdam")
-        if g.dtype not in SUPPORTED_GRAD_DTYPES:
-            raise TypeError(f"AdamWSR: gradients must be float32 or bfloat16, got {g.dtype}")
-        if g.shape != p.shape:
-            raise ValueError(f"AdamWSR: gradient shape {tuple(g.shape)} != param shape {tuple(p.shape)}")
-        lg, lp = local_tensor(g), local_tensor(p)
-        if lg.device != lp.device:
-            raise ValueError(f"AdamWSR: gradient on {lg.device}, param on {lp.device}")
-        if lg.shape != lp.shape or not lg.is_contiguous():
-            raise ValueError(
-                f"AdamWSR: gradient of a param of shape {tuple(p.shape)} is not a contiguous tensor of the "
-                "param's local shape; make it contiguous (e.g. in a post-accumulate-grad hook)"
-            )
 
     def _group_step(
         self,
@@ -596,7 +569,11 @@ class AdamWSR(torch.optim.Optimizer):
         launches: list,
         grad_scale: torch.Tensor | None = None,
         found_inf: torch.Tensor | None = None,
-    ) -> None:
+        *,
+        record: bool = False,
+    ) -> GroupLaunches | None:
+        """The step of one group's validated ``launches`` (``_launch_plans``), the full way; with
+        ``record``, its ``GroupLaunches`` for the next steps when every param is a plain tensor."""
         amsgrad, capturable, state_dtype = group["amsgrad"], group["capturable"], group["state_dtype"]
         device = local_tensor(with_grad[0]).device
         all_states = [self.state[p] for p in with_grad]  # one (Python-level) tensor hash per param
@@ -607,49 +584,76 @@ class AdamWSR(torch.optim.Optimizer):
                 state.update(states.new_state(p, state_dtype, dtensor=is_dtensor(p)))
             if amsgrad and "max_exp_avg_sq" not in state:
                 state["max_exp_avg_sq"] = states.zero_moment(p, state_dtype)
-        if found_inf is None:
-            torch._foreach_add_([s["step"] for s in all_states], 1.0)
-        else:
+        if found_inf is not None:
             # a skipped step leaves the counts as they are, decided on the device: the counts move
             # there (once; torch's fused AdamW keeps them there too) and advance after the launch
             for state in all_states:
                 if state["step"].device != device:
                     state["step"] = to_device_async(state["step"], device)
+        record = (
+            record
+            and not torch.compiler.is_compiling()
+            and all(type(p) in PLAIN_TENSOR_TYPES for p in with_grad)
+        )
         hyper = hyper_tensor(
             group["lr"], group["betas"], group["eps"], group["weight_decay"], device, self._hyper_cache
         )
-        quantized = state_dtype == states.EIGHT_BIT
+        roles = ("exp_avg", "exp_avg_sq", *(("max_exp_avg_sq",) if amsgrad else ()))
+        if state_dtype == states.EIGHT_BIT:
+            roles += states.SCALE_KEYS
+        position = {id(p): i for i, p in enumerate(group["params"])} if record else {}
+        sets = []
         for ps, segments in launches:
             ps_states = [self.state[p] for p in ps]
-            steps = torch.stack([s["step"] for s in ps_states]).to(torch.float32)
+            counts = pack_steps(ps_states) if record else None  # one buffer: one add_ per step
+            step_list = [s["step"] for s in ps_states]
+            if found_inf is None:
+                if counts is None:
+                    torch._foreach_add_(step_list, 1.0)
+                else:
+                    counts.add_(1.0)
+            steps = counts if counts is not None else torch.stack(step_list).to(torch.float32)
             if steps.device != device:
                 steps = to_device_async(steps, device)
             if found_inf is not None:
                 steps = steps + 1.0  # the step number of this step; the counts advance below
-            fused_step(
-                StepLaunch(
-                    params=[local_tensor(p) for p in ps],
-                    grads=[local_tensor(p.grad) for p in ps],
-                    exp_avgs=_state_role(ps_states, "exp_avg"),
-                    exp_avg_sqs=_state_role(ps_states, "exp_avg_sq"),
-                    max_exp_avg_sqs=_state_role(ps_states, "max_exp_avg_sq") if amsgrad else [],
-                    steps=steps,
-                    hyper=hyper,
-                    segments=segments,
-                    seed=group["seed"],
-                    amsgrad=amsgrad,
-                    maximize=group["maximize"],
-                    stochastic=ps[0].dtype == torch.bfloat16 and group["stochastic_rounding"] is not False,
-                    grad_scale=grad_scale,
-                    found_inf=found_inf,
-                    state_stochastic=group["state_rounding"] == "stochastic",
-                    exp_avg_scales=_state_role(ps_states, "exp_avg_scale") if quantized else [],
-                    exp_avg_sq_scales=_state_role(ps_states, "exp_avg_sq_scale") if quantized else [],
-                )
+            role = {key: _state_role(ps_states, key) for key in roles}
+            launch = StepLaunch(
+                params=[local_tensor(p) for p in ps],
+                grads=[local_tensor(p.grad) for p in ps],
+                exp_avgs=role["exp_avg"],
+                exp_avg_sqs=role["exp_avg_sq"],
+                max_exp_avg_sqs=role.get("max_exp_avg_sq", []),
+                steps=steps,
+                hyper=hyper,
+                segments=segments,
+                seed=group["seed"],
+                amsgrad=amsgrad,
+                maximize=group["maximize"],
+                stochastic=ps[0].dtype == torch.bfloat16 and group["stochastic_rounding"] is not False,
+                grad_scale=grad_scale,
+                found_inf=found_inf,
+                state_stochastic=group["state_rounding"] == "stochastic",
+                exp_avg_scales=role.get("exp_avg_scale", []),
+                exp_avg_sq_scales=role.get("exp_avg_sq_scale", []),
             )
-        if found_inf is not None:  # + 1 where no inf was found, + 0.0 (the same bits) where one was
-            advance = (found_inf == 0).to(torch.float32).reshape(())
-            torch._foreach_add_([s["step"] for s in all_states], [advance] * len(all_states))
+            plan = fused_step(launch)
+            if found_inf is not None:  # + 1 where no inf was found, + 0.0 (the same bits) where one was
+                advance = (found_inf == 0).to(torch.float32).reshape(())
+                if counts is None:
+                    torch._foreach_add_(step_list, [advance] * len(step_list))
+                else:
+                    counts.add_(advance)
+            if record and plan is not None:
+                picks = [position[id(p)] for p in ps]
+                picks = None if picks == list(range(len(group["params"]))) else tuple(picks)
+                sets.append(LaunchSet(launch, plan, picks, ps_states, roles, counts))
+        if not record or len(sets) != len(launches):
+            return None
+        mask = grad_mask([p.grad for p in group["params"]])
+        return GroupLaunches(
+            group, list(group["params"]), mask, GroupLaunches.options_of(group), device, sets
+        )
 
 
 def _state_role(param_states: list[dict], key: str) -> list[torch.Tensor]:

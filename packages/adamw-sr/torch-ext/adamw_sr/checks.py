@@ -1,0 +1,147 @@
+"""Argument checks shared by ``AdamWSR`` and ``adamw_sr_step``: the supported dtypes, the
+hyperparameter ranges, AMP's device scalars, and the per-parameter and per-gradient checks.
+
+Every check raises before anything is written, with a message that says what was wrong and what
+to do; none changes a value.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from .indices import PLAIN_TENSOR_TYPES, is_dtensor, local_tensor
+
+__all__ = [
+    "SUPPORTED_GRAD_DTYPES",
+    "SUPPORTED_PARAM_DTYPES",
+    "amp_scalar",
+    "check_grad",
+    "check_grads",
+    "check_hyperparameters",
+    "param_problem",
+]
+
+SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16)
+SUPPORTED_GRAD_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def check_hyperparameters(lr, betas, eps, weight_decay, op: str) -> None:
+    """``torch.optim.AdamW``'s ranges: ``lr >= 0``, ``0 <= beta < 1``, ``eps >= 0``,
+    ``weight_decay >= 0`` (NaN fails every one). Each may be a real number or, as in torch, a
+    1-element tensor, whose value is checked only where reading it needs no device sync (a CPU
+    tensor, outside torch.compile). ``op`` names the caller in the messages.
+
+    Raises:
+        ValueError: a value out of range, ``betas`` not a pair, a tensor of other than 1 element.
+        TypeError: a value that is neither a real number (bools excluded) nor a tensor.
+
+    **Determinism:** a check only; no value changes.
+    """
+    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+        raise ValueError(f"{op}: betas must be a pair (beta1, beta2), got {betas!r}")
+    checks = (
+        ("lr", lr, lambda x: 0.0 <= x, "Invalid learning rate: {}; it must be >= 0"),
+        ("betas[0]", betas[0], lambda x: 0.0 <= x < 1.0, "Invalid betas {}: each must be in [0, 1)"),
+        ("betas[1]", betas[1], lambda x: 0.0 <= x < 1.0, "Invalid betas {}: each must be in [0, 1)"),
+        ("eps", eps, lambda x: 0.0 <= x, "Invalid epsilon value: {}; it must be >= 0"),
+        ("weight_decay", weight_decay, lambda x: 0.0 <= x, "Invalid weight_decay value: {}; it must be >= 0"),
+    )
+    for name, value, ok, message in checks:
+        shown = tuple(betas) if name.startswith("betas") else value
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise ValueError(
+                    f"{op}: {name} as a tensor must have 1 element, got shape {tuple(value.shape)}"
+                )
+            if value.device.type == "cpu" and not torch.compiler.is_compiling() and not ok(float(value)):
+                raise ValueError(f"{op}: " + message.format(shown))
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{op}: {name} must be a real number, got {type(value).__name__} {value!r}")
+        if not ok(value):
+            raise ValueError(f"{op}: " + message.format(shown))
+
+
+def amp_scalar(value, name: str, device: torch.device, op: str) -> torch.Tensor | None:
+    """``grad_scale`` / ``found_inf`` (``torch.amp.GradScaler``'s 1-element fp32 tensors) on ``device``.
+
+    Returns ``None`` for ``None``, else the tensor itself or its copy on ``device`` (non-blocking).
+
+    Raises:
+        TypeError: not a tensor, or not float32. ValueError: not exactly 1 element.
+
+    **Determinism:** the value unchanged (a copy at most): what ``GradScaler`` set.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
+        kind = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+        raise TypeError(
+            f"{op}: {name} must be a float32 tensor (as torch.amp.GradScaler sets it), got {kind}"
+        )
+    if value.numel() != 1:
+        raise ValueError(f"{op}: {name} must have 1 element, got shape {tuple(value.shape)}")
+    return value if value.device == device else value.to(device, non_blocking=True)
+
+
+def param_problem(p: torch.Tensor) -> str | None:
+    if p.is_complex():
+        return f"complex params (dtype {p.dtype}) are not supported; view them as real (torch.view_as_real)"
+    if p.dtype == torch.float16:
+        return (
+            "float16 params are not supported (dtype float16): train in bfloat16 (stochastic rounding) "
+            "or float32"
+        )
+    if p.dtype not in SUPPORTED_PARAM_DTYPES:
+        return f"params must be float32 or bfloat16, got dtype {p.dtype}"
+    if not is_dtensor(p) and p.numel() == 0:
+        return f"zero-size param of shape {tuple(p.shape)}: remove it from the optimizer"
+    if not local_tensor(p).is_contiguous():
+        return (
+            f"param of shape {tuple(p.shape)} is not contiguous: make it contiguous before building "
+            "the optimizer"
+        )
+    return None
+
+
+def check_grads(ps: list[torch.Tensor]) -> None:
+    """``check_grad`` for each param, with a fast test for the common plain-tensor case."""
+    strided, dtypes, param_dtypes = torch.strided, SUPPORTED_GRAD_DTYPES, SUPPORTED_PARAM_DTYPES
+    for p in ps:
+        g = p.grad
+        if (
+            type(g) not in PLAIN_TENSOR_TYPES
+            or type(p) not in PLAIN_TENSOR_TYPES
+            or p.dtype not in param_dtypes
+            or not p.is_contiguous()
+            or g.layout != strided
+            or g.dtype not in dtypes
+            or g.shape != p.shape
+            or g.device != p.device
+            or not g.is_contiguous()
+        ):
+            check_grad(p)  # the full check, with its precise error
+
+
+def check_grad(p: torch.Tensor) -> None:
+    # the param itself again: ``p.data`` may have been replaced since the optimizer was built
+    problem = param_problem(p)
+    if problem:
+        raise (TypeError if "dtype" in problem else ValueError)(f"AdamWSR: {problem}")
+    g = p.grad
+    if g.is_sparse or g.layout != torch.strided:
+        raise RuntimeError("AdamWSR does not support sparse gradients; use torch.optim.SparseAdam")
+    if g.dtype not in SUPPORTED_GRAD_DTYPES:
+        raise TypeError(f"AdamWSR: gradients must be float32 or bfloat16, got {g.dtype}")
+    if g.shape != p.shape:
+        raise ValueError(f"AdamWSR: gradient shape {tuple(g.shape)} != param shape {tuple(p.shape)}")
+    lg, lp = local_tensor(g), local_tensor(p)
+    if lg.device != lp.device:
+        raise ValueError(f"AdamWSR: gradient on {lg.device}, param on {lp.device}")
+    if lg.shape != lp.shape or not lg.is_contiguous():
+        raise ValueError(
+            f"AdamWSR: gradient of a param of shape {tuple(p.shape)} is not a contiguous tensor of the "
+            "param's local shape; make it contiguous (e.g. in a post-accumulate-grad hook)"
+        )
