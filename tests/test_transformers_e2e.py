@@ -2,10 +2,11 @@
 heads, biases, GPT-2's Conv1D) built from config objects, made deterministic by
 ``det_train.convert`` with ``attn_implementation="det_attn"``, trained with
 ``CanonicalGradAccumulator`` and ``AdamWSR``: the weights after two steps are bitwise the same for
-one micro-batch, four micro-batches that end inside leaves, data-parallel degrees 2 (uneven
-shards) and 3 on gloo ranks, and a run resumed from a checkpoint in a fresh process (its last step
-in two micro-batches, one ending inside a leaf). The
-converted models' loss matches the unconverted ones (SDPA, torch ops) to bf16 rounding.
+one micro-batch, four micro-batches that end inside leaves, data-parallel degree 3 on gloo ranks,
+and a run resumed from a checkpoint in a fresh process (its last step in two micro-batches, one
+ending inside a leaf). The converted models' loss matches the unconverted ones (SDPA, torch ops) to
+bf16 rounding. (Uneven data-parallel shards are a property of the reduction, not of the model:
+tests/test_e2e_decomposition.py and packages/det-train/tests/test_dp_reduce.py check them.)
 
 Tiny sizes (head dim 64: det_attn supports 64 and 128) through the Triton interpreter on CPU; a
 ``gpu`` test repeats the split and resume checks at a small size on CUDA."""
@@ -36,14 +37,16 @@ VOCAB = 64
 
 
 class Size:
-    """One problem size: ``batch`` sequences of ``seq`` tokens, canonical leaves of ``leaf`` tokens."""
+    """One problem size: ``batch`` sequences of ``seq`` tokens, canonical leaves of ``leaf`` tokens;
+    ``ffn``: the MLP width (None: twice ``hidden``, GPT-2's own four times)."""
 
-    def __init__(self, hidden, layers, heads, seq, batch, leaf, device):
-        self.hidden, self.layers, self.heads = hidden, layers, heads
+    def __init__(self, hidden, layers, heads, seq, batch, leaf, device, ffn=None):
+        self.hidden, self.layers, self.heads, self.ffn = hidden, layers, heads, ffn
         self.seq, self.batch, self.leaf, self.device = seq, batch, leaf, device
 
 
-CPU = Size(hidden=64, layers=1, heads=1, seq=4, batch=6, leaf=8, device="cpu")  # 3 leaves of 2 sequences
+# 3 leaves of 2 sequences; an MLP as wide as the model (the interpreter's cost grows with the width)
+CPU = Size(hidden=64, layers=1, heads=1, seq=4, batch=6, leaf=8, device="cpu", ffn=64)
 
 
 def make_model(name: str, size: Size = CPU, attn: str = "det_attn", convert: bool = True):
@@ -53,7 +56,7 @@ def make_model(name: str, size: Size = CPU, attn: str = "det_attn", convert: boo
     common = dict(vocab_size=VOCAB, attn_implementation=attn)
     decoder = dict(
         hidden_size=size.hidden,
-        intermediate_size=2 * size.hidden,
+        intermediate_size=size.ffn or 2 * size.hidden,
         num_hidden_layers=size.layers,
         num_attention_heads=size.heads,
         num_key_value_heads=max(1, size.heads // 2),  # grouped-query attention where heads allow
@@ -70,6 +73,7 @@ def make_model(name: str, size: Size = CPU, attn: str = "det_attn", convert: boo
             n_layer=size.layers,
             n_head=size.heads,
             n_positions=size.seq,
+            n_inner=size.ffn,
             resid_pdrop=0.0,
             embd_pdrop=0.0,
             attn_pdrop=0.0,
@@ -124,8 +128,7 @@ def train(name, micro_batches, *, size=CPU, group=None, resume=None, save=None, 
 WHOLE = [(0, 6)]
 FOUR = [(0, 1), (1, 2), (3, 1), (4, 2)]  # token cuts 4 and 12 inside leaves 0 and 1
 TWO = [(0, 3), (3, 3)]  # a cut at token 12, inside leaf 1
-DP = {  # rank -> micro-batches; shards are whole leaves (2 sequences)
-    2: [[(0, 4)], [(4, 2)]],  # uneven: 2 leaves and 1
+DP = {  # world -> each rank's micro-batches; shards are whole leaves (2 sequences)
     3: [[(0, 2)], [(2, 2)], [(4, 2)]],
 }
 
@@ -191,8 +194,8 @@ def data_parallel(world: int) -> list[dict]:
 
 
 def fresh_runs() -> dict:
-    """In one new interpreter (cold Triton cache): DP 2 and DP 3 on forked gloo ranks, then each
-    model resumed from its step-1 checkpoint with the last step in two micro-batches."""
+    """In one new interpreter (cold Triton cache): DP 3 on forked gloo ranks, then each model
+    resumed from its step-1 checkpoint with the last step in two micro-batches."""
     ckpt = {n: baseline()[n]["checkpoint"] for n in MODELS}
 
     def run(_folder: Path) -> dict:
@@ -208,7 +211,7 @@ def fresh_runs() -> dict:
     return _once_per_run("hf-fresh", run)
 
 
-def test_data_parallel_2_and_3_give_the_bits_of_one_process():
+def test_data_parallel_3_gives_the_bits_of_one_process():
     for world, shards in DP.items():  # shards are contiguous runs of whole leaves
         spans = [(s[0][0] * CPU.seq, (s[-1][0] + s[-1][1]) * CPU.seq) for s in shards]
         assert spans == contiguous_splits(CPU.batch * CPU.seq, world, CPU.leaf)
