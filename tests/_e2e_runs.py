@@ -3,7 +3,7 @@ interpreter a step of even the "tiny" model costs seconds, so each run is traine
 result read by every test that checks a property of it.
 
 Under pytest-xdist every worker is its own process, so a per-process cache would train the
-reference run (and spawn each gloo group) once per worker. The results are therefore also shared
+reference run (and start the gloo ranks) once per worker. The results are therefore also shared
 through files in a folder of the whole pytest run (``DET_E2E_SHARED_DIR``, made by
 tests/conftest.py): the first worker to need one takes its file lock and trains it; a worker that
 needs it meanwhile waits on the lock and then reads the file."""
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from det_core.testing import assert_bitwise_equal
+from det_core.testing import assert_bitwise_equal, run_in_fresh_process
 
 from examples import train_gpt as tg
 
@@ -83,35 +83,30 @@ def baseline() -> dict:
     return _once_per_run("baseline", run)
 
 
-# Jobs on spawned gloo ranks, per world size: (kind, micro-batch size). "dp": replicated weights;
-# "fsdp": FSDP2-sharded weights and state. 3 ranks hold 3, 3, 2 sequences (2 + 1, 2 + 1 and 2 in
+# Jobs on gloo ranks, per world size: (kind, micro-batch size). "dp": replicated weights; "fsdp":
+# FSDP2-sharded weights and state. 3 ranks hold 3, 3, 2 sequences (2 + 1, 2 + 1 and 2 in
 # micro-batches of 2); FSDP needs the same micro-batch count on every rank (3 -> 1 each).
-SPAWNED_JOBS = {
+RANK_JOBS = {
     4: [("dp", 2)],
     3: [("dp", 2), ("fsdp", 3)],
 }
 
 
-def _spawned_worker(rank: int, jobs: dict, folder: str) -> None:
-    """One of ``max(jobs)`` spawned processes: for each world size, largest first, the ranks below
-    it join a new process group of that size (the process start-up is paid once for all sizes), run
-    its jobs, and rank 0 writes their results."""
+def _rank_worker(rank: int, folder: str) -> None:
+    """One of ``max(RANK_JOBS)`` forked ranks: for each world size, largest first, the ranks below
+    it join a new gloo group of that size, run its jobs, and rank 0 writes their results."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # ranks share the cores
-    cuda = torch.cuda.is_available()  # as train_gpt's own ranks: one GPU each, else gloo on CPU
-    if cuda:
-        torch.cuda.set_device(rank)
-    for world, world_jobs in sorted(jobs.items(), reverse=True):
+    for world, jobs in sorted(RANK_JOBS.items(), reverse=True):
         if rank >= world:
             return
         init = f"file://{os.path.join(folder, f'pg-{world}')}"
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank, world_size=world)
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
         try:
             results = []
-            for cfg, kwargs in world_jobs:
-                device = f"cuda:{rank}" if cuda else "cpu"
-                result = tg.train(cfg, rank=rank, world=world, device=device, **kwargs)
+            for kind, micro in jobs:
+                result = tg.train(tiny(micro_batch_seqs=micro), rank=rank, world=world, fsdp=kind == "fsdp")
                 result.pop("model")
                 results.append(result)
             if rank == 0:
@@ -120,24 +115,62 @@ def _spawned_worker(rank: int, jobs: dict, folder: str) -> None:
             dist.destroy_process_group()
 
 
-def _train_spawned(jobs: dict) -> dict:
+def _fresh_process_main(checkpoint: str, out: str) -> None:
+    """The body of ``fresh_runs``' new interpreter, which has run no torch op yet: fork the ranks
+    (a forked OpenMP thread pool would deadlock), then resume and train straight here."""
+    # the kernel packages imported once, before the fork, for all ranks
+    import adamw_sr  # noqa: F401
+    import det_attn  # noqa: F401
+    import det_train  # noqa: F401
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_spawned_worker, args=(jobs, tmp), nprocs=max(jobs), join=True)
-        return {w: torch.load(os.path.join(tmp, f"result-{w}.pt"), weights_only=True) for w in jobs}
+        ctx = mp.get_context("fork")
+        procs = [ctx.Process(target=_rank_worker, args=(r, tmp)) for r in range(max(RANK_JOBS))]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=600)
+        codes = [p.exitcode for p in procs]
+        if any(c != 0 for c in codes):
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"gloo ranks exited with {codes} (tracebacks above, on stderr)")
+        ranks = {w: torch.load(os.path.join(tmp, f"result-{w}.pt"), weights_only=True) for w in RANK_JOBS}
+    # resumed first: nothing of steps 0 and 1 has run in this process
+    cfg = tiny(micro_batch_seqs=GLOBAL_BATCH)
+    runs = {"resumed": tg.train(cfg, resume_from=checkpoint)}
+    runs["straight"] = tg.train(cfg)
+    for result in runs.values():
+        result.pop("model")
+    torch.save({"ranks": ranks, **runs}, out)
 
 
 @functools.cache
-def spawned(world: int) -> dict[tuple[str, int], dict]:
-    """Results of ``SPAWNED_JOBS[world]`` on ``world`` gloo ranks, keyed by (kind, micro). All world
-    sizes run in one set of spawned processes, once per pytest run."""
-    jobs = {
-        w: [(tiny(micro_batch_seqs=micro), {"fsdp": kind == "fsdp"}) for kind, micro in w_jobs]
-        for w, w_jobs in SPAWNED_JOBS.items()
-    }
-    results = _once_per_run("spawned", lambda _: _train_spawned(jobs))[world]
-    return dict(zip(SPAWNED_JOBS[world], results, strict=True))
+def fresh_runs() -> dict:
+    """Everything the tests need from new processes, in one new interpreter (cold Triton cache),
+    once per pytest run: ``"ranks"``: ``{world: [result per RANK_JOBS[world] job]}`` on forked gloo
+    ranks (all world sizes in one set of ``max(RANK_JOBS)`` processes; ranks 0-2 then form the
+    3-rank group); then, in the interpreter itself, ``"resumed"``: the baseline resumed from its
+    step-1 checkpoint, and ``"straight"``: the baseline's config trained again. No ``"model"``."""
+    checkpoint = baseline()["checkpoint"]
+
+    def run(folder: Path) -> dict:
+        out = folder / "fresh-runs-out.pt"
+        code = (
+            "from tests import _e2e_runs\n"
+            f"_e2e_runs._fresh_process_main({checkpoint!r}, {str(out)!r})\n"
+            "print('done')\n"
+        )
+        run_in_fresh_process(code)
+        return torch.load(out, weights_only=True)
+
+    return _once_per_run("fresh-runs", run)
+
+
+def ranks(world: int) -> dict[tuple[str, int], dict]:
+    """Rank 0's results of ``RANK_JOBS[world]`` on ``world`` gloo ranks, keyed by (kind, micro)."""
+    return dict(zip(RANK_JOBS[world], fresh_runs()["ranks"][world], strict=True))
 
 
 def assert_same_training(got: dict, want: dict, what: str) -> None:
