@@ -12,14 +12,14 @@ from __future__ import annotations
 import pytest
 
 from examples import train_gpt as tg
-from tests._e2e_runs import assert_same_training, baseline, spawned, tiny
+from tests._e2e_runs import assert_same_training, baseline, ranks, tiny
 
 
 def test_fsdp2_sharded_matches_unsharded():
     # 3 ranks: 3, 3, 2 sequences in one micro-batch each, and torch.chunk shards every weight 3
     # ways, unevenly (the 256-row embedding table as 86, 86, 84 rows; the 4-row position table as
     # 2, 2 and an empty shard on rank 2)
-    got = spawned(3)[("fsdp", 3)]
+    got = ranks(3)[("fsdp", 3)]
     assert_same_training(got, baseline(), "FSDP2 over 3 ranks, micro-batch 3")
 
 
