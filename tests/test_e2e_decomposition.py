@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from examples import train_gpt as tg
-from tests._e2e_runs import GLOBAL_BATCH, SEQ_LEN, assert_same_training, baseline, spawned, tiny
+from tests._e2e_runs import GLOBAL_BATCH, SEQ_LEN, assert_same_training, baseline, ranks, tiny
 
 # (DP degree, micro-batch size, accumulation steps); (1, 8, 1) is the baseline. Two parts prove
 # little (the docs' rule): 4 accumulation steps in one process; 4 ranks with one micro-batch each;
@@ -42,7 +42,7 @@ def test_micro_batches_that_split_leaves():
 @pytest.mark.parametrize("dp, micro, accum", DATA_PARALLEL)
 def test_data_parallel_ranks(dp, micro, accum):
     assert accum is None or dp * micro * accum == GLOBAL_BATCH
-    got = spawned(dp)[("dp", micro)]
+    got = ranks(dp)[("dp", micro)]
     assert_same_training(got, baseline(), f"(dp {dp}, micro-batch {micro}, accum {accum})")
 
 
