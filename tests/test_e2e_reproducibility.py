@@ -5,15 +5,12 @@ preset on CPU through the Triton interpreter; the `gpu` test uses a 4-layer slic
 from __future__ import annotations
 
 import dataclasses
-import tempfile
-from pathlib import Path
 
 import pytest
-import torch
 from det_core.testing import run_in_fresh_process
 
 from examples import train_gpt as tg
-from tests._e2e_runs import CHECKPOINT_STEP, _once_per_run, assert_same_training, baseline, tiny
+from tests._e2e_runs import CHECKPOINT_STEP, assert_same_training, baseline, fresh_runs, tiny
 
 
 def _fresh_process_digest(cfg: tg.TrainConfig, **train_kwargs) -> str:
@@ -25,37 +22,11 @@ def _fresh_process_digest(cfg: tg.TrainConfig, **train_kwargs) -> str:
     return run_in_fresh_process(code)
 
 
-def fresh_process_runs() -> dict:
-    """In one new interpreter (cold Triton cache): the baseline's config resumed from the
-    baseline's step-1 checkpoint (first: nothing of steps 0 and 1 is in this process), then trained
-    straight; both results (weights, optimizer state, losses), once per pytest run."""
-    checkpoint = baseline()["checkpoint"]
-
-    def run(_folder: Path) -> dict:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = str(Path(tmp, "runs.pt"))
-            code = (
-                "import torch\n"
-                "from examples import train_gpt as tg\n"
-                f"cfg = tg.TrainConfig(**{dataclasses.asdict(tiny(micro_batch_seqs=8))!r})\n"
-                f"runs = {{'resumed': tg.train(cfg, resume_from={checkpoint!r})}}\n"
-                "runs['straight'] = tg.train(cfg)\n"
-                "for r in runs.values():\n"
-                "    r.pop('model')\n"
-                f"torch.save(runs, {out!r})\n"
-                "print(sorted(runs))\n"
-            )
-            run_in_fresh_process(code)
-            return torch.load(out, weights_only=True)
-
-    return _once_per_run("fresh-process", run)
-
-
 def test_run_to_run_and_fresh_process():
     first = baseline()
     cfg = tiny(micro_batch_seqs=8)
     assert_same_training(tg.train(cfg), first, "second run")
-    assert_same_training(fresh_process_runs()["straight"], first, "fresh process")
+    assert_same_training(fresh_runs()["straight"], first, "fresh process")
     # the digest covers weights that moved: training changed every tensor
     initial = tg.build_model(cfg, "cpu").state_dict()
     for name, value in initial.items():
@@ -68,7 +39,7 @@ def test_checkpoint_resumed_in_fresh_process_matches_straight_run():
     resumed = tg.train(cfg, resume_from=straight["checkpoint"])
     assert_same_training(resumed, straight, f"resumed at step {CHECKPOINT_STEP}")
     assert resumed["losses"] == straight["losses"][CHECKPOINT_STEP:]
-    fresh = fresh_process_runs()["resumed"]
+    fresh = fresh_runs()["resumed"]
     assert_same_training(fresh, straight, f"resumed at step {CHECKPOINT_STEP} in a fresh process")
     assert fresh["losses"] == straight["losses"][CHECKPOINT_STEP:]
 
