@@ -84,16 +84,18 @@ def test_coarsen_keeps_the_tree_over_sub_leaves(n_sub):
 
 
 def test_ops_sum_each_leaf_as_the_tree_over_its_sub_leaves(monkeypatch):
-    """RMSNorm weight, Linear bias and embedding table with leaves of 32 tokens made of 4 sub-leaves
-    of 8 (SUB_LEAF_TOKENS patched), through the accumulator in unaligned micro-batches and without
-    it: the bits of leaves of 8 tokens (sub-leaf = leaf), whose tree is the same tree."""
+    """RMSNorm weight, Linear bias and embedding table with leaves of 16 tokens made of 4 sub-leaves
+    of 4 (SUB_LEAF_TOKENS patched), through the accumulator in unaligned micro-batches and without
+    it: the bits of leaves of 4 tokens (sub-leaf = leaf), whose tree is the same tree."""
     import det_train
     import det_train._leaf_sums as leaf_sums
     from det_core.testing import contiguous_splits
     from det_train.grad_accum import CanonicalGradAccumulator
 
-    monkeypatch.setattr(leaf_sums, "SUB_LEAF_TOKENS", 8)
-    tokens, d, v = 3 * 32 + 13, 16, 7  # 4 leaves, the last short (2 sub-leaves)
+    monkeypatch.setattr(leaf_sums, "SUB_LEAF_TOKENS", 4)
+    # 4 leaves, the last short (2 sub-leaves, one short); the cuts below fall inside sub-leaves, on
+    # sub-leaf boundaries inside leaves and on leaf boundaries
+    tokens, d, v = 3 * 16 + 6, 16, 7
     g = torch.Generator().manual_seed(5)
     x = torch.randn(tokens, d, generator=g).bfloat16()
     dy = torch.randn(tokens, d, generator=g).bfloat16()
@@ -115,13 +117,13 @@ def test_ops_sum_each_leaf_as_the_tree_over_its_sub_leaves(monkeypatch):
         acc.reduce(total_tokens=tokens)
         return [p.grad for p in (norm_w, emb_w, lin_b)]  # lin_w: a fold over the whole leaf
 
-    want = grads(8, [(0, tokens)])
+    want = grads(4, [(0, tokens)])
     for cuts in ([(0, tokens)], contiguous_splits(tokens, 3), contiguous_splits(tokens, 7)):
         for name, got, ref in zip(
-            ("rms_norm weight", "embedding", "bias"), grads(32, cuts), want, strict=True
+            ("rms_norm weight", "embedding", "bias"), grads(16, cuts), want, strict=True
         ):
             assert_bitwise_equal(got, ref, f"{name}, {len(cuts)} micro-batches")
-    monkeypatch.setattr(leaf_sums, "DEFAULT_LEAF_TOKENS", 32)  # the plain backward: the same tree
+    monkeypatch.setattr(leaf_sums, "DEFAULT_LEAF_TOKENS", 16)  # the plain backward: the same tree
     norm_w, emb_w = norm_w0.clone().requires_grad_(), emb_w0.clone().requires_grad_()
     h = det_train.rms_norm(x, norm_w) + det_train.embedding(ids, emb_w)
     det_train.linear(h, lin_w0, lin_b0).backward(dy)
