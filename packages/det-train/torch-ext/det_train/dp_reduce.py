@@ -52,6 +52,8 @@ __all__ = [
     "all_gather_single",
     "bucket_layout",
     "exchange_node_keys",
+    "fsdp_layout_error",
+    "fsdp_shard",
     "group_size",
     "merge_node_keys",
     "owner_reduce",
@@ -448,3 +450,31 @@ def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     else:
         for d, s in zip(dst, src, strict=True):
             d.copy_(s)
+
+
+def fsdp_layout_error(name: str, fsdp_param, world: int, rank: int) -> Exception | None:
+    """Why the owner reduction cannot write this FSDP2 parameter's shard, or None: it owns the dim-0
+    ``torch.chunk`` of rank ``rank`` of the reduce group, which must be FSDP2's shard."""
+    info, dim = fsdp_param.mesh_info, fsdp_param.fsdp_placement.dim
+    if dim != 0:
+        return ValueError(f"{name}: FSDP2 shards it along dim {dim}; the reduction supports Shard(0) only")
+    if (info.shard_mesh_size, info.shard_mesh_rank) != (world, rank):
+        return ValueError(
+            f"{name}: FSDP2 shards it over {info.shard_mesh_size} ranks (this one: {info.shard_mesh_rank}) "
+            f"but reduce's group has {world} (this one: {rank}): pass the FSDP2 shard group as group "
+            "(HSDP / 2-D meshes are not supported)"
+        )
+    return None
+
+
+def fsdp_shard(fsdp_param, grad: torch.Tensor):
+    """``grad`` as FSDP2's sharded gradient (a DTensor): ``grad`` is this rank's shard (the owner
+    reduction's result) or, in one process, the full gradient, cut by FSDP2's layout (torch.chunk
+    along the shard dim)."""
+    if tuple(grad.shape) != tuple(fsdp_param.sharded_size):
+        info = fsdp_param.mesh_info
+        chunks = list(torch.chunk(grad, info.shard_mesh_size, dim=fsdp_param.fsdp_placement.dim))
+        grad = chunks[info.shard_mesh_rank] if info.shard_mesh_rank < len(chunks) else grad.new_empty(0)
+        if grad.numel() == 0:
+            grad = grad.new_empty(fsdp_param.sharded_size)
+    return fsdp_param.to_sharded_dtensor(grad.contiguous())

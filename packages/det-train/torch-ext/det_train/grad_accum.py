@@ -26,6 +26,7 @@ import torch
 from det_core.reduce import TreePartial, num_leaves
 from det_core.runtime import as_index
 
+from . import dp_reduce
 from ._open_leaf import _COPY, LeafFold, LeafPartial, _OpenFold, _OpenLeaf
 
 __all__ = ["DEFAULT_LEAF_TOKENS", "CanonicalGradAccumulator", "current_accumulator"]
@@ -517,8 +518,6 @@ class CanonicalGradAccumulator:
             local, refusal = self._local_partials(total_tokens), None
         except (ValueError, RuntimeError) as err:
             local, refusal = {}, err
-        from . import dp_reduce
-
         if dp_reduce.group_size(group) > 1:  # data parallel: every rank's nodes go to their owners
             self._reduce_across_ranks(group, local, refusal, total_tokens)
             self._partials, self._spans, self._carry, self._open_ends, self._max_end = {}, [], {}, set(), 0
@@ -553,7 +552,7 @@ class CanonicalGradAccumulator:
         for index, grad in grads.items():
             p = self._params[index]
             if index in self._fsdp:
-                p.grad = _fsdp_shard(self._fsdp[index], grad.to(dtype=p.dtype))
+                p.grad = dp_reduce.fsdp_shard(self._fsdp[index], grad.to(dtype=p.dtype))
             else:
                 grad = grad.to(device=p.device, dtype=p.dtype)
                 p.grad = grad if grad.shape == p.shape else grad.view(p.shape)
@@ -617,14 +616,12 @@ class CanonicalGradAccumulator:
         """
         import torch.distributed as dist
 
-        from . import dp_reduce
-
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         specs = []
         for index, (name, p) in enumerate(zip(self._names, self._params, strict=True)):
             fsdp_param = self._fsdp.get(index)
             if fsdp_param is not None and refusal is None:
-                refusal = _fsdp_layout_error(name, fsdp_param, world, rank)
+                refusal = dp_reduce.fsdp_layout_error(name, fsdp_param, world, rank)
             specs.append(
                 dp_reduce.GradSpec(name, tuple(p.shape), p.dtype, p.device, sharded=fsdp_param is not None)
             )
@@ -656,7 +653,7 @@ class CanonicalGradAccumulator:
         grads = dp_reduce.owner_reduce(specs, partials, keys, total_leaves, group)
         for index, grad in grads.items():
             p = self._params[index]
-            p.grad = _fsdp_shard(self._fsdp[index], grad) if index in self._fsdp else grad
+            p.grad = dp_reduce.fsdp_shard(self._fsdp[index], grad) if index in self._fsdp else grad
 
 
 def _copy(tree: TreePartial) -> TreePartial:
@@ -664,34 +661,6 @@ def _copy(tree: TreePartial) -> TreePartial:
     out = TreePartial()
     out.nodes = dict(tree.nodes)
     return out
-
-
-def _fsdp_layout_error(name: str, fsdp_param, world: int, rank: int) -> Exception | None:
-    """Why the owner reduction cannot write this FSDP2 parameter's shard, or None: it owns the dim-0
-    ``torch.chunk`` of rank ``rank`` of the reduce group, which must be FSDP2's shard."""
-    info, dim = fsdp_param.mesh_info, fsdp_param.fsdp_placement.dim
-    if dim != 0:
-        return ValueError(f"{name}: FSDP2 shards it along dim {dim}; the reduction supports Shard(0) only")
-    if (info.shard_mesh_size, info.shard_mesh_rank) != (world, rank):
-        return ValueError(
-            f"{name}: FSDP2 shards it over {info.shard_mesh_size} ranks (this one: {info.shard_mesh_rank}) "
-            f"but reduce's group has {world} (this one: {rank}): pass the FSDP2 shard group as group "
-            "(HSDP / 2-D meshes are not supported)"
-        )
-    return None
-
-
-def _fsdp_shard(fsdp_param, grad: torch.Tensor):
-    """``grad`` as FSDP2's sharded gradient (a DTensor): ``grad`` is this rank's shard (the owner
-    reduction's result) or, in one process, the full gradient, cut by FSDP2's layout (torch.chunk
-    along the shard dim)."""
-    if tuple(grad.shape) != tuple(fsdp_param.sharded_size):
-        info = fsdp_param.mesh_info
-        chunks = list(torch.chunk(grad, info.shard_mesh_size, dim=fsdp_param.fsdp_placement.dim))
-        grad = chunks[info.shard_mesh_rank] if info.shard_mesh_rank < len(chunks) else grad.new_empty(0)
-        if grad.numel() == 0:
-            grad = grad.new_empty(fsdp_param.sharded_size)
-    return fsdp_param.to_sharded_dtensor(grad.contiguous())
 
 
 def _uncovered_tokens(partial: TreePartial, total_tokens: int, leaf_tokens: int) -> str:
