@@ -218,6 +218,27 @@ def _train(model, run, micro_batches, steps, leaf_tokens, batch=None):
     return grads
 
 
+def test_dynamic_shapes_compile_rms_norm_and_linear_with_the_eager_bits():
+    """``dynamic=True`` (symbolic sizes and floats) under ``fullgraph``: RMSNorm's offset check traces
+    (it used to raise Unsupported on ``math.isfinite``), and at two row counts outputs and input
+    gradients equal eager's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        det_train.RMSNorm(64, dtype=torch.bfloat16), det_train.Linear(64, 64, dtype=torch.bfloat16)
+    )
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, fullgraph=True, backend=counter, dynamic=True)
+    for rows in (3, 5):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        got_x, want_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+        got, want = compiled(got_x), model(want_x)
+        got.float().sum().backward()
+        want.float().sum().backward()
+        assert_bitwise_equal(got, want, f"output, {rows} rows")
+        assert_bitwise_equal(got_x.grad, want_x.grad, f"input gradient, {rows} rows")
+    assert counter.frame_count >= 1  # compiled, not run eagerly
+
+
 def test_accumulator_micro_batches_through_the_compiled_block_give_the_eager_batch_bits():
     """Three micro-batches of 6 tokens (leaves of 8: every micro-batch after the first starts
     inside a leaf, the open folds and rows are carried) through the compiled block give the

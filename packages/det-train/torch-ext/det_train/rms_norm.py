@@ -148,7 +148,7 @@ def _check_offset(offset, weight, op: str) -> float:
     if isinstance(offset, bool) or not isinstance(offset, numbers.Real):
         raise TypeError(f"{op}: offset must be a real number, got {type(offset).__name__}")
     value = float(offset)
-    if not math.isfinite(value):
+    if not value - value == 0.0:  # inf and nan; unlike math.isfinite, Dynamo traces it (dynamic=True)
         raise ValueError(f"{op}: offset must be finite, got {offset!r}")
     if value != 0.0 and weight is None:
         raise ValueError(f"{op}: offset={value} scales a weight, but there is none (pass a weight)")
