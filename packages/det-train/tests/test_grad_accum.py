@@ -386,6 +386,22 @@ def test_param_without_deposit_and_stale_grad():
         acc.reduce(total_tokens=8)
 
 
+def test_a_forward_outside_the_micro_batch_is_named_at_reduce():
+    import det_train
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(4, 8))
+    x = torch.randn(16, 8)
+    acc = CanonicalGradAccumulator([("w", w)], leaf_tokens=8)
+    y = det_train.linear(x[:8], w)  # outside: its backward returns a plain gradient
+    with acc.micro_batch(token_offset=0):
+        y.sum().backward()
+    with acc.micro_batch(token_offset=8):
+        det_train.linear(x[8:], w).sum().backward()
+    with pytest.raises(RuntimeError, match=r"w: p.grad already holds .*a forward that ran outside"):
+        acc.reduce(total_tokens=16)
+
+
 def test_bad_deposits():
     w = torch.randn(D, requires_grad=True)
     stranger = torch.randn(D, requires_grad=True)

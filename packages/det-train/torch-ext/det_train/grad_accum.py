@@ -590,8 +590,10 @@ class CanonicalGradAccumulator:
                     f"{self._names[self._index[id(p)]]}: p.grad already holds a non-zero gradient "
                     "(from an op that is not canonical-order aware, a det_train op that received a "
                     "cast or view of the parameter (p.to(...), p * 1: autograd then carries its "
-                    "gradient), or a previous step): call zero_grad() before the micro-batches and "
-                    "give det_train ops the Parameter itself for every use"
+                    "gradient), a forward that ran outside `with acc.micro_batch(...)` (its backward "
+                    "returns plain gradients, even inside one), or a previous step): call zero_grad() "
+                    "before the micro-batches, run each forward and its backward inside the same "
+                    "micro_batch, and give det_train ops the Parameter itself for every use"
                 )
         # the node tensors are shared, merges make new ones
         local = {slot: _copy(tree) for slot, tree in self._partials.items()}
