@@ -600,7 +600,11 @@ def test_unsupported_combinations_and_roundings_raise():
 @pytest.mark.parametrize(
     "edit,error,match",
     [
-        (dict(state_dtype="8bit"), RuntimeError, "exp_avg' must be torch.uint8"),  # states exist in bf16
+        (
+            dict(state_dtype="8bit"),
+            RuntimeError,
+            "exp_avg. must be torch.uint8.*state_dtype was changed.*set state_dtype before the first step",
+        ),  # states exist in bf16
         (dict(state_dtype=torch.float16), ValueError, "state_dtype must be"),
         (dict(state_rounding="down"), ValueError, "state_rounding"),
         (dict(amsgrad=True, state_dtype="8bit"), ValueError, "amsgrad"),

@@ -178,7 +178,10 @@ def check_state(p: torch.Tensor, state: dict, state_dtype, amsgrad: bool) -> Non
         if value.dtype != want_dtype or tuple(value.shape) != want_shape:
             raise RuntimeError(
                 f"AdamWSR: state '{key}' must be {want_dtype} of shape {want_shape} for "
-                f"state_dtype={state_dtype!r}, got {value.dtype} {tuple(value.shape)}"
+                f"state_dtype={state_dtype!r}, got {value.dtype} {tuple(value.shape)}: a group's "
+                "state_dtype was changed after its states were made, or a state tensor was replaced; "
+                "moments are not converted between formats: set state_dtype before the first step "
+                "(or start a new optimizer for this group)"
             )
 
 
