@@ -1,6 +1,7 @@
 """End to end: the main job's weights and optimizer state after N steps do not depend on how the
 global batch is split into data-parallel ranks, micro-batches and accumulation steps (DP through
-torch.distributed: spawned gloo processes on CPU, NCCL on GPUs)."""
+torch.distributed: gloo ranks on CPU, forked from one new interpreter (tests/_e2e_runs.py); NCCL
+ranks on GPUs)."""
 
 from __future__ import annotations
 
