@@ -190,9 +190,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=100, help="optimizer steps per config (default 100)")
     p.add_argument("--numel", type=int, default=4096, help="elements of the tensor (default 4096)")
     p.add_argument("--grad", type=float, default=2.0**-10, help="the constant gradient g (default 2^-10)")
-    p.add_argument(
-        "--betas", type=float, nargs=2, default=(0.9, 0.95), help="beta1 beta2 (default 0.9 0.95)"
-    )
+    p.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.95), help="beta1 beta2 (default 0.9 0.95)")
     p.add_argument("--lr", type=float, default=1e-4, help="learning rate (default 1e-4)")
     p.add_argument("--eps", type=float, default=1e-8, help="AdamW eps (default 1e-8)")
     p.add_argument("--seed", type=int, default=0, help="the rounding seed (default 0)")
