@@ -205,7 +205,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [n for n in args.configs if n not in CONFIGS]
     if unknown or not args.configs:
         raise SystemExit(f"unknown --configs {unknown or args.configs}; choose from {', '.join(CONFIGS)}")
-    for name, value, low in (("--steps", args.steps, 1), ("--numel", args.numel, 1)):
+    if len(set(args.configs)) != len(args.configs):
+        raise SystemExit(f"--configs names a config twice: {args.configs}")
+    if "fp32" not in args.configs:
+        raise SystemExit(
+            "--configs must include fp32: the other formats are reported against the fp32-state run"
+        )
+    if not args.lr > 0.0 or not args.eps > 0.0:
+        raise SystemExit(f"--lr and --eps must be > 0, got {args.lr} and {args.eps}")
+    for name, value, low in (
+        ("--steps", args.steps, 1),
+        ("--numel", args.numel, 1),
+        ("--seed", args.seed, 0),
+    ):
         if value < low:
             raise SystemExit(f"{name} must be >= {low}, got {value}")
     if not all(0.0 <= b < 1.0 for b in args.betas) or not args.grad > 0.0:

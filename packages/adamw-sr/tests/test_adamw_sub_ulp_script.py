@@ -48,3 +48,11 @@ def test_sub_ulp_script_rejects_bad_arguments():
         adamw_sub_ulp.main(["--configs", "fp32,fp16"])
     with pytest.raises(SystemExit, match="--betas"):
         adamw_sub_ulp.main(["--betas", "0.9", "1.0"])
+    with pytest.raises(SystemExit, match="names a config twice"):
+        adamw_sub_ulp.main(["--configs", "fp32,fp32"])
+    with pytest.raises(SystemExit, match="must include fp32"):
+        adamw_sub_ulp.main(["--configs", "8bit-sr"])
+    with pytest.raises(SystemExit, match="--lr and --eps must be > 0"):
+        adamw_sub_ulp.main(["--lr", "-1"])
+    with pytest.raises(SystemExit, match="--seed must be >= 0"):
+        adamw_sub_ulp.main(["--seed", "-1"])
