@@ -19,7 +19,7 @@ import torch
 from det_core import runtime
 
 from ._library import Op
-from .linear import GradPlan, param_grads, plan_grads
+from .linear import GradPlan, affine_rows, param_grads, plan_grads
 from .matmul import launch_matmul, matmul_op
 
 __all__ = ["Conv1D", "conv1d"]
@@ -42,14 +42,7 @@ def conv1d_op(
 
     ``ticket``, ``leaf_tokens`` and the ``deposit_*`` flags are ``linear.plan_grads``'s, for the backward.
     """
-    x2d = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
-    n = weight.shape[1]
-    y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    if y.numel() and x2d.shape[1]:
-        launch_matmul(x2d, weight, y, bias=bias)
-    elif y.numel():
-        y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
-    return y
+    return affine_rows(x, weight.shape[1], bias, lambda x2d, y: launch_matmul(x2d, weight, y, bias=bias))
 
 
 @conv1d_op.register_fake

@@ -93,11 +93,17 @@ def linear_op(
 
     ``ticket``, ``leaf_tokens`` and the ``deposit_*`` flags are ``plan_grads``'s, for the backward.
     """
-    x2d = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # explicit rows: K = 0 is allowed
-    n = weight.shape[0]
-    y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)  # the rows of x2d @ W.T
+    return affine_rows(x, weight.shape[0], bias, lambda x2d, y: launch_linear(x2d, weight, y, bias))
+
+
+def affine_rows(x: torch.Tensor, n: int, bias: torch.Tensor | None, launch) -> torch.Tensor:
+    """``(..., n)`` output of an affine map of ``x``'s rows: ``launch(x2d, y)`` fills it (x2d: x as
+    explicit rows ``(M, K)``, so K = 0 is allowed); with K = 0 it is the bias (or zeros). The forward
+    of ``linear`` and ``conv1d``, which differ only in the weight's layout."""
+    x2d = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+    y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if y.numel() and x2d.shape[1]:
-        launch_linear(x2d, weight, y, bias)
+        launch(x2d, y)
     elif y.numel():
         y.copy_(bias.expand_as(y) if bias is not None else torch.zeros_like(y))
     return y
