@@ -2,8 +2,10 @@
 
 ``GPT(config, kernels="det")`` is the deterministic model of the main job: every op that reduces
 (matmuls and their gradients, RMSNorm, embedding backward, attention, cross-entropy) is a
-det-train / det-attn kernel, and what remains in plain torch is elementwise (residual adds,
-SiLU, products) or a reshape, which is deterministic and batch-invariant by construction.
+det-train / det-attn kernel, and so is SwiGLU's gate (``det_train.swiglu``: elementwise, but as
+our op it keeps its bits under ``torch.compile``, where torch's SiLU would become Inductor's
+code); what remains in plain torch is the residual adds (one bf16 add each, the same under
+Inductor) and reshapes.
 
 ``GPT(config, kernels="torch")`` is the **reference** model, clearly not deterministic: the same
 architecture and initialisation from torch's fastest parts (``nn.Linear``/cuBLAS, SDPA,
@@ -37,6 +39,11 @@ class GPTConfig:
     norm_eps: float = 1e-5
 
 
+def _swiglu_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class _Ops:
     """The layer factories and functional ops of one backend (``det`` or ``torch``)."""
 
@@ -50,6 +57,7 @@ class _Ops:
             self.Embedding = det_train.Embedding
             self.attention = lambda q, k, v: det_attn.attention(q, k, v, causal=True)
             self.cross_entropy = lambda logits, y, n: det_train.cross_entropy(logits, y, num_global_tokens=n)
+            self.swiglu = det_train.swiglu
         elif kernels == "torch":
             self.Linear = lambda i, o: nn.Linear(i, o, bias=False)
             self.RMSNorm = lambda d, eps: nn.RMSNorm(d, eps=eps)
@@ -59,6 +67,7 @@ class _Ops:
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
             ).transpose(1, 2)
             self.cross_entropy = lambda logits, y, n: F.cross_entropy(logits.float(), y, reduction="sum") / n
+            self.swiglu = _swiglu_torch
         else:
             raise ValueError(
                 f"kernels must be 'det' (our deterministic kernels) or 'torch' (reference), got {kernels!r}"
@@ -78,13 +87,13 @@ class Block(nn.Module):
         self.gate_up = ops.Linear(cfg.d_model, 2 * cfg.d_ff)
         self.down = ops.Linear(cfg.d_ff, cfg.d_model)
         self.attention = ops.attention
+        self.swiglu = ops.swiglu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(self.attn_norm(x)).view(B, T, 3, self.n_head, C // self.n_head).unbind(2)
         x = x + self.attn_out(self.attention(q, k, v).reshape(B, T, C))
-        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        return x + self.down(self.swiglu(self.gate_up(self.mlp_norm(x))))
 
 
 class GPT(nn.Module):

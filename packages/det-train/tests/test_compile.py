@@ -42,7 +42,16 @@ def _fresh_dynamo():
 
 
 # the ops register when their modules are imported (det_train imports its modules on first use)
-for _module in ("matmul", "linear", "rms_norm", "layer_norm", "embedding", "cross_entropy", "conv1d"):
+for _module in (
+    "matmul",
+    "linear",
+    "rms_norm",
+    "layer_norm",
+    "embedding",
+    "cross_entropy",
+    "conv1d",
+    "swiglu",
+):
     importlib.import_module(f"det_train.{_module}")
 importlib.import_module("det_train.tensor_parallel")
 
@@ -94,6 +103,8 @@ def _opcheck_cases():
             False,
         ),
         ("conv1d", (x, w.detach().t().contiguous().requires_grad_(), b, None, 8192, False, False), False),
+        ("swiglu", (_randn(6, 16, seed=9, requires_grad=True),), False),
+        ("swiglu_backward", (_randn(6, 8, seed=10), x2), False),
         # inside a micro-batch: the forward ops' backward deposits, and the deposit ops themselves
         # (backward and deposit ops are first order: no input requires grad; a detached parameter
         # is found by its storage, as a compiled backward's saved tensor)
@@ -519,3 +530,17 @@ def test_gpu_inductor_block_plain_and_accumulated_give_the_eager_bits():
         assert_bitwise_equal(got[name], want[name], f"step 2 grad {name}")
     for (name, p), q in zip(compiled_model.named_parameters(), eager.parameters(), strict=True):
         assert_bitwise_equal(p.detach(), q.detach(), f"weight {name} after 2 steps")
+
+
+@pytest.mark.gpu
+def test_gpu_main_job_step_with_inductor_gives_the_eager_bits():
+    """The main job's GPT (gpu preset's width, 2 layers, 6 x 1024 tokens in 2 micro-batches of 3
+    sequences over leaves of 2 sequences: a cut inside a leaf) compiled by Inductor with bf16 intermediates
+    rounded as eager (``emulate_precision_casts``): weights after 2 steps (AdamWSR) equal eager's."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+    from examples import bench_step
+
+    cfg = bench_step.tg.make_config("gpu", n_layer=2, batch_seqs=6, micro_batch_seqs=3, leaf_tokens=2048)
+    with torch._inductor.config.patch(emulate_precision_casts=True):
+        differs = bench_step.compiled_matches_eager(cfg, 2, "cuda", dict(fullgraph=True, dynamic=False))
+    assert differs is None, f"compiled weight {differs} differs from eager after 2 steps"

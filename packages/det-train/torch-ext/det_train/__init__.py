@@ -29,6 +29,7 @@ _EXPORTS = {
     "embedding": "embedding",
     "Embedding": "embedding",
     "cross_entropy": "cross_entropy",
+    "swiglu": "swiglu",
     "causal_lm_loss": "hf_loss",
     "convert": "convert",
     "ConversionError": "convert",

@@ -1,4 +1,4 @@
-"""Plain-torch references for matmul / linear (tests and benchmarks import these).
+"""Plain-torch references for matmul / linear and SwiGLU (tests and benchmarks import these).
 
 ``*_fp64`` give the exact-as-possible answer (fp64 products and sums) used to measure accuracy;
 ``weight_grad_canonical`` spells out the canonical token order of dW with torch ops (fp32 leaf
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from det_core.reduce import TreePartial, num_leaves
 
-__all__ = ["linear_fp64", "matmul_fp64", "weight_grad_canonical", "weight_grad_fp64"]
+__all__ = ["linear_fp64", "matmul_fp64", "swiglu_fp64", "weight_grad_canonical", "weight_grad_fp64"]
 
 
 def matmul_fp64(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -21,6 +21,12 @@ def matmul_fp64(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def linear_fp64(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` in float64."""
     return torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
+
+
+def swiglu_fp64(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a packed ``(..., 2F)`` tensor in float64 (differentiable)."""
+    gate, up = x.double().chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
 
 
 def weight_grad_fp64(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
