@@ -2,7 +2,7 @@
 
 dweight = sum over tokens of ``dy * x_hat``: 16-token chunks folded by the backward kernel, the
 chunks of a sub-leaf folded in order (``fold_chunks``), the tree over sub-leaves. A micro-batch that
-ends inside a leaf keeps ``SubLeafFold`` (finished sub-leaves' subtrees + the open sub-leaf's chunk
+ends inside a leaf keeps ``SubLeafFold`` (finished sub-leaves' sums + the open sub-leaf's chunk
 fold, plus a copy of the rows of a partial chunk when it ends off the chunk step); the next
 micro-batch resumes the fold (``fold_chunks_resume``). These tests check the bits of one batch for 1
 to 32 micro-batches of uneven sizes, on and off the step, the state kept, and a micro-batch that
@@ -17,6 +17,7 @@ import importlib
 import det_train
 import pytest
 import torch
+from det_core.reduce import TreePartial
 from det_core.testing import assert_bitwise_equal, contiguous_splits
 from det_train import _leaf_sums
 from det_train._leaf_sums import SubLeafFold, fold_chunks, fold_chunks_resume
@@ -107,7 +108,8 @@ def test_open_leaf_keeps_sub_leaf_folds_not_rows():
     assert isinstance(state, _OpenFold) and not isinstance(state, _OpenLeaf) and state.rest == ()
     fold = state.acc
     assert isinstance(fold, SubLeafFold) and fold.tokens == 24
-    assert list(fold.nodes) == [(0, 0)] and fold.open.shape == (D,) and fold.open.dtype == torch.float32
+    assert [tuple(b.shape) for b in fold.done] == [(1, D)]  # sub-leaf 0's sum
+    assert fold.open.shape == (D,) and fold.open.dtype == torch.float32
     with acc.micro_batch(token_offset=24):
         det_train.rms_norm(x[24:27], w).backward(dy[24:27])  # off the step: 3 rows wait as copies
     (state,) = acc._carry.values()
@@ -118,3 +120,18 @@ def test_micro_batch_that_raises_leaves_the_folds_as_they_were():
     whole = _whole()
     got, _ = _dweight([0, 10, 24, 44, T], fail_at=24)
     assert_bitwise_equal(got, whole, "dweight after a failed micro-batch")
+
+
+def test_close_runs_the_tree_over_any_count_of_sub_leaves():
+    """The sub-leaf sums a split leaf collects are combined once, when it closes, by the tree kernel:
+    the bits of ``TreePartial``'s pairwise tree and ``coarsen`` for 1 to 8 of 8 sub-leaves (the short
+    last leaf keeps fewer), held in 1 to 3 blocks with and without an open sub-leaf."""
+    sums = torch.randn(8, D, generator=torch.Generator().manual_seed(3))
+    for k in range(1, 9):
+        (want,) = _leaf_sums.coarsen(TreePartial().add_leaves(0, sums[:k]), 8).nodes.values()
+        cuts = sorted({0, k // 3, (2 * k) // 3, k})
+        blocks = tuple(sums[lo:hi] for lo, hi in zip(cuts[:-1], cuts[1:], strict=True))
+        got = SubLeafFold(16 * k, blocks).close(16, 8, torch.Size([D]))
+        assert_bitwise_equal(got, want, f"{k} of 8 sub-leaves in {len(blocks)} blocks")
+        opened = SubLeafFold(16 * k - 4, (sums[: k - 1],) if k > 1 else (), sums[k - 1]).close(16, 8, (D,))
+        assert_bitwise_equal(opened, want, f"{k} of 8 sub-leaves, the last one open")

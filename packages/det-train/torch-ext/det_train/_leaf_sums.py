@@ -253,42 +253,43 @@ def fold_chunks_resume(
 class SubLeafFold:
     """An open leaf of a vector reduction carried as its fp32 sub-leaf folds, not as its rows.
 
-    ``tokens``: the leaf's tokens folded so far (a multiple of the op's chunk step);
-    ``nodes``: the finished sub-leaves' canonical subtrees ``{(level, local index): fp32}``
-    (``TreePartial`` over the leaf's sub-leaves, numbered from 0 in the leaf); ``open``: the fp32
-    chunk fold of the sub-leaf ``tokens`` ends inside, or None. Immutable (``advance`` makes a new
-    one), so a micro-batch that raises leaves the old state. Memory: at most log2(sub-leaves) + 2
-    tensors of the parameter's size, whatever the leaf's rows.
+    ``tokens``: the leaf's tokens folded so far (a multiple of the op's chunk step); ``done``: the
+    finished sub-leaves' fp32 sums in leaf order, as the row blocks ``(k, N)`` the calls produced
+    (views, never written); ``open``: the fp32 chunk fold ``(N,)`` of the sub-leaf ``tokens`` ends
+    inside, or None. Immutable (``advance`` makes a new one), so a micro-batch that raises leaves the
+    old state. The tree over the sub-leaves runs once, when the leaf closes (one ``cat`` and one
+    tree launch, not one add per sub-leaf per micro-batch). Memory: the leaf's sub-leaf sums, at
+    most ``leaf_tokens / sub`` rows of the parameter's size, whatever the leaf's rows.
     """
 
-    __slots__ = ("tokens", "nodes", "open")
+    __slots__ = ("tokens", "done", "open")
 
-    def __init__(self, tokens: int = 0, nodes: dict | None = None, open: torch.Tensor | None = None) -> None:
-        self.tokens, self.nodes, self.open = tokens, {} if nodes is None else nodes, open
+    def __init__(self, tokens: int = 0, done: tuple = (), open: torch.Tensor | None = None) -> None:
+        self.tokens, self.done, self.open = tokens, done, open
 
     def advance(self, chunk_sums: torch.Tensor, tokens: int, sub: int, rows_per_chunk: int) -> SubLeafFold:
         """The state after ``tokens`` more tokens whose chunk sums (fp32 ``(ceil(tokens /
         rows_per_chunk), N)``, chunks aligned to the leaf's start) are ``chunk_sums``."""
-        per_sub = sub // rows_per_chunk
         skip = self.tokens % sub // rows_per_chunk
-        sums = fold_chunks_resume(chunk_sums, per_sub, skip, self.open if skip else None)
-        first, end = self.tokens // sub, self.tokens + tokens
-        tree = TreePartial()
-        tree.nodes = dict(self.nodes)
-        done = end // sub - first  # sub-leaves this call completes
-        for i in range(done):
-            tree.add_node(0, first + i, sums[i])
-        return SubLeafFold(end, tree.nodes, sums[done] if done < sums.shape[0] else None)
+        sums = fold_chunks_resume(chunk_sums, sub // rows_per_chunk, skip, self.open if skip else None)
+        end = self.tokens + tokens
+        n_done = end // sub - self.tokens // sub  # sub-leaves this call completes
+        n_out = sums.shape[0]
+        done = self.done
+        if n_done:
+            done = (*done, sums if n_done == n_out else sums[:n_done])
+        return SubLeafFold(end, done, sums[n_done] if n_done < n_out else None)
 
     def close(self, sub: int, ratio: int, shape: torch.Size) -> torch.Tensor:
         """The leaf's fp32 node (of ``shape``): the canonical tree over its ``ratio`` sub-leaves of
-        ``sub`` tokens (a short last leaf's present ones, the open one included), as ``coarsen``
-        makes it from the sub-leaf sums of one call: the bits of an unsplit batch."""
-        tree = TreePartial()
-        tree.nodes = dict(self.nodes)
-        if self.open is not None:
-            tree.add_node(0, self.tokens // sub, self.open)
-        (node,) = coarsen(tree, ratio).nodes.values()
+        ``sub`` tokens (a short last leaf's present ones, the open one included; absent ones
+        promote their sibling), as ``coarsen`` of ``TreePartial`` makes it from the sub-leaf sums
+        of one call: the bits of an unsplit batch (``tree_in_place`` walks the same pairs)."""
+        blocks = self.done if self.open is None else (*self.done, self.open.unsqueeze(0))
+        if len(blocks) == 1 and blocks[0].shape[0] == 1:
+            node = blocks[0][0]  # one sub-leaf: its sum is the node
+        else:  # the tree runs in place: on a copy (a reduce that raises may close the leaf again)
+            node = tree_in_place(torch.cat(blocks), 0, torch.float32)
         return node if node.shape == shape else node.view(shape)
 
 
