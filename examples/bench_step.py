@@ -38,6 +38,10 @@ optimizer step. Each implementation is timed three ways:
   during capture, and ``reduce`` allocates new gradients, whose addresses in the graph's memory
   pool differ from the warm-up's.
 
+``--counts 2,4,8,16,32`` times the eager and CUDA-graph rows at each micro-batch count of the same
+global batch (one table, with each step's peak memory; ``--model 0.4b --batch 16`` for the 0.4 B
+width).
+
 ``--compile`` times a different table instead, at each of ``--compile-micro-batches`` (2, 4, 8,
 16, 32 by default): the det step with its model under ``torch.compile`` (Inductor, fullgraph: the
 det-train / det-attn ops are opaque custom ops inside the graph; ``acc.micro_batch``, ``backward``,
@@ -71,6 +75,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_gpt as tg  # noqa: E402  (the package sources come from PYTHONPATH: nox -s bench)
 
 EAGER, EAGER_1T, GRAPH = "eager", "eager, backward on the calling thread", "CUDA graph"
+# --model: shape overrides of the gpu preset (0.4b: 411 M params, SwiGLU width 2.75 x d_model)
+MODELS = {"100m": {}, "0.4b": dict(d_model=2048, n_head=16, d_ff=5632, n_layer=8)}
 COMPILED = "torch.compile"
 _REPO = Path(__file__).resolve().parent.parent
 
@@ -301,9 +307,16 @@ def _time_step(name: str, cfg: tg.TrainConfig, mode: str, args, backend) -> dict
         if mode == EAGER_1T:  # autograd's CUDA device thread adds host time to Python backward nodes
             fn = _on_calling_thread(s.run)
         ms = triton.testing.do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
+        peak = None
+        if mode == EAGER:  # one more step alone: do_bench's cache-flush buffer is not the step's
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            fn()
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() / 2**30
         if args.profile:
             print(f"\n## profile: {name}, {mode}\n{profile_step(fn)}\n", flush=True)
-    return {"ms_per_step": ms, "tokens_per_s": s.n_tokens / ms * 1e3}
+    return {"ms_per_step": ms, "tokens_per_s": s.n_tokens / ms * 1e3, "peak_gib": peak}
 
 
 def _compile_options(args) -> dict:
@@ -448,6 +461,90 @@ def compile_main(args, det_cfg, torch_cfg, n_params: int, backend) -> int:
     return 0
 
 
+def counts_main(args, det_cfg, torch_cfg, n_params: int, backend) -> int:
+    """``--counts``: eager and CUDA-graph rows (and peak memory) at each micro-batch count, one table."""
+    counts = [int(c) for c in args.counts.split(",")]
+    det_name, torch_name = "det (ours)", f"torch ({backend.name}, cuBLAS, fused AdamW)"
+    modes = [EAGER, GRAPH] if args.graph else [EAGER]
+    table_rows, raw = [], []
+    for mb in counts:
+        if args.batch % mb:
+            raise SystemExit(f"--batch {args.batch} is not a multiple of the micro-batch count {mb}")
+        args.micro_batches = mb
+        cfgs = {n: dataclasses.replace(c, micro_batch_seqs=args.batch // mb) for n, c in
+                ((det_name, det_cfg), (torch_name, torch_cfg))}  # fmt: skip
+        got = {}
+        for mode in modes:  # torch first in each mode: a det capture that fails cannot disturb it
+            for name in (torch_name, det_name):
+                got[(name, mode)] = row = measure(name, cfgs[name], mode, args, backend)
+                raw.append({**row, "micro_batches": mb})
+                where = f"{mb} micro-batches, {name}, {mode}"
+                print(f"{where}: {row['ms_per_step']} ms, peak {row.get('peak_gib')} GiB", flush=True)
+        table_rows.append((mb, got))
+
+    def ms(row):
+        return "-" if row["ms_per_step"] is None else f"{row['ms_per_step']:.1f}"
+
+    def ratio(got, mode):
+        det, ref = got[(det_name, mode)]["ms_per_step"], got[(torch_name, mode)]["ms_per_step"]
+        return None if det is None or ref is None else det / ref
+
+    title = (
+        f"GPT train step, {n_params / 1e6:.0f} M params ({det_cfg.n_layer} layers, "
+        f"d_model {det_cfg.d_model}, head dim {det_cfg.d_model // det_cfg.n_head}), bf16 weights, "
+        f"batch {args.batch} x {det_cfg.seq_len} tokens, {torch.cuda.get_device_name()}, "
+        f"torch {torch.__version__}"
+    )
+    head = "| micro-batches | det eager ms | torch eager ms | det / torch eager |"
+    rule = "|---|---|---|---|"
+    if args.graph:
+        head += " det graph ms | torch graph ms | det / torch graph |"
+        rule += "---|---|---|"
+    head += " det peak GiB | torch peak GiB |"
+    rule += "---|---|"
+    lines = [f"**{title}**", "", head, rule]
+    for mb, got in table_rows:
+        cells = [str(mb)]
+        for mode in modes:
+            r = ratio(got, mode)
+            cells += [
+                ms(got[(det_name, mode)]),
+                ms(got[(torch_name, mode)]),
+                "-" if r is None else f"{r:.2f}x",
+            ]
+        for name in (det_name, torch_name):
+            peak = got[(name, EAGER)].get("peak_gib")
+            cells.append("-" if peak is None else f"{peak:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"Targets (gradient-accumulation issue): det / torch <= {args.target_eager}x eager and <= "
+        f"{args.target_graph}x in a CUDA graph at every count. Peak: torch.cuda.max_memory_allocated over "
+        "one eager step after the timing (weights, optimizer state, gradients and activations).",
+    ]
+    failed = [f"{mb}: {mode}" for mb, got in table_rows for mode in modes if ratio(got, mode) is None]
+    met = [ratio(got, EAGER) <= args.target_eager for _, got in table_rows if ratio(got, EAGER) is not None]
+    if args.graph:
+        met += [
+            ratio(got, GRAPH) <= args.target_graph for _, got in table_rows if ratio(got, GRAPH) is not None
+        ]
+    lines.append(
+        f"Targets met: {sum(met)} of {len(met)} ratios" + (f"; rows failed: {failed}" if failed else "")
+    )
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = f"main-job_train_step_counts{args.model_suffix}"
+        (out / f"{stem}.md").write_text(table + "\n")
+        meta = {"title": title, "rows": raw, "n_params": n_params, "torch": torch.__version__,
+                "device": torch.cuda.get_device_name(), "config": vars(det_cfg), "sdpa_backend": backend.name,
+                "do_bench_ms": {"warmup": args.warmup_ms, "rep": args.rep_ms}}  # fmt: skip
+        (out / f"{stem}.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+    return 0
+
+
 def _on_calling_thread(run):
     def step():
         with torch.autograd.set_multithreading_enabled(False):
@@ -470,6 +567,17 @@ def main(argv=None) -> int:
     )
     p.add_argument("--micro-batches", type=int, default=gpu["batch_seqs"] // gpu["micro_batch_seqs"])
     p.add_argument("--layers", type=int, default=None, help="override n_layer (default: the gpu preset's 12)")
+    p.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="100m",
+        help="100m: the gpu preset; 0.4b: d_model 2048, head dim 128, 8 layers (use --batch 16)",
+    )
+    p.add_argument(
+        "--counts", default=None, help="e.g. 2,4,8,16,32: eager and graph rows and peak memory at each count"
+    )
+    p.add_argument("--target-eager", type=float, default=1.15, help="--counts: det / torch eager target")
+    p.add_argument("--target-graph", type=float, default=1.10, help="--counts: det / torch CUDA-graph target")
     p.add_argument(
         "--graph",
         action=argparse.BooleanOptionalAction,
@@ -505,6 +613,8 @@ def main(argv=None) -> int:
         return 1
 
     overrides = dict(batch_seqs=args.batch, micro_batch_seqs=args.batch // args.micro_batches)
+    overrides.update(MODELS[args.model])
+    args.model_suffix = "" if args.model == "100m" else f"_{args.model}"
     if args.layers:
         overrides["n_layer"] = args.layers
     det_cfg = tg.make_config("gpu", **overrides)
@@ -516,6 +626,8 @@ def main(argv=None) -> int:
     backend = _sdpa_backend()
     if args.compile:
         return compile_main(args, det_cfg, torch_cfg, n_params, backend)
+    if args.counts:
+        return counts_main(args, det_cfg, torch_cfg, n_params, backend)
     det_name, torch_name = "det (ours)", f"torch ({backend.name}, cuBLAS, fused AdamW)"
     plan = [(det_name, det_cfg, EAGER), (torch_name, torch_cfg, EAGER)]
     plan += [(det_name, det_cfg, EAGER_1T), (torch_name, torch_cfg, EAGER_1T)]
