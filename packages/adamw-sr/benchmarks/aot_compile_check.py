@@ -68,9 +68,17 @@ def compile_variant(param: str, grad: str, meta: dict) -> str:
     sig = {n: "constexpr" if n.isupper() else types[n] for n in fn.arg_names}
     constexprs = {(fn.arg_names.index(k),): v for k, v in meta.items() if k in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n.endswith("_ptr")}
-    options = dict(num_warps=kernel.LAUNCH_CONFIGS["cuda"]["num_warps"], **launch.exactness_options())
+    options = dict(num_warps=meta.get("num_warps", kernel.LAUNCH_CONFIGS["cuda"]["num_warps"]),
+                   **launch.exactness_options())  # fmt: skip
+    if meta.get("maxnreg"):
+        options["maxnreg"] = meta["maxnreg"]
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=TARGET, options=options).asm["ptx"]
+
+
+def state_config(state: int) -> dict:
+    """The committed CUDA launch config of the bf16- or 8-bit-moment kernel."""
+    return kernel.LAUNCH_CONFIGS[{kernel.FORMAT_BF16: "cuda-bf16", kernel.FORMAT_8BIT: "cuda-8bit"}[state]]
 
 
 def compile_scalars() -> str:
@@ -151,13 +159,8 @@ def variants():
 
 
 def state_variants():
-    """The bf16- and 8-bit-moment kernels (``_adamw_sr_states_kernel``), without AMP; AMP variants
-    ``unscale1-skip1`` of the stochastic ones."""
-    config = kernel.LAUNCH_CONFIGS["cuda"]
-    base = dict(
-        BLOCK=config["BLOCK"], SUB=config["SUB"], TILE_2D=config["TILE_2D"],
-        PRECOMPUTED=config["PRECOMPUTED"], MAXIMIZE=False, STOCHASTIC=True,
-    )  # fmt: skip
+    """The bf16- and 8-bit-moment kernels (``adamw_sr_states_kernel``, each with its committed CUDA
+    config), without AMP; AMP variants ``unscale1-skip1`` of the stochastic ones."""
     for (state, label), param, amsgrad, state_sr, aligned, amp in itertools.product(
         ((kernel.FORMAT_BF16, "bf16"), (kernel.FORMAT_8BIT, "8bit")),
         ("bf16", "fp32"),
@@ -168,6 +171,13 @@ def state_variants():
     ):
         if (amsgrad and state == kernel.FORMAT_8BIT) or (amp and not state_sr):
             continue  # no amsgrad with 8 bits
+        config = state_config(state)
+        base = dict(
+            BLOCK=config["BLOCK"], SUB=config["SUB"], TILE_2D=config["TILE_2D"],
+            PRECOMPUTED=config["PRECOMPUTED"], MAXIMIZE=False, STOCHASTIC=True,
+            EDGE_SUB=config.get("EDGE_SUB", config["SUB"]), num_warps=config["num_warps"],
+            maxnreg=config.get("maxnreg"),
+        )  # fmt: skip
         meta = dict(
             base, AMSGRAD=amsgrad, PARAM_BF16=param == "bf16", ALIGNED=aligned, UNSCALE=amp, SKIP_ON_INF=amp,
             STATE=state, STATE_STOCHASTIC=state_sr,

@@ -78,7 +78,8 @@ def compile_tile(fn, param: str, meta: dict) -> str:
     meta = dict({"STATE": kernel.FORMAT_FP32, "STATE_STOCHASTIC": False}, **meta, MASKED=False)
     constexprs = {(fn.arg_names.index(k),): v for k, v in meta.items() if k in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n.endswith("_ptr")}
-    options = dict(num_warps=kernel.LAUNCH_CONFIGS["cuda"]["num_warps"], **aot.launch.exactness_options())
+    options = dict(num_warps=meta.get("num_warps", kernel.LAUNCH_CONFIGS["cuda"]["num_warps"]),
+                   **aot.launch.exactness_options())  # fmt: skip
     src = ASTSource(fn=fn, signature=_types(fn, param, meta), constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=aot.TARGET, options=options).asm["ptx"]
 
@@ -122,10 +123,10 @@ def main() -> int:
     args = parser.parse_args()
     fn = _wrapper()
     config = kernel.LAUNCH_CONFIGS["cuda"]
-    per_thread = config["SUB"] // (32 * config["num_warps"])
     for name, param, _, meta in (*aot.variants(), *aot.state_variants()):
         if not re.search(args.pattern, name):
             continue
+        per_thread = meta["SUB"] // (32 * meta.get("num_warps", config["num_warps"]))
         ptx = compile_tile(fn, param, meta)
         n_ptx = sum(
             1 for ln in aot.ptx_code(ptx).splitlines() if ln.strip()[:1] not in ("", ".", "{", "}", ")", "(")

@@ -111,14 +111,15 @@ def test_kernel_equals_reference_bitwise(state_dtype, rounding, param_dtype, ams
         assert len(big["exp_avg_sq_scale"].unique()) > 10  # scales follow the blocks' magnitudes
 
 
-# Launch variants (tile shape, tiles per window, scalars precomputed or per program, warps) only change
-# which thread computes what: each must give the reference's bits, also with bf16 and 8-bit moments.
+# Launch variants (tile shape, tiles per window, masked sub-tiles, scalars precomputed or per program,
+# warps) only change which thread computes what: each must give the reference's bits, also with bf16
+# and 8-bit moments.
 @pytest.mark.parametrize(
     "config,state_dtype",
     [
-        (dict(BLOCK=64, SUB=32, num_warps=2, TILE_2D=False, PRECOMPUTED=False), torch.bfloat16),
+        (dict(BLOCK=64, SUB=32, num_warps=2, TILE_2D=False, PRECOMPUTED=False, EDGE_SUB=16), torch.bfloat16),
         (dict(BLOCK=64, SUB=32, num_warps=1, TILE_2D=False, PRECOMPUTED=False), "8bit"),
-        (dict(BLOCK=128, SUB=64, num_warps=2, TILE_2D=True, PRECOMPUTED=True), "8bit"),
+        (dict(BLOCK=128, SUB=64, num_warps=2, TILE_2D=True, PRECOMPUTED=True, EDGE_SUB=32), "8bit"),
     ],
 )
 def test_kernel_variants_equal_reference(config, state_dtype, monkeypatch):
@@ -684,7 +685,8 @@ for state, moment, scale in ((kernel.FORMAT_BF16, "*bf16", "*bf16"), (kernel.FOR
     sig = {{n: "constexpr" if n.isupper() else t[n] for n in fn.arg_names}}
     meta = dict(AMSGRAD=False, MAXIMIZE=False, PARAM_BF16=True, STOCHASTIC=True, ALIGNED=True,
                 BLOCK=config["BLOCK"], SUB=config["SUB"], TILE_2D=True, PRECOMPUTED=True, UNSCALE=False,
-                SKIP_ON_INF=False, STATE=state, STATE_STOCHASTIC=True)
+                SKIP_ON_INF=False, STATE=state, STATE_STOCHASTIC=True,
+                EDGE_SUB=kernel.LAUNCH_CONFIGS["cuda-bf16"]["EDGE_SUB"])
     attrs = {{(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n.endswith("_ptr")}}
     src = ASTSource(fn=fn, signature=sig, constexprs={{(fn.arg_names.index(k),): v for k, v in meta.items()}},
                     attrs=attrs)

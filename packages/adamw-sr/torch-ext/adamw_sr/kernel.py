@@ -60,10 +60,33 @@ from . import state_codes
 #                words are picked by column, no layout shuffle; False: 1-D tiles, words interleaved
 #                with det-core's random_bits_x4 (join/permute/reshape)
 #   PRECOMPUTED  per-tensor fp32 scalars from a separate tiny launch (else fp64 work per program)
+#   EDGE_SUB     (states kernel only; default SUB) elements per masked sub-tile of a tile that crosses
+#                a segment's start or end (divides SUB; a multiple of 8, with 8 bits of QUANT_BLOCK)
+#   maxnreg      (optional) Triton's register cap per thread
 LAUNCH_CONFIGS = {
     # ablation winner on the H200 (ablate_adamw.py, candidate H): 1.04x the copy floor on the 602M
     # Llama-like set, 1.38x on 2,000 small tensors; bits identical to every other candidate
     "cuda": {"BLOCK": 2048, "SUB": 512, "num_warps": 4, "TILE_2D": True, "PRECOMPUTED": True},
+    # bf16 / 8-bit moments (adamw_sr_states_kernel): compute-bound, so what counts is how many warps
+    # an SM holds. EDGE_SUB: a tile that straddles a segment end is walked in masked sub-tiles of
+    # EDGE_SUB elements (1 per thread at 128 x 4 warps): the masked code then needs no more registers
+    # than the full tiles' (one masked SUB tile took 80 of the kernel's 89 with bf16 moments)
+    "cuda-bf16": {
+        "BLOCK": 2048,
+        "SUB": 512,
+        "num_warps": 4,
+        "TILE_2D": True,
+        "PRECOMPUTED": True,
+        "EDGE_SUB": 128,
+    },
+    "cuda-8bit": {
+        "BLOCK": 2048,
+        "SUB": 512,
+        "num_warps": 4,
+        "TILE_2D": True,
+        "PRECOMPUTED": True,
+        "EDGE_SUB": 128,
+    },
     # the interpreter pays per program and per op, not per element: few, wide programs
     "interpreter": {"BLOCK": 8192, "SUB": 8192, "num_warps": 4, "TILE_2D": True, "PRECOMPUTED": True},
 }
@@ -271,7 +294,7 @@ def adamw_sr_kernel(
         seed_lo, seed_hi, rng_stream, rng_stream,
         grad_scale_ptr, found_inf_ptr,
         AMSGRAD, MAXIMIZE, PARAM_BF16, STOCHASTIC, ALIGNED, BLOCK, SUB, TILE_2D, PRECOMPUTED, UNSCALE,
-        SKIP_ON_INF, STATE_FP32, False,
+        SKIP_ON_INF, STATE_FP32, False, SUB,
     )  # fmt: skip
 
 
@@ -313,6 +336,7 @@ def adamw_sr_states_kernel(
     SKIP_ON_INF: tl.constexpr,
     STATE: tl.constexpr,
     STATE_STOCHASTIC: tl.constexpr,
+    EDGE_SUB: tl.constexpr,
 ):
     """The fused step with bf16 (``STATE_BF16``) or 8-bit block-quantized (``STATE_8BIT``) moments.
 
@@ -321,8 +345,9 @@ def adamw_sr_states_kernel(
     indices) whose element offsets are two more ``tensor_table`` columns
     (``TENSOR_TABLE_COLUMNS_8BIT``). ``STATE_STOCHASTIC``: the moments are rounded stochastically
     into their format with 16 bits each of one Philox word per element under ``state_stream`` (low
-    half: ``exp_avg``, high half: ``exp_avg_sq``); else to nearest-even. Checks nothing (see
-    ``adamw_sr_kernel``).
+    half: ``exp_avg``, high half: ``exp_avg_sq``); else to nearest-even. ``EDGE_SUB``: a tile that
+    crosses a segment's start or end is walked in masked sub-tiles of that many elements (a launch
+    config entry: no bit depends on it). Checks nothing (see ``adamw_sr_kernel``).
 
     **Determinism:** as ``adamw_sr_kernel``, the moments' rounding bits keyed by ``(seed, step,
     state_stream)`` at the element's global index, and an 8-bit block's scale a function of its whole block of
@@ -339,7 +364,7 @@ def adamw_sr_states_kernel(
         seed_lo, seed_hi, rng_stream, state_stream,
         grad_scale_ptr, found_inf_ptr,
         AMSGRAD, MAXIMIZE, PARAM_BF16, STOCHASTIC, ALIGNED, BLOCK, SUB, TILE_2D, PRECOMPUTED, UNSCALE,
-        SKIP_ON_INF, STATE, STATE_STOCHASTIC,
+        SKIP_ON_INF, STATE, STATE_STOCHASTIC, EDGE_SUB,
     )  # fmt: skip
 
 
@@ -353,9 +378,10 @@ def _step_program(
     AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, PARAM_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
     ALIGNED: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, TILE_2D: tl.constexpr,
     PRECOMPUTED: tl.constexpr, UNSCALE: tl.constexpr, SKIP_ON_INF: tl.constexpr, STATE: tl.constexpr,
-    STATE_STOCHASTIC: tl.constexpr,
+    STATE_STOCHASTIC: tl.constexpr, EDGE_SUB: tl.constexpr,
 ):  # fmt: skip
-    """One program: one chunk-table row (a window of ``BLOCK`` elements of one tensor), in tiles."""
+    """One program: one chunk-table row (a window of ``BLOCK`` elements of one tensor), in tiles
+    (a tile crossing a segment's start or end: masked, in sub-tiles of ``EDGE_SUB``)."""
     chunk = tl.program_id(0).to(tl.int64)
     row = chunk_table_ptr + chunk * 5
     slot = tl.load(row)
@@ -435,18 +461,37 @@ def _step_program(
                 STATE, STATE_STOCHASTIC,
             )  # fmt: skip
         elif (tile_local < segment_end) & (tile_local + SUB > segment_start):
-            _step_tile(
-                param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
-                param_off, grad_off, exp_avg_off, exp_avg_sq_off, max_off,
-                tile_local, segment_start, segment_end, window_global + sub,
-                step, step_size, bias_correction2_sqrt, lr_decay,
-                beta1_f, one_minus_beta1, beta2_f, one_minus_beta2, eps_f, inv_scale,
-                seed_lo, seed_hi, rng_stream,
-                exp_avg_scale_ptr, exp_avg_sq_scale_ptr, exp_avg_scale_off, exp_avg_sq_scale_off,
-                state_stream,
-                AMSGRAD, MAXIMIZE, PARAM_BF16, STOCHASTIC, False, True, SUB, TILE_2D, UNSCALE,
-                STATE, STATE_STOCHASTIC,
-            )  # fmt: skip
+            if EDGE_SUB == SUB:
+                _step_tile(
+                    param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
+                    param_off, grad_off, exp_avg_off, exp_avg_sq_off, max_off,
+                    tile_local, segment_start, segment_end, window_global + sub,
+                    step, step_size, bias_correction2_sqrt, lr_decay,
+                    beta1_f, one_minus_beta1, beta2_f, one_minus_beta2, eps_f, inv_scale,
+                    seed_lo, seed_hi, rng_stream,
+                    exp_avg_scale_ptr, exp_avg_sq_scale_ptr, exp_avg_scale_off, exp_avg_sq_scale_off,
+                    state_stream,
+                    AMSGRAD, MAXIMIZE, PARAM_BF16, STOCHASTIC, False, True, SUB, TILE_2D, UNSCALE,
+                    STATE, STATE_STOCHASTIC,
+                )  # fmt: skip
+            else:
+                # small masked sub-tiles: a masked tile is not vectorized and its layout conversions
+                # hold values in registers; at SUB elements it sets the whole kernel's register count
+                for part in range(0, SUB, EDGE_SUB):
+                    part_local = tile_local + part
+                    if (part_local < segment_end) & (part_local + EDGE_SUB > segment_start):
+                        _step_tile(
+                            param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
+                            param_off, grad_off, exp_avg_off, exp_avg_sq_off, max_off,
+                            part_local, segment_start, segment_end, window_global + sub + part,
+                            step, step_size, bias_correction2_sqrt, lr_decay,
+                            beta1_f, one_minus_beta1, beta2_f, one_minus_beta2, eps_f, inv_scale,
+                            seed_lo, seed_hi, rng_stream,
+                            exp_avg_scale_ptr, exp_avg_sq_scale_ptr, exp_avg_scale_off,
+                            exp_avg_sq_scale_off, state_stream,
+                            AMSGRAD, MAXIMIZE, PARAM_BF16, STOCHASTIC, False, True, EDGE_SUB, TILE_2D,
+                            UNSCALE, STATE, STATE_STOCHASTIC,
+                        )  # fmt: skip
 
 
 @triton.jit

@@ -14,7 +14,14 @@ import torch
 from det_core import rng, runtime
 
 from . import kernel, state_codes
-from .kernel import CHUNK_TABLE_COLUMNS, FORMAT_8BIT, FORMAT_FP32, SCALAR_TABLE_COLUMNS, SCALARS_BLOCK
+from .kernel import (
+    CHUNK_TABLE_COLUMNS,
+    FORMAT_8BIT,
+    FORMAT_BF16,
+    FORMAT_FP32,
+    SCALAR_TABLE_COLUMNS,
+    SCALARS_BLOCK,
+)
 
 __all__ = [
     "LaunchPlan",
@@ -52,14 +59,20 @@ def exactness_options() -> dict:
 _EXACTNESS_OPTIONS: dict = {}
 
 
-def launch_config(device: torch.device) -> dict:
-    """The fixed launch config for ``device``: a dict ``BLOCK``, ``SUB``, ``num_warps``, ``TILE_2D``,
-    ``PRECOMPUTED`` (see ``kernel.LAUNCH_CONFIGS``).
+_STATE_CONFIG_KEYS = {FORMAT_BF16: "cuda-bf16", FORMAT_8BIT: "cuda-8bit"}
 
-    **Determinism:** a fixed table keyed by the device type, no autotuning; no entry changes a
-    result bit.
+
+def launch_config(device: torch.device, state_format: int = FORMAT_FP32) -> dict:
+    """The fixed launch config for ``device`` and the moments' format (``kernel.FORMAT_*``): a dict
+    ``BLOCK``, ``SUB``, ``num_warps``, ``TILE_2D``, ``PRECOMPUTED``, and for the bf16 / 8-bit kernel on
+    CUDA ``EDGE_SUB`` (optional ``maxnreg``); see ``kernel.LAUNCH_CONFIGS``.
+
+    **Determinism:** a fixed table keyed by the device type and the moments' format, no autotuning;
+    no entry changes a result bit.
     """
-    return kernel.LAUNCH_CONFIGS["cuda" if device.type == "cuda" else "interpreter"]
+    if device.type != "cuda":
+        return kernel.LAUNCH_CONFIGS["interpreter"]
+    return kernel.LAUNCH_CONFIGS[_STATE_CONFIG_KEYS.get(state_format, "cuda")]
 
 
 def build_chunk_table(segments: torch.Tensor, block: int) -> torch.Tensor:
@@ -159,8 +172,9 @@ class LaunchPlan:
     (``kernel.FORMAT_*``) and, for 8 bits, the uint8 scale tensors.
 
     Raises:
-        ValueError: a ``config`` whose ``BLOCK`` is not a multiple of ``SUB``, ``SUB`` not of 8
-            (or, with 8-bit moments, not of the block size).
+        ValueError: a ``config`` whose ``BLOCK`` is not a multiple of ``SUB``, ``SUB`` not of 8 and
+            of ``EDGE_SUB``, ``EDGE_SUB`` not of 8 (with 8-bit moments: not of the block size), or an
+            ``EDGE_SUB`` other than ``SUB`` with fp32 moments.
         RuntimeError: tensors of one role that are not element-aligned to each other.
 
     **Determinism:** the tables are a pure function of the tensors' addresses, dtypes and the
@@ -171,19 +185,24 @@ class LaunchPlan:
         self, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, segments, device, config=None, *,
         state_format=FORMAT_FP32, exp_avg_scales=(), exp_avg_sq_scales=(),
     ):  # fmt: skip
-        self.config = dict(config or launch_config(device))
+        self.config = dict(config or launch_config(device, state_format))
         self.block = self.config["BLOCK"]
         self.state_format = state_format
+        sub = self.config["SUB"]
+        self.edge_sub = self.config.get("EDGE_SUB", sub)
         # tiles start 8-aligned in every tensor (the ALIGNED hints rely on it) and 4-aligned globally
-        if self.block % self.config["SUB"] or self.config["SUB"] % 8:
+        if self.block % sub or sub % 8 or sub % self.edge_sub or self.edge_sub % 8:
             raise ValueError(
-                f"adamw_sr: launch config {self.config}: BLOCK must be a multiple of SUB, SUB of 8"
+                f"adamw_sr: launch config {self.config}: BLOCK must be a multiple of SUB, SUB of 8 and "
+                "of EDGE_SUB, EDGE_SUB of 8"
             )
+        if state_format == FORMAT_FP32 and self.edge_sub != sub:
+            raise ValueError(f"adamw_sr: launch config {self.config}: EDGE_SUB is for bf16 / 8-bit moments")
         # with 8-bit moments every tile starts on a block (segments start on one): whole blocks per tile
-        if state_format == FORMAT_8BIT and self.config["SUB"] % state_codes.QUANT_BLOCK:
+        if state_format == FORMAT_8BIT and self.edge_sub % state_codes.QUANT_BLOCK:
             raise ValueError(
-                f"adamw_sr: launch config {self.config}: with 8-bit states SUB must be a multiple of "
-                f"the block size {state_codes.QUANT_BLOCK}"
+                f"adamw_sr: launch config {self.config}: with 8-bit states SUB and EDGE_SUB must be "
+                f"multiples of the block size {state_codes.QUANT_BLOCK}"
             )
         self.num_warps = self.config["num_warps"]
         roles = [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs or exp_avg_sqs]
@@ -289,8 +308,10 @@ def launch_fused_step(
     ms, vs = m, v  # unread pointers with bf16 moments
     if plan.state_format == FORMAT_8BIT:
         ms, vs = (tensors[low] for tensors, low in zip(scales, plan.lowest[5:], strict=True))
+    if "maxnreg" in config:
+        meta["maxnreg"] = config["maxnreg"]
     return runtime.launch(
         kernel.adamw_sr_states_kernel, (plan.num_chunks,), p, g, m, v, vmax, ms, vs, *tables,
         seed_lo, seed_hi, rng.STREAM_PARAM_SR, rng.STREAM_STATE_SR, *amp,
-        STATE=plan.state_format, STATE_STOCHASTIC=state_stochastic, **meta,
+        STATE=plan.state_format, STATE_STOCHASTIC=state_stochastic, EDGE_SUB=plan.edge_sub, **meta,
     )  # fmt: skip
