@@ -26,6 +26,7 @@ __all__ = [
     "interpreter_active",
     "launch",
     "next_power_of_2",
+    "plain_eager",
 ]
 
 
@@ -38,6 +39,37 @@ if interpreter_active():  # the interpreter's dot and transcendentals, made the 
     from . import interpreter as _interpreter
 
     _interpreter.install()
+
+
+_PLAIN_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))
+# Argument types that are never tensors: the exact-type test skips isinstance (a metaclass check,
+# tens of thousands of calls per training step).
+_SCALARS = frozenset((int, float, bool, str, type(None), tuple, torch.dtype, torch.device))
+_is_compiling = torch.compiler.is_compiling
+_dispatch_depth = torch._C._len_torch_dispatch_stack
+_functorch_active = torch._C._are_functorch_transforms_active
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def plain_eager(args: tuple) -> bool:
+    """True in plain eager execution: not traced by Dynamo, no torch dispatch mode or functorch
+    transform active (AOTAutograd, fake tensors, opcheck, vmap), every tensor in ``args`` (not
+    nested) a plain Tensor or Parameter (no subclass, no functorch wrapper).
+
+    An op may then call its implementation directly instead of through the dispatcher (whose
+    Python-kernel round trip costs ~10-17 us of host time per call): the same function on the same
+    arguments, so the same launches and bits. Raises nothing.
+    """
+    if _is_compiling() or _dispatch_depth() or _functorch_active():
+        return False
+    for a in args:
+        kind = type(a)
+        if kind in _PLAIN_TENSORS:
+            if _functorch_wrapped(a):
+                return False
+        elif kind not in _SCALARS and isinstance(a, torch.Tensor):  # a subclass (DTensor, ...)
+            return False
+    return True
 
 
 def cdiv(a: int, b: int) -> int:
@@ -203,6 +235,7 @@ def _params(kernel):
 # tensor. Other keyword values (floats: 0.0 == -0.0; tensors) go through ``_arg_key``.
 _PLAIN_KEYWORD_TYPES = frozenset((int, bool, str, type(None)))
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_cuda_device = getattr(torch._C, "_cuda_getDevice", None)  # None in a CPU-only build (no direct path)
 
 
 def _args_key(args: tuple, flags: tuple) -> tuple:
@@ -219,6 +252,24 @@ def _args_key(args: tuple, flags: tuple) -> tuple:
         else:
             append(_arg_key(value, exact, specialize))
     return tuple(key)
+
+
+_ALIGNED = object()  # tags ``_tensors_key``'s short form: no ``_args_key`` entry equals it
+
+
+def _tensors_key(args: tuple, flags: tuple) -> tuple:
+    """``_args_key`` for a bound launch's leading arguments: when all are plain tensors on 16-byte
+    aligned addresses (the common case) ``(_ALIGNED, dtypes)``, in one pass; else ``_args_key``."""
+    dtypes = []
+    misaligned = 0
+    for value in args:
+        if type(value) not in _PLAIN_TENSOR_TYPES:
+            return _args_key(args, flags)
+        dtypes.append(value.dtype)
+        misaligned |= value.data_ptr() & 15
+    if misaligned:
+        return _args_key(args, flags)
+    return (_ALIGNED, tuple(dtypes))
 
 
 def _kwargs_key(kwargs: dict) -> tuple[tuple, bool]:
@@ -296,7 +347,7 @@ def launch(kernel, grid: tuple, *args, **kwargs):
     """
     if not (_direct_launch or _direct_launch_enabled()):
         return kernel[grid](*args, **kwargs)
-    device = torch.cuda.current_device()
+    device = _cuda_device() if _LAUNCHES and _cuda_device else torch.cuda.current_device()  # as BoundLaunch
     runtime_knobs = _knobs.runtime
     try:
         flags, named, token = _params(kernel)
@@ -419,14 +470,16 @@ class BoundLaunch:
         kernel = self.kernel
         if not (_direct_launch or _direct_launch_enabled()):
             return kernel[grid](*leading, *self.trailing, **self.kwargs)
-        device = torch.cuda.current_device()
+        # a table entry means an earlier launch went through Triton, which initialised CUDA: the
+        # current device can then be read without torch.cuda's initialisation check
+        device = _cuda_device() if self._entries and _cuda_device else torch.cuda.current_device()
         runtime_knobs = _knobs.runtime
         try:
             if self._flags is None:
                 flags, named, _ = _params(kernel)
                 self._tail = _tail(named, self.n_leading + len(self.trailing), self.kwargs)
                 self._flags = flags[: self.n_leading]
-            key = (device, len(grid), _args_key(leading, self._flags), runtime_knobs.debug,
+            key = (device, len(grid), _tensors_key(leading, self._flags), runtime_knobs.debug,
                    _knobs.compilation.instrumentation_mode)  # fmt: skip
             compiled = self._entries.get(key)
         except (_NoKey, TypeError, AttributeError):  # another kind of argument or kernel

@@ -29,7 +29,9 @@ def __getattr__(name: str):
     if module is None:
         raise AttributeError(f"module 'det_attn' has no attribute {name!r}")
     value = importlib.import_module(f".{module}", __name__)
-    return value if name in _MODULES else getattr(value, name)
+    value = value if name in _MODULES else getattr(value, name)
+    globals()[name] = value  # later lookups skip this hook (an import_module call each)
+    return value
 
 
 def _register_with_transformers_if_loaded() -> None:

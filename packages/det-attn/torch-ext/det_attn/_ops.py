@@ -258,11 +258,15 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, options):
+        # plain eager: the operator's CPU / CUDA kernel called directly (no dispatcher round trip)
+        direct = runtime.plain_eager((q, k, v, cu_q, cu_k))
         with torch._C._AutoDispatchBelowAutograd():
             if cu_q is None:
-                out, lse2 = attention_forward(q, k, v, *options)
+                out, lse2 = (_forward if direct else attention_forward)(q, k, v, *options)
             else:
-                out, lse2 = attention_varlen_forward(q, k, v, cu_q, cu_k, *options)
+                out, lse2 = (_varlen_forward if direct else attention_varlen_forward)(
+                    q, k, v, cu_q, cu_k, *options
+                )
                 options = options[:-1]  # validated once, in the forward
         ctx.save_for_backward(q, k, v, out, lse2, cu_q, cu_k)
         ctx.options = options
@@ -275,15 +279,27 @@ class _AttentionFunction(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_lse2):
         runtime.check_first_order("det_attn.attention")
         q, k, v, out, lse2, cu_q, cu_k = ctx.saved_tensors
+        direct = runtime.plain_eager((grad_out, q, k, v, out, lse2, cu_q, cu_k))  # as in forward
         with torch._C._AutoDispatchBelowAutograd():
             if cu_q is None:
-                dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse2, *ctx.options)
+                backward = _backward if direct else attention_backward
+                dq, dk, dv = backward(grad_out, q, k, v, out, lse2, *ctx.options)
                 # (B * T, H, D) gradients viewed as (B, T, H, D): splitting the token dim is always
                 # a view (the layout the reshape's backward gives)
                 dq, dk, dv = dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
             else:
-                dq, dk, dv = attention_varlen_backward(grad_out, q, k, v, out, lse2, cu_q, cu_k, *ctx.options)
+                backward = _varlen_backward if direct else attention_varlen_backward
+                dq, dk, dv = backward(grad_out, q, k, v, out, lse2, cu_q, cu_k, *ctx.options)
         return dq, dk, dv, None, None, None
+
+
+# ``_AttentionFunction.apply`` below its Python wrapper (which, outside functorch transforms, only
+# unwraps dead functorch wrappers; under a transform the wrapper's path): ~3 us of host time less.
+_C_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, _AttentionFunction)
+
+
+def _apply(*args):
+    return _C_APPLY(*args) if runtime.plain_eager(args[:3]) else _AttentionFunction.apply(*args)
 
 
 # Eager only (under torch.compile the public functions call the operators): never traced. Where
@@ -294,7 +310,7 @@ def padded_autograd(q, k, v, *options):
     """The ``Autograd`` kernel of ``attention_forward`` (eager ``attention`` calls it directly: one
     dispatcher round trip less; torch.compile sees the operator)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _AttentionFunction.apply(q, k, v, None, None, options)
+        return _apply(q, k, v, None, None, options)
     with torch._C._AutoDispatchBelowAutograd():
         return attention_forward(q, k, v, *options)
 
@@ -303,7 +319,7 @@ def padded_autograd(q, k, v, *options):
 def packed_autograd(q, k, v, cu_q, cu_k, *options):
     """The ``Autograd`` kernel of ``attention_varlen_forward`` (see ``padded_autograd``)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _AttentionFunction.apply(q, k, v, cu_q, cu_k, options)
+        return _apply(q, k, v, cu_q, cu_k, options)
     with torch._C._AutoDispatchBelowAutograd():
         return attention_varlen_forward(q, k, v, cu_q, cu_k, *options)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from det_core.runtime import plain_eager
 
 from .grad_accum import DEFAULT_LEAF_TOKENS, CanonicalGradAccumulator, current_accumulator
 
@@ -35,6 +36,7 @@ __all__ = [
     "deposit_ticket",
     "finish_deposit",
     "op_name",
+    "plain_eager",
     "tracked_parameter",
 ]
 
@@ -54,24 +56,10 @@ def op_name(name: str) -> str:
     return f"{NAMESPACE}::{name}"
 
 
-_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
-# Argument types that are never tensors: the exact-type test skips isinstance (a metaclass check that
-# cost ~100 ms of host time per 16-micro-batch step of the main job, tens of thousands of calls).
-_SCALARS = frozenset((int, float, bool, str, type(None), torch.dtype, torch.device))
-
-
-def _plain_eager(args: tuple) -> bool:
-    """True in plain eager execution: not traced by Dynamo, no torch dispatch mode active (AOTAutograd,
-    fake tensors, opcheck), every tensor argument a plain Tensor or Parameter (no subclass)."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
-        return False
-    for a in args:
-        kind = type(a)
-        if kind in _PLAIN or kind in _SCALARS:
-            continue
-        if isinstance(a, torch.Tensor):  # a subclass (DTensor, FakeTensor, ...): the custom op
-            return False
-    return True
+# ``Function.apply`` below its Python wrapper, which binds nothing for these Functions (no
+# setup_context) and, with no functorch transform active (``plain_eager``), only unwraps dead
+# functorch wrappers, which ``plain_eager`` sends to the custom op instead (~3 us per call saved).
+_apply = torch._C._FunctionBase.__dict__["apply"]
 
 
 class Op:
@@ -99,6 +87,7 @@ class Op:
         self.impl = None
         self.custom = None
         self.function = None
+        self.apply = None  # the eager Function's apply, bound once
         self.nondifferentiable: tuple[int, ...] = ()
 
     def __call__(self, *args):
@@ -108,8 +97,8 @@ class Op:
             self.custom = torch.library.custom_op(op_name(self.name), mutates_args=self.mutates_args)(impl)
             self.__doc__ = impl.__doc__
             return self
-        if _plain_eager(args):
-            return self.impl(*args) if self.function is None else self.function.apply(*args)
+        if plain_eager(args):
+            return self.impl(*args) if self.apply is None else self.apply(*args)
         return self.custom(*args)
 
     def register_fake(self, fake):
@@ -124,7 +113,7 @@ class Op:
         statistics); the eager Function marks them so, the custom op passes their (None) gradients.
         """
         self.custom.register_autograd(backward, setup_context=setup_context)
-        impl, nondiff = self.impl, nondifferentiable
+        impl, nondiff, user_backward = self.impl, nondifferentiable, backward
 
         class _Function(torch.autograd.Function):
             @staticmethod
@@ -135,12 +124,11 @@ class Op:
                     ctx.mark_non_differentiable(*(output[i] for i in nondiff))
                 return output
 
-            @staticmethod
-            def backward(ctx, *grads):
-                return backward(ctx, *grads)
+            backward = staticmethod(user_backward)  # called as it is: one Python frame less
 
         _Function.__name__ = _Function.__qualname__ = f"{self.name}_function"
         self.function = _Function
+        self.apply = _apply.__get__(None, _Function)
 
 
 # One int64 counter for every deposit op: each op adds 1 (its value counts deposits made through the

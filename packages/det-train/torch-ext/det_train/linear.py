@@ -29,7 +29,7 @@ from ._library import (
     tracked_parameter,
 )
 from .configs import weight_grad_config
-from .matmul import check_bias, launch_linear, matmul_op
+from .matmul import check_bias, launch_linear, matmul_rows
 from .weight_grad import bias_grad_partial, weight_grad_partial
 
 __all__ = ["Linear", "bias_grad_partial", "linear", "weight_grad_partial"]
@@ -73,10 +73,24 @@ def plan_grads(tokens: int, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """
     leaf, active = accumulation()
     if not (active and tokens):
-        return GradPlan(leaf)
+        return grad_plan(leaf, False, False, None)
     dep_w = weight.is_leaf
     dep_b = bias is not None and bias.is_leaf
-    return GradPlan(leaf, dep_w, dep_b, deposit_ticket() if dep_w or dep_b else None)
+    return grad_plan(leaf, dep_w, dep_b, deposit_ticket() if dep_w or dep_b else None)
+
+
+_GRAD_PLANS = runtime.PlanCache()
+
+
+def grad_plan(leaf_tokens: int, weight: bool, bias: bool, ticket: torch.Tensor | None) -> GradPlan:
+    """``GradPlan(leaf_tokens, weight, bias, ticket)``, one object per distinct value in eager execution
+    (a frozen dataclass costs ~1 us to build; a Linear-like op built two per call). Under
+    ``torch.compile`` a new one (Dynamo traces the constructor, not a cache it would guard on)."""
+    if torch.compiler.is_compiling() or (ticket is not None and ticket is not deposit_ticket()):
+        return GradPlan(leaf_tokens, weight, bias, ticket)
+    key = (leaf_tokens, weight, bias, ticket is not None)
+    plan = _GRAD_PLANS.get(key)
+    return plan if plan is not None else _GRAD_PLANS.put(key, GradPlan(leaf_tokens, weight, bias, ticket))
 
 
 @Op("linear")
@@ -119,7 +133,7 @@ def _linear_setup(ctx, inputs, output):
     ctx.save_for_backward(x, weight, bias)  # a saved leaf unpacks as the Parameter itself
     ctx.has_bias = bias is not None
     # the ticket is mutated by the backward's deposit ops: not saved (saving checks its version)
-    ctx.plan = GradPlan(leaf_tokens, deposit_weight, deposit_bias, ticket)
+    ctx.plan = grad_plan(leaf_tokens, deposit_weight, deposit_bias, ticket)
 
 
 def _linear_backward(ctx, dy):
@@ -130,7 +144,7 @@ def _linear_backward(ctx, dy):
     dy2d = dy.reshape(x2d.shape[0], n)  # explicit rows: N = 0 is allowed
     grad_x = None
     if ctx.needs_input_grad[0]:
-        grad_x = matmul_op(dy2d, weight).view(x.shape)  # the rows of dy2d @ W
+        grad_x = matmul_rows(dy2d, weight).view(x.shape)  # the rows of dy2d @ W
     want_b = ctx.has_bias and ctx.needs_input_grad[2]
     grad_w, grad_b = param_grads(dy2d, x2d, weight, bias, ctx.needs_input_grad[1], want_b, ctx.plan)
     return grad_x, grad_w, grad_b, None, None, None, None
@@ -254,7 +268,35 @@ def _bias_leaves(leaf_tokens: int, first_leaf: int, rows: tuple) -> TreePartial:
     return bias_grad_partial(rows[0], leaf_tokens=leaf_tokens, first_leaf=first_leaf)
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+# argument signatures that passed ``_check_linear`` (the check reads nothing else)
+_CHECKED = runtime.PlanCache()
+
+
+def _signature(x, weight, bias) -> tuple | None:
+    """What ``_check_linear`` reads of plain eager tensors on a kernel device, or None (then it
+    checks in full: traced calls, other types, CPU without the interpreter, whose error is raised)."""
+    if torch.compiler.is_compiling() or type(x) not in _PLAIN or type(weight) not in _PLAIN:
+        return None
+    if bias is not None and type(bias) not in _PLAIN:
+        return None
+    device = x.device
+    if device.type != "cuda" and not runtime.interpreter_active():
+        return None
+    b = None if bias is None else (bias.shape, bias.dtype, bias.device)
+    return (x.dtype, device, x.dim(), x.shape[-1:], weight.dtype, weight.device, weight.shape, b)
+
+
 def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    key = _signature(x, weight, bias)
+    if key is not None and key in _CHECKED:
+        return
+    _check_linear_args(x, weight, bias)
+    if key is not None:
+        _CHECKED.put(key, True)
+
+
+def _check_linear_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     op = "det_train.linear"
     for name, t in (("x", x), ("weight", weight)):
         if not isinstance(t, torch.Tensor):

@@ -24,7 +24,7 @@ import triton.language as tl
 from det_core import runtime
 
 from . import configs
-from ._library import Op
+from ._library import Op, plain_eager
 from ._tiles import (
     INTERPRET,
     bf16_by_bits,
@@ -556,6 +556,24 @@ def matmul_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @matmul_op.register_fake
 def _(a, b):
     return a.new_empty((*_batch_shape(a, b), a.shape[-2], b.shape[-1]))
+
+
+def matmul_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``matmul_op(a, b)`` for 2-D operands a backward already knows valid (dX = dY W of a Linear-like
+    op: the forward checked W, autograd matched dY to the output): in plain eager execution the
+    launch without the op's checks and broadcast (~6 us of host time per call), else the op.
+
+    ``a (M, K)``, ``b (K, N)``, one dtype and device; returns ``(M, N)``. **Determinism:** the same
+    launch as ``matmul_op``, so the same bits."""
+    if not plain_eager((a, b)):
+        return matmul_op(a, b)
+    M, K = a.shape
+    out = torch.empty((M, b.shape[1]), dtype=a.dtype, device=a.device)
+    if out.numel() == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    return launch_matmul(a, b, out)
 
 
 @Op("matmul_partial")

@@ -435,6 +435,48 @@ def rms_norm(
             weight; tensors on different devices.
         RuntimeError: CPU tensors without the Triton interpreter, or another unsupported device.
     """
+    key = _signature(x, weight, eps, normalized_shape, offset)
+    checked = None if key is None else _CHECKED.get(key)
+    if checked is None:
+        checked = _check_args(x, weight, eps, normalized_shape, offset)
+        if key is not None:
+            _CHECKED.put(key, checked)
+    d, eps, offset = checked
+    leaf, active = accumulation()
+    deposit = active and weight is not None and weight.is_leaf and x.numel() > 0
+    ticket = deposit_ticket() if deposit else None
+    return rms_norm_op(x, weight, eps, d, offset, ticket, leaf, deposit)[0]
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+# ``_check_args``'s results ``(d, eps, offset)`` by everything they are computed from
+_CHECKED = runtime.PlanCache()
+
+
+def _signature(x, weight, eps, normalized_shape, offset) -> tuple | None:
+    """What ``_check_args`` reads, for plain eager tensors on a kernel device and plain Python
+    arguments (a float or None eps, a float offset, a tuple of ints or None shape); None otherwise
+    (then it checks in full: traced calls, other types, CPU without the interpreter)."""
+    if torch.compiler.is_compiling() or type(x) not in _PLAIN or type(offset) is not float:
+        return None
+    if weight is not None and type(weight) not in _PLAIN:
+        return None
+    if eps is not None and type(eps) is not float:
+        return None
+    if normalized_shape is not None and (
+        type(normalized_shape) is not tuple or any(type(s) is not int for s in normalized_shape)
+    ):
+        return None
+    device = x.device
+    if device.type != "cuda" and not runtime.interpreter_active():
+        return None
+    w = None if weight is None else (weight.dtype, weight.shape, weight.stride(), weight.device)
+    # eps by its bits: -0.0 and 0.0 are equal keys but different kernel constants
+    return (x.dtype, x.shape, device, w, None if eps is None else eps.hex(), normalized_shape, offset)
+
+
+def _check_args(x, weight, eps, normalized_shape, offset) -> tuple[int, float, float]:
+    """``rms_norm``'s argument checks; returns ``(d, eps, offset)`` as the op takes them."""
     for name, t in (("x", x), ("weight", weight)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(
@@ -477,10 +519,7 @@ def rms_norm(
     if weight is not None and not weight.is_contiguous():
         raise ValueError("rms_norm: weight must be contiguous (it is read as a flat vector of D elements)")
     offset = _check_offset(offset, weight, "rms_norm")
-    leaf, active = accumulation()
-    deposit = active and weight is not None and weight.is_leaf and x.numel() > 0
-    ticket = deposit_ticket() if deposit else None
-    return rms_norm_op(x, weight, float(eps), d, offset, ticket, leaf, deposit)[0]
+    return d, float(eps), offset
 
 
 class RMSNorm(torch.nn.RMSNorm):
