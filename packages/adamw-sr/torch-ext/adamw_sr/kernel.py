@@ -63,33 +63,25 @@ from . import state_codes
 #   EDGE_SUB     (states kernel only; default SUB) elements per masked sub-tile of a tile that crosses
 #                a segment's start or end (divides SUB; a multiple of 8, with 8 bits of QUANT_BLOCK)
 #   maxnreg      (optional) Triton's register cap per thread
+# fmt: off
 LAUNCH_CONFIGS = {
     # ablation winner on the H200 (ablate_adamw.py, candidate H): 1.04x the copy floor on the 602M
     # Llama-like set, 1.38x on 2,000 small tensors; bits identical to every other candidate
     "cuda": {"BLOCK": 2048, "SUB": 512, "num_warps": 4, "TILE_2D": True, "PRECOMPUTED": True},
     # bf16 / 8-bit moments (adamw_sr_states_kernel): compute-bound, so what counts is how many warps
     # an SM holds. EDGE_SUB: a tile that straddles a segment end is walked in masked sub-tiles of
-    # EDGE_SUB elements (1 per thread at 128 x 4 warps): the masked code then needs no more registers
-    # than the full tiles' (one masked SUB tile took 80 of the kernel's 89 with bf16 moments)
-    "cuda-bf16": {
-        "BLOCK": 2048,
-        "SUB": 512,
-        "num_warps": 4,
-        "TILE_2D": True,
-        "PRECOMPUTED": True,
-        "EDGE_SUB": 128,
-    },
-    "cuda-8bit": {
-        "BLOCK": 2048,
-        "SUB": 512,
-        "num_warps": 4,
-        "TILE_2D": True,
-        "PRECOMPUTED": True,
-        "EDGE_SUB": 128,
-    },
+    # EDGE_SUB elements (1 per thread at 64 x 2 warps): the masked code then needs no more registers
+    # than the full tiles' (one masked SUB tile took 80 of the kernel's 89 with bf16 moments).
+    # Ablation winner on the H200 for both formats (ablate_adamw.py --states, candidate S6: 256-element
+    # tiles on 2 warps, masked sub-tiles of 64): 1.22x / 2.49x the floor on the 602M set
+    "cuda-bf16": {"BLOCK": 2048, "SUB": 256, "num_warps": 2, "TILE_2D": True, "PRECOMPUTED": True,
+                  "EDGE_SUB": 64},
+    "cuda-8bit": {"BLOCK": 2048, "SUB": 256, "num_warps": 2, "TILE_2D": True, "PRECOMPUTED": True,
+                  "EDGE_SUB": 64},
     # the interpreter pays per program and per op, not per element: few, wide programs
     "interpreter": {"BLOCK": 8192, "SUB": 8192, "num_warps": 4, "TILE_2D": True, "PRECOMPUTED": True},
 }
+# fmt: on
 
 TENSOR_TABLE_COLUMNS = 5  # element offsets of param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq
 CHUNK_TABLE_COLUMNS = (
