@@ -103,19 +103,19 @@ class TreePartial:
         return self
 
     def _insert(self, level: int, index: int, value: torch.Tensor) -> None:
-        key = (level, index)
-        if key in self.nodes or self._covered(level, index):
+        nodes = self.nodes
+        if (level, index) in nodes or self._covered(level, index):
             raise ValueError(
-                f"tree node {key} supplied twice: two partials cover the same leaves (overlapping "
+                f"tree node {(level, index)} supplied twice: two partials cover the same leaves (overlapping "
                 "micro-batches or ranks, or a new step's deposits before the last step's reduce())"
             )
-        sibling = (level, index ^ 1)
-        if sibling in self.nodes:
-            other = self.nodes.pop(sibling)
-            left, right = (value, other) if index % 2 == 0 else (other, value)
-            self._insert(level + 1, index // 2, left + right)
-        else:
-            self.nodes[key] = value
+        # combine with the sibling while it is present (a right child is added to its left sibling);
+        # the parent is new: an ancestor present would have covered this node
+        while (sibling := (level, index ^ 1)) in nodes:
+            other = nodes.pop(sibling)
+            value = value + other if index % 2 == 0 else other + value
+            level, index = level + 1, index >> 1
+        nodes[(level, index)] = value
 
     def _covered(self, level: int, index: int) -> bool:
         # an ancestor already present means these leaves were counted (a partial holds few nodes:

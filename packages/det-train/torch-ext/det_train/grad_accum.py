@@ -42,6 +42,7 @@ DEFAULT_LEAF_TOKENS = 8192
 # The active accumulator. A plain module global, not thread-local: autograd runs CUDA backward
 # functions on its own device threads, which must still see the accumulator of `micro_batch`.
 _ACTIVE: list[CanonicalGradAccumulator] = []
+_ABSENT = object()  # an undo-log entry: the key was not there
 
 
 def current_accumulator() -> CanonicalGradAccumulator | None:
@@ -145,6 +146,13 @@ class CanonicalGradAccumulator:
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._fsdp: dict[int, object] = {}  # param index -> FSDP2 FSDPParam (see track_fsdp)
         self._shapes: dict[int, torch.Size] = {}  # param index -> full (unsharded) gradient shape
+        # The undo log of the active micro-batch: what its deposits changed, saved before the first
+        # change (a tree's nodes, a carry entry, an open leaf's fill), so that one which raises can
+        # be undone; O(1) per deposit, nothing per untouched parameter.
+        self._undo_trees: dict[tuple[int, int], dict | None] = {}
+        self._undo_carry: dict[tuple[int, int, int], object] = {}
+        self._undo_fills: dict[int, tuple] = {}
+        self._open_leaves: dict[tuple[int, int], set[int]] = {}  # slot -> leaves of its _carry entries
 
     def track_fsdp(self, module: torch.nn.Module) -> CanonicalGradAccumulator:
         """Accept deposits for FSDP2's unsharded parameters of ``module`` (``fully_shard``).
@@ -208,13 +216,14 @@ class CanonicalGradAccumulator:
         self._token_offset = token_offset
         self._tokens = None
         self._uses = {}
-        snapshot = self._snapshot()
+        self._undo_trees, self._undo_carry, self._undo_fills = {}, {}, {}
+        spans, max_end = len(self._spans), self._max_end
         _ACTIVE.append(self)
         try:
             yield self
         except BaseException:
             self._pending = []
-            self._restore(snapshot)  # a micro-batch that raises leaves no deposit: run it again
+            self._undo(spans, max_end)  # a micro-batch that raises leaves no deposit: run it again
             raise
         else:
             self._flush()  # the micro-batch's tensors can go: their open-leaf rows are copied
@@ -226,28 +235,46 @@ class CanonicalGradAccumulator:
             _ACTIVE.pop()
             self._token_offset = None
 
-    def _snapshot(self) -> tuple:
-        """What a micro-batch can change (node dicts, open leaves and their fill, spans), shallowly."""
-        return (
-            {slot: dict(tree.nodes) for slot, tree in self._partials.items()},
-            dict(self._carry),
-            {
-                key: (open_leaf.filled, open_leaf.buffers)
-                for key, open_leaf in self._carry.items()
-                if isinstance(open_leaf, _OpenLeaf)  # an _OpenFold is replaced, never changed
-            },
-            list(self._spans),
-            self._max_end,
-        )
+    def _undo(self, spans: int, max_end: int) -> None:
+        """Undo the active micro-batch's deposits (its undo log) and its spans and token range."""
+        for slot, nodes in self._undo_trees.items():
+            if nodes is None:
+                del self._partials[slot]
+            else:
+                self._partials[slot].nodes = nodes
+        for key, value in self._undo_carry.items():
+            self._put_carry(key, value)
+        for open_leaf, filled, buffers in self._undo_fills.values():  # rows appended since are ignored
+            open_leaf.filled, open_leaf.buffers = filled, buffers
+        del self._spans[spans:]
+        self._max_end = max_end
+        self._undo_trees, self._undo_carry, self._undo_fills = {}, {}, {}
 
-    def _restore(self, snapshot: tuple) -> None:
-        nodes, self._carry, filled, self._spans, self._max_end = snapshot
-        self._partials = {}
-        for slot, tree_nodes in nodes.items():
-            self._partials[slot] = TreePartial()
-            self._partials[slot].nodes = tree_nodes
-        for key, (count, buffers) in filled.items():  # rows appended since are ignored again
-            self._carry[key].filled, self._carry[key].buffers = count, buffers
+    def _tree(self, slot: tuple[int, int]) -> TreePartial:
+        """The slot's partial tree (a new one if none), its nodes logged before this micro-batch's
+        first change (trees replace nodes, never write them: a shallow copy restores it)."""
+        tree = self._partials.get(slot)
+        if slot not in self._undo_trees:
+            self._undo_trees[slot] = None if tree is None else dict(tree.nodes)
+        if tree is None:
+            tree = self._partials[slot] = TreePartial()
+        return tree
+
+    def _set_carry(self, key: tuple[int, int, int], value) -> None:
+        """``_carry[key] = value`` (None: delete it) and the slot's set of open leaves, the old entry
+        logged for an undo (``_ABSENT`` logged: delete it)."""
+        if key not in self._undo_carry:
+            self._undo_carry[key] = self._carry.get(key, _ABSENT)
+        self._put_carry(key, value)
+
+    def _put_carry(self, key: tuple[int, int, int], value) -> None:
+        if value is None or value is _ABSENT:
+            if self._carry.pop(key, None) is not None:
+                self._open_leaves[key[:2]].discard(key[2])
+        else:
+            if key not in self._carry:
+                self._open_leaves.setdefault(key[:2], set()).add(key[2])
+            self._carry[key] = value
 
     @property
     def token_offset(self) -> int:
@@ -340,8 +367,8 @@ class CanonicalGradAccumulator:
                 nothing to continue.
             RuntimeError: outside ``micro_batch``.
         """
-        # Host work per call is O(1) in the rows: a few views, one leaf-sum or fold call (no per-row
-        # or per-leaf Python beyond the leaves this call starts), no device value read.
+        # Host work per call is O(1) in the rows and the leaves: a few views, one leaf-sum or fold
+        # call, no device value read.
         n = rows[0].shape[0]
         for r in rows:
             if r.shape[0] != n:
@@ -364,43 +391,54 @@ class CanonicalGradAccumulator:
                 )
             pos = min(n, open_leaf.start + leaf - offset)  # own rows that belong to the open leaf
             head = rows if pos == n else tuple(r[:pos] for r in rows)
+            done = open_leaf.start + leaf == offset + pos
             if isinstance(open_leaf, _OpenFold):
-                done = open_leaf.start + leaf == offset + pos
                 advanced = open_leaf.advance(head, done, fold)
-                if not done:
+                if not done:  # the leaf stays open: its new state replaces the old (logged) one
+                    if key not in self._undo_carry:
+                        self._undo_carry[key] = open_leaf
                     self._carry[key] = advanced
                     return
                 self._add_node(slot, offset // leaf, advanced)
-                del self._carry[key]
             else:
+                if id(open_leaf) not in self._undo_fills:
+                    self._undo_fills[id(open_leaf)] = (open_leaf, open_leaf.filled, open_leaf.buffers)
                 open_leaf.append(head, leaf_partial, self)
-                if open_leaf.end < open_leaf.start + leaf:  # still open: this micro-batch ended inside it
+                if not done:  # still open: this micro-batch ended inside it
                     return
                 self._flush()
                 self._merge(slot, leaf_partial(offset // leaf, open_leaf.rows()))
-                del self._carry[key]
+            self._set_carry(key, None)
             if pos == n:  # this micro-batch ended with the leaf it continued
                 return
         full = (n - pos) // leaf * leaf
-        first = (offset + pos) // leaf
-        if self._carry:  # leaves this call starts must not be open already (overlapping micro-batches)
-            for j in range(first, first + full // leaf + (pos + full < n)):
-                held = self._carry.get((*slot, j))
-                if held is not None:
-                    raise ValueError(
-                        f"{self._names[slot[0]]} (use {slot[1]}): leaf {j} already holds tokens "
-                        f"[{held.start}, {held.end}) of an earlier micro-batch: micro-batches overlap"
-                    )
+        start = offset + pos  # the first token of the leaves this call starts
+        if self._open_leaves.get(slot):  # none of them may be open already (overlapping micro-batches)
+            self._check_not_open(slot, start, offset + n)
         if full:
             whole = rows if full == n else tuple(r[pos : pos + full] for r in rows)
-            self._merge(slot, leaf_partial(first, whole))
+            self._merge(slot, leaf_partial(start // leaf, whole))
         if pos + full < n:
-            start = offset + pos + full
+            start += full
             tail = rows if pos + full == 0 else tuple(r[pos + full :] for r in rows)
             if fold is not None:
-                self._carry[(*slot, start // leaf)] = _OpenFold(start, fold).advance(tail, False)
+                state = _OpenFold(start, fold).advance(tail, False)
             else:
-                self._carry[(*slot, start // leaf)] = _OpenLeaf(start, tail, leaf, leaf_partial, self)
+                state = _OpenLeaf(start, tail, leaf, leaf_partial, self)
+            self._set_carry((*slot, start // leaf), state)
+
+    def _check_not_open(self, slot: tuple[int, int], start: int, end: int) -> None:
+        """Raise if a leaf that tokens ``[start, end)`` touch holds an open leaf of ``slot`` (an
+        earlier micro-batch ended inside it): a look at the slot's open leaves (usually none or one),
+        whatever the number of leaves of the call."""
+        first, last = start // self.leaf_tokens, (end - 1) // self.leaf_tokens
+        for j in self._open_leaves.get(slot, ()):
+            if first <= j <= last:
+                held = self._carry[(*slot, j)]
+                raise ValueError(
+                    f"{self._names[slot[0]]} (use {slot[1]}): leaf {j} already holds tokens "
+                    f"[{held.start}, {held.end}) of an earlier micro-batch: micro-batches overlap"
+                )
 
     def _note_tokens(self, n: int, who) -> None:
         """Record the micro-batch's token count; every canonical-order op must report the same.
@@ -427,21 +465,15 @@ class CanonicalGradAccumulator:
                 _COPY(list(dst), list(src))
 
     def _merge(self, slot: tuple[int, int], partial: TreePartial) -> None:
-        mine = self._partials.get(slot)
-        if mine is None:
-            mine = self._partials[slot] = TreePartial()
         try:
-            mine.merge(partial)
+            self._tree(slot).merge(partial)
         except ValueError as err:
             raise ValueError(f"{self._names[slot[0]]} (use {slot[1]}): {err}") from None
 
     def _add_node(self, slot: tuple[int, int], leaf: int, value: torch.Tensor) -> None:
         """``_merge`` of one finished leaf (a node on this accumulator's device) without a partial."""
-        mine = self._partials.get(slot)
-        if mine is None:
-            mine = self._partials[slot] = TreePartial()
         try:
-            mine.add_node(0, leaf, value)
+            self._tree(slot).add_node(0, leaf, value)
         except ValueError as err:
             raise ValueError(f"{self._names[slot[0]]} (use {slot[1]}): {err}") from None
 
@@ -461,9 +493,8 @@ class CanonicalGradAccumulator:
                 f"leaf_sums must have shape (n_leaves, *{tuple(param.shape)}), got {tuple(leaf_sums.shape)}"
             )
         slot = self._slot(param)
-        partial = self._partials.setdefault(slot, TreePartial())
         try:
-            partial.add_leaves(first_leaf, leaf_sums)
+            self._tree(slot).add_leaves(first_leaf, leaf_sums)
         except ValueError as err:
             raise ValueError(f"{self._names[slot[0]]} (use {slot[1]}): {err}") from None
 
@@ -520,7 +551,7 @@ class CanonicalGradAccumulator:
             local, refusal = {}, err
         if dp_reduce.group_size(group) > 1:  # data parallel: every rank's nodes go to their owners
             self._reduce_across_ranks(group, local, refusal, total_tokens)
-            self._partials, self._spans, self._carry, self._open_ends, self._max_end = {}, [], {}, set(), 0
+            self._clear()
             return
         if refusal is not None:
             raise refusal
@@ -556,7 +587,12 @@ class CanonicalGradAccumulator:
             else:
                 grad = grad.to(device=p.device, dtype=p.dtype)
                 p.grad = grad if grad.shape == p.shape else grad.view(p.shape)
+        self._clear()
+
+    def _clear(self) -> None:
+        """Empty after a reduce: no partial tree, span or open leaf."""
         self._partials, self._spans, self._carry, self._open_ends, self._max_end = {}, [], {}, set(), 0
+        self._open_leaves = {}
 
     def _local_partials(self, total_tokens: int) -> dict[tuple[int, int], TreePartial]:
         """This rank's checks before a reduce and its partial trees, the open short last leaf
