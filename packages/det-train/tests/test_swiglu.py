@@ -79,3 +79,17 @@ def test_strided_input_gives_the_contiguous_bits():
 def test_bad_input_raises_a_clear_error(bad, error, match):
     with pytest.raises(error, match=match):
         det_train.swiglu(bad.to(DEVICE) if isinstance(bad, torch.Tensor) else bad)
+
+
+def test_direct_op_calls_check_the_layout():
+    import importlib
+
+    importlib.import_module("det_train.swiglu")
+    ops = torch.ops.det_train
+    x = _randn(3, 8, seed=6)
+    with pytest.raises(ValueError, match="unit last stride"):
+        ops.swiglu.default(_randn(3, 16, seed=7)[:, ::2])
+    with pytest.raises(ValueError, match="2-D"):
+        ops.swiglu.default(_randn(2, 3, 8, seed=8))
+    with pytest.raises(ValueError, match="dy must be"):
+        ops.swiglu_backward.default(_randn(1, 2, seed=9), x)

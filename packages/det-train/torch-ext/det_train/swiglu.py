@@ -74,10 +74,21 @@ def _grid(rows: int, f: int) -> tuple[tuple[int, int], int]:
     return (rows, runtime.cdiv(f, block)), block
 
 
+def _check_packed(x2: torch.Tensor, op: str) -> None:
+    # the ops can be called directly (torch.ops.det_train.*): a wrong layout would read the wrong elements
+    if x2.dim() != 2 or x2.shape[1] % 2 or x2.dtype not in _DTYPES or (x2.shape[1] > 1 and x2.stride(1) != 1):
+        raise ValueError(
+            f"{op}: x must be a 2-D (R, 2F) float32 / bfloat16 / float16 tensor with unit last stride, got "
+            f"shape {tuple(x2.shape)}, stride {tuple(x2.stride())}, {x2.dtype} (det_train.swiglu reshapes "
+            "any (..., 2F) input to this)"
+        )
+
+
 # ----------------------------------------------------------------------------- torch.library ops
 @Op("swiglu")
 def swiglu_op(x2: torch.Tensor) -> torch.Tensor:
     """The ``det_train::swiglu`` op on a ``(R, 2F)`` tensor with unit last stride: ``(R, F)``."""
+    _check_packed(x2, "det_train::swiglu")
     rows, f = x2.shape[0], x2.shape[1] // 2
     y = x2.new_empty((rows, f))
     if rows and f:
@@ -109,7 +120,13 @@ swiglu_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
 @Op("swiglu_backward")
 def swiglu_backward_op(dy: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
     """The ``det_train::swiglu_backward`` op: the packed ``(R, 2F)`` gradient ``[dgate | dup]``."""
+    _check_packed(x2, "det_train::swiglu_backward")
     rows, f = x2.shape[0], x2.shape[1] // 2
+    if tuple(dy.shape) != (rows, f) or dy.dtype != x2.dtype or dy.device != x2.device:
+        raise ValueError(
+            f"det_train::swiglu_backward: dy must be ({rows}, {f}) {x2.dtype} on {x2.device} for x of shape "
+            f"{tuple(x2.shape)}, got {tuple(dy.shape)} {dy.dtype} on {dy.device}"
+        )
     dx = x2.new_empty((rows, 2 * f))
     if rows and f:
         if dy.stride(-1) != 1:
@@ -137,8 +154,9 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
 
     Returns:
         ``(..., F)`` in ``x``'s dtype: ``silu(gate) * up`` computed in fp32 and rounded once (torch's
-        ``F.silu(gate) * up`` rounds twice, after the SiLU and after the product, so the two differ
-        by up to 1 ULP of the output's dtype). Differentiable: the gradient is the packed
+        ``F.silu(gate) * up`` rounds twice, after the SiLU and after the product: in bf16 the two
+        differ by up to 1 ULP; in fp16 by a few, where torch's SiLU rounds to a subnormal; in fp32
+        by a few, the two ``exp``). Differentiable: the gradient is the packed
         ``(..., 2F)`` ``[dgate | dup]``, also fp32 rounded once.
 
     Raises:
