@@ -386,6 +386,25 @@ def test_param_without_deposit_and_stale_grad():
         acc.reduce(total_tokens=8)
 
 
+def test_reduce_names_the_one_stale_gradient_among_zeroed_ones():
+    """The stale-gradient check reads all of them at once, then names the one at fault (a NaN counts)."""
+    x, dy = _data(tokens=8)
+    ws = [torch.randn(D, requires_grad=True) for _ in range(3)]
+    acc = CanonicalGradAccumulator([(f"w{i}", w) for i, w in enumerate(ws)], leaf_tokens=LEAF)
+    for w in ws:
+        w.grad = torch.zeros(D)  # zero_grad(set_to_none=False)
+    ws[1].grad[3] = float("nan")
+    with acc.micro_batch(token_offset=0):
+        for w in ws:
+            toy_scale(x, w).backward(dy)
+    with pytest.raises(RuntimeError, match=r"^w1: p.grad already holds a non-zero gradient"):
+        acc.reduce(total_tokens=8)
+    ws[1].grad.zero_()
+    acc.reduce(total_tokens=8)  # the refused reduce kept every deposit
+    for w in ws:
+        assert_bitwise_equal(w.grad, canonical_sum(x * dy, LEAF), "dW after zeroing the stale gradient")
+
+
 def test_a_forward_outside_the_micro_batch_is_named_at_reduce():
     import det_train
 

@@ -242,8 +242,10 @@ class CanonicalGradAccumulator:
                 del self._partials[slot]
             else:
                 self._partials[slot].nodes = nodes
-        for key, value in self._undo_carry.items():
-            self._put_carry(key, value)
+        log, self._undo_carry = self._undo_carry, {}
+        for key, value in log.items():
+            if value is not _ABSENT or key in self._carry:
+                self._set_carry(key, None if value is _ABSENT else value)
         for open_leaf, filled, buffers in self._undo_fills.values():  # rows appended since are ignored
             open_leaf.filled, open_leaf.buffers = filled, buffers
         del self._spans[spans:]
@@ -262,19 +264,17 @@ class CanonicalGradAccumulator:
 
     def _set_carry(self, key: tuple[int, int, int], value) -> None:
         """``_carry[key] = value`` (None: delete it) and the slot's set of open leaves, the old entry
-        logged for an undo (``_ABSENT`` logged: delete it)."""
+        logged for an undo (``_ABSENT``: there was none)."""
+        carry = self._carry
         if key not in self._undo_carry:
-            self._undo_carry[key] = self._carry.get(key, _ABSENT)
-        self._put_carry(key, value)
-
-    def _put_carry(self, key: tuple[int, int, int], value) -> None:
-        if value is None or value is _ABSENT:
-            if self._carry.pop(key, None) is not None:
-                self._open_leaves[key[:2]].discard(key[2])
+            self._undo_carry[key] = carry.get(key, _ABSENT)
+        if value is None:
+            del carry[key]
+            self._open_leaves[key[:2]].discard(key[2])
         else:
-            if key not in self._carry:
+            if key not in carry:
                 self._open_leaves.setdefault(key[:2], set()).add(key[2])
-            self._carry[key] = value
+            carry[key] = value
 
     @property
     def token_offset(self) -> int:
@@ -619,18 +619,23 @@ class CanonicalGradAccumulator:
                     "on one rank (data-parallel shards are multiples of leaf_tokens), micro-batches "
                     "must cover the batch, and the parameter must be used in each of them"
                 )
-        for p in self._params:
-            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            if grad is not None and bool(grad.ne(0).any()):
-                raise RuntimeError(
-                    f"{self._names[self._index[id(p)]]}: p.grad already holds a non-zero gradient "
-                    "(from an op that is not canonical-order aware, a det_train op that received a "
-                    "cast or view of the parameter (p.to(...), p * 1: autograd then carries its "
-                    "gradient), a forward that ran outside `with acc.micro_batch(...)` (its backward "
-                    "returns plain gradients, even inside one), or a previous step): call zero_grad() "
-                    "before the micro-batches, run each forward and its backward inside the same "
-                    "micro_batch, and give det_train ops the Parameter itself for every use"
-                )
+        held = [
+            (p, g.to_local() if hasattr(g, "to_local") else g)
+            for p in self._params
+            if (g := p.grad) is not None
+        ]
+        if _any_nonzero([g for _, g in held]):  # one device read for all, not one per parameter
+            for p, grad in held:
+                if bool(grad.ne(0).any()):
+                    raise RuntimeError(
+                        f"{self._names[self._index[id(p)]]}: p.grad already holds a non-zero gradient "
+                        "(from an op that is not canonical-order aware, a det_train op that received a "
+                        "cast or view of the parameter (p.to(...), p * 1: autograd then carries its "
+                        "gradient), a forward that ran outside `with acc.micro_batch(...)` (its backward "
+                        "returns plain gradients, even inside one), or a previous step): call zero_grad() "
+                        "before the micro-batches, run each forward and its backward inside the same "
+                        "micro_batch, and give det_train ops the Parameter itself for every use"
+                    )
         # the node tensors are shared, merges make new ones
         local = {slot: _copy(tree) for slot, tree in self._partials.items()}
         for (index, use, leaf), open_leaf in self._carry.items():  # the short last leaf
@@ -692,6 +697,14 @@ class CanonicalGradAccumulator:
         for index, grad in grads.items():
             p = self._params[index]
             p.grad = dp_reduce.fsdp_shard(self._fsdp[index], grad) if index in self._fsdp else grad
+
+
+def _any_nonzero(tensors: list[torch.Tensor]) -> bool:
+    """Whether any element of ``tensors`` is non-zero (NaN counts), with one host read per device."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t.ne(0).any())
+    return any(bool(torch.stack(flags).any()) for flags in by_device.values())
 
 
 def _copy(tree: TreePartial) -> TreePartial:
