@@ -9,6 +9,9 @@ the token step, the state kept, and that a micro-batch that raises can be run ag
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import det_train
 import pytest
 import torch
@@ -116,3 +119,19 @@ def test_micro_batch_that_raises_leaves_the_fold_as_it_was():
     acc.reduce(total_tokens=T)
     assert_bitwise_equal(layer.weight.grad, whole[0], "dW after a failed micro-batch")
     assert_bitwise_equal(layer.bias.grad, whole[1], "db after a failed micro-batch")
+
+
+def test_a_continued_fold_lets_the_replaced_one_go():
+    """After a micro-batch the accumulator holds the new fold only: the one it replaced (kept while
+    the micro-batch ran, to undo it if it raised) is freed, so an open leaf costs one fp32 copy."""
+    layer, x = _layer_and_input()
+    acc = det_train.CanonicalGradAccumulator(layer.named_parameters(), leaf_tokens=256)
+    with acc.micro_batch(token_offset=0):
+        layer(x[:64]).float().square().sum().backward()
+    (state,) = [s for s in acc._carry.values() if isinstance(s, _OpenFold)]
+    first = weakref.ref(state.acc)
+    del state
+    with acc.micro_batch(token_offset=64):
+        layer(x[64:128]).float().square().sum().backward()
+    gc.collect()
+    assert first() is None, "the fold of micro-batch [0, 64) is still held"

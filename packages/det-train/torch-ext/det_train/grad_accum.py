@@ -234,6 +234,8 @@ class CanonicalGradAccumulator:
         finally:
             _ACTIVE.pop()
             self._token_offset = None
+            # the log holds the replaced trees and folds: let them go (memory of one step, not two)
+            self._undo_trees, self._undo_carry, self._undo_fills = {}, {}, {}
 
     def _undo(self, spans: int, max_end: int) -> None:
         """Undo the active micro-batch's deposits (its undo log) and its spans and token range."""
@@ -250,7 +252,6 @@ class CanonicalGradAccumulator:
             open_leaf.filled, open_leaf.buffers = filled, buffers
         del self._spans[spans:]
         self._max_end = max_end
-        self._undo_trees, self._undo_carry, self._undo_fills = {}, {}, {}
 
     def _tree(self, slot: tuple[int, int]) -> TreePartial:
         """The slot's partial tree (a new one if none), its nodes logged before this micro-batch's
