@@ -394,6 +394,19 @@ def test_bad_input_raises_clearly():
         linear(torch.empty(3, 16, dtype=torch.bfloat16, device="meta"), w)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter check is a CPU one")
+def test_a_checked_signature_still_raises_for_what_it_does_not_cover(monkeypatch):
+    """The checks are cached by argument signature: after a good call, a bias of another length and
+    CPU tensors with the interpreter switched off still raise."""
+    x, w = _randn(3, 16), _randn(24, 16)
+    linear(x, w, _randn(24))
+    with pytest.raises(ValueError, match="bias"):
+        linear(x, w, _randn(23))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="interpreter"):
+        linear(x, w, _randn(24))
+
+
 # ----------------------------------------------------------------------------- GPU, real sizes
 @pytest.mark.gpu
 def test_gpu_row_invariance_of_y_and_dx_real_sizes():

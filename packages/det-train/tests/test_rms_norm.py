@@ -179,6 +179,23 @@ def test_bad_input():
         det_train.rms_norm(torch.randn(1, 65537))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter check is a CPU one")
+def test_a_checked_signature_still_raises_for_what_it_does_not_cover(monkeypatch):
+    """The checks are cached by argument signature: after a good call, another eps, offset or
+    shape and CPU tensors with the interpreter switched off still raise."""
+    x, w = torch.randn(4, 8), torch.ones(8)
+    det_train.rms_norm(x, w, 1e-6, (8,))
+    with pytest.raises(ValueError, match="eps"):
+        det_train.rms_norm(x, w, -1e-6, (8,))
+    with pytest.raises(ValueError, match="offset"):
+        det_train.rms_norm(x, w, 1e-6, (8,), offset=float("nan"))
+    with pytest.raises(ValueError, match="does not end with"):
+        det_train.rms_norm(x, w, 1e-6, (4, 2))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="interpreter"):
+        det_train.rms_norm(x, w, 1e-6, (8,))
+
+
 def test_weight_shape_mismatch_names_the_weight():
     # found by a new-user check: the message said "x ... does not end with (7,)", not naming the weight
     with pytest.raises(ValueError, match=r"weight of shape \(7,\) does not match x's trailing dims \(8,\)"):

@@ -57,8 +57,10 @@ def plain_eager(args: tuple) -> bool:
     nested) a plain Tensor or Parameter (no subclass, no functorch wrapper).
 
     An op may then call its implementation directly instead of through the dispatcher (whose
-    Python-kernel round trip costs ~10-17 us of host time per call): the same function on the same
-    arguments, so the same launches and bits. Raises nothing.
+    Python-kernel round trip costs ~10-17 us of host time per call). Raises nothing.
+
+    **Determinism:** a check only: the op runs the same function on the same arguments either way,
+    so the same launches and bits.
     """
     if _is_compiling() or _dispatch_depth() or _functorch_active():
         return False
@@ -468,7 +470,7 @@ class BoundLaunch:
 
     def __call__(self, grid: tuple, *leading):
         kernel = self.kernel
-        if not (_direct_launch or _direct_launch_enabled()):
+        if not _direct_launch and (_direct_launch is False or not _direct_launch_enabled()):
             return kernel[grid](*leading, *self.trailing, **self.kwargs)
         # a table entry means an earlier launch went through Triton, which initialised CUDA: the
         # current device can then be read without torch.cuda's initialisation check

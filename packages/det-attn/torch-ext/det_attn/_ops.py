@@ -311,6 +311,8 @@ def padded_autograd(q, k, v, *options):
     dispatcher round trip less; torch.compile sees the operator)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _apply(q, k, v, None, None, options)
+    if runtime.plain_eager((q, k, v)):  # the operator's kernel, as in _AttentionFunction.forward
+        return _forward(q, k, v, *options)
     with torch._C._AutoDispatchBelowAutograd():
         return attention_forward(q, k, v, *options)
 
@@ -320,6 +322,8 @@ def packed_autograd(q, k, v, cu_q, cu_k, *options):
     """The ``Autograd`` kernel of ``attention_varlen_forward`` (see ``padded_autograd``)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _apply(q, k, v, cu_q, cu_k, options)
+    if runtime.plain_eager((q, k, v, cu_q, cu_k)):
+        return _varlen_forward(q, k, v, cu_q, cu_k, *options)
     with torch._C._AutoDispatchBelowAutograd():
         return attention_varlen_forward(q, k, v, cu_q, cu_k, *options)
 

@@ -85,7 +85,9 @@ _GRAD_PLANS = runtime.PlanCache()
 def grad_plan(leaf_tokens: int, weight: bool, bias: bool, ticket: torch.Tensor | None) -> GradPlan:
     """``GradPlan(leaf_tokens, weight, bias, ticket)``, one object per distinct value in eager execution
     (a frozen dataclass costs ~1 us to build; a Linear-like op built two per call). Under
-    ``torch.compile`` a new one (Dynamo traces the constructor, not a cache it would guard on)."""
+    ``torch.compile`` a new one (Dynamo traces the constructor, not a cache it would guard on).
+
+    **Determinism:** a frozen value object: the cached one equals the one it replaces."""
     if torch.compiler.is_compiling() or (ticket is not None and ticket is not deposit_ticket()):
         return GradPlan(leaf_tokens, weight, bias, ticket)
     key = (leaf_tokens, weight, bias, ticket is not None)
@@ -387,7 +389,8 @@ class Linear(torch.nn.Linear):
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if isinstance(input, torch.Tensor) and input.dtype != self.weight.dtype:
+        weight = self.weight  # a Module attribute lookup each time it is read
+        if isinstance(input, torch.Tensor) and input.dtype != weight.dtype:
             hint = (
                 f"move the module with .to({input.dtype}) or cast the input with .to({self.weight.dtype})"
                 if input.dtype in _DTYPES
@@ -395,9 +398,9 @@ class Linear(torch.nn.Linear):
             )
             raise TypeError(
                 f"det_train.Linear: input dtype {input.dtype} differs from the module's weight dtype "
-                f"{self.weight.dtype}; {hint}"
+                f"{weight.dtype}; {hint}"
             )
-        return linear(input, self.weight, self.bias)
+        return linear(input, weight, self.bias)
 
     @classmethod
     def from_torch(cls, module: torch.nn.Linear) -> Linear:
