@@ -249,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--sweep", action="store_true", help="also time candidate configs (for the table)")
     parser.add_argument("--shapes", default="", help="subset, e.g. 8192x4096x4096,1024x4096x4096 (M x K x N)")
+    parser.add_argument("--ops", default="", help=f"subset of {', '.join(TARGETS)} (comma-separated)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_matmul: needs a CUDA GPU")
@@ -262,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         cases, tensors = _cases(m, k, n)
         flops = 2.0 * m * n * k
         for op, impls in cases.items():
+            if args.ops and op not in args.ops.split(","):
+                continue
             row = {"M": m, "K": k, "N": n, "op": op}
             for impl, fn in impls.items():
                 ms = _bench(fn)
