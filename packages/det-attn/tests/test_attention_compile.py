@@ -327,3 +327,12 @@ def test_inductor_compiled_block_equals_eager_bitwise_on_cuda():
         got = _block_step(block, compiled, x, dy, seed)
         for name, a, b in zip(("y", "dx", "dW_qkv", "dW_out"), got, want, strict=True):
             assert_bitwise_equal(a, b, f"{name}, seed {seed}")
+
+
+def test_functorch_jvp_and_grad_raise():
+    """torch.func.jvp / grad through attention raise (a jvp used to return zero tangents)."""
+    q, k, v = (_randn(1, 4, 1, D, seed=s) for s in (1, 2, 3))
+    with pytest.raises(RuntimeError, match="torch.func transforms other than vmap"):
+        torch.func.jvp(lambda a: attention(a, k, v), (q,), (torch.ones_like(q),))
+    with pytest.raises(RuntimeError, match="torch.func transforms other than vmap"):
+        torch.func.grad(lambda a: attention(a, k, v).float().sum())(q)

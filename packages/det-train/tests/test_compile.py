@@ -544,3 +544,25 @@ def test_gpu_main_job_step_with_inductor_gives_the_eager_bits():
     with torch._inductor.config.patch(emulate_precision_casts=True):
         differs = bench_step.compiled_matches_eager(cfg, 2, "cuda", dict(fullgraph=True, dynamic=False))
     assert differs is None, f"compiled weight {differs} differs from eager after 2 steps"
+
+
+# ----------------------------------------------------------------------------- torch.func
+def test_functorch_autodiff_transforms_raise_and_vmap_equals_the_loop():
+    """torch.func.grad / vjp / jvp / jacfwd through det ops raise (a jvp used to return zero
+    tangents without a word); vmap equals the per-sample loop bit for bit."""
+    x = _randn(3, 16, dtype=torch.float32, seed=12)
+    w = _randn(4, 16, dtype=torch.float32, seed=13)
+    transforms = {
+        "grad": lambda f: torch.func.grad(lambda v: f(v).sum())(x),
+        "vjp": lambda f: torch.func.vjp(f, x)[1](torch.ones_like(f(x))),
+        "jvp": lambda f: torch.func.jvp(f, (x,), (torch.ones_like(x),)),
+        "jacfwd": lambda f: torch.func.jacfwd(f)(x[0]),
+        "vmap(jvp)": lambda f: torch.func.vmap(lambda v: torch.func.jvp(f, (v,), (torch.ones_like(v),))[1])(x),
+    }
+    for fname, f in (("swiglu", det_train.swiglu), ("linear", lambda v: det_train.linear(v, w))):
+        for tname, transform in transforms.items():
+            with pytest.raises(RuntimeError, match="torch.func transforms other than vmap"):
+                transform(f)
+                pytest.fail(f"{tname} of {fname} did not raise")
+    looped = torch.stack([det_train.swiglu(row) for row in x])
+    assert_bitwise_equal(torch.func.vmap(det_train.swiglu)(x), looped, "vmap(swiglu)")

@@ -23,6 +23,7 @@ __all__ = [
     "cdiv",
     "check_first_order",
     "check_kernel_device",
+    "check_no_functorch_autodiff",
     "interpreter_active",
     "launch",
     "next_power_of_2",
@@ -49,6 +50,35 @@ _is_compiling = torch.compiler.is_compiling
 _dispatch_depth = torch._C._len_torch_dispatch_stack
 _functorch_active = torch._C._are_functorch_transforms_active
 _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+_VMAP = torch._C._functorch.TransformType.Vmap
+
+
+def check_no_functorch_autodiff(op: str) -> None:
+    """Raise ``RuntimeError`` under a ``torch.func`` transform other than vmap (grad, vjp, jvp,
+    jacrev, jacfwd, hessian) at the innermost level.
+
+    Our ops have no forward-mode formula, and functorch's grad cannot run the autograd Function of
+    an operator's ``Autograd`` kernel; without this check a ``jvp`` would pass through the kernel
+    below autograd and return zero tangents. ``vmap`` is fine (functorch loops over the batch).
+
+    Args:
+        op: the public name of the op, for the message.
+
+    Raises:
+        RuntimeError: a functorch autodiff transform is active; use ``torch.autograd`` instead.
+
+    **Determinism:** a check only.
+    """
+    if _functorch_active():
+        level = torch._C._functorch.peek_interpreter_stack()
+        if level is not None and level.key() != _VMAP:
+            raise RuntimeError(
+                f"{op}: torch.func transforms other than vmap (grad, vjp, jvp, jacrev, jacfwd, hessian) are "
+                "not supported by our ops; use torch.autograd (loss.backward() or torch.autograd.grad), and "
+                "torch.func.vmap over it"
+            )
 
 
 def plain_eager(args: tuple) -> bool:

@@ -1,9 +1,9 @@
 """What every det_train ``torch.library`` custom op shares: its namespace, the accumulator state an op
 reads at trace time, and the deposit ticket that orders the accumulator's deposits in a compiled graph.
 
-Every public op of det_train is a ``torch.library.custom_op`` (``det_train::linear``,
+Every public op of det_train is a ``torch.library`` operator (``det_train::linear``,
 ``det_train::rms_norm``, ...) with a fake (meta) implementation and, where it has a backward, a
-registered autograd formula whose backward ops are custom ops too. The eager public functions call
+registered autograd formula whose backward ops are operators too (``Op``). The eager public functions call
 the ops, so eager and ``torch.compile`` run one code path; the ops are opaque to Inductor, which
 therefore cannot rewrite their reductions.
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 import weakref
 
 import torch
-from det_core.runtime import plain_eager
+from det_core.runtime import check_no_functorch_autodiff, plain_eager
 
 from .grad_accum import DEFAULT_LEAF_TOKENS, CanonicalGradAccumulator, current_accumulator
 
@@ -58,25 +58,35 @@ def op_name(name: str) -> str:
 
 # ``Function.apply`` below its Python wrapper, which binds nothing for these Functions (no
 # setup_context) and, with no functorch transform active (``plain_eager``), only unwraps dead
-# functorch wrappers, which ``plain_eager`` sends to the custom op instead (~3 us per call saved).
+# functorch wrappers, which ``plain_eager`` sends to the dispatcher instead (~3 us per call saved).
 _apply = torch._C._FunctionBase.__dict__["apply"]
+_LIB = torch.library.Library(NAMESPACE, "FRAGMENT")  # held for the process: dropping it deregisters
+_BELOW_AUTOGRAD = torch._C._AutoDispatchBelowAutograd
+_any_requires_grad = torch._C._any_requires_grad
 
 
 class Op:
-    """One det_train op: a ``torch.library.custom_op`` and, for plain eager calls, the same functions
+    """One det_train op: a ``torch.library`` operator and, for plain eager calls, the same functions
     called directly.
 
-    ``Op(name, mutates_args)`` decorates the implementation (``@Op("linear")``); ``register_fake``
-    and ``register_autograd`` register on the custom op and keep the autograd formula for the eager
-    path. A call runs the custom op (``torch.ops.<namespace>.<name>``) whenever something traces
-    it (Dynamo, AOTAutograd, fake tensors, opcheck, a tensor subclass); in plain eager execution it
-    runs the implementation directly, through a ``torch.autograd.Function`` built from the same
-    ``setup_context`` and backward when the op has a backward. The dispatcher's Python custom-op
-    path costs ~17 us of host time per call (~120 us per forward + backward of a Linear-like op;
-    measured on the 2-core CPU machine, torch 2.13), hundreds of calls per step; the direct path
-    costs what the autograd Functions it replaces did.
+    ``Op(name, mutates_args)`` decorates the implementation (``@Op("linear")``): the schema is
+    inferred from its annotations (``torch.library.infer_schema``), defined in det_train's namespace
+    and the implementation registered as its ``CompositeExplicitAutograd`` kernel.
+    ``register_fake`` registers the fake (meta) kernel; ``register_autograd`` an ``Autograd``
+    kernel (a ``torch.autograd.Function`` in functorch's style, whose forward redispatches below
+    autograd) and the Function of the eager path. A call runs the operator
+    (``torch.ops.<namespace>.<name>``) whenever something traces it (Dynamo, AOTAutograd, fake
+    tensors, opcheck, functorch transforms, a tensor subclass); in plain eager execution it runs
+    the implementation directly, through a Function built from the same ``setup_context`` and
+    backward when the op has a backward.
 
-    **Determinism:** both paths run the same implementation and the same backward on the same
+    Why ``torch.library.Library`` and not ``torch.library.custom_op`` (as det-attn's operators):
+    custom_op's per-call Python wrappers (a Dynamo-disable frame, the schema's aliasing and
+    ``out`` checks, its autograd wrapper) cost ~35 us of host time per call on the 2-core CPU
+    machine (torch 2.13), the Library registrations ~6 us (ops without autograd) to ~20 us; a
+    compiled graph calls hundreds of ops per micro-batch through the dispatcher.
+
+    **Determinism:** every path runs the same implementation and the same backward on the same
     arguments, so the same kernels in the same order: compiled and eager results are compared bit
     for bit in ``tests/test_compile.py``.
     """
@@ -85,35 +95,39 @@ class Op:
         self.name = name
         self.mutates_args = mutates_args
         self.impl = None
-        self.custom = None
+        self.overload = None  # torch.ops.<namespace>.<name>.default
         self.function = None
         self.apply = None  # the eager Function's apply, bound once
         self.nondifferentiable: tuple[int, ...] = ()
 
     def __call__(self, *args):
-        if self.custom is None:  # used as the decorator of the implementation
+        if self.overload is None:  # used as the decorator of the implementation
             (impl,) = args
             self.impl = impl
-            self.custom = torch.library.custom_op(op_name(self.name), mutates_args=self.mutates_args)(impl)
+            _LIB.define(self.name + torch.library.infer_schema(impl, mutates_args=self.mutates_args))
+            _LIB.impl(self.name, impl, "CompositeExplicitAutograd")
+            self.overload = getattr(getattr(torch.ops, NAMESPACE), self.name).default
             self.__doc__ = impl.__doc__
             return self
         if plain_eager(args):
             return self.impl(*args) if self.apply is None else self.apply(*args)
-        return self.custom(*args)
+        check_no_functorch_autodiff(f"det_train.{self.name}")
+        return self.overload(*args)
 
     def register_fake(self, fake):
         """Register the fake (meta) implementation: output shapes, dtypes and devices, no data."""
-        self.custom.register_fake(fake)
+        torch.library.register_fake(op_name(self.name), fake, lib=_LIB)
         return fake
 
     def register_autograd(self, backward, *, setup_context, nondifferentiable: tuple[int, ...] = ()) -> None:
-        """Register the autograd formula on the custom op and build the eager ``autograd.Function``.
+        """Register the autograd formula as the operator's ``Autograd`` kernel and build the eager
+        ``autograd.Function``.
 
         ``nondifferentiable``: indices of floating-point outputs that carry no gradient (saved
-        statistics); the eager Function marks them so, the custom op passes their (None) gradients.
+        statistics); both Functions mark them so.
         """
-        self.custom.register_autograd(backward, setup_context=setup_context)
-        impl, nondiff, user_backward = self.impl, nondifferentiable, backward
+        impl, nondiff, user_backward, overload = self.impl, nondifferentiable, backward, self.overload
+        public = f"det_train.{self.name}"
 
         class _Function(torch.autograd.Function):
             @staticmethod
@@ -126,7 +140,36 @@ class Op:
 
             backward = staticmethod(user_backward)  # called as it is: one Python frame less
 
-        _Function.__name__ = _Function.__qualname__ = f"{self.name}_function"
+        class _Dispatched(torch.autograd.Function):
+            """The Autograd kernel's Function: forward and setup_context apart (functorch's grad /
+            vjp / vmap need it so; it has no jvp, so forward-mode AD raises)."""
+
+            generate_vmap_rule = True
+
+            @staticmethod
+            def forward(*inputs):
+                with _BELOW_AUTOGRAD():
+                    return overload(*inputs)
+
+            @staticmethod
+            def setup_context(ctx, inputs, output):
+                setup_context(ctx, inputs, output)
+                if nondiff:
+                    ctx.mark_non_differentiable(*(output[i] for i in nondiff))
+
+            backward = staticmethod(user_backward)
+
+        def autograd_kernel(*args):
+            check_no_functorch_autodiff(public)  # also for calls that reach the operator directly
+            # nothing to record (a compiled graph's forward runs under no_grad): straight below autograd
+            if not (torch.is_grad_enabled() and _any_requires_grad(*args)):
+                with _BELOW_AUTOGRAD():
+                    return overload(*args)
+            return _Dispatched.apply(*args)
+
+        _LIB.impl(self.name, autograd_kernel, "Autograd")
+        for cls in (_Function, _Dispatched):
+            cls.__name__ = cls.__qualname__ = f"{self.name}_{cls.__name__.strip('_').lower()}"
         self.function = _Function
         self.apply = _apply.__get__(None, _Function)
 
