@@ -397,7 +397,8 @@ def compile_main(args, det_cfg, torch_cfg, n_params: int, backend) -> int:
             (det_name, cfgs[0], False),
             (torch_name, cfgs[1], True),
         ):
-            rows.append(_time_compiled(name, cfg, mb, compiled, args, backend))
+            rows.append(row := _time_compiled(name, cfg, mb, compiled, args, backend))
+            print(f"{name}, {row['mode']}: {row['ms_per_step']} ms ({row['error'] or 'ok'})", flush=True)
     title = (
         f"GPT train step under torch.compile, {n_params / 1e6:.0f} M params "
         f"({det_cfg.n_layer} layers, d_model {det_cfg.d_model}), bf16 weights, batch {args.batch} x "
@@ -420,6 +421,8 @@ def compile_main(args, det_cfg, torch_cfg, n_params: int, backend) -> int:
         lines.append(f"| {r['impl']} | {mode} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {vs} |")
     lines.append("")
     try:
+        if not args.bits_check:
+            raise RuntimeError("skipped (--no-bits-check; the gpu test checks it)")
         with _inductor_casts(args, det_cfg):
             differs = compiled_matches_eager(
                 dataclasses.replace(det_cfg, micro_batch_seqs=args.batch // counts[0]),
@@ -598,6 +601,12 @@ def main(argv=None) -> int:
         "--compile-micro-batches", default="2,4,8,16,32", help="micro-batch counts of the --compile table"
     )
     p.add_argument("--compile-warmup", type=int, default=3, help="untimed steps before timing (compilation)")
+    p.add_argument(
+        "--bits-check",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--compile: also check the compiled det weights against eager's after 2 steps (default: on)",
+    )
     p.add_argument(
         "--allow-graph-breaks", action="store_true", help="--compile with fullgraph=False (breaks counted)"
     )
