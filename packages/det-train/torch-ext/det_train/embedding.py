@@ -364,6 +364,11 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None =
             ``[0, V)`` is then the caller's job (an id outside gives a device-side assert in the
             row lookup or, for a negative id, a wrapped-around row and an undefined gradient).
         RuntimeError: device problems.
+
+    Reference: ``torch.nn.functional.embedding`` (the lookup and its ``padding_idx``); the
+    atomic-free gradient is a sort-then-segment-sum (the method of PyTorch's CUDA
+    ``embedding_dense_backward``: sorted ids, one sum per run of equal ids), folded in det_core's
+    canonical token order (module docstring).
     """
     for name, value in (("ids", ids), ("weight", weight)):
         if not isinstance(value, torch.Tensor):

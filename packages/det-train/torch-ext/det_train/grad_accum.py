@@ -197,8 +197,18 @@ class CanonicalGradAccumulator:
         rank ended (the pieces of a leaf are summed in token order); every other micro-batch starts
         on a leaf boundary.
 
-        Raises ValueError if ``token_offset`` is negative, or inside a leaf where no earlier
-        micro-batch on this rank ended; RuntimeError if another micro-batch context is active.
+        Raises:
+            TypeError: ``token_offset`` not an integer.
+            ValueError: ``token_offset`` negative, or inside a leaf where no earlier micro-batch on
+                this rank ended.
+            RuntimeError: another micro-batch context is active.
+
+        A micro-batch that raises inside the context leaves the accumulator as it was before it
+        (its deposits are undone).
+
+        **Determinism:** the deposits made inside land in the leaves of their global token indices
+        (``token_offset`` onward), so the final gradients do not depend on how the tokens were cut
+        into micro-batches, their order or their sizes (the canonical order of ``det_core.reduce``).
         """
         token_offset = as_index(token_offset, "token_offset", "micro_batch")  # TypeError
         if token_offset < 0:
@@ -539,6 +549,18 @@ class CanonicalGradAccumulator:
         parameters, one ``all_gather_single`` of the finished gradient in ``p.dtype``. Per rank, bytes
         and transient memory are O(numel) and do not grow with the world size (docs/det-train.md,
         "Data parallel"); under FSDP2 no rank holds an unsharded gradient. One process: no collective.
+
+        Raises:
+            TypeError: ``total_tokens`` not an integer.
+            ValueError: ``total_tokens`` does not cover the deposits, tokens are missing, a leaf is
+                still open, a ``p.grad`` is non-zero, or another rank's checks failed (named).
+            RuntimeError: called inside a micro-batch context.
+
+        **Determinism:** every gradient is the fixed pairwise tree over fp32 leaf sums in global
+        token order (``det_core.reduce``), finished by the rank that owns each element in a fixed
+        order: the same bits for any micro-batch split and any data-parallel degree. Method: the
+        canonical reduction order of DESIGN.md (pairwise summation, Higham, *Accuracy and Stability
+        of Numerical Algorithms*, 2nd ed., section 4.2).
         """
         if _ACTIVE:
             raise RuntimeError("reduce() inside a micro_batch context; call it after the last micro-batch")

@@ -15,7 +15,9 @@ Layer names, as transformers' ``@use_kernel_forward_from_hub(...)`` decorates it
 Usage::
 
     from kernels import LayerRepository, Mode, kernelize, use_kernel_mapping
-    repo = lambda name: LayerRepository(repo_id="phanerozoic/det-train", layer_name=name, version=1)
+    repo = lambda name: LayerRepository(
+        repo_id="phanerozoic/det-train", layer_name=name, version=1, trust_remote_code=True
+    )
     mapping = {name: {"cuda": repo(name)} for name in ("Linear", "RMSNorm", "RMSNormZeroCentered")}
     with use_kernel_mapping(mapping):
         # layers decorated with @use_kernel_forward_from_hub(name) get det_train's forward

@@ -434,6 +434,10 @@ def rms_norm(
             ``eps`` negative, NaN or infinite; ``offset`` not finite, or non-zero without a
             weight; tensors on different devices.
         RuntimeError: CPU tensors without the Triton interpreter, or another unsupported device.
+
+    Reference: Zhang & Sennrich, "Root Mean Square Layer Normalization" (NeurIPS 2019), as
+    ``torch.nn.functional.rms_norm``; the weight gradient's order is det_core's canonical leaf /
+    tree order (docs/det-train.md, "RMSNorm").
     """
     key = _signature(x, weight, eps, normalized_shape, offset)
     checked = None if key is None else _CHECKED.get(key)
