@@ -557,7 +557,7 @@ def test_functorch_autodiff_transforms_raise_and_vmap_equals_the_loop():
         "vjp": lambda f: torch.func.vjp(f, x)[1](torch.ones_like(f(x))),
         "jvp": lambda f: torch.func.jvp(f, (x,), (torch.ones_like(x),)),
         "jacfwd": lambda f: torch.func.jacfwd(f)(x[0]),
-        "vmap(jvp)": lambda f: torch.func.vmap(lambda v: torch.func.jvp(f, (v,), (torch.ones_like(v),))[1])(x),
+        "vmap(jvp)": lambda f: torch.func.vmap(lambda v: torch.func.jvp(f, (v,), (torch.ones_like(v),)))(x),
     }
     for fname, f in (("swiglu", det_train.swiglu), ("linear", lambda v: det_train.linear(v, w))):
         for tname, transform in transforms.items():
