@@ -336,3 +336,14 @@ def test_functorch_jvp_and_grad_raise():
         torch.func.jvp(lambda a: attention(a, k, v), (q,), (torch.ones_like(q),))
     with pytest.raises(RuntimeError, match="torch.func transforms other than vmap"):
         torch.func.grad(lambda a: attention(a, k, v).float().sum())(q)
+
+
+def test_forward_mode_dual_tensors_raise_even_without_requires_grad():
+    """A dual tensor (torch.autograd.forward_ad) used to lose its tangent when it did not require grad."""
+    q = _randn(1, 4, 1, D, seed=4)
+    for requires_grad in (False, True):
+        with torch.autograd.forward_ad.dual_level():
+            leaf = q.clone().requires_grad_(requires_grad)
+            dual = torch.autograd.forward_ad.make_dual(leaf, torch.ones_like(q))
+            with pytest.raises(RuntimeError, match="forward-mode AD|jvp"):
+                attention(dual, dual, dual)

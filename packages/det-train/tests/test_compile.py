@@ -548,8 +548,8 @@ def test_gpu_main_job_step_with_inductor_gives_the_eager_bits():
 
 # ----------------------------------------------------------------------------- torch.func
 def test_functorch_autodiff_transforms_raise_and_vmap_equals_the_loop():
-    """torch.func.grad / vjp / jvp / jacfwd through det ops raise (a jvp used to return zero
-    tangents without a word); vmap equals the per-sample loop bit for bit."""
+    """torch.func.grad / vjp / jvp / jacfwd and forward_ad dual tensors through det ops raise (a jvp
+    used to return zero tangents without a word); vmap equals the per-sample loop bit for bit."""
     x = _randn(3, 16, dtype=torch.float32, seed=12)
     w = _randn(4, 16, dtype=torch.float32, seed=13)
     transforms = {
@@ -564,5 +564,11 @@ def test_functorch_autodiff_transforms_raise_and_vmap_equals_the_loop():
             with pytest.raises(RuntimeError, match="torch.func transforms other than vmap"):
                 transform(f)
                 pytest.fail(f"{tname} of {fname} did not raise")
+    for fname, f in (("swiglu", det_train.swiglu), ("matmul", lambda v: det_train.matmul(v, w.t()))):
+        with torch.autograd.forward_ad.dual_level():  # a dual tensor that does not require grad
+            dual = torch.autograd.forward_ad.make_dual(x, torch.ones_like(x))
+            with pytest.raises(RuntimeError, match="forward-mode AD"):
+                f(dual)
+                pytest.fail(f"forward_ad through {fname} did not raise")
     looped = torch.stack([det_train.swiglu(row) for row in x])
     assert_bitwise_equal(torch.func.vmap(det_train.swiglu)(x), looped, "vmap(swiglu)")

@@ -53,21 +53,26 @@ _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 _VMAP = torch._C._functorch.TransformType.Vmap
+_forward_ad = torch.autograd.forward_ad
 
 
-def check_no_functorch_autodiff(op: str) -> None:
+def check_no_functorch_autodiff(op: str, tensors: tuple = ()) -> None:
     """Raise ``RuntimeError`` under a ``torch.func`` transform other than vmap (grad, vjp, jvp,
-    jacrev, jacfwd, hessian) at the innermost level.
+    jacrev, jacfwd, hessian) at the innermost level, or when one of ``tensors`` is a forward-mode
+    dual tensor (``torch.autograd.forward_ad``).
 
     Our ops have no forward-mode formula, and functorch's grad cannot run the autograd Function of
-    an operator's ``Autograd`` kernel; without this check a ``jvp`` would pass through the kernel
-    below autograd and return zero tangents. ``vmap`` is fine (functorch loops over the batch).
+    an operator's ``Autograd`` kernel; without this check a ``jvp`` (or a dual tensor that does not
+    require grad) would pass through the kernel below autograd and lose its tangent. ``vmap`` is
+    fine (functorch loops over the batch).
 
     Args:
         op: the public name of the op, for the message.
+        tensors: the op's tensor arguments, checked for tangents inside a ``dual_level``.
 
     Raises:
-        RuntimeError: a functorch autodiff transform is active; use ``torch.autograd`` instead.
+        RuntimeError: a functorch autodiff transform is active, or a dual tensor was passed; use
+            ``torch.autograd`` instead.
 
     **Determinism:** a check only.
     """
@@ -79,6 +84,13 @@ def check_no_functorch_autodiff(op: str) -> None:
                 "not supported by our ops; use torch.autograd (loss.backward() or torch.autograd.grad), and "
                 "torch.func.vmap over it"
             )
+    if _forward_ad._current_level >= 0:  # inside a dual_level (no cost outside one)
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and _forward_ad.unpack_dual(t).tangent is not None:
+                raise RuntimeError(
+                    f"{op}: forward-mode AD (torch.autograd.forward_ad dual tensors) is not supported by our "
+                    "ops; use reverse mode (loss.backward() or torch.autograd.grad)"
+                )
 
 
 def plain_eager(args: tuple) -> bool:

@@ -309,7 +309,7 @@ def _apply(*args):
 def padded_autograd(q, k, v, *options):
     """The ``Autograd`` kernel of ``attention_forward`` (eager ``attention`` calls it directly: one
     dispatcher round trip less; torch.compile sees the operator)."""
-    runtime.check_no_functorch_autodiff(_PADDED_OP)  # a jvp would otherwise get zero tangents
+    runtime.check_no_functorch_autodiff(_PADDED_OP, (q, k, v))  # a jvp would otherwise lose its tangents
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _apply(q, k, v, None, None, options)
     if runtime.plain_eager((q, k, v)):  # the operator's kernel, as in _AttentionFunction.forward
@@ -321,7 +321,7 @@ def padded_autograd(q, k, v, *options):
 @torch.compiler.disable  # as padded_autograd
 def packed_autograd(q, k, v, cu_q, cu_k, *options):
     """The ``Autograd`` kernel of ``attention_varlen_forward`` (see ``padded_autograd``)."""
-    runtime.check_no_functorch_autodiff(_PACKED_OP)
+    runtime.check_no_functorch_autodiff(_PACKED_OP, (q, k, v))
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _apply(q, k, v, cu_q, cu_k, options)
     if runtime.plain_eager((q, k, v, cu_q, cu_k)):

@@ -63,6 +63,7 @@ _apply = torch._C._FunctionBase.__dict__["apply"]
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")  # held for the process: dropping it deregisters
 _BELOW_AUTOGRAD = torch._C._AutoDispatchBelowAutograd
 _any_requires_grad = torch._C._any_requires_grad
+_FORWARD_AD = torch.autograd.forward_ad
 
 
 class Op:
@@ -109,9 +110,11 @@ class Op:
             self.overload = getattr(getattr(torch.ops, NAMESPACE), self.name).default
             self.__doc__ = impl.__doc__
             return self
+        if _FORWARD_AD._current_level >= 0:  # inside a dual_level: a dual tensor would lose its tangent
+            check_no_functorch_autodiff(f"det_train.{self.name}", args)
         if plain_eager(args):
             return self.impl(*args) if self.apply is None else self.apply(*args)
-        check_no_functorch_autodiff(f"det_train.{self.name}")
+        check_no_functorch_autodiff(f"det_train.{self.name}", args)
         return self.overload(*args)
 
     def register_fake(self, fake):
@@ -160,7 +163,7 @@ class Op:
             backward = staticmethod(user_backward)
 
         def autograd_kernel(*args):
-            check_no_functorch_autodiff(public)  # also for calls that reach the operator directly
+            check_no_functorch_autodiff(public, args)  # also for calls that reach the operator directly
             # nothing to record (a compiled graph's forward runs under no_grad): straight below autograd
             if not (torch.is_grad_enabled() and _any_requires_grad(*args)):
                 with _BELOW_AUTOGRAD():
