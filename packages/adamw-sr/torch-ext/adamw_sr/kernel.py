@@ -453,37 +453,24 @@ def _step_program(
                 STATE, STATE_STOCHASTIC,
             )  # fmt: skip
         elif (tile_local < segment_end) & (tile_local + SUB > segment_start):
-            if EDGE_SUB == SUB:
-                _step_tile(
-                    param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
-                    param_off, grad_off, exp_avg_off, exp_avg_sq_off, max_off,
-                    tile_local, segment_start, segment_end, window_global + sub,
-                    step, step_size, bias_correction2_sqrt, lr_decay,
-                    beta1_f, one_minus_beta1, beta2_f, one_minus_beta2, eps_f, inv_scale,
-                    seed_lo, seed_hi, rng_stream,
-                    exp_avg_scale_ptr, exp_avg_sq_scale_ptr, exp_avg_scale_off, exp_avg_sq_scale_off,
-                    state_stream,
-                    AMSGRAD, MAXIMIZE, PARAM_BF16, STOCHASTIC, False, True, SUB, TILE_2D, UNSCALE,
-                    STATE, STATE_STOCHASTIC,
-                )  # fmt: skip
-            else:
-                # small masked sub-tiles: a masked tile is not vectorized and its layout conversions
-                # hold values in registers; at SUB elements it sets the whole kernel's register count
-                for part in range(0, SUB, EDGE_SUB):
-                    part_local = tile_local + part
-                    if (part_local < segment_end) & (part_local + EDGE_SUB > segment_start):
-                        _step_tile(
-                            param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
-                            param_off, grad_off, exp_avg_off, exp_avg_sq_off, max_off,
-                            part_local, segment_start, segment_end, window_global + sub + part,
-                            step, step_size, bias_correction2_sqrt, lr_decay,
-                            beta1_f, one_minus_beta1, beta2_f, one_minus_beta2, eps_f, inv_scale,
-                            seed_lo, seed_hi, rng_stream,
-                            exp_avg_scale_ptr, exp_avg_sq_scale_ptr, exp_avg_scale_off,
-                            exp_avg_sq_scale_off, state_stream,
-                            AMSGRAD, MAXIMIZE, PARAM_BF16, STOCHASTIC, False, True, EDGE_SUB, TILE_2D,
-                            UNSCALE, STATE, STATE_STOCHASTIC,
-                        )  # fmt: skip
+            # masked sub-tiles of EDGE_SUB (SUB: one, the fp32 kernel's case): a masked tile is not
+            # vectorized and its layout conversions hold values in registers; at SUB elements it
+            # sets the whole kernel's register count
+            for part in range(0, SUB, EDGE_SUB):
+                part_local = tile_local + part
+                if (part_local < segment_end) & (part_local + EDGE_SUB > segment_start):
+                    _step_tile(
+                        param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
+                        param_off, grad_off, exp_avg_off, exp_avg_sq_off, max_off,
+                        part_local, segment_start, segment_end, window_global + sub + part,
+                        step, step_size, bias_correction2_sqrt, lr_decay,
+                        beta1_f, one_minus_beta1, beta2_f, one_minus_beta2, eps_f, inv_scale,
+                        seed_lo, seed_hi, rng_stream,
+                        exp_avg_scale_ptr, exp_avg_sq_scale_ptr, exp_avg_scale_off,
+                        exp_avg_sq_scale_off, state_stream,
+                        AMSGRAD, MAXIMIZE, PARAM_BF16, STOCHASTIC, False, True, EDGE_SUB, TILE_2D,
+                        UNSCALE, STATE, STATE_STOCHASTIC,
+                    )  # fmt: skip
 
 
 @triton.jit
