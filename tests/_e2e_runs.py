@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from det_core.testing import assert_bitwise_equal, run_in_fresh_process
+from det_core.testing import assert_bitwise_equal, run_in_fresh_process, run_processes
 
 from examples import train_gpt as tg
 
@@ -122,20 +122,9 @@ def _fresh_process_main(checkpoint: str, out: str) -> None:
     import adamw_sr  # noqa: F401
     import det_attn  # noqa: F401
     import det_train  # noqa: F401
-    import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.get_context("fork")
-        procs = [ctx.Process(target=_rank_worker, args=(r, tmp)) for r in range(max(RANK_JOBS))]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=600)
-        codes = [p.exitcode for p in procs]
-        if any(c != 0 for c in codes):
-            for p in procs:
-                p.kill()
-            raise RuntimeError(f"gloo ranks exited with {codes} (tracebacks above, on stderr)")
+        run_processes(_rank_worker, [(r, tmp) for r in range(max(RANK_JOBS))], what="gloo ranks")
         ranks = {w: torch.load(os.path.join(tmp, f"result-{w}.pt"), weights_only=True) for w in RANK_JOBS}
     # resumed first: nothing of steps 0 and 1 has run in this process
     cfg = tiny(micro_batch_seqs=GLOBAL_BATCH)

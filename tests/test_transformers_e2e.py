@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 import adamw_sr  # noqa: E402
 import det_attn  # noqa: E402
 import det_train  # noqa: E402
-from det_core.testing import contiguous_splits, digest, run_in_fresh_process  # noqa: E402
+from det_core.testing import contiguous_splits, digest, run_in_fresh_process, run_processes  # noqa: E402
 
 from tests._e2e_runs import _once_per_run  # noqa: E402
 
@@ -174,22 +174,11 @@ def data_parallel(world: int) -> list[dict]:
     """Each rank's digests, on ``world`` gloo ranks forked from this process, which must not have
     run torch ops yet (a forked OpenMP thread pool deadlocks): ``fresh_runs`` calls it first thing
     in a new interpreter, so torch, transformers and the kernels are imported once for all ranks."""
-    import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         outs = [str(Path(tmp, f"rank{r}.json")) for r in range(world)]
-        ctx = mp.get_context("fork")
         init = f"file://{Path(tmp, 'init')}"
-        procs = [ctx.Process(target=_rank, args=(r, world, init, outs[r])) for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=600)
-        codes = [p.exitcode for p in procs]
-        if any(c != 0 for c in codes):
-            for p in procs:
-                p.kill()
-            raise AssertionError(f"DP={world}: rank exit codes {codes} (tracebacks above, on stderr)")
+        run_processes(_rank, [(r, world, init, outs[r]) for r in range(world)], what=f"DP={world} ranks")
         return [json.loads(Path(o).read_text()) for o in outs]
 
 

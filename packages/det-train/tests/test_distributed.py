@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from det_core.reduce import canonical_sum
-from det_core.testing import assert_bitwise_equal
+from det_core.testing import assert_bitwise_equal, run_processes
 
 CASES = {
     1: "accum_contiguous,accum_interleaved,ops_accum,ops_accum_odd,hook8,hook12",
@@ -29,24 +29,12 @@ def run_ranks(world: int) -> tuple[dict, ...]:
     Ranks are forked from this process (torch already imported: a fresh import per rank costs
     seconds on a small CI machine); the parent never joins a process group.
     """
-    import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{Path(tmp, 'init')}"
         outs = [str(Path(tmp, f"rank{r}.pt")) for r in range(world)]
-        ctx = mp.get_context("fork")
-        procs = [
-            ctx.Process(target=_rank_main, args=(r, world, CASES[world], init, outs[r])) for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=300)
-        codes = [p.exitcode for p in procs]
-        if any(c != 0 for c in codes):
-            for p in procs:
-                p.kill()
-            raise AssertionError(f"DP={world}: rank exit codes {codes} (tracebacks above, on stderr)")
+        args = [(r, world, CASES[world], init, outs[r]) for r in range(world)]
+        run_processes(_rank_main, args, timeout=300, what=f"DP={world} ranks")
         return tuple(torch.load(o) for o in outs)
 
 
@@ -133,7 +121,6 @@ def test_ddp_hook_matches_accumulator_when_aligned():
 
 
 def _run_nccl(world: int, cases: str) -> list[dict]:
-    import torch.multiprocessing as mp
 
     sys.path.insert(0, str(Path(__file__).parent))
     import dp_worker
@@ -141,17 +128,9 @@ def _run_nccl(world: int, cases: str) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{Path(tmp, 'init')}"
         outs = [str(Path(tmp, f"rank{r}.pt")) for r in range(world)]
-        ctx = mp.get_context("spawn")  # CUDA is initialised in this process: no fork
-        procs = [
-            ctx.Process(target=dp_worker.run_rank, args=(r, world, cases, init, outs[r], "nccl"))
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=600)
-        codes = [p.exitcode for p in procs]
-        assert codes == [0] * world, f"NCCL ranks failed: exit codes {codes}"
+        args = [(r, world, cases, init, outs[r], "nccl") for r in range(world)]
+        # CUDA is initialised in this process: no fork
+        run_processes(dp_worker.run_rank, args, start_method="spawn", what="NCCL ranks")
         return [torch.load(o) for o in outs]
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from det_core.testing import assert_bitwise_equal
+from det_core.testing import assert_bitwise_equal, run_processes
 
 sys.path.insert(0, str(Path(__file__).parent))
 import dp_reduce_worker as worker  # noqa: E402
@@ -53,26 +53,13 @@ def one_process(batch_seqs: int = 8) -> dict:
 @functools.cache
 def ranks(world: int) -> tuple[list, ...]:
     """Each rank's job results for ``world`` forked gloo ranks (the parent joins no group)."""
-    import torch.multiprocessing as mp
 
     one_process(8), one_process(4)  # first, so the forked ranks inherit loaded kernels
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{Path(tmp, 'init')}"
         outs = [str(Path(tmp, f"rank{r}.pt")) for r in range(world)]
-        ctx = mp.get_context("fork")
-        procs = [
-            ctx.Process(target=worker.run_rank, args=(r, world, JOBS[world], init, outs[r]))
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=300)
-        codes = [p.exitcode for p in procs]
-        if codes != [0] * world:
-            for p in procs:
-                p.kill()
-            raise AssertionError(f"DP={world}: rank exit codes {codes} (tracebacks above, on stderr)")
+        args = [(r, world, JOBS[world], init, outs[r]) for r in range(world)]
+        run_processes(worker.run_rank, args, timeout=300, what=f"DP={world} ranks")
         return tuple(torch.load(o, weights_only=False) for o in outs)
 
 

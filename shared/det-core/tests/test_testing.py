@@ -10,6 +10,7 @@ from det_core.testing import (
     contiguous_splits,
     digest,
     run_in_fresh_process,
+    run_processes,
 )
 
 
@@ -89,3 +90,17 @@ def test_fresh_process_returns_last_line_and_reports_failure():
 def test_plugin_registers_markers(pytestconfig):
     markers = "\n".join(pytestconfig.getini("markers"))
     assert "gpu:" in markers and "slow:" in markers
+
+
+def _exit_with(code: int, path: str) -> None:
+    with open(path, "w") as f:
+        f.write(str(code))
+    raise SystemExit(code)
+
+
+def test_run_processes_passes_when_every_process_exits_0_and_names_the_codes_otherwise(tmp_path):
+    paths = [str(tmp_path / f"p{i}") for i in range(3)]
+    run_processes(_exit_with, [(0, p) for p in paths], what="ok ranks")
+    assert [open(p).read() for p in paths] == ["0", "0", "0"]
+    with pytest.raises(AssertionError, match=r"bad ranks: exit codes \[0, 3, 0\]"):
+        run_processes(_exit_with, [(0, paths[0]), (3, paths[1]), (0, paths[2])], what="bad ranks")

@@ -29,6 +29,7 @@ __all__ = [
     "digest",
     "find_divergence",
     "run_in_fresh_process",
+    "run_processes",
     "DivergenceReport",
     "Difference",
 ]
@@ -199,6 +200,41 @@ def assert_decomposition_invariant(
         if digest(got) != digest(ref):
             _compare_nested(got, ref, f"{name} [{p} parts]")
             raise AssertionError(f"{name}: digest differs with {p} parts")
+
+
+def run_processes(
+    target: Callable,
+    args_per_process: Sequence[tuple],
+    *,
+    start_method: str = "fork",
+    timeout: float = 600,
+    what: str = "processes",
+) -> None:
+    """Start one ``torch.multiprocessing`` process per argument tuple (``target(*args)``), wait
+    for all, and raise unless every one exited with 0.
+
+    For multi-rank tests (one process per gloo / NCCL rank): a rank that fails or hangs past
+    ``timeout`` seconds gets the others killed, so the test fails instead of waiting in a
+    collective. ``start_method``: ``"fork"`` (ranks inherit the loaded kernels) or ``"spawn"``
+    (needed once CUDA is initialised in the parent). Results travel through files the target writes.
+
+    Raises:
+        AssertionError: ``what`` and every process's exit code (None: still running at the timeout),
+            the tracebacks being on stderr.
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context(start_method)
+    procs = [ctx.Process(target=target, args=args) for args in args_per_process]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    codes = [p.exitcode for p in procs]
+    if any(c != 0 for c in codes):
+        for p in procs:
+            p.kill()
+        raise AssertionError(f"{what}: exit codes {codes} (tracebacks above, on stderr)")
 
 
 def run_in_fresh_process(
