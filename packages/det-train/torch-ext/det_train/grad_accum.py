@@ -567,7 +567,6 @@ class CanonicalGradAccumulator:
         total_tokens = as_index(total_tokens, "total_tokens", "reduce")  # TypeError
         if total_tokens <= 0:
             raise ValueError(f"total_tokens must be a positive int, got {total_tokens!r}")
-        total_leaves = num_leaves(total_tokens, self.leaf_tokens)
         try:  # this rank's checks: under data parallelism every rank learns of a refusal (no hang)
             local, refusal = self._local_partials(total_tokens), None
         except (ValueError, RuntimeError) as err:
@@ -578,31 +577,9 @@ class CanonicalGradAccumulator:
             return
         if refusal is not None:
             raise refusal
-        partials = local
         grads: dict[int, torch.Tensor] = {}
-        for (index, _use), partial in sorted(partials.items()):
-            name = self._names[index]
-            if any((i << level) >= total_leaves for level, i in partial.nodes):  # first leaf of a node
-                raise ValueError(
-                    f"{name}: deposits reach past leaf {total_leaves - 1} "
-                    f"(total_tokens={total_tokens}, leaf_tokens={self.leaf_tokens})"
-                )
-            try:
-                root = partial.result(total_leaves)
-            except ValueError as err:
-                raise ValueError(
-                    f"{name} (use {_use}): {_uncovered_tokens(partial, total_tokens, self.leaf_tokens)} "
-                    f"of total_tokens={total_tokens} received no micro-batch on any rank: check "
-                    f"total_tokens, that every micro-batch ran its backward and used this parameter ({err})"
-                ) from None
+        for (index, _use), root in self._checked_roots(dict(sorted(local.items())), total_tokens).items():
             grads[index] = root if index not in grads else grads[index] + root
-        missing = [self._names[i] for i in range(len(self._params)) if i not in grads]
-        if missing:
-            raise RuntimeError(
-                f"no canonical-order gradient was deposited for {missing}: their gradients come from "
-                "ops that are not canonical-order aware (use det_train ops), or they were not used; "
-                "leave unused parameters out of the accumulator"
-            )
         for index, grad in grads.items():
             p = self._params[index]
             if index in self._fsdp:
@@ -672,6 +649,37 @@ class CanonicalGradAccumulator:
                 raise ValueError(f"{self._names[index]} (use {use}): {err}") from None
         return local
 
+    def _checked_roots(self, trees: dict, total_tokens: int) -> dict:
+        """``{slot: root}`` of each parameter use's tree over ``total_tokens``, in ``trees``' order;
+        raises when a tree reaches past the last leaf or leaves tokens uncovered, or a parameter has
+        no tree (the checks of one process and of the merged node keys of all ranks)."""
+        total_leaves = num_leaves(total_tokens, self.leaf_tokens)
+        roots = {}
+        for (index, use), tree in trees.items():
+            name = self._names[index]
+            if any((i << level) >= total_leaves for level, i in tree.nodes):  # first leaf of a node
+                raise ValueError(
+                    f"{name}: deposits reach past leaf {total_leaves - 1} "
+                    f"(total_tokens={total_tokens}, leaf_tokens={self.leaf_tokens})"
+                )
+            try:
+                roots[index, use] = tree.result(total_leaves)
+            except ValueError as err:
+                raise ValueError(
+                    f"{name} (use {use}): {_uncovered_tokens(tree, total_tokens, self.leaf_tokens)} "
+                    f"of total_tokens={total_tokens} received no micro-batch on any rank: check "
+                    f"total_tokens, that every micro-batch ran its backward and used this parameter ({err})"
+                ) from None
+        used = {index for index, _ in trees}
+        missing = [self._names[i] for i in range(len(self._params)) if i not in used]
+        if missing:
+            raise RuntimeError(
+                f"no canonical-order gradient was deposited for {missing}: their gradients come from "
+                "ops that are not canonical-order aware (use det_train ops), or they were not used; "
+                "leave unused parameters out of the accumulator"
+            )
+        return roots
+
     def _reduce_across_ranks(
         self, group, partials: dict, refusal: Exception | None, total_tokens: int
     ) -> None:
@@ -693,29 +701,7 @@ class CanonicalGradAccumulator:
             )
         keys = dp_reduce.exchange_node_keys(partials, specs, group, refusal)
         total_leaves = num_leaves(total_tokens, self.leaf_tokens)
-        trees = dp_reduce.merge_node_keys(keys, self._names)
-        for (index, use), tree in trees.items():
-            name = self._names[index]
-            if any((i << level) >= total_leaves for level, i in tree.nodes):  # first leaf of a node
-                raise ValueError(
-                    f"{name}: deposits reach past leaf {total_leaves - 1} "
-                    f"(total_tokens={total_tokens}, leaf_tokens={self.leaf_tokens})"
-                )
-            try:
-                tree.result(total_leaves)
-            except ValueError as err:
-                raise ValueError(
-                    f"{name} (use {use}): {_uncovered_tokens(tree, total_tokens, self.leaf_tokens)} "
-                    f"of total_tokens={total_tokens} received no micro-batch on any rank: check "
-                    f"total_tokens, that every micro-batch ran its backward and used this parameter ({err})"
-                ) from None
-        missing = [self._names[i] for i in range(len(self._params)) if all(slot[0] != i for slot in trees)]
-        if missing:
-            raise RuntimeError(
-                f"no canonical-order gradient was deposited for {missing}: their gradients come from "
-                "ops that are not canonical-order aware (use det_train ops), or they were not used; "
-                "leave unused parameters out of the accumulator"
-            )
+        self._checked_roots(dp_reduce.merge_node_keys(keys, self._names), total_tokens)
         grads = dp_reduce.owner_reduce(specs, partials, keys, total_leaves, group)
         for index, grad in grads.items():
             p = self._params[index]
