@@ -8,8 +8,9 @@ M in {1024, 2048, 4096, 8192} tokens, and the issue's 1024 x 4096 x 4096 as a gu
   against ``torch.matmul``; bits compared with the table's entry for the shape (only ``block_k``
   changes bits, so every candidate must give them);
 - the open leaf's dW fold (``weight_grad_fold``, resumed from a stored fp32 accumulator, the form
-  a micro-batch inside an 8192-token leaf takes) over T in {2048, 4096} tokens: every candidate
-  tile against ``torch.matmul(dY.T, X)``; bits against the table's fold.
+  a micro-batch inside an 8192-token leaf takes) over T in {1024, 2048, 4096} tokens (and the
+  guard shape, printed only): every candidate tile against ``torch.matmul(dY.T, X)``; bits
+  against the table's fold.
 
 Device time: each call captured ``n`` times in one CUDA graph (``n`` sized to ~2 ms of work),
 replayed 5 times, the median per call: no host launch time (the step runs in a CUDA graph, and
@@ -50,7 +51,7 @@ LAYERS = [("qkv", 2304, 768, 12), ("attn_out", 768, 768, 12), ("gate_up", 5120, 
 LAYERS += [("down", 768, 2560, 12), ("lm_head", 256, 768, 1)]
 GUARD = ("guard 4096x4096", 4096, 4096, 0)  # the 1024 x 4096 x 4096 (weight 0: printed only)
 ROWS = [1024, 2048, 4096, 8192]
-FOLD_TOKENS = [2048, 4096]
+FOLD_TOKENS = [1024, 2048, 4096]
 
 _M = MatmulConfig
 FWD_CANDIDATES = {
@@ -172,7 +173,7 @@ def _sweep_matmul(rows: list[dict], time_fn) -> None:
 
 def _sweep_fold(rows: list[dict], time_fn) -> None:
     gen = torch.Generator(device=DEVICE).manual_seed(1)
-    for name, n, k, uses in LAYERS:
+    for name, n, k, uses in [*LAYERS, GUARD]:
         table = configs.weight_grad_fold_config(torch.bfloat16, n, k)
         acc = torch.randn(n, k, device=DEVICE, generator=gen)  # the leaf's fold so far
         for t in FOLD_TOKENS:
@@ -267,6 +268,7 @@ def summarize(rows: list[dict]) -> dict:
         bad = sorted({r["name"] for r in rows if r["op"] == op and r["bits"] not in ("same", "—")})
         if bad:
             print(f"{op}: candidates with other bits or errors (left out): {bad}")
+        low, _ = _best(rows, op, cands, lambda r: r["cls"] == "low")
         mid, _ = _best(rows, op, cands, lambda r: r["cls"] == "mid")
         many, _ = _best(rows, op, cands, lambda r: r["cls"] == "many")
         now = _step_time(rows, op, lambda r: _table_choice(rows, r))
@@ -279,12 +281,14 @@ def summarize(rows: list[dict]) -> dict:
                 if t < best_t:
                     best_fill, best_t = f, t
         summary[op] = dict(
-            mid=mid, many=many, mid_max_fill=best_fill, step_us=best_t, now_us=now, cublas_us=cublas
+            low=low, mid=mid, many=many, mid_max_fill=best_fill, step_us=best_t, now_us=now, cublas_us=cublas
         )
         print(
             f"\n{op}: step-weighted device time now {now:.0f} us, cuBLAS {cublas:.0f} us; best mid entry "
             f"{mid!r}, best many entry {many!r}; with MID_MAX_FILL = {best_fill}: {best_t:.0f} us"
         )
+        if low:
+            print(f'  configs.py _MATMUL_TABLE[("half", "{table_key[op]}", "large", "low")] = {cands[low]!r}')
         if mid:
             print(f'  configs.py _MATMUL_TABLE[("half", "{table_key[op]}", "large", "mid")] = {cands[mid]!r}')
         if many:

@@ -161,6 +161,7 @@ def test_row_threshold_switches_kernel_not_bits(monkeypatch):
     mm = importlib.import_module("det_train.matmul")  # the module (det_train.matmul is also a function)
     monkeypatch.setattr(configs, "TMA_MIN_ROWS", 64)
     monkeypatch.setattr(configs, "MID_MAX_FILL", 0.0)  # 64 rows in the "many" class, not "mid"
+    monkeypatch.setattr(configs, "LOW_MAX_FILL", 0.0)  # nor "low"
     used = []
     real_launch_tma = mm._launch_tma
     monkeypatch.setattr(mm, "_launch_tma", lambda *a, **kw: used.append("tma") or real_launch_tma(*a, **kw))

@@ -28,14 +28,18 @@ def _randn(*shape, seed=0):
 
 
 def test_rows_class_depends_on_m_only_through_the_tile_count():
-    """The main job's layers (d_model 768) on 132 SMs: 768-wide results of 2048-8192 rows are
-    "mid", wide ones and the issue's 1024 x 4096 x 4096 (128 tiles, 97% of one wave) "many"."""
-    assert configs.WAVE_SMS == 132 and configs.MID_MAX_FILL == 0.75
+    """The main job's layers (d_model 768) on 132 SMs: results of micro-batches of 1024 rows are
+    "low" (except the 5120-wide gate|up, "mid"), 768-wide results of 2048-8192 rows "mid", wide
+    ones and the issue's 1024 x 4096 x 4096 (128 tiles, 97% of one wave) "many"."""
+    assert configs.WAVE_SMS == 132 and configs.MID_MAX_FILL == 0.75 and configs.LOW_MAX_FILL == 0.62
     assert configs.wave_fill(2048, 768) == 48 / 132
     assert configs.wave_fill(2048, 2304) == 144 / 264
+    assert configs.wave_fill(1024, 2560, 128, 128) == 160 / 264  # 0.606: the down projection's dX
     assert configs.wave_fill(0, 768) == 0.0
     for rows, n, cls in [
-        (1023, 768, "few"), (2048, 768, "mid"), (4096, 768, "mid"), (8192, 768, "mid"),
+        (1023, 768, "few"), (1024, 768, "low"), (1024, 2304, "low"), (1024, 2560, "low"),
+        (1024, 5120, "mid"), (4096, 256, "low"), (8192, 256, "mid"), (2047, 768, "mid"),
+        (2048, 768, "mid"), (4096, 768, "mid"), (8192, 768, "mid"),
         (16384, 768, "many"), (2048, 2304, "mid"), (2048, 5120, "many"), (1024, 4096, "many"),
         (8192, 14336, "many"), (None, 768, "many"),
     ]:  # fmt: skip
@@ -46,10 +50,13 @@ def test_rows_class_depends_on_m_only_through_the_tile_count():
     # the entries the classes select; block_k is the dtype's in every one (the K order)
     b16 = torch.bfloat16
     for layout in ("nt", "nn"):
+        low = configs.matmul_config(b16, layout, 768, 768, rows=1024)
         mid = configs.matmul_config(b16, layout, 768, 768, rows=2048)
         big = configs.matmul_config(b16, layout, 768, 768, rows=16384)
+        assert low == configs._MATMUL_TABLE[("half", layout, "large", "low")]
         assert mid == configs._MATMUL_TABLE[("half", layout, "large", "mid")]
-        assert mid.block_m * mid.block_n < big.block_m * big.block_n and mid.block_k == big.block_k == 64
+        assert low.block_m * low.block_n < mid.block_m * mid.block_n < big.block_m * big.block_n
+        assert low.block_k == mid.block_k == big.block_k == 64
     for layout in ("tn", "tt"):  # no "mid" entry: the layout's "any" entry
         assert configs.matmul_config(b16, layout, 768, 768, rows=2048) == configs.matmul_config(
             b16, layout, 768, 768, rows=16384
@@ -60,10 +67,11 @@ def test_rows_class_depends_on_m_only_through_the_tile_count():
     )
 
 
-def test_mid_rows_class_switches_tiles_not_bits(monkeypatch):
-    """One call signature under the "mid" class (MID_MAX_FILL above every fill) and under "many"
-    (MID_MAX_FILL 0): the forward x @ W.T (TMA kernel: 128 x 128 against 128 x 256 tiles, with and
-    without bias) and dX = dY @ W (pointer kernel) give the same bits; the configs that ran differ."""
+def test_low_and_mid_rows_classes_switch_tiles_not_bits(monkeypatch):
+    """One call signature under the "low" class (LOW_MAX_FILL above every fill), "mid"
+    (MID_MAX_FILL above every fill) and "many" (both 0): the forward x @ W.T (TMA kernel: 64 x 128,
+    128 x 128 and 128 x 256 tiles, with and without bias) and dX = dY @ W (TMA 64 x 128, pointer
+    128 x 128 and 128 x 256) give the same bits; the configs that ran differ."""
     monkeypatch.setattr(configs, "TMA_MIN_ROWS", 64)  # 64 rows take the TMA forward
     ran = []
     real_config = mm.matmul_config
@@ -75,15 +83,17 @@ def test_mid_rows_class_switches_tiles_not_bits(monkeypatch):
         _randn(64, 320, seed=4),
     )
     results = {}
-    for cls, fill in (("mid", 1.01), ("many", 0.0)):
-        monkeypatch.setattr(configs, "MID_MAX_FILL", fill)
+    for cls, low_fill, mid_fill in (("low", 1.01, 1.01), ("mid", 0.0, 1.01), ("many", 0.0, 0.0)):
+        monkeypatch.setattr(configs, "LOW_MAX_FILL", low_fill)
+        monkeypatch.setattr(configs, "MID_MAX_FILL", mid_fill)
         ran.clear()
         fwd = [mm.launch_linear(x, w, _empty(64, 320), b) for b in (None, bias)]
         dx = mm.launch_matmul(dy, w, _empty(64, 256))
-        expected = [("nt", cls), ("nt", cls), ("nn", cls if cls == "mid" else "any")]
+        expected = [("nt", cls), ("nt", cls), ("nn", cls if cls != "many" else "any")]
         assert ran == [configs._MATMUL_TABLE[("half", layout, "large", c)] for layout, c in expected], cls
         results[cls] = (*fwd, dx)
-    for name, mid, many in zip(("y", "y + bias", "dx"), results["mid"], results["many"], strict=True):
+    for name, low, mid, many in zip(("y", "y + bias", "dx"), *results.values(), strict=True):
+        assert_bitwise_equal(low, many, f"{name}: low vs many tiles")
         assert_bitwise_equal(mid, many, f"{name}: mid vs many tiles")
 
 
@@ -123,14 +133,15 @@ def test_fold_tiles_do_not_change_bits():
 @pytest.mark.parametrize("n", [768, 2304])
 def test_gpu_row_invariance_across_the_rows_classes(n):
     """Rows of x @ W.T (+ bias) and of dY @ W at the main job's widths (K = 768) from M = 1 to
-    16384: "few", "mid" (2048-8192 rows at N = 768) and "many" — anchor first / middle / last."""
+    16384: "few", "low" (1024 rows), "mid" (2048-8192 rows at N = 768) and "many" — anchor first /
+    middle / last."""
     from det_train.linear import linear
 
     k = 768
     w, bias = _randn(n, k, seed=60), _randn(n, seed=61)
     rows = [1, 3, 1023, 1024, 2047, 2048, 4096, 8192, 16384]
     classes = {configs.rows_class(m, n) for m in rows}
-    assert classes == {"few", "mid", "many"}, classes
+    assert classes == {"few", "low", "mid", "many"}, classes
     assert_row_invariant(
         lambda x: linear(x, w, bias), lambda m: _randn(m, k, seed=m), rows, _randn(1, k, seed=62), "y"
     )

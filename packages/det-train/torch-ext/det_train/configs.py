@@ -5,6 +5,9 @@ rows M (tokens) takes part in the **rows class**, and never in the reduction ord
 class **M selects between tilings and kernels whose bits are identical** —
 
 - ``"few"`` (``"nt"`` only): ``M < TMA_MIN_ROWS`` (1024), the pointer kernel;
+- ``"low"`` (``"nt"`` and ``"nn"``): even the "mid" entry's 128 x 128 output tiles would fill their
+  waves on ``WAVE_SMS`` SMs to less than ``LOW_MAX_FILL`` (e.g. 48 tiles at M = 1024, N = 768: one
+  micro-batch of 1024 tokens), so 64 x 128 tiles run;
 - ``"mid"`` (``"nt"`` and ``"nn"``): the large entry's 128 x 256 output tiles would fill their
   waves on ``WAVE_SMS`` SMs to less than ``MID_MAX_FILL`` (``wave_fill``: e.g. 48 tiles at
   M = 2048, N = 768 fill 36% of one wave), so smaller tiles run (128 x 128);
@@ -49,6 +52,7 @@ import torch
 __all__ = [
     "BIAS_GRAD_BLOCK_T",
     "FOLD_MID_MAX_ELEMENTS",
+    "LOW_MAX_FILL",
     "MID_MAX_FILL",
     "TMA_MIN_ROWS",
     "WAVE_SMS",
@@ -121,16 +125,24 @@ TMA_MIN_ROWS = 1024
 WAVE_SMS = 132
 MID_MAX_FILL = 0.75
 _WAVE_TILE = (128, 256)  # the output tile of the large entries, which the wave fill is computed for
+# The rows class "low": a call whose "mid" tiles (128 x 128) would still fill their waves to less than
+# LOW_MAX_FILL takes 64 x 128 tiles (the main job's layers at micro-batches of 1024 tokens: 0.73-0.96x
+# cuBLAS against 0.55-0.75x for 128 x 128, run 12's sweep_micro_batches on an H200).
+LOW_MAX_FILL = 0.62
+_MID_TILE = (128, 128)
 
 # (dtype group, layout, shape class of N and K, rows class) -> config. Shape class "large": N >= 256
-# and K >= 256. Rows class (rows_class): "few" (M < TMA_MIN_ROWS), "mid" (low wave fill), "many";
-# a layout without an entry for the class takes its "any" entry. Every entry has one block_k per
-# dtype, so the same bits (module docstring). Chosen from benchmarks/ablate_matmul.py and
-# benchmarks/sweep_micro_batches.py on an H200 (the numbers: docs/benchmarks).
+# and K >= 256. Rows class (rows_class): "few" (M < TMA_MIN_ROWS), "low" (very low wave fill), "mid"
+# (low wave fill), "many"; a layout without an entry for the class takes its "any" entry ("low"
+# without one: "mid"). Every entry has one block_k per dtype, so the same bits (module docstring).
+# Chosen from benchmarks/ablate_matmul.py and benchmarks/sweep_micro_batches.py on an H200 (the
+# numbers: docs/benchmarks).
 _MATMUL_TABLE: dict[tuple[str, str, str, str], MatmulConfig] = {
+    ("half", "nn", "large", "low"): MatmulConfig(64, 128, 64, 8, 4, 4, tma=True),
     ("half", "nn", "large", "mid"): MatmulConfig(128, 128, 64, 8, 4, 4),
     ("half", "nn", "large", "any"): MatmulConfig(128, 256, 64, 8, 8, 4),
     ("half", "nt", "large", "many"): MatmulConfig(128, 256, 64, 8, 8, 4, tma=True),
+    ("half", "nt", "large", "low"): MatmulConfig(64, 128, 64, 8, 4, 4, tma=True),
     ("half", "nt", "large", "mid"): MatmulConfig(128, 128, 64, 8, 4, 3, tma=True),
     ("half", "nt", "large", "few"): MatmulConfig(128, 256, 64, 8, 8, 3),
     ("half", "tn", "large", "any"): MatmulConfig(128, 256, 64, 8, 8, 3),
@@ -231,13 +243,16 @@ def wave_fill(rows: int, n: int, block_m: int = _WAVE_TILE[0], block_n: int = _W
 
 def rows_class(rows: int | None, n: int | None = None) -> str:
     """The rows class of an ``(rows, n)`` result: ``"few"`` when ``rows < TMA_MIN_ROWS``, else
-    ``"mid"`` when ``n`` is given and ``wave_fill(rows, n) < MID_MAX_FILL``, else ``"many"``
-    (also for ``rows`` None). Selects only between tilings and kernels of one ``block_k`` (the
-    same bits), never the reduction order."""
+    (``n`` given) ``"low"`` when 128 x 128 tiles fill their waves to less than ``LOW_MAX_FILL``,
+    ``"mid"`` when 128 x 256 tiles fill them to less than ``MID_MAX_FILL``, else ``"many"`` (also
+    for ``rows`` None). Selects only between tilings and kernels of one ``block_k`` (the same
+    bits), never the reduction order."""
     if rows is None:
         return "many"
     if rows < TMA_MIN_ROWS:
         return "few"
+    if n is not None and wave_fill(rows, n, *_MID_TILE) < LOW_MAX_FILL:
+        return "low"
     if n is not None and wave_fill(rows, n) < MID_MAX_FILL:
         return "mid"
     return "many"
@@ -256,7 +271,11 @@ def matmul_config(dtype: torch.dtype, layout: str, n: int, k: int, rows: int | N
     if group == "fp32":
         return _MATMUL_TABLE[("fp32", "any", "any", "any")]
     key = (group, layout, shape_class(n, k))
-    return _MATMUL_TABLE.get((*key, rows_class(rows, n))) or _MATMUL_TABLE[(*key, "any")]
+    rows_cls = rows_class(rows, n)
+    entry = _MATMUL_TABLE.get((*key, rows_cls))
+    if entry is None and rows_cls == "low":
+        entry = _MATMUL_TABLE.get((*key, "mid"))
+    return entry or _MATMUL_TABLE[(*key, "any")]
 
 
 def weight_grad_config(dtype: torch.dtype, n: int, k: int) -> WeightGradConfig:

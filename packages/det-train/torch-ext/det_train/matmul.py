@@ -212,7 +212,8 @@ def _plan_key(a, b, out, carry, bias, config, transposed_b: bool) -> tuple:
     return (
         a.shape, a.stride(), b.shape, b.stride(), out.shape, out.stride(), a.dtype, out.dtype, a.device,
         a.data_ptr() % 16 == 0, b.data_ptr() % 16 == 0, None if carry is None else carry.stride(),
-        bias is None, config, transposed_b, configs.TMA_MIN_ROWS, configs.MID_MAX_FILL, configs.WAVE_SMS,
+        bias is None, config, transposed_b, configs.TMA_MIN_ROWS, configs.MID_MAX_FILL, configs.LOW_MAX_FILL,
+        configs.WAVE_SMS,
     )  # fmt: skip
 
 
