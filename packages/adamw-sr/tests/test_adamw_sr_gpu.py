@@ -182,6 +182,10 @@ def test_cuda_graph_capture_equals_eager():
     torch.cuda.synchronize()
     for a, b in zip(graphed, eager, strict=True):
         assert_bitwise_equal(a, b)
+    # the captured step advanced the counters the eager warm-up packed into one buffer
+    counts = opt_g.state[graphed[0]]["step"]._base
+    assert counts is not None and counts.tolist() == [6.0] * len(shapes)
+    assert all(opt_g.state[p]["step"]._base is counts for p in graphed)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

@@ -172,3 +172,49 @@ def test_a_deep_copy_steps_like_the_original():
         assert_bitwise_equal(q, p)
         for key, value in opt.state[p].items():
             assert_bitwise_equal(twin.state[q][key], value, key)
+
+
+def test_a_step_off_the_record_advances_the_packed_counters_once(monkeypatch):
+    """A step that cannot use the record (here under a dispatch mode, as a CUDA-graph capture or a
+    tensor-subclass mode) after recorded steps advances the packed counter buffer with one add (no
+    multi-tensor add, no stack of the counters) and keeps the counters its views: the
+    reference's bits and counts, then recorded steps again."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    params = _params()
+    ref = _Reference(params)
+    opt = AdamWSR(params, **HYPER)
+    step = 0
+    for _ in range(2):
+        grads = [_grad(i, step) for i in range(len(params))]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        opt.step()
+        ref.step(grads)
+        step += 1
+    counts = opt.state[params[0]]["step"]._base
+    grads = [_grad(i, step) for i in range(len(params))]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    with Ops() as ops:
+        opt.step()
+    ref.step(grads)
+    step += 1
+    assert not any(n.startswith(("stack", "_foreach_add")) for n in ops.names), ops.names
+    assert all(opt.state[p]["step"]._base is counts for p in params)
+    ref.check(params, opt)
+    grads = [_grad(i, step) for i in range(len(params))]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    opt.step()
+    ref.step(grads)
+    ref.check(params, opt)

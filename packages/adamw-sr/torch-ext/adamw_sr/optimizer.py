@@ -25,7 +25,7 @@ from .indices import (
     local_tensor,
 )
 from .launch import to_device_async
-from .step_cache import GroupLaunches, LaunchSet, grad_mask, pack_steps
+from .step_cache import GroupLaunches, LaunchSet, grad_mask, pack_steps, packed_steps
 
 __all__ = ["AdamWSR", "adamw_sr_step", "default_base_indices", "local_segments"]
 
@@ -605,7 +605,11 @@ class AdamWSR(torch.optim.Optimizer):
         sets = []
         for ps, segments in launches:
             ps_states = [self.state[p] for p in ps]
-            counts = pack_steps(ps_states) if record else None  # one buffer: one add_ per step
+            # one buffer: one add_ per step (packed by an eager step; a captured step uses it as is)
+            if record:
+                counts = pack_steps(ps_states)
+            else:
+                counts = None if torch.compiler.is_compiling() else packed_steps(ps_states)
             step_list = [s["step"] for s in ps_states]
             if found_inf is None:
                 if counts is None:

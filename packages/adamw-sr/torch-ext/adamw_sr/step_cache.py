@@ -70,6 +70,23 @@ def pack_steps(param_states: list[dict]) -> torch.Tensor:
 
     **Determinism:** the counts keep their values (fp32, exact); only where they are stored changes.
     """
+    base = packed_steps(param_states)
+    if base is not None:
+        return base
+    counts = torch.stack(list(map(_STEP, param_states))).to(torch.float32)
+    for state, view in zip(param_states, counts.unbind(0), strict=True):
+        state["step"] = view
+    return counts
+
+
+def packed_steps(param_states: list[dict]) -> torch.Tensor | None:
+    """The buffer ``pack_steps`` made of these params' step counters, when each ``state["step"]``
+    is still its 0-dim view in order (fp32 ``[T]``), else None. Allocates and launches nothing, so
+    a step being captured in a CUDA graph advances the counters with one ``add_`` on the buffer
+    instead of a multi-tensor add and a ``stack`` of every counter.
+
+    **Determinism:** a lookup; the counts are not read.
+    """
     steps = list(map(_STEP, param_states))
     base = steps[0]._base
     if (
@@ -83,10 +100,7 @@ def pack_steps(param_states: list[dict]) -> torch.Tensor:
         )
     ):
         return base
-    counts = torch.stack(steps).to(torch.float32)
-    for state, view in zip(param_states, counts.unbind(0), strict=True):
-        state["step"] = view
-    return counts
+    return None
 
 
 class LaunchSet:
