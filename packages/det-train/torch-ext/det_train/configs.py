@@ -198,11 +198,15 @@ _WEIGHT_GRAD_TABLE: dict[tuple[str, str], WeightGradConfig] = {
 
 # The open leaf's fold (one program per output tile, all of a micro-batch's tokens of the leaf in
 # sequence): large-class layers below FOLD_MID_MAX_ELEMENTS (the main job's 768 x 768 and 256 x 768:
-# 36 and 12 tiles of 128 x 128 for 132 SMs) fold in smaller tiles; the others in their dW entry's.
+# 36 and 12 tiles of 128 x 128 for 132 SMs) fold in smaller tiles, the other large-class layers below
+# WIDE_MIN_ELEMENTS in the "large" fold entry, the rest in their dW entry's tiles.
 # The token step is the dW entry's (block_t 64), so the fold's bits are unchanged.
 FOLD_MID_MAX_ELEMENTS = 1 << 20
 _WEIGHT_GRAD_FOLD_TABLE: dict[tuple[str, str], WeightGradConfig] = {
     ("half", "mid"): WeightGradConfig(64, 128, 64, 8, 4, 4, 1),
+    # the large dW entry's 128 x 128 tiles with 3 stages (its 4 are for the tree kernel's loop):
+    # the main job's qkv, gate|up and down folds over 1024-4096 tokens (sweep_micro_batches, run 14)
+    ("half", "large"): WeightGradConfig(128, 128, 64, 8, 8, 3, 1),
 }
 
 
@@ -294,11 +298,12 @@ def weight_grad_config(dtype: torch.dtype, n: int, k: int) -> WeightGradConfig:
 def weight_grad_fold_config(dtype: torch.dtype, n: int, k: int) -> WeightGradConfig:
     """The tiles of the open leaf's dW fold (``weight_grad_fold``) for ``dW (N, K)``: the
     ``("half", "mid")`` fold entry for large-class layers with ``n * k < FOLD_MID_MAX_ELEMENTS``
-    (few output tiles: smaller ones keep more SMs busy), else ``weight_grad_config``'s entry.
+    (few output tiles: smaller ones keep more SMs busy), the ``("half", "large")`` one for the
+    other large-class layers below ``WIDE_MIN_ELEMENTS``, else ``weight_grad_config``'s entry.
     ``block_t`` is always ``weight_grad_config``'s, so the fold has the bits of the dW kernels."""
     base = weight_grad_config(dtype, n, k)
-    if _dtype_group(dtype) == "half" and shape_class(n, k) == "large" and n * k < FOLD_MID_MAX_ELEMENTS:
-        return _WEIGHT_GRAD_FOLD_TABLE[("half", "mid")]
+    if _dtype_group(dtype) == "half" and shape_class(n, k) == "large" and n * k < WIDE_MIN_ELEMENTS:
+        return _WEIGHT_GRAD_FOLD_TABLE[("half", "mid" if n * k < FOLD_MID_MAX_ELEMENTS else "large")]
     return base
 
 
