@@ -1,4 +1,4 @@
-"""Compile det_train's matmul / dW kernels for sm_90a on a machine without a GPU; report spills.
+"""Compile det_train's matmul / dW / norm-backward kernels for sm_90a without a GPU; report spills.
 
 Uses Triton's ahead-of-time path (``triton.compile`` of an ``ASTSource`` for ``GPUTarget("cuda",
 90, 32)``) and, when present, the ``ptxas`` bundled with Triton (``-v``) for registers and spills.
@@ -7,7 +7,10 @@ loads, and not spill (the TMA forward and the lean dW kernel of the table includ
 Triton internals (checked
 with Triton 3.9); not a test.
 
-    python packages/det-train/benchmarks/aot_compile_check.py [--ptx-digest]
+    python packages/det-train/benchmarks/aot_compile_check.py [--ptx-digest] [--norms]
+
+``--norms`` compiles only the RMSNorm backward and the chunk-fold kernels (each prefetch / unroll
+setting, the former one included: registers before and after a latency change).
 
 ``--ptx-digest`` compiles without line info (``TRITON_DISABLE_LINE_INFO=1``) and prints each entry's
 PTX sha256: a refactor that must keep the kernels shows the same digests before and after.
@@ -25,6 +28,7 @@ from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
 DIGEST = "--ptx-digest" in sys.argv[1:]
+NORMS_ONLY = "--norms" in sys.argv[1:]
 if DIGEST:  # read at compile time: source line numbers would otherwise be part of the PTX
     os.environ["TRITON_DISABLE_LINE_INFO"] = "1"
 ROOT = Path(__file__).resolve().parents[3]
@@ -49,7 +53,7 @@ cfgs = (
 TARGET = GPUTarget("cuda", 90, 32)
 # arguments the kernels do not specialize (do_not_specialize) or that need not be multiples of 16;
 # batch strides are 0 for 2-D operands, so divisible like the other strides
-NOT_DIVISIBLE = {"M", "T", "run_start", "leaves", "blocks", "num_programs"}
+NOT_DIVISIBLE = {"M", "T", "run_start", "leaves", "blocks", "num_programs", "n_chunks", "skip"}
 
 
 def _ptxas() -> Path | None:
@@ -107,8 +111,55 @@ def compile_one(name, fn, types, constexprs, num_warps, num_stages) -> bool:
     return ok
 
 
-def main() -> int:
+def norm_entries() -> int:
+    """The RMSNorm backward (bf16 / fp32 rows of D 768 and 4096, with and without weight, each
+    prefetch depth) and the chunk folds (the former plan and ``_fold_plan``'s); failures."""
+    rms = importlib.import_module("det_train.rms_norm")
+    sums = importlib.import_module("det_train._leaf_sums")
     bad = 0
+
+    def known(fn, meta):  # an older kernel without a new constexpr compiles as it was
+        return {k: v for k, v in meta.items() if k in fn.arg_names}
+
+    fn = rms._rms_norm_bwd_kernel
+    for tname in ("*bf16", "*fp32"):
+        types = {n: tname for n in ("dy_ptr", "x_ptr", "w_ptr", "dx_ptr")}
+        types.update(rstd_ptr="*fp32", dw_partial_ptr="*fp32")
+        for d in (768, 4096):
+            block_d = triton.next_power_of_2(d)
+            for has_w in (True, False):
+                for prefetch in (0, 1, 2):
+                    meta = dict(HAS_WEIGHT=has_w, OFFSET=0.0, ROWS_PER_CHUNK=rms.MAX_ROWS_PER_CHUNK,
+                                BLOCK_D=block_d, PREFETCH=prefetch)  # fmt: skip
+                    if "PREFETCH" not in fn.arg_names and prefetch:
+                        continue
+                    bad += not compile_one(
+                        f"rms bwd {tname[1:]} D={d} weight={has_w} prefetch={prefetch}", fn, types,
+                        known(fn, meta), rms._num_warps(block_d), 3,
+                    )  # fmt: skip
+    plan = getattr(sums, "_fold_plan", None)
+    plans = {(1024, 1, 4)} | ({plan(768), plan(4096)} if plan else set())
+    for block, unroll, warps in sorted(plans):
+        for name, fn, extra in (
+            ("fold", sums._fold_chunks_kernel, {}),
+            ("fold resume", sums._fold_chunks_resume_kernel, dict(RESUME=True)),
+        ):
+            if "UNROLL" not in fn.arg_names and unroll != 1:
+                continue
+            types = dict(partial_ptr="*fp32", init_ptr="*fp32", out_ptr="*fp32")
+            meta = dict(CHUNKS_PER_LEAF=64, BLOCK=block, UNROLL=unroll, **extra)
+            bad += not compile_one(
+                f"{name} BLOCK={block} UNROLL={unroll} warps={warps}", fn, types, known(fn, meta), warps, 3
+            )
+    return bad
+
+
+def main() -> int:
+    if NORMS_ONLY:
+        bad = norm_entries()
+        print("all entries compile without spills" if not bad else f"{bad} entries failed or spill")
+        return 1 if bad else 0
+    bad = norm_entries()
     for dtype, tname in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16")):
         types = {"a_ptr": tname, "b_ptr": tname, "c_ptr": tname, "carry_ptr": "*fp32", "bias_ptr": tname}
         for layout, unit in (("nn", dict(stride_ak=1, stride_bn=1)), ("nt", dict(stride_ak=1, stride_bk=1))):

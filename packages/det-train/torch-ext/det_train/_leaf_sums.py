@@ -35,8 +35,34 @@ __all__ = [
     "tree_in_place",
 ]
 
-_FOLD_BLOCK = 1024  # columns per program; does not change bits (the fold is elementwise)
 _TREE_BLOCK = 512  # columns per program of the tree kernel; does not change bits (elementwise)
+
+
+def _fold_plan(n: int) -> tuple[int, int, int]:
+    """``(BLOCK, UNROLL, num_warps)`` of the chunk folds over ``n`` columns. None of them changes bits
+    (the fold is elementwise, each column's adds in chunk order): latency only. Narrow rows get small
+    column blocks (many programs for a few hundred KB); ``UNROLL`` chunk rows are loaded before they
+    are added in order, so that many loads are in flight. ``(1024, 1, 4)`` is the former plan. The
+    interpreter runs programs one after another in Python: it gets the widest block (fewest
+    programs), with the grouped loads."""
+    if runtime.interpreter_active():
+        return min(1024, max(16, runtime.next_power_of_2(n))), 8, 4
+    block = min(1024, max(64, runtime.next_power_of_2(runtime.cdiv(n, 128))))
+    return block, 16 if block <= 256 else 8, max(1, min(4, block // 128))
+
+
+@triton.jit
+def _fold_rows(acc, partial_ptr, first, n_chunks, N, cols, mask, COUNT: tl.constexpr):
+    """``acc + row_first + ... + row_(first + COUNT - 1)`` in that order (rows outside
+    ``[0, n_chunks)`` read as +0.0): all ``COUNT`` loads are issued before the first add."""
+    rows = ()
+    for u in tl.static_range(COUNT):
+        chunk = first + u
+        inside = (chunk + cols * 0 >= 0) & ((chunk + cols * 0) < n_chunks)
+        rows = rows + (tl.load(partial_ptr + chunk.to(tl.int64) * N + cols, mask=mask & inside, other=0.0),)
+    for u in tl.static_range(COUNT):
+        acc += rows[u]
+    return acc
 
 
 @triton.jit
@@ -47,18 +73,17 @@ def _fold_chunks_kernel(
     N,
     CHUNKS_PER_LEAF: tl.constexpr,
     BLOCK: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     leaf = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for c in range(0, CHUNKS_PER_LEAF):
-        chunk = leaf * CHUNKS_PER_LEAF + c
-        acc += tl.load(
-            partial_ptr + chunk.to(tl.int64) * N + cols,
-            mask=mask & ((chunk + cols * 0) < n_chunks),
-            other=0.0,
-        )
+    first = leaf * CHUNKS_PER_LEAF
+    for g in range(0, CHUNKS_PER_LEAF // UNROLL):  # whole groups, then the rest: no padding adds
+        acc = _fold_rows(acc, partial_ptr, first + g * UNROLL, n_chunks, N, cols, mask, UNROLL)
+    tail = first + CHUNKS_PER_LEAF // UNROLL * UNROLL
+    acc = _fold_rows(acc, partial_ptr, tail, n_chunks, N, cols, mask, CHUNKS_PER_LEAF % UNROLL)
     tl.store(out_ptr + leaf.to(tl.int64) * N + cols, acc, mask=mask)
 
 
@@ -73,6 +98,7 @@ def _fold_chunks_resume_kernel(
     CHUNKS_PER_LEAF: tl.constexpr,
     RESUME: tl.constexpr,
     BLOCK: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     """``_fold_chunks_kernel`` for chunks that start ``skip`` chunks into their first leaf: that
     leaf's fold continues from ``init`` (its earlier chunks' fold, ``RESUME``) and adds +0.0 for the
@@ -84,10 +110,11 @@ def _fold_chunks_resume_kernel(
         acc = tl.load(init_ptr + cols, mask=mask & ((leaf + cols * 0) == 0), other=0.0)
     else:
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for c in range(0, CHUNKS_PER_LEAF):
-        chunk = leaf * CHUNKS_PER_LEAF + c - skip
-        inside = (chunk + cols * 0 >= 0) & ((chunk + cols * 0) < n_chunks)
-        acc += tl.load(partial_ptr + chunk.to(tl.int64) * N + cols, mask=mask & inside, other=0.0)
+    first = leaf * CHUNKS_PER_LEAF - skip
+    for g in range(0, CHUNKS_PER_LEAF // UNROLL):
+        acc = _fold_rows(acc, partial_ptr, first + g * UNROLL, n_chunks, N, cols, mask, UNROLL)
+    tail = first + CHUNKS_PER_LEAF // UNROLL * UNROLL
+    acc = _fold_rows(acc, partial_ptr, tail, n_chunks, N, cols, mask, CHUNKS_PER_LEAF % UNROLL)
     tl.store(out_ptr + leaf.to(tl.int64) * N + cols, acc, mask=mask)
 
 
@@ -216,11 +243,10 @@ def fold_chunks(partials: torch.Tensor, chunks_per_leaf: int) -> torch.Tensor:
     key = ("fold", n_chunks, n, chunks_per_leaf)
     bound = _BOUND.get(key)
     if bound is None:
-        block = min(_FOLD_BLOCK, max(16, runtime.next_power_of_2(n)))
+        block, unroll, warps = _fold_plan(n)
         grid = (n_leaves, runtime.cdiv(n, block))
-        bound = _bind(
-            key, grid, _fold_chunks_kernel, 2, (n_chunks, n), CHUNKS_PER_LEAF=chunks_per_leaf, BLOCK=block
-        )
+        meta = dict(CHUNKS_PER_LEAF=chunks_per_leaf, BLOCK=block, UNROLL=unroll, num_warps=warps)
+        bound = _bind(key, grid, _fold_chunks_kernel, 2, (n_chunks, n), **meta)
     bound[1](bound[0], partials, out)
     return out
 
@@ -242,9 +268,11 @@ def fold_chunks_resume(
     key = ("fold_resume", n_chunks, n, chunks_per_leaf, skip, resume)
     bound = _BOUND.get(key)
     if bound is None:
-        block = min(_FOLD_BLOCK, max(16, runtime.next_power_of_2(n)))
+        block, unroll, warps = _fold_plan(n)
         grid = (n_out, runtime.cdiv(n, block))
-        meta = dict(CHUNKS_PER_LEAF=chunks_per_leaf, RESUME=resume, BLOCK=block)
+        meta = dict(
+            CHUNKS_PER_LEAF=chunks_per_leaf, RESUME=resume, BLOCK=block, UNROLL=unroll, num_warps=warps
+        )
         bound = _bind(key, grid, _fold_chunks_resume_kernel, 3, (n_chunks, n, skip), **meta)
     bound[1](bound[0], partials, init if resume else partials, out)
     return out

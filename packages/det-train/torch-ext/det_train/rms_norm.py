@@ -44,6 +44,8 @@ __all__ = ["RMSNorm", "rms_norm"]
 # the largest power of two <= it that divides leaf_tokens).
 MAX_D = 65536
 MAX_ROWS_PER_CHUNK = 16
+# Rows the backward loads ahead of the one it computes (0, 1 or 2): latency only, never bits.
+BWD_PREFETCH = 2
 
 
 def _num_warps(block_d: int) -> int:
@@ -82,6 +84,21 @@ def _rms_norm_fwd_kernel(
 
 
 @triton.jit
+def _load_row(
+    dy_ptr, x_ptr, rstd_ptr, first, r, M, cols, mask, stride_dy, stride_x, ROWS_PER_CHUNK: tl.constexpr
+):
+    """Row ``r`` of the chunk starting at row ``first``, as stored (``dy``, ``x``, ``rstd``): ``dy`` is
+    0 past M; ``r`` past the chunk (a prefetch the loop never uses) loads nothing."""
+    row = tl.minimum(first + r, M - 1)  # past M: x of row M - 1, as an in-chunk row past M has always read
+    in_chunk = r < ROWS_PER_CHUNK
+    lmask = mask & ((first + r + cols * 0) < M) & in_chunk
+    dy = tl.load(dy_ptr + row * stride_dy + cols, mask=lmask, other=0.0)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask & in_chunk, other=0.0)
+    rstd = tl.load(rstd_ptr + row)
+    return dy, x, rstd
+
+
+@triton.jit
 def _rms_norm_bwd_kernel(
     dy_ptr,
     x_ptr,
@@ -98,8 +115,13 @@ def _rms_norm_bwd_kernel(
     OFFSET: tl.constexpr,
     ROWS_PER_CHUNK: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
+    # PREFETCH (0, 1 or 2): rows loaded ahead of the one computed, so a row's load latency overlaps
+    # the rows before it (one row per iteration waits on its own loads otherwise). The loaded values
+    # and every operation on them are the same for each setting: it never changes bits.
     chunk = tl.program_id(0)
+    first = chunk.to(tl.int64) * ROWS_PER_CHUNK
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
     if HAS_WEIGHT:
@@ -107,14 +129,33 @@ def _rms_norm_bwd_kernel(
         if OFFSET != 0.0:
             w = w + OFFSET
     dw_acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    if PREFETCH >= 1:
+        dy_next, x_next, rstd_next = _load_row(
+            dy_ptr, x_ptr, rstd_ptr, first, 0, M, cols, mask, stride_dy, stride_x, ROWS_PER_CHUNK
+        )
+    if PREFETCH >= 2:
+        dy_next2, x_next2, rstd_next2 = _load_row(
+            dy_ptr, x_ptr, rstd_ptr, first, 1, M, cols, mask, stride_dy, stride_x, ROWS_PER_CHUNK
+        )
     for r in range(0, ROWS_PER_CHUNK):
         # rows past M (short last chunk): dy = 0 adds exact zeros to dw_acc and dx is not stored
-        row = tl.minimum(chunk.to(tl.int64) * ROWS_PER_CHUNK + r, M - 1)
-        lmask = mask & ((chunk.to(tl.int64) * ROWS_PER_CHUNK + r + cols * 0) < M)
-        dy = tl.load(dy_ptr + row * stride_dy + cols, mask=lmask, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + row)
-        x_hat = x * rstd
+        if PREFETCH == 0:
+            dy_raw, x_raw, rstd = _load_row(
+                dy_ptr, x_ptr, rstd_ptr, first, r, M, cols, mask, stride_dy, stride_x, ROWS_PER_CHUNK
+            )
+        elif PREFETCH == 1:
+            dy_raw, x_raw, rstd = dy_next, x_next, rstd_next
+            dy_next, x_next, rstd_next = _load_row(
+                dy_ptr, x_ptr, rstd_ptr, first, r + 1, M, cols, mask, stride_dy, stride_x, ROWS_PER_CHUNK
+            )
+        else:
+            dy_raw, x_raw, rstd = dy_next, x_next, rstd_next
+            dy_next, x_next, rstd_next = dy_next2, x_next2, rstd_next2
+            dy_next2, x_next2, rstd_next2 = _load_row(
+                dy_ptr, x_ptr, rstd_ptr, first, r + 2, M, cols, mask, stride_dy, stride_x, ROWS_PER_CHUNK
+            )
+        dy = dy_raw.to(tl.float32)
+        x_hat = x_raw.to(tl.float32) * rstd
         if HAS_WEIGHT:
             wdy = dy * w
             dw_acc += dy * x_hat
@@ -122,7 +163,9 @@ def _rms_norm_bwd_kernel(
             wdy = dy
         c1 = tl.sum(x_hat * wdy, axis=0) / D
         dx = (wdy - x_hat * c1) * rstd
-        tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=lmask)
+        smask = mask & ((first + r + cols * 0) < M)
+        row = tl.minimum(first + r, M - 1)
+        tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=smask)
     if HAS_WEIGHT:
         tl.store(dw_partial_ptr + chunk.to(tl.int64) * D + cols, dw_acc, mask=mask)
 
@@ -344,7 +387,7 @@ def _backward(dy2, x2, weight, rstd, rows: int, offset: float = 0.0) -> tuple[to
             _rms_norm_bwd_kernel, 6,
             (m, d, dy2.stride(0), x2.stride(0), d),  # dx is contiguous: row stride D
             HAS_WEIGHT=has_w, OFFSET=offset, ROWS_PER_CHUNK=rows, BLOCK_D=block_d,
-            num_warps=_num_warps(block_d),
+            PREFETCH=BWD_PREFETCH, num_warps=_num_warps(block_d),
         ))  # fmt: skip
     bound((n_chunks,), dy2, x2, weight if has_w else x2, rstd, dx, partial)
     return dx, partial

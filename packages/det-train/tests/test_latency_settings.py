@@ -1,0 +1,82 @@
+"""The latency settings of the RMSNorm backward (rows prefetched) and of the chunk folds (column
+block, rows loaded per group, warps) never change bits: every setting gives the bits of the
+sequential fp32 fold (and of the shipped setting)."""
+
+import importlib
+
+import pytest
+import torch
+import triton
+from det_core.testing import assert_bitwise_equal
+from det_train import _leaf_sums as sums
+
+rms = importlib.import_module("det_train.rms_norm")  # the package's rms_norm is the function
+
+# (BLOCK, UNROLL, num_warps): the former plan, the shipped one here (the interpreter's), the GPU's for
+# narrow rows, others (a block wider than N, an UNROLL that divides nothing)
+PLANS = [(1024, 1, 4), sums._fold_plan(768), (64, 16, 1), (32, 5, 1), (128, 8, 2)]
+
+
+def _sequential_fold(partials, cpl, skip, init):
+    """Leaf sums of chunk rows starting ``skip`` chunks into leaf 0 (which continues from ``init``),
+    one fp32 add at a time in chunk order; chunks before ``skip`` add +0.0."""
+    n_chunks, n = partials.shape
+    rows = torch.cat([torch.zeros(skip, n), partials])
+    out = []
+    for leaf in range(triton.cdiv(skip + n_chunks, cpl)):
+        acc = init.clone() if leaf == 0 and init is not None else torch.zeros(n)
+        for c in range(leaf * cpl, (leaf + 1) * cpl):
+            acc = acc + (rows[c] if c < rows.shape[0] else torch.zeros(n))
+        out.append(acc)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_fold_plans_give_the_sequential_fold(plan):
+    block, unroll, warps = plan
+    g = torch.Generator().manual_seed(1)
+    n_chunks, n, cpl = 13, 100, 7  # N not a multiple of BLOCK, chunks per leaf not a multiple of UNROLL
+    partials = torch.randn(n_chunks, n, generator=g) * torch.logspace(-3, 3, n_chunks).unsqueeze(1)
+    init = torch.randn(n, generator=g)
+    for skip, resume in ((0, False), (0, True), (3, True)):
+        want = _sequential_fold(partials, cpl, skip, init if resume else None)
+        out = torch.empty_like(want)
+        grid = (want.shape[0], triton.cdiv(n, block))
+        sums._fold_chunks_resume_kernel[grid](
+            partials, init if resume else partials, out, n_chunks, n, skip,
+            CHUNKS_PER_LEAF=cpl, RESUME=resume, BLOCK=block, UNROLL=unroll, num_warps=warps,
+        )  # fmt: skip
+        assert_bitwise_equal(out, want, f"fold_chunks_resume plan {plan}, skip {skip}, resume {resume}")
+    want = _sequential_fold(partials, cpl, 0, None)
+    out = torch.empty_like(want)
+    sums._fold_chunks_kernel[(want.shape[0], triton.cdiv(n, block))](
+        partials, out, n_chunks, n, CHUNKS_PER_LEAF=cpl, BLOCK=block, UNROLL=unroll, num_warps=warps
+    )
+    assert_bitwise_equal(out, want, f"fold_chunks plan {plan}")
+    assert_bitwise_equal(sums.fold_chunks(partials, cpl), want, "fold_chunks (shipped plan)")
+
+
+def test_rms_backward_prefetch_depths_give_the_same_bits():
+    g = torch.Generator().manual_seed(2)
+    m, d, rows = 37, 40, rms.MAX_ROWS_PER_CHUNK  # a short last chunk (rows past M)
+    x = (3 * torch.randn(m, d, generator=g)).bfloat16()
+    dy = torch.randn(m, d, generator=g).bfloat16()
+    w = (1 + 0.1 * torch.randn(d, generator=g)).bfloat16()
+    rstd = torch.rsqrt(x.float().pow(2).mean(-1) + 1e-6)
+    n_chunks, block_d = triton.cdiv(m, rows), triton.next_power_of_2(d)
+    outs = []
+    for prefetch in (0, 1, 2):
+        dx, partial = torch.empty_like(x), torch.empty(n_chunks, d)
+        rms._rms_norm_bwd_kernel[(n_chunks,)](
+            dy, x, w, rstd, dx, partial, m, d, d, d, d, HAS_WEIGHT=True, OFFSET=0.0, ROWS_PER_CHUNK=rows,
+            BLOCK_D=block_d, PREFETCH=prefetch, num_warps=rms._num_warps(block_d),
+        )  # fmt: skip
+        outs.append((prefetch, dx, partial))
+    # the chunk sums: dy * x_hat folded one row at a time in row order, from 0.0
+    x_hat = x.float() * rstd.unsqueeze(1)
+    want = torch.zeros(n_chunks, d)
+    for r in range(m):
+        want[r // rows] = want[r // rows] + dy[r].float() * x_hat[r]
+    for prefetch, dx, partial in outs:
+        assert_bitwise_equal(partial, want, f"dweight chunk sums, prefetch {prefetch}")
+        assert_bitwise_equal(dx, outs[0][1], f"dX, prefetch {prefetch} vs 0")
