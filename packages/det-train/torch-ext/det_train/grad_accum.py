@@ -15,6 +15,7 @@ the bits of one batch.
 
 Interface: ``deposit_rows`` (any micro-batch boundaries; used by the linear, RMSNorm and embedding
 backward passes) and ``leaf_span`` + ``deposit`` / ``deposit_partial`` (leaf-aligned micro-batches).
+The checks at reduce time and the cross-rank reduction are in ``_accum_reduce.py``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from det_core.reduce import TreePartial, num_leaves
 from det_core.runtime import as_index
 
-from . import dp_reduce
+from . import _accum_reduce, dp_reduce
 from ._open_leaf import _COPY, LeafFold, LeafPartial, _OpenFold, _OpenLeaf
 
 __all__ = ["DEFAULT_LEAF_TOKENS", "CanonicalGradAccumulator", "current_accumulator"]
@@ -567,21 +568,47 @@ class CanonicalGradAccumulator:
         total_tokens = as_index(total_tokens, "total_tokens", "reduce")  # TypeError
         if total_tokens <= 0:
             raise ValueError(f"total_tokens must be a positive int, got {total_tokens!r}")
+        names, params, leaf_tokens = self._names, self._params, self.leaf_tokens
         try:  # this rank's checks: under data parallelism every rank learns of a refusal (no hang)
-            local, refusal = self._local_partials(total_tokens), None
+            local = _accum_reduce.local_partials(
+                total_tokens,
+                leaf_tokens=leaf_tokens,
+                names=names,
+                params=params,
+                partials=self._partials,
+                carry=self._carry,
+                spans=self._spans,
+                max_end=self._max_end,
+            )
+            refusal = None
         except (ValueError, RuntimeError) as err:
             local, refusal = {}, err
         if dp_reduce.group_size(group) > 1:  # data parallel: every rank's nodes go to their owners
-            self._reduce_across_ranks(group, local, refusal, total_tokens)
+            grads = _accum_reduce.reduce_across_ranks(
+                group,
+                local,
+                refusal,
+                total_tokens,
+                leaf_tokens=leaf_tokens,
+                names=names,
+                params=params,
+                fsdp=self._fsdp,
+            )
+            for index, grad in grads.items():
+                p = params[index]
+                p.grad = dp_reduce.fsdp_shard(self._fsdp[index], grad) if index in self._fsdp else grad
             self._clear()
             return
         if refusal is not None:
             raise refusal
         grads: dict[int, torch.Tensor] = {}
-        for (index, _use), root in self._checked_roots(dict(sorted(local.items())), total_tokens).items():
+        roots = _accum_reduce.checked_roots(
+            dict(sorted(local.items())), total_tokens, leaf_tokens=leaf_tokens, names=names
+        )
+        for (index, _use), root in roots.items():
             grads[index] = root if index not in grads else grads[index] + root
         for index, grad in grads.items():
-            p = self._params[index]
+            p = params[index]
             if index in self._fsdp:
                 p.grad = dp_reduce.fsdp_shard(self._fsdp[index], grad.to(dtype=p.dtype))
             else:
@@ -593,143 +620,3 @@ class CanonicalGradAccumulator:
         """Empty after a reduce: no partial tree, span or open leaf."""
         self._partials, self._spans, self._carry, self._open_ends, self._max_end = {}, [], {}, set(), 0
         self._open_leaves = {}
-
-    def _local_partials(self, total_tokens: int) -> dict[tuple[int, int], TreePartial]:
-        """This rank's checks before a reduce and its partial trees, the open short last leaf
-        summed in (on copies: a reduce that raises keeps every deposit)."""
-        if self._max_end > total_tokens:
-            raise ValueError(
-                f"micro-batches on this rank cover tokens up to {self._max_end}, beyond "
-                f"total_tokens={total_tokens}: pass the global batch's token count"
-            )
-        for offset, n in self._spans:  # (a span past total_tokens raised above, with _max_end)
-            if n % self.leaf_tokens and offset + n != total_tokens:
-                raise ValueError(
-                    f"a micro-batch at token {offset} has {n} tokens, not a multiple of leaf_tokens "
-                    f"{self.leaf_tokens}, and its ops use leaf_span / deposit: only the micro-batch ending "
-                    "the global batch may end mid-leaf there (ops using deposit_rows carry the open leaf)"
-                )
-        for (index, use, _), open_leaf in self._carry.items():
-            start, end = open_leaf.start, open_leaf.end
-            if end != total_tokens:
-                raise ValueError(
-                    f"{self._names[index]} (use {use}): leaf {start // self.leaf_tokens} (tokens "
-                    f"[{start}, {start + self.leaf_tokens})) is open, this rank's micro-batches end at "
-                    f"token {end} inside it, and total_tokens={total_tokens}: a leaf must be completed "
-                    "on one rank (data-parallel shards are multiples of leaf_tokens), micro-batches "
-                    "must cover the batch, and the parameter must be used in each of them"
-                )
-        held = [
-            (p, g.to_local() if hasattr(g, "to_local") else g)
-            for p in self._params
-            if (g := p.grad) is not None
-        ]
-        if _any_nonzero([g for _, g in held]):  # one device read for all, not one per parameter
-            for p, grad in held:
-                if bool(grad.ne(0).any()):
-                    raise RuntimeError(
-                        f"{self._names[self._index[id(p)]]}: p.grad already holds a non-zero gradient "
-                        "(from an op that is not canonical-order aware, a det_train op that received a "
-                        "cast or view of the parameter (p.to(...), p * 1: autograd then carries its "
-                        "gradient), a forward that ran outside `with acc.micro_batch(...)` (its backward "
-                        "returns plain gradients, even inside one), or a previous step): call zero_grad() "
-                        "before the micro-batches, run each forward and its backward inside the same "
-                        "micro_batch, and give det_train ops the Parameter itself for every use"
-                    )
-        # the node tensors are shared, merges make new ones
-        local = {slot: _copy(tree) for slot, tree in self._partials.items()}
-        for (index, use, leaf), open_leaf in self._carry.items():  # the short last leaf
-            tree = local.setdefault((index, use), TreePartial())
-            try:
-                if isinstance(open_leaf, _OpenFold):
-                    tree.merge(TreePartial().add_node(0, leaf, open_leaf.advance((), True)))
-                    continue
-                tree.merge(open_leaf.leaf_partial(leaf, open_leaf.rows()))
-            except ValueError as err:
-                raise ValueError(f"{self._names[index]} (use {use}): {err}") from None
-        return local
-
-    def _checked_roots(self, trees: dict, total_tokens: int) -> dict:
-        """``{slot: root}`` of each parameter use's tree over ``total_tokens``, in ``trees``' order;
-        raises when a tree reaches past the last leaf or leaves tokens uncovered, or a parameter has
-        no tree (the checks of one process and of the merged node keys of all ranks)."""
-        total_leaves = num_leaves(total_tokens, self.leaf_tokens)
-        roots = {}
-        for (index, use), tree in trees.items():
-            name = self._names[index]
-            if any((i << level) >= total_leaves for level, i in tree.nodes):  # first leaf of a node
-                raise ValueError(
-                    f"{name}: deposits reach past leaf {total_leaves - 1} "
-                    f"(total_tokens={total_tokens}, leaf_tokens={self.leaf_tokens})"
-                )
-            try:
-                roots[index, use] = tree.result(total_leaves)
-            except ValueError as err:
-                raise ValueError(
-                    f"{name} (use {use}): {_uncovered_tokens(tree, total_tokens, self.leaf_tokens)} "
-                    f"of total_tokens={total_tokens} received no micro-batch on any rank: check "
-                    f"total_tokens, that every micro-batch ran its backward and used this parameter ({err})"
-                ) from None
-        used = {index for index, _ in trees}
-        missing = [self._names[i] for i in range(len(self._params)) if i not in used]
-        if missing:
-            raise RuntimeError(
-                f"no canonical-order gradient was deposited for {missing}: their gradients come from "
-                "ops that are not canonical-order aware (use det_train ops), or they were not used; "
-                "leave unused parameters out of the accumulator"
-            )
-        return roots
-
-    def _reduce_across_ranks(
-        self, group, partials: dict, refusal: Exception | None, total_tokens: int
-    ) -> None:
-        """Data parallel: set every ``p.grad`` by the fixed-order owner reduction (``dp_reduce``).
-
-        The checks of the one-process path run on the merged node keys of all ranks before any
-        data moves (the same on every rank, so every rank raises alike).
-        """
-        import torch.distributed as dist
-
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        specs = []
-        for index, (name, p) in enumerate(zip(self._names, self._params, strict=True)):
-            fsdp_param = self._fsdp.get(index)
-            if fsdp_param is not None and refusal is None:
-                refusal = dp_reduce.fsdp_layout_error(name, fsdp_param, world, rank)
-            specs.append(
-                dp_reduce.GradSpec(name, tuple(p.shape), p.dtype, p.device, sharded=fsdp_param is not None)
-            )
-        keys = dp_reduce.exchange_node_keys(partials, specs, group, refusal)
-        total_leaves = num_leaves(total_tokens, self.leaf_tokens)
-        self._checked_roots(dp_reduce.merge_node_keys(keys, self._names), total_tokens)
-        grads = dp_reduce.owner_reduce(specs, partials, keys, total_leaves, group)
-        for index, grad in grads.items():
-            p = self._params[index]
-            p.grad = dp_reduce.fsdp_shard(self._fsdp[index], grad) if index in self._fsdp else grad
-
-
-def _any_nonzero(tensors: list[torch.Tensor]) -> bool:
-    """Whether any element of ``tensors`` is non-zero (NaN counts), with one host read per device."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_device.setdefault(t.device, []).append(t.ne(0).any())
-    return any(bool(torch.stack(flags).any()) for flags in by_device.values())
-
-
-def _copy(tree: TreePartial) -> TreePartial:
-    """A partial tree sharing ``tree``'s node tensors (a merge replaces nodes, never writes them)."""
-    out = TreePartial()
-    out.nodes = dict(tree.nodes)
-    return out
-
-
-def _uncovered_tokens(partial: TreePartial, total_tokens: int, leaf_tokens: int) -> str:
-    """The global token ranges no node of ``partial`` covers, as ``tokens [a, b), ...``."""
-    total_leaves = num_leaves(total_tokens, leaf_tokens)
-    covered = sorted((i << level, (i + 1) << level) for level, i in partial.nodes)
-    gaps, pos = [], 0
-    for first, end in covered + [(total_leaves, total_leaves)]:
-        if first > pos:
-            gaps.append(f"[{pos * leaf_tokens}, {min(first * leaf_tokens, total_tokens)})")
-        pos = max(pos, end)
-    return "tokens " + ", ".join(gaps) if gaps else "some tokens"

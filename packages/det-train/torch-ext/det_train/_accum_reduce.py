@@ -1,0 +1,196 @@
+"""The reduce half of ``CanonicalGradAccumulator``: the checks at reduce time and the cross-rank path.
+
+``CanonicalGradAccumulator.reduce`` hands its state over explicitly (its parameters and their
+names, ``leaf_tokens``, its partial trees, open leaves and token spans); nothing here keeps state.
+
+- ``local_partials``: this rank's checks (deposits past ``total_tokens``, a short micro-batch that
+  does not end the batch, an open leaf not completed, a stale non-zero ``p.grad``) and its partial
+  trees with the open short last leaf summed in, on copies (a reduce that raises keeps every deposit).
+- ``checked_roots``: the checks of the finished trees (past the last leaf, uncovered tokens,
+  parameters without deposits) and their roots; run on one process's trees and on the merged node
+  keys of all ranks, so both paths raise the same errors.
+- ``reduce_across_ranks``: the fixed-order owner reduction of ``dp_reduce`` over a process group.
+
+Method: pairwise summation with the tree fixed by global index (Higham, SISC 1993), as in
+det_core.reduce; across ranks an owner-computes reduction (``dp_reduce``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from det_core.reduce import TreePartial, num_leaves
+
+from . import dp_reduce
+from ._open_leaf import _OpenFold, _OpenLeaf
+
+__all__ = ["checked_roots", "local_partials", "reduce_across_ranks"]
+
+Slot = tuple[int, int]  # (parameter index, use)
+
+
+def local_partials(
+    total_tokens: int,
+    *,
+    leaf_tokens: int,
+    names: list[str],
+    params: list[torch.Tensor],
+    partials: dict[Slot, TreePartial],
+    carry: dict[tuple[int, int, int], _OpenLeaf | _OpenFold],
+    spans: list[tuple[int, int]],
+    max_end: int,
+) -> dict[Slot, TreePartial]:
+    """This rank's checks before a reduce and its partial trees, the open short last leaf
+    summed in (on copies: a reduce that raises keeps every deposit).
+
+    ``names[i]`` names ``params[i]``; ``partials``: ``{(param index, use): TreePartial}``;
+    ``carry``: ``{(param index, use, leaf): open leaf}``; ``spans``: the ``(token_offset, tokens)``
+    of the ops that used ``leaf_span``; ``max_end``: the last token + 1 any deposit covered.
+    """
+    if max_end > total_tokens:
+        raise ValueError(
+            f"micro-batches on this rank cover tokens up to {max_end}, beyond "
+            f"total_tokens={total_tokens}: pass the global batch's token count"
+        )
+    for offset, n in spans:  # (a span past total_tokens raised above, with max_end)
+        if n % leaf_tokens and offset + n != total_tokens:
+            raise ValueError(
+                f"a micro-batch at token {offset} has {n} tokens, not a multiple of leaf_tokens "
+                f"{leaf_tokens}, and its ops use leaf_span / deposit: only the micro-batch ending "
+                "the global batch may end mid-leaf there (ops using deposit_rows carry the open leaf)"
+            )
+    for (index, use, _), open_leaf in carry.items():
+        start, end = open_leaf.start, open_leaf.end
+        if end != total_tokens:
+            raise ValueError(
+                f"{names[index]} (use {use}): leaf {start // leaf_tokens} (tokens "
+                f"[{start}, {start + leaf_tokens})) is open, this rank's micro-batches end at "
+                f"token {end} inside it, and total_tokens={total_tokens}: a leaf must be completed "
+                "on one rank (data-parallel shards are multiples of leaf_tokens), micro-batches "
+                "must cover the batch, and the parameter must be used in each of them"
+            )
+    held = [
+        (name, g.to_local() if hasattr(g, "to_local") else g)
+        for name, p in zip(names, params, strict=True)
+        if (g := p.grad) is not None
+    ]
+    if _any_nonzero([g for _, g in held]):  # one device read for all, not one per parameter
+        for name, grad in held:
+            if bool(grad.ne(0).any()):
+                raise RuntimeError(
+                    f"{name}: p.grad already holds a non-zero gradient "
+                    "(from an op that is not canonical-order aware, a det_train op that received a "
+                    "cast or view of the parameter (p.to(...), p * 1: autograd then carries its "
+                    "gradient), a forward that ran outside `with acc.micro_batch(...)` (its backward "
+                    "returns plain gradients, even inside one), or a previous step): call zero_grad() "
+                    "before the micro-batches, run each forward and its backward inside the same "
+                    "micro_batch, and give det_train ops the Parameter itself for every use"
+                )
+    # the node tensors are shared, merges make new ones
+    local = {slot: _copy(tree) for slot, tree in partials.items()}
+    for (index, use, leaf), open_leaf in carry.items():  # the short last leaf
+        tree = local.setdefault((index, use), TreePartial())
+        try:
+            if isinstance(open_leaf, _OpenFold):
+                tree.merge(TreePartial().add_node(0, leaf, open_leaf.advance((), True)))
+                continue
+            tree.merge(open_leaf.leaf_partial(leaf, open_leaf.rows()))
+        except ValueError as err:
+            raise ValueError(f"{names[index]} (use {use}): {err}") from None
+    return local
+
+
+def checked_roots(trees: dict, total_tokens: int, *, leaf_tokens: int, names: list[str]) -> dict:
+    """``{slot: root}`` of each parameter use's tree over ``total_tokens``, in ``trees``' order;
+    raises when a tree reaches past the last leaf or leaves tokens uncovered, or a parameter has
+    no tree (the checks of one process and of the merged node keys of all ranks).
+
+    ``names[i]`` names tracked parameter ``i`` (every tracked parameter, deposited or not)."""
+    total_leaves = num_leaves(total_tokens, leaf_tokens)
+    roots = {}
+    for (index, use), tree in trees.items():
+        name = names[index]
+        if any((i << level) >= total_leaves for level, i in tree.nodes):  # first leaf of a node
+            raise ValueError(
+                f"{name}: deposits reach past leaf {total_leaves - 1} "
+                f"(total_tokens={total_tokens}, leaf_tokens={leaf_tokens})"
+            )
+        try:
+            roots[index, use] = tree.result(total_leaves)
+        except ValueError as err:
+            raise ValueError(
+                f"{name} (use {use}): {_uncovered_tokens(tree, total_tokens, leaf_tokens)} "
+                f"of total_tokens={total_tokens} received no micro-batch on any rank: check "
+                f"total_tokens, that every micro-batch ran its backward and used this parameter ({err})"
+            ) from None
+    used = {index for index, _ in trees}
+    missing = [names[i] for i in range(len(names)) if i not in used]
+    if missing:
+        raise RuntimeError(
+            f"no canonical-order gradient was deposited for {missing}: their gradients come from "
+            "ops that are not canonical-order aware (use det_train ops), or they were not used; "
+            "leave unused parameters out of the accumulator"
+        )
+    return roots
+
+
+def reduce_across_ranks(
+    group,
+    partials: dict,
+    refusal: Exception | None,
+    total_tokens: int,
+    *,
+    leaf_tokens: int,
+    names: list[str],
+    params: list[torch.Tensor],
+    fsdp: dict[int, object],
+) -> dict[int, torch.Tensor]:
+    """Data parallel: every parameter's gradient by the fixed-order owner reduction (``dp_reduce``).
+
+    The checks of the one-process path run on the merged node keys of all ranks before any
+    data moves (the same on every rank, so every rank raises alike).
+
+    ``fsdp``: ``{param index: FSDP2 FSDPParam}`` of the sharded parameters. Returns
+    ``dp_reduce.owner_reduce``'s ``{param index: gradient}`` (an FSDP2 parameter's: this rank's
+    shard, for ``dp_reduce.fsdp_shard``).
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    specs = []
+    for index, (name, p) in enumerate(zip(names, params, strict=True)):
+        fsdp_param = fsdp.get(index)
+        if fsdp_param is not None and refusal is None:
+            refusal = dp_reduce.fsdp_layout_error(name, fsdp_param, world, rank)
+        specs.append(
+            dp_reduce.GradSpec(name, tuple(p.shape), p.dtype, p.device, sharded=fsdp_param is not None)
+        )
+    keys = dp_reduce.exchange_node_keys(partials, specs, group, refusal)
+    total_leaves = num_leaves(total_tokens, leaf_tokens)
+    checked_roots(dp_reduce.merge_node_keys(keys, names), total_tokens, leaf_tokens=leaf_tokens, names=names)
+    return dp_reduce.owner_reduce(specs, partials, keys, total_leaves, group)
+
+
+def _any_nonzero(tensors: list[torch.Tensor]) -> bool:
+    """Whether any element of ``tensors`` is non-zero (NaN counts), with one host read per device."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t.ne(0).any())
+    return any(bool(torch.stack(flags).any()) for flags in by_device.values())
+
+
+def _copy(tree: TreePartial) -> TreePartial:
+    """A partial tree sharing ``tree``'s node tensors (a merge replaces nodes, never writes them)."""
+    out = TreePartial()
+    out.nodes = dict(tree.nodes)
+    return out
+
+
+def _uncovered_tokens(partial: TreePartial, total_tokens: int, leaf_tokens: int) -> str:
+    """The global token ranges no node of ``partial`` covers, as ``tokens [a, b), ...``."""
+    total_leaves = num_leaves(total_tokens, leaf_tokens)
+    covered = sorted((i << level, (i + 1) << level) for level, i in partial.nodes)
+    gaps, pos = [], 0
+    for first, end in covered + [(total_leaves, total_leaves)]:
+        if first > pos:
+            gaps.append(f"[{pos * leaf_tokens}, {min(first * leaf_tokens, total_tokens)})")
+        pos = max(pos, end)
+    return "tokens " + ", ".join(gaps) if gaps else "some tokens"
