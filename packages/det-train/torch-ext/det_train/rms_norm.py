@@ -45,7 +45,7 @@ __all__ = ["RMSNorm", "rms_norm"]
 MAX_D = 65536
 MAX_ROWS_PER_CHUNK = 16
 # Rows the backward loads ahead of the one it computes (0, 1 or 2): latency only, never bits.
-BWD_PREFETCH = 2
+BWD_PREFETCH = 1
 
 
 def _num_warps(block_d: int) -> int:
