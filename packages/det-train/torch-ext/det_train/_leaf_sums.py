@@ -43,10 +43,10 @@ def _fold_plan(n: int) -> tuple[int, int, int]:
     (the fold is elementwise, each column's adds in chunk order): latency only. Narrow rows get small
     column blocks (many programs for a few hundred KB); ``UNROLL`` chunk rows are loaded before they
     are added in order, so that many loads are in flight. ``(1024, 1, 4)`` is the former plan. The
-    interpreter runs programs one after another in Python: it gets the widest block (fewest
-    programs), with the grouped loads."""
+    interpreter runs programs and their loads one after another in Python: it gets the widest block
+    (fewest programs) and no grouping (``tests/test_latency_settings.py`` runs the grouped plans)."""
     if runtime.interpreter_active():
-        return min(1024, max(16, runtime.next_power_of_2(n))), 8, 4
+        return min(1024, max(16, runtime.next_power_of_2(n))), 1, 4
     block = min(1024, max(64, runtime.next_power_of_2(runtime.cdiv(n, 128))))
     return block, 16 if block <= 256 else 8, max(1, min(4, block // 128))
 

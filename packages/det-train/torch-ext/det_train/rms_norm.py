@@ -139,10 +139,12 @@ def _rms_norm_bwd_kernel(
         )
     for r in range(0, ROWS_PER_CHUNK):
         # rows past M (short last chunk): dy = 0 adds exact zeros to dw_acc and dx is not stored
-        if PREFETCH == 0:
-            dy_raw, x_raw, rstd = _load_row(
-                dy_ptr, x_ptr, rstd_ptr, first, r, M, cols, mask, stride_dy, stride_x, ROWS_PER_CHUNK
-            )
+        row = tl.minimum(first + r, M - 1)
+        lmask = mask & ((first + r + cols * 0) < M)
+        if PREFETCH == 0:  # the loads of _load_row without its prefetch mask (r is in the chunk)
+            dy_raw = tl.load(dy_ptr + row * stride_dy + cols, mask=lmask, other=0.0)
+            x_raw = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+            rstd = tl.load(rstd_ptr + row)
         elif PREFETCH == 1:
             dy_raw, x_raw, rstd = dy_next, x_next, rstd_next
             dy_next, x_next, rstd_next = _load_row(
@@ -163,9 +165,7 @@ def _rms_norm_bwd_kernel(
             wdy = dy
         c1 = tl.sum(x_hat * wdy, axis=0) / D
         dx = (wdy - x_hat * c1) * rstd
-        smask = mask & ((first + r + cols * 0) < M)
-        row = tl.minimum(first + r, M - 1)
-        tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=smask)
+        tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=lmask)
     if HAS_WEIGHT:
         tl.store(dw_partial_ptr + chunk.to(tl.int64) * D + cols, dw_acc, mask=mask)
 
@@ -371,6 +371,11 @@ def _(dy2, x2, weight, rstd, offset, ticket):
     return x2.new_empty(x2.shape)
 
 
+def _prefetch() -> int:
+    # the interpreter runs a program's loads one after another: a prefetch there is only more Python
+    return 0 if runtime.interpreter_active() else BWD_PREFETCH
+
+
 def _backward(dy2, x2, weight, rstd, rows: int, offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """dX ``(M, D)`` and the fp32 chunk sums ``(ceil(M / rows), D)`` of ``dy * x_hat`` (``(1,)``
     without weight) of rows ``dy2``, ``x2`` (M, D) with their saved ``rstd``."""
@@ -387,7 +392,7 @@ def _backward(dy2, x2, weight, rstd, rows: int, offset: float = 0.0) -> tuple[to
             _rms_norm_bwd_kernel, 6,
             (m, d, dy2.stride(0), x2.stride(0), d),  # dx is contiguous: row stride D
             HAS_WEIGHT=has_w, OFFSET=offset, ROWS_PER_CHUNK=rows, BLOCK_D=block_d,
-            PREFETCH=BWD_PREFETCH, num_warps=_num_warps(block_d),
+            PREFETCH=_prefetch(), num_warps=_num_warps(block_d),
         ))  # fmt: skip
     bound((n_chunks,), dy2, x2, weight if has_w else x2, rstd, dx, partial)
     return dx, partial
