@@ -43,21 +43,34 @@ def _rounded(v, OUT: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_fwd_kernel(x_ptr, y_ptr, F, stride_x, stride_y, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < F
+def _tile(n_rows, F, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """The tile's row numbers, column offsets and mask: one row (a scalar row, 1-D columns) on the
+    GPU, ``ROWS`` rows (``(ROWS, 1)`` rows, ``(1, BLOCK)`` columns) in the interpreter."""
+    if ROWS == 1:
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < F
+    else:
+        row = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
+        cols = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
+        mask = (cols < F) & (row < n_rows)
+    return row, cols, mask
+
+
+@triton.jit(do_not_specialize=["R"])  # R is read only by the interpreter's multi-row tiles
+def _swiglu_fwd_kernel(x_ptr, y_ptr, R, F, stride_x, stride_y, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    row, cols, mask = _tile(R, F, BLOCK, ROWS)
     g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + F + cols, mask=mask, other=0.0).to(tl.float32)
     s = 1.0 / (1.0 + tl.exp(-g))
     tl.store(y_ptr + row * stride_y + cols, _rounded(g * s * u, y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _swiglu_bwd_kernel(dy_ptr, x_ptr, dx_ptr, F, stride_dy, stride_x, stride_dx, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < F
+@triton.jit(do_not_specialize=["R"])
+def _swiglu_bwd_kernel(
+    dy_ptr, x_ptr, dx_ptr, R, F, stride_dy, stride_x, stride_dx, BLOCK: tl.constexpr, ROWS: tl.constexpr
+):
+    row, cols, mask = _tile(R, F, BLOCK, ROWS)
     dy = tl.load(dy_ptr + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + F + cols, mask=mask, other=0.0).to(tl.float32)
@@ -69,9 +82,15 @@ def _swiglu_bwd_kernel(dy_ptr, x_ptr, dx_ptr, F, stride_dy, stride_x, stride_dx,
     tl.store(dx_ptr + row * stride_dx + F + cols, _rounded(du, out), mask=mask)
 
 
-def _grid(rows: int, f: int) -> tuple[tuple[int, int], int]:
+# Rows per program in the interpreter, which runs programs one after another and each operation as
+# one numpy call: a tile of many rows costs about what one row does. On the GPU one row per program.
+INTERPRETER_ROWS = 64
+
+
+def _grid(rows: int, f: int) -> tuple[tuple[int, int], int, int]:
     block = min(MAX_BLOCK, runtime.next_power_of_2(f))
-    return (rows, runtime.cdiv(f, block)), block
+    per = min(INTERPRETER_ROWS, runtime.next_power_of_2(rows)) if runtime.interpreter_active() else 1
+    return (runtime.cdiv(rows, per), runtime.cdiv(f, block)), block, per
 
 
 def _check_packed(x2: torch.Tensor, op: str) -> None:
@@ -92,10 +111,11 @@ def swiglu_op(x2: torch.Tensor) -> torch.Tensor:
     rows, f = x2.shape[0], x2.shape[1] // 2
     y = x2.new_empty((rows, f))
     if rows and f:
-        grid, block = _grid(rows, f)
+        grid, block, per = _grid(rows, f)
         runtime.launch(
-            _swiglu_fwd_kernel, grid, x2, y, f, x2.stride(0), y.stride(0), BLOCK=block, num_warps=4
-        )
+            _swiglu_fwd_kernel, grid, x2, y, rows, f, x2.stride(0), y.stride(0), BLOCK=block, ROWS=per,
+            num_warps=4,
+        )  # fmt: skip
     return y
 
 
@@ -131,10 +151,10 @@ def swiglu_backward_op(dy: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
     if rows and f:
         if dy.stride(-1) != 1:
             dy = dy.contiguous()
-        grid, block = _grid(rows, f)
+        grid, block, per = _grid(rows, f)
         runtime.launch(
-            _swiglu_bwd_kernel, grid, dy, x2, dx, f, dy.stride(0), x2.stride(0), dx.stride(0),
-            BLOCK=block, num_warps=4,
+            _swiglu_bwd_kernel, grid, dy, x2, dx, rows, f, dy.stride(0), x2.stride(0), dx.stride(0),
+            BLOCK=block, ROWS=per, num_warps=4,
         )  # fmt: skip
     return dx
 
