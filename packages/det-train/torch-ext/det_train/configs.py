@@ -133,8 +133,8 @@ _MID_TILE = (128, 128)
 
 # (dtype group, layout, shape class of N and K, rows class) -> config. Shape class "large": N >= 256
 # and K >= 256. Rows class (rows_class): "few" (M < TMA_MIN_ROWS), "low" (very low wave fill), "mid"
-# (low wave fill), "many"; a layout without an entry for the class takes its "any" entry ("low"
-# without one: "mid"). Every entry has one block_k per dtype, so the same bits (module docstring).
+# (low wave fill), "many"; a layout without an entry for the class takes its "any" entry. Every
+# entry has one block_k per dtype, so the same bits (module docstring).
 # Chosen from benchmarks/ablate_matmul.py and benchmarks/sweep_micro_batches.py on an H200 (the
 # numbers: docs/benchmarks).
 _MATMUL_TABLE: dict[tuple[str, str, str, str], MatmulConfig] = {
@@ -275,11 +275,7 @@ def matmul_config(dtype: torch.dtype, layout: str, n: int, k: int, rows: int | N
     if group == "fp32":
         return _MATMUL_TABLE[("fp32", "any", "any", "any")]
     key = (group, layout, shape_class(n, k))
-    rows_cls = rows_class(rows, n)
-    entry = _MATMUL_TABLE.get((*key, rows_cls))
-    if entry is None and rows_cls == "low":
-        entry = _MATMUL_TABLE.get((*key, "mid"))
-    return entry or _MATMUL_TABLE[(*key, "any")]
+    return _MATMUL_TABLE.get((*key, rows_class(rows, n))) or _MATMUL_TABLE[(*key, "any")]
 
 
 def weight_grad_config(dtype: torch.dtype, n: int, k: int) -> WeightGradConfig:

@@ -44,7 +44,8 @@ __all__ = ["RMSNorm", "rms_norm"]
 # the largest power of two <= it that divides leaf_tokens).
 MAX_D = 65536
 MAX_ROWS_PER_CHUNK = 16
-# Rows the backward loads ahead of the one it computes (0, 1 or 2): latency only, never bits.
+# Rows the backward loads ahead of the one it computes (0 or 1): latency only, never bits. Run 14's
+# ablation also timed 2 rows: no faster than 1, more registers.
 BWD_PREFETCH = 1
 
 
@@ -117,9 +118,9 @@ def _rms_norm_bwd_kernel(
     BLOCK_D: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
-    # PREFETCH (0, 1 or 2): rows loaded ahead of the one computed, so a row's load latency overlaps
-    # the rows before it (one row per iteration waits on its own loads otherwise). The loaded values
-    # and every operation on them are the same for each setting: it never changes bits.
+    # PREFETCH (0 or 1): the next row is loaded before this one is computed, so a row's load latency
+    # overlaps the row before it (with 0 each row waits on its own loads: the former kernel). The
+    # loaded values and every operation on them are the same for both: it never changes bits.
     chunk = tl.program_id(0)
     first = chunk.to(tl.int64) * ROWS_PER_CHUNK
     cols = tl.arange(0, BLOCK_D)
@@ -129,13 +130,9 @@ def _rms_norm_bwd_kernel(
         if OFFSET != 0.0:
             w = w + OFFSET
     dw_acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    if PREFETCH >= 1:
+    if PREFETCH:
         dy_next, x_next, rstd_next = _load_row(
             dy_ptr, x_ptr, rstd_ptr, first, 0, M, cols, mask, stride_dy, stride_x, ROWS_PER_CHUNK
-        )
-    if PREFETCH >= 2:
-        dy_next2, x_next2, rstd_next2 = _load_row(
-            dy_ptr, x_ptr, rstd_ptr, first, 1, M, cols, mask, stride_dy, stride_x, ROWS_PER_CHUNK
         )
     for r in range(0, ROWS_PER_CHUNK):
         # rows past M (short last chunk): dy = 0 adds exact zeros to dw_acc and dx is not stored
@@ -145,16 +142,10 @@ def _rms_norm_bwd_kernel(
             dy_raw = tl.load(dy_ptr + row * stride_dy + cols, mask=lmask, other=0.0)
             x_raw = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
             rstd = tl.load(rstd_ptr + row)
-        elif PREFETCH == 1:
+        else:
             dy_raw, x_raw, rstd = dy_next, x_next, rstd_next
             dy_next, x_next, rstd_next = _load_row(
                 dy_ptr, x_ptr, rstd_ptr, first, r + 1, M, cols, mask, stride_dy, stride_x, ROWS_PER_CHUNK
-            )
-        else:
-            dy_raw, x_raw, rstd = dy_next, x_next, rstd_next
-            dy_next, x_next, rstd_next = dy_next2, x_next2, rstd_next2
-            dy_next2, x_next2, rstd_next2 = _load_row(
-                dy_ptr, x_ptr, rstd_ptr, first, r + 2, M, cols, mask, stride_dy, stride_x, ROWS_PER_CHUNK
             )
         dy = dy_raw.to(tl.float32)
         x_hat = x_raw.to(tl.float32) * rstd
