@@ -292,3 +292,135 @@ def test_descriptor_template_copies_equal_the_constructed_descriptor():
         del probe
         gc.collect()
         assert alive() is None
+
+
+class CudaLauncher:
+    """Stands in for Triton 3.6's ``CudaLauncher`` (matched by class name): its ``launch`` is either
+    the module's C launch or wrap_handle_tensordesc's ``inner`` closing over it."""
+
+    launch_cooperative_grid, launch_pdl = False, True
+    global_scratch_size = profile_scratch_size = 0
+
+    def __init__(self, c_launch, indices=None, meta=None):
+        if indices is None:
+            self.launch = c_launch
+        else:
+            launcher, tensordesc_indices, tensordesc_meta = c_launch, indices, meta
+
+            def inner(*args):  # never called on the direct path
+                return launcher, tensordesc_indices, tensordesc_meta, args
+
+            self.launch = inner
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+class _Compiled:
+    function, packed_metadata = 1234, (4, 1, 0)
+
+    def __init__(self, run):
+        self.run = run
+
+
+def test_compiled_launch_calls_the_c_launch_with_what_cuda_launcher_passes(monkeypatch):
+    """Without descriptors: (grid, stream, function, cooperative, pdl, no scratch, metadata, no
+    hooks, args), as CudaLauncher.__call__ passes them; a launcher needing scratch keeps its run."""
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
+    c = _Recorder()
+    compiled = _Compiled(CudaLauncher(c))
+    runtime._CompiledLaunch(compiled)((3, 2), 0, ("x", 5, None))
+    assert c.calls == [(3, 2, 1, 7, 1234, False, True, None, None, (4, 1, 0), None, None, None, "x", 5, None)]
+    scratch = CudaLauncher(c)
+    scratch.global_scratch_size = 64
+    runtime._CompiledLaunch(_Compiled(scratch))((3,), 0, ("x",))
+    assert scratch.calls == [(3, 1, 1, 7, 1234, (4, 1, 0), None, None, None, "x")] and len(c.calls) == 1
+
+
+def test_compiled_launch_encodes_descriptors_as_make_tensordesc_arg(monkeypatch):
+    """Each descriptor argument becomes (encoded map, *shape, *strides) in place, with the encoding
+    wrap_handle_tensordesc would pass (base address, swizzle, element size and host dtype, block,
+    shape, strides, padding); host-decomposed descriptors (no metadata) keep Triton's wrapper."""
+    pytest.importorskip("triton.tools.tensor_descriptor")
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
+    monkeypatch.setattr(runtime, "_fill_tma_descriptor", lambda *a: ("map", a))
+    a, b = torch.zeros(64, 32), torch.zeros(16, 8)
+    da = TensorDescriptor(a, [64, 32], [32, 1], [16, 32])
+    db = TensorDescriptor(b, [16, 8], [8, 1], [8, 8], padding="nan")
+    meta = [dict(swizzle=128, elem_size=4, elem_type=7, block_size=[16, 32], fp4_padded=False),
+            dict(swizzle=32, elem_size=4, elem_type=7, block_size=[8, 8], fp4_padded=False)]  # fmt: skip
+    c = _Recorder()
+    launch = runtime._CompiledLaunch(_Compiled(CudaLauncher(c, {1, 3}, meta)))
+    launch((2,), 0, ("p", da, 9, db, 1.5))
+    host = __import__("triton.backends.nvidia.driver", fromlist=["x"]).TMA_DTYPE_DEVICE_TO_HOST[7]
+    assert c.calls[0][13:] == (
+        "p", ("map", (a.data_ptr(), 128, 4, host, [16, 32], [64, 32], [32, 1], 0)), 64, 32, 32, 1,
+        9, ("map", (b.data_ptr(), 32, 4, host, [8, 8], [16, 8], [8, 1], 1)), 16, 8, 8, 1, 1.5,
+    )  # fmt: skip
+    wrapped = CudaLauncher(c, {1}, [None])
+    runtime._CompiledLaunch(_Compiled(wrapped))((2,), 0, ("p", da))
+    assert len(wrapped.calls) == 1 and len(c.calls) == 1
+
+
+def test_bound_launch_keys_template_copies_by_layout(direct_launch):
+    """Copies of one DescriptorTemplate share a launch key (their layout is computed once); another
+    layout or a misaligned base is another key."""
+    pytest.importorskip("triton.tools.tensor_descriptor")
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    k = _FakeKernel()
+    bound = runtime.BoundLaunch(k, 1, (32, 5, 1.5), FLAG=True)
+    x, y = torch.zeros(64, 32), torch.zeros(64, 32)
+    template = runtime.DescriptorTemplate(TensorDescriptor(x, [64, 32], [32, 1], [16, 32]))
+    bound((1,), template(x))
+    bound((1,), template(y))
+    assert len(k.slow) == 1 and len(k.direct) == 1
+    other = runtime.DescriptorTemplate(TensorDescriptor(x, [64, 32], [32, 1], [32, 32]))
+    bound((1,), other(y))
+    bound((1,), template(torch.zeros(64 * 32 + 1)[1:].view(64, 32)))
+    assert len(k.slow) == 3
+
+
+@triton.jit
+def _tma_scale_kernel(in_desc, out_desc, scale, BM: tl.constexpr, BN: tl.constexpr):
+    m, n = tl.program_id(0) * BM, tl.program_id(1) * BN
+    tile = in_desc.load([m, n]).to(tl.float32) * scale
+    out_desc.store([m, n], tile.to(out_desc.dtype))
+
+
+@pytest.mark.gpu
+def test_gpu_bound_launch_of_descriptors_equals_the_jit_path():
+    """A kernel with tensor-descriptor parameters through BoundLaunch (DescriptorTemplate copies,
+    descriptors encoded by _CompiledLaunch on the second round) gives kernel[grid]'s outputs, also
+    at a shape whose edge tiles are partial."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    bound = runtime.BoundLaunch(_tma_scale_kernel, 2, (1.5,), BM=32, BN=64)
+    for _ in range(2):
+        for rows, cols in ((128, 128), (100, 72)):
+            x = torch.randn(rows, cols, device="cuda").to(torch.bfloat16)
+            want, got = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+            grid = (triton.cdiv(rows, 32), triton.cdiv(cols, 64))
+
+            def desc(t, rows=rows, cols=cols):
+                return TensorDescriptor(t, [rows, cols], [cols, 1], [32, 64])
+
+            _tma_scale_kernel[grid](desc(x), desc(want), 1.5, BM=32, BN=64)
+            template = runtime.DescriptorTemplate(desc(x))
+            bound(grid, template(x), template(got))
+            torch.cuda.synchronize()
+            assert torch.equal(got, want) and torch.equal(want, (x.float() * 1.5).to(torch.bfloat16))
+    if runtime._direct_launch_enabled():
+        (direct,) = {id(d): d for d in bound._entries.values()}.values()
+        assert direct.c_launch is not None and len(direct.descs) == 2  # the descriptors' own encoding
