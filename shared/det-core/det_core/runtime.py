@@ -463,7 +463,10 @@ class _CompiledLaunch:
         self.compiled = compiled
         self.c_launch = self.function = self.head = None
         self.descs = ()
-        found = _c_launch_of(compiled)
+        try:  # built after Triton's own launch of this kernel: a launcher of another form keeps run
+            found = _c_launch_of(compiled)
+        except (AttributeError, KeyError, TypeError, ValueError, IndexError):
+            found = None
         if found is not None:
             self.c_launch, self.head, self.descs = found
             self.function = compiled.function
@@ -484,6 +487,10 @@ class _CompiledLaunch:
 
 
 _fill_tma_descriptor = None
+# Triton 3.6's descriptor wrapper (backends/nvidia/driver.py) and the fields of its per-descriptor
+# metadata that make_tensordesc_arg reads: a wrapper or metadata of another form keeps compiled.run
+_TENSORDESC_WRAPPER = ("triton.backends.nvidia.driver", "wrap_handle_tensordesc.<locals>.inner")
+_TMA_META_KEYS = frozenset(("swizzle", "elem_size", "elem_type", "block_size", "fp4_padded"))
 
 
 def _c_launch_of(compiled):
@@ -498,16 +505,18 @@ def _c_launch_of(compiled):
         return None
     c_launch, descs = launcher.launch, ()
     if isinstance(c_launch, types.FunctionType):  # Python: wrap_handle_tensordesc's inner
-        code, cells = getattr(c_launch, "__code__", None), getattr(c_launch, "__closure__", None) or ()
-        if code is None:
+        if (c_launch.__module__, c_launch.__qualname__) != _TENSORDESC_WRAPPER:
             return None
+        code, cells = c_launch.__code__, c_launch.__closure__ or ()
         free = dict(zip(code.co_freevars, (cell.cell_contents for cell in cells), strict=False))
         indices, meta = free.get("tensordesc_indices"), free.get("tensordesc_meta")
         c_launch = free.get("launcher")
         if c_launch is None or isinstance(c_launch, types.FunctionType) or not indices or not meta:
             return None
-        if len(meta) != len(indices) or any(m is None or m.get("fp4_padded") for m in meta):
-            return None  # host-decomposed descriptors, fp4 padding: Triton's wrapper
+        if len(meta) != len(indices) or any(
+            m is None or set(m) != _TMA_META_KEYS or m["fp4_padded"] for m in meta
+        ):
+            return None  # host-decomposed descriptors, fp4 padding, fields this encoding does not know
         from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
 
         descs = tuple(

@@ -310,6 +310,7 @@ class CudaLauncher:
             def inner(*args):  # never called on the direct path
                 return launcher, tensordesc_indices, tensordesc_meta, args
 
+            inner.__module__, inner.__qualname__ = runtime._TENSORDESC_WRAPPER  # as Triton 3.6 names it
             self.launch = inner
         self.calls = []
 
@@ -368,9 +369,14 @@ def test_compiled_launch_encodes_descriptors_as_make_tensordesc_arg(monkeypatch)
         "p", ("map", (a.data_ptr(), 128, 4, host, [16, 32], [64, 32], [32, 1], 0)), 64, 32, 32, 1,
         9, ("map", (b.data_ptr(), 32, 4, host, [8, 8], [16, 8], [8, 1], 1)), 16, 8, 8, 1, 1.5,
     )  # fmt: skip
-    wrapped = CudaLauncher(c, {1}, [None])
-    runtime._CompiledLaunch(_Compiled(wrapped))((2,), 0, ("p", da))
-    assert len(wrapped.calls) == 1 and len(c.calls) == 1
+    for odd in ([None], [dict(meta[0], is_im2col=True)]):  # host-decomposed; a field it does not know
+        wrapped = CudaLauncher(c, {1}, odd)
+        runtime._CompiledLaunch(_Compiled(wrapped))((2,), 0, ("p", da))
+        assert len(wrapped.calls) == 1 and len(c.calls) == 1
+    other = CudaLauncher(c, {1}, meta[:1])
+    other.launch.__qualname__ = "another_wrapper.<locals>.inner"
+    runtime._CompiledLaunch(_Compiled(other))((2,), 0, ("p", da))
+    assert len(other.calls) == 1 and len(c.calls) == 1
 
 
 def test_bound_launch_keys_template_copies_by_layout(direct_launch):
@@ -393,34 +399,43 @@ def test_bound_launch_keys_template_copies_by_layout(direct_launch):
 
 
 @triton.jit
-def _tma_scale_kernel(in_desc, out_desc, scale, BM: tl.constexpr, BN: tl.constexpr):
+def _tma_scale_kernel(
+    scale_ptr, in_desc, BM: tl.constexpr, out_desc, flag_ptr, scale2, BN: tl.constexpr, FLAG: tl.constexpr
+):
+    # a pointer, descriptors with a constexpr between them, a trailing scalar: positions to get right
     m, n = tl.program_id(0) * BM, tl.program_id(1) * BN
-    tile = in_desc.load([m, n]).to(tl.float32) * scale
+    tile = in_desc.load([m, n]).to(tl.float32) * tl.load(scale_ptr) * scale2
     out_desc.store([m, n], tile.to(out_desc.dtype))
+    if FLAG and tl.program_id(0) == 0 and tl.program_id(1) == 0:
+        tl.store(flag_ptr, 1.0)
 
 
 @pytest.mark.gpu
 def test_gpu_bound_launch_of_descriptors_equals_the_jit_path():
-    """A kernel with tensor-descriptor parameters through BoundLaunch (DescriptorTemplate copies,
-    descriptors encoded by _CompiledLaunch on the second round) gives kernel[grid]'s outputs, also
-    at a shape whose edge tiles are partial."""
+    """A kernel with a pointer, two tensor-descriptor parameters (a constexpr between them, the input
+    NaN-padded) and a scalar through BoundLaunch (DescriptorTemplate copies, encoded by
+    _CompiledLaunch from the second round on) gives kernel[grid]'s outputs, also at a shape whose
+    edge tiles are partial."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    bound = runtime.BoundLaunch(_tma_scale_kernel, 2, (1.5,), BM=32, BN=64)
+    scale = torch.tensor([1.5], device="cuda")
+    bound = runtime.BoundLaunch(_tma_scale_kernel, 5, (0.5,), BN=64, FLAG=True)
     for _ in range(2):
         for rows, cols in ((128, 128), (100, 72)):
             x = torch.randn(rows, cols, device="cuda").to(torch.bfloat16)
             want, got = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+            flag_want, flag_got = torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
             grid = (triton.cdiv(rows, 32), triton.cdiv(cols, 64))
 
-            def desc(t, rows=rows, cols=cols):
-                return TensorDescriptor(t, [rows, cols], [cols, 1], [32, 64])
+            def desc(t, padding="zero", rows=rows, cols=cols):
+                return TensorDescriptor(t, [rows, cols], [cols, 1], [32, 64], padding=padding)
 
-            _tma_scale_kernel[grid](desc(x), desc(want), 1.5, BM=32, BN=64)
-            template = runtime.DescriptorTemplate(desc(x))
-            bound(grid, template(x), template(got))
+            _tma_scale_kernel[grid](scale, desc(x, "nan"), 32, desc(want), flag_want, 0.5, BN=64, FLAG=True)
+            src, dst = runtime.DescriptorTemplate(desc(x, "nan")), runtime.DescriptorTemplate(desc(x))
+            bound(grid, scale, src(x), 32, dst(got), flag_got)
             torch.cuda.synchronize()
-            assert torch.equal(got, want) and torch.equal(want, (x.float() * 1.5).to(torch.bfloat16))
+            assert torch.equal(got, want) and torch.equal(want, (x.float() * 0.75).to(torch.bfloat16))
+            assert flag_want.item() == flag_got.item() == 1.0
     if runtime._direct_launch_enabled():  # one entry per layout, each launched by its C launcher
         entries = list(bound._entries.values())
         assert len(entries) == 2 and all(e.c_launch is not None and len(e.descs) == 2 for e in entries)
