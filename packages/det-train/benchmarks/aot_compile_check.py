@@ -9,8 +9,8 @@ with Triton 3.9); not a test.
 
     python packages/det-train/benchmarks/aot_compile_check.py [--ptx-digest] [--norms]
 
-``--norms`` compiles only the RMSNorm backward and the chunk-fold kernels (the shipped prefetch /
-unroll settings and the former ones: registers before and after a latency change).
+``--norms`` compiles only the RMSNorm forward and backward and the chunk-fold kernels (the shipped
+prefetch / unroll settings and the former ones: registers before and after a latency change).
 
 ``--ptx-digest`` compiles without line info (``TRITON_DISABLE_LINE_INFO=1``) and prints each entry's
 PTX sha256: a refactor that must keep the kernels shows the same digests before and after.
@@ -112,8 +112,9 @@ def compile_one(name, fn, types, constexprs, num_warps, num_stages) -> bool:
 
 
 def norm_entries() -> int:
-    """The RMSNorm backward (bf16 / fp32 rows of D 768 and 4096, with and without weight, without
-    prefetch and at the shipped depth) and the chunk folds (the former plan and ``_fold_plan``'s);
+    """The RMSNorm forward (bf16 / fp32 rows of D 768 and 4096, one row per program as on the GPU) and
+    backward (the same rows, with and without weight, without prefetch and at the shipped depth,
+    row by row as on the GPU) and the chunk folds (the former plan and ``_fold_plan``'s);
     returns the failures."""
     rms = importlib.import_module("det_train.rms_norm")
     sums = importlib.import_module("det_train._leaf_sums")
@@ -122,6 +123,16 @@ def norm_entries() -> int:
     def known(fn, meta):  # an older kernel without a new constexpr compiles as it was
         return {k: v for k, v in meta.items() if k in fn.arg_names}
 
+    fn = rms._rms_norm_fwd_kernel
+    for tname in ("*bf16", "*fp32"):
+        types = {n: tname for n in ("x_ptr", "w_ptr", "y_ptr")}
+        types.update(rstd_ptr="*fp32", eps="fp32")
+        for d in (768, 4096):
+            block_d = triton.next_power_of_2(d)
+            meta = dict(HAS_WEIGHT=True, OFFSET=0.0, BLOCK_D=block_d, ROWS=1)
+            bad += not compile_one(
+                f"rms fwd {tname[1:]} D={d}", fn, types, known(fn, meta), rms._num_warps(block_d), 3
+            )
     fn = rms._rms_norm_bwd_kernel
     for tname in ("*bf16", "*fp32"):
         types = {n: tname for n in ("dy_ptr", "x_ptr", "w_ptr", "dx_ptr")}
@@ -131,7 +142,7 @@ def norm_entries() -> int:
             for has_w in (True, False):
                 for prefetch in sorted({0, getattr(rms, "BWD_PREFETCH", 0)}):  # the former, the shipped
                     meta = dict(HAS_WEIGHT=has_w, OFFSET=0.0, ROWS_PER_CHUNK=rms.MAX_ROWS_PER_CHUNK,
-                                BLOCK_D=block_d, PREFETCH=prefetch)  # fmt: skip
+                                BLOCK_D=block_d, PREFETCH=prefetch, TILE=0)  # fmt: skip
                     if "PREFETCH" not in fn.arg_names and prefetch:
                         continue
                     bad += not compile_one(

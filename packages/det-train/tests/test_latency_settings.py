@@ -88,3 +88,42 @@ def test_rms_backward_prefetch_depths_give_the_same_bits():
     for prefetch, dx, partial in outs:
         assert_bitwise_equal(partial, want, f"dweight chunk sums, prefetch {prefetch}")
         assert_bitwise_equal(dx, outs[0][1], f"dX, prefetch {prefetch} vs 0")
+
+
+@pytest.mark.parametrize("d", [2, 40, 768])
+@pytest.mark.parametrize("has_w", [True, False])
+def test_rms_interpreter_tiles_give_the_row_by_row_bits(d, has_w):
+    """The interpreter's many-row tiles (the forward's ROWS rows per program, the backward's chunk as
+    one tile) give the one-row-at-a-time kernels' bits: y, rstd, dX and the chunk sums, with a short
+    last chunk and whole chunks of zero dy against negative x (every product -0.0)."""
+    g = torch.Generator().manual_seed(3)
+    m, rows = 64 + 37, rms.MAX_ROWS_PER_CHUNK
+    x = (3 * torch.randn(m, d, generator=g)).bfloat16()
+    dy = torch.randn(m, d, generator=g).bfloat16()
+    dy[:rows], x[:rows] = 0, -x[:rows].abs()
+    w = (1 + 0.1 * torch.randn(d, generator=g)).bfloat16() if has_w else None
+    block_d, n_chunks = triton.next_power_of_2(d), triton.cdiv(m, rows)
+    fwd = []
+    for per in (1, 32):  # 32 rows divide 64, not 101: the tile's rows are checked on 64
+        y, rstd = torch.empty_like(x[:64]), torch.empty(64)
+        rms._rms_norm_fwd_kernel[(64 // per,)](
+            x, w if has_w else x, y, rstd, d, d, d, 1e-6, HAS_WEIGHT=has_w, OFFSET=0.0, BLOCK_D=block_d,
+            ROWS=per,
+        )  # fmt: skip
+        fwd.append((y, rstd))
+    assert_bitwise_equal(fwd[1][0], fwd[0][0], f"y, D {d}: 32-row tiles vs rows")
+    assert_bitwise_equal(fwd[1][1], fwd[0][1], f"rstd, D {d}: 32-row tiles vs rows")
+    rstd = torch.rsqrt(x.float().pow(2).mean(-1) + 1e-6)
+    bwd = []
+    for tile in (0, 1):
+        dx, partial = torch.empty_like(x), torch.full((n_chunks, d), float("nan"))
+        rms._rms_norm_bwd_kernel[(n_chunks,)](
+            dy, x, w if has_w else x, rstd, dx, partial, m, d, d, d, d, HAS_WEIGHT=has_w, OFFSET=0.0,
+            ROWS_PER_CHUNK=rows, BLOCK_D=block_d, PREFETCH=0, TILE=tile,
+        )  # fmt: skip
+        bwd.append((dx, partial))
+    assert_bitwise_equal(bwd[1][0], bwd[0][0], f"dX, D {d}: chunk tile vs rows")
+    if has_w:
+        assert_bitwise_equal(bwd[1][1], bwd[0][1], f"chunk sums, D {d}: chunk tile vs rows")
+        assert not torch.signbit(bwd[1][1][0]).any()  # the zero chunk's sums are +0.0, as the loop's
+    assert rms._tile(block_d) == 1 and rms._tile(1) == 0  # the interpreter tiles (D = 1 keeps the loop)

@@ -67,12 +67,23 @@ def _rms_norm_fwd_kernel(
     HAS_WEIGHT: tl.constexpr,
     OFFSET: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr = 1,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    mask = cols < D
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    mean_sq = tl.sum(x * x, axis=0) / D
+    # ROWS rows per program (a divisor of M): 1 on the GPU; in the interpreter a (ROWS, BLOCK_D) tile
+    # (the interpreter runs each operation as one numpy call, per program): each row's sum is numpy's
+    # sum of its BLOCK_D values as for the 1-D row, every other operation elementwise: the same bits
+    if ROWS == 1:
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_D)
+        mask = cols < D
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        mean_sq = tl.sum(x * x, axis=0) / D
+    else:
+        row = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
+        cols = tl.arange(0, BLOCK_D)[None, :]
+        mask = cols < D
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        mean_sq = tl.sum(x * x, axis=1, keep_dims=True) / D
     rstd = 1.0 / tl.sqrt(mean_sq + eps)
     y = x * rstd
     if HAS_WEIGHT:
@@ -100,6 +111,51 @@ def _load_row(
 
 
 @triton.jit
+def _bwd_chunk_tile(
+    dy_ptr,
+    x_ptr,
+    rstd_ptr,
+    dx_ptr,
+    w,
+    first,
+    M,
+    D,
+    cols,
+    mask,
+    stride_dy,
+    stride_x,
+    stride_dx,
+    HAS_WEIGHT: tl.constexpr,
+    ROWS_PER_CHUNK: tl.constexpr,
+):
+    """The backward's chunk loop as one tile, for the interpreter (which runs a program's operations
+    one numpy call each): dX of every row of the chunk, and the chunk's fp32 sum of ``dy * x_hat``.
+
+    The same values and operations as the loop, so the same bits: a row's ``tl.sum`` is numpy's sum
+    of its BLOCK_D values either way (the 2-D sum along axis 1 sums each row as the 1-D one), and the
+    sum over the chunk's rows (axis 0 of a C-contiguous tile of at least 2 columns) adds the rows in
+    order, as ``dw_acc +=`` does; ``+ 0.0`` gives the loop's +0 where every term is -0 (the loop
+    starts from +0; numpy's sum does too in the versions tested, this does not depend on it)."""
+    r = tl.arange(0, ROWS_PER_CHUNK)[:, None]
+    row = tl.minimum(first + r, M - 1)
+    cols2, mask2 = cols[None, :], mask[None, :]
+    lmask = mask2 & ((first + r + cols2 * 0) < M)
+    dy = tl.load(dy_ptr + row * stride_dy + cols2, mask=lmask, other=0.0).to(tl.float32)
+    rstd = tl.load(rstd_ptr + row)
+    x_hat = tl.load(x_ptr + row * stride_x + cols2, mask=mask2, other=0.0).to(tl.float32) * rstd
+    if HAS_WEIGHT:
+        wdy = dy * w[None, :]
+        dw_acc = tl.sum(dy * x_hat, axis=0) + 0.0
+    else:
+        wdy = dy
+        dw_acc = tl.zeros(cols.shape, dtype=tl.float32)
+    c1 = tl.sum(x_hat * wdy, axis=1, keep_dims=True) / D
+    dx = (wdy - x_hat * c1) * rstd
+    tl.store(dx_ptr + row * stride_dx + cols2, dx.to(dx_ptr.dtype.element_ty), mask=lmask)
+    return dw_acc
+
+
+@triton.jit
 def _rms_norm_bwd_kernel(
     dy_ptr,
     x_ptr,
@@ -117,7 +173,10 @@ def _rms_norm_bwd_kernel(
     ROWS_PER_CHUNK: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PREFETCH: tl.constexpr,
+    TILE: tl.constexpr = 0,
 ):
+    # TILE (the interpreter, BLOCK_D >= 2): the chunk's rows as one tile, _bwd_chunk_tile; the GPU
+    # computes them one after another (the same values and operations: the same bits).
     # PREFETCH (0 or 1): the next row is loaded before this one is computed, so a row's load latency
     # overlaps the row before it (with 0 each row waits on its own loads: the former kernel). The
     # loaded values and every operation on them are the same for both: it never changes bits.
@@ -130,33 +189,40 @@ def _rms_norm_bwd_kernel(
         if OFFSET != 0.0:
             w = w + OFFSET
     dw_acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    if PREFETCH:
-        dy_next, x_next, rstd_next = _load_row(
-            dy_ptr, x_ptr, rstd_ptr, first, 0, M, cols, mask, stride_dy, stride_x, ROWS_PER_CHUNK
-        )
-    for r in range(0, ROWS_PER_CHUNK):
-        # rows past M (short last chunk): dy = 0 adds exact zeros to dw_acc and dx is not stored
-        row = tl.minimum(first + r, M - 1)
-        lmask = mask & ((first + r + cols * 0) < M)
-        if PREFETCH == 0:  # the loads of _load_row without its prefetch mask (r is in the chunk)
-            dy_raw = tl.load(dy_ptr + row * stride_dy + cols, mask=lmask, other=0.0)
-            x_raw = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-            rstd = tl.load(rstd_ptr + row)
-        else:
-            dy_raw, x_raw, rstd = dy_next, x_next, rstd_next
+    if TILE:  # the interpreter: the chunk as one (ROWS_PER_CHUNK, BLOCK_D) tile
+        dw_acc = _bwd_chunk_tile(
+            dy_ptr, x_ptr, rstd_ptr, dx_ptr, w if HAS_WEIGHT else cols, first, M, D, cols, mask,
+            stride_dy, stride_x, stride_dx, HAS_WEIGHT, ROWS_PER_CHUNK,
+        )  # fmt: skip
+    else:
+        if PREFETCH:
             dy_next, x_next, rstd_next = _load_row(
-                dy_ptr, x_ptr, rstd_ptr, first, r + 1, M, cols, mask, stride_dy, stride_x, ROWS_PER_CHUNK
+                dy_ptr, x_ptr, rstd_ptr, first, 0, M, cols, mask, stride_dy, stride_x, ROWS_PER_CHUNK
             )
-        dy = dy_raw.to(tl.float32)
-        x_hat = x_raw.to(tl.float32) * rstd
-        if HAS_WEIGHT:
-            wdy = dy * w
-            dw_acc += dy * x_hat
-        else:
-            wdy = dy
-        c1 = tl.sum(x_hat * wdy, axis=0) / D
-        dx = (wdy - x_hat * c1) * rstd
-        tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=lmask)
+        for r in range(0, ROWS_PER_CHUNK):
+            # rows past M (short last chunk): dy = 0 adds exact zeros to dw_acc and dx is not stored
+            row = tl.minimum(first + r, M - 1)
+            lmask = mask & ((first + r + cols * 0) < M)
+            if PREFETCH == 0:  # the loads of _load_row without its prefetch mask (r is in the chunk)
+                dy_raw = tl.load(dy_ptr + row * stride_dy + cols, mask=lmask, other=0.0)
+                x_raw = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+                rstd = tl.load(rstd_ptr + row)
+            else:
+                dy_raw, x_raw, rstd = dy_next, x_next, rstd_next
+                dy_next, x_next, rstd_next = _load_row(
+                    dy_ptr, x_ptr, rstd_ptr, first, r + 1, M, cols, mask, stride_dy, stride_x,
+                    ROWS_PER_CHUNK,
+                )  # fmt: skip
+            dy = dy_raw.to(tl.float32)
+            x_hat = x_raw.to(tl.float32) * rstd
+            if HAS_WEIGHT:
+                wdy = dy * w
+                dw_acc += dy * x_hat
+            else:
+                wdy = dy
+            c1 = tl.sum(x_hat * wdy, axis=0) / D
+            dx = (wdy - x_hat * c1) * rstd
+            tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=lmask)
     if HAS_WEIGHT:
         tl.store(dw_partial_ptr + chunk.to(tl.int64) * D + cols, dw_acc, mask=mask)
 
@@ -254,18 +320,28 @@ def rms_norm_op(
     y = torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
     rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m > 0:
-        key = ("fwd", d, x2.stride(0), eps.hex(), weight is not None, offset)
+        per = _forward_rows(m)
+        key = ("fwd", d, x2.stride(0), eps.hex(), weight is not None, offset, per)
         bound = _BOUND.get(key)
         if bound is None:
             block_d = runtime.next_power_of_2(d)
             bound = _BOUND.put(key, runtime.BoundLaunch(
                 _rms_norm_fwd_kernel, 4,
                 (d, x2.stride(0), d, eps),  # y is contiguous: row stride D
-                HAS_WEIGHT=weight is not None, OFFSET=offset, BLOCK_D=block_d,
+                HAS_WEIGHT=weight is not None, OFFSET=offset, BLOCK_D=block_d, ROWS=per,
                 num_warps=_num_warps(block_d),
             ))  # fmt: skip
-        bound((m,), x2, weight if weight is not None else x2, y, rstd)
+        bound((m // per,), x2, weight if weight is not None else x2, y, rstd)
     return y, rstd
+
+
+# Rows per forward program in the interpreter, at most (the largest power of two dividing M): a
+# tile of many rows costs the interpreter about what one row does. One row per program on the GPU.
+INTERPRETER_ROWS = 64
+
+
+def _forward_rows(m: int) -> int:
+    return min(INTERPRETER_ROWS, m & -m) if runtime.interpreter_active() else 1
 
 
 @rms_norm_op.register_fake
@@ -362,6 +438,12 @@ def _(dy2, x2, weight, rstd, offset, ticket):
     return x2.new_empty(x2.shape)
 
 
+def _tile(block_d: int) -> int:
+    # the interpreter computes a chunk's rows as one tile; a 1-column tile's sum over rows would be
+    # numpy's pairwise sum, not the rows in order, so D = 1 keeps the loop
+    return int(runtime.interpreter_active() and block_d >= 2)
+
+
 def _prefetch() -> int:
     # the interpreter runs a program's loads one after another: a prefetch there is only more Python
     return 0 if runtime.interpreter_active() else BWD_PREFETCH
@@ -383,7 +465,7 @@ def _backward(dy2, x2, weight, rstd, rows: int, offset: float = 0.0) -> tuple[to
             _rms_norm_bwd_kernel, 6,
             (m, d, dy2.stride(0), x2.stride(0), d),  # dx is contiguous: row stride D
             HAS_WEIGHT=has_w, OFFSET=offset, ROWS_PER_CHUNK=rows, BLOCK_D=block_d,
-            PREFETCH=_prefetch(), num_warps=_num_warps(block_d),
+            PREFETCH=_prefetch(), TILE=_tile(block_d), num_warps=_num_warps(block_d),
         ))  # fmt: skip
     bound((n_chunks,), dy2, x2, weight if has_w else x2, rstd, dx, partial)
     return dx, partial
