@@ -9,8 +9,9 @@ with Triton 3.9); not a test.
 
     python packages/det-train/benchmarks/aot_compile_check.py [--ptx-digest] [--norms]
 
-``--norms`` compiles only the RMSNorm forward and backward and the chunk-fold kernels (the shipped
-prefetch / unroll settings and the former ones: registers before and after a latency change).
+``--norms`` compiles only the RMSNorm and LayerNorm forward and backward and the chunk-fold
+kernels (the shipped prefetch / unroll settings and the former ones: registers before and after a
+latency change).
 
 ``--ptx-digest`` compiles without line info (``TRITON_DISABLE_LINE_INFO=1``) and prints each entry's
 PTX sha256: a refactor that must keep the kernels shows the same digests before and after.
@@ -149,6 +150,24 @@ def norm_entries() -> int:
                         f"rms bwd {tname[1:]} D={d} weight={has_w} prefetch={prefetch}", fn, types,
                         known(fn, meta), rms._num_warps(block_d), 3,
                     )  # fmt: skip
+    ln = importlib.import_module("det_train.layer_norm")
+    for tname in ("*bf16", "*fp32"):  # LayerNorm: the same row programs, one row at a time
+        for d in (768, 4096):
+            block_d = triton.next_power_of_2(d)
+            types = {n: tname for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")}
+            types.update(mean_ptr="*fp32", rstd_ptr="*fp32", eps="fp32")
+            meta = dict(HAS_WEIGHT=True, HAS_BIAS=True, BLOCK_D=block_d, ROWS=1)
+            fn = ln._layer_norm_fwd_kernel
+            bad += not compile_one(
+                f"ln fwd {tname[1:]} D={d}", fn, types, known(fn, meta), ln._num_warps(block_d), 3
+            )
+            types = {n: tname for n in ("dy_ptr", "x_ptr", "w_ptr", "dx_ptr")}
+            types.update(mean_ptr="*fp32", rstd_ptr="*fp32", dw_partial_ptr="*fp32")
+            meta = dict(HAS_WEIGHT=True, ROWS_PER_CHUNK=ln.MAX_ROWS_PER_CHUNK, BLOCK_D=block_d, TILE=0)
+            fn = ln._layer_norm_bwd_kernel
+            bad += not compile_one(
+                f"ln bwd {tname[1:]} D={d}", fn, types, known(fn, meta), ln._num_warps(block_d), 3
+            )
     plan = getattr(sums, "_fold_plan", None)
     plans = {(1024, 1, 4)} | ({plan(768), plan(4096)} if plan else set())
     for block, unroll, warps in sorted(plans):

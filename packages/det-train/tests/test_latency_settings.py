@@ -126,4 +126,42 @@ def test_rms_interpreter_tiles_give_the_row_by_row_bits(d, has_w):
     if has_w:
         assert_bitwise_equal(bwd[1][1], bwd[0][1], f"chunk sums, D {d}: chunk tile vs rows")
         assert not torch.signbit(bwd[1][1][0]).any()  # the zero chunk's sums are +0.0, as the loop's
-    assert rms._tile(block_d) == 1 and rms._tile(1) == 0  # the interpreter tiles (D = 1 keeps the loop)
+    assert rms.chunk_tile(block_d) == 1 and rms.chunk_tile(1) == 0  # interpreter tiles; D = 1: the loop
+
+
+@pytest.mark.parametrize("d", [2, 40, 768])
+@pytest.mark.parametrize("has_w", [True, False])
+def test_layer_norm_interpreter_tiles_give_the_row_by_row_bits(d, has_w):
+    """LayerNorm's interpreter tiles (RMSNorm's rule) give the one-row-at-a-time kernels' bits: y,
+    mean, rstd, dX and the chunk sums, with a short last chunk and a chunk of zero dy."""
+    ln = importlib.import_module("det_train.layer_norm")
+    g = torch.Generator().manual_seed(4)
+    m, rows = 64 + 37, ln.MAX_ROWS_PER_CHUNK
+    x = (3 * torch.randn(m, d, generator=g) + 1).bfloat16()
+    dy = torch.randn(m, d, generator=g).bfloat16()
+    dy[:rows] = 0
+    w = (1 + 0.1 * torch.randn(d, generator=g)).bfloat16() if has_w else x
+    b = (0.1 * torch.randn(d, generator=g)).bfloat16() if has_w else x
+    block_d, n_chunks = triton.next_power_of_2(d), triton.cdiv(m, rows)
+    fwd = []
+    for per in (1, 32):
+        y, mean, rstd = torch.empty_like(x[:64]), torch.empty(64), torch.empty(64)
+        ln._layer_norm_fwd_kernel[(64 // per,)](
+            x, w, b, y, mean, rstd, d, d, d, 1e-5, HAS_WEIGHT=has_w, HAS_BIAS=has_w, BLOCK_D=block_d, ROWS=per
+        )
+        fwd.append((y, mean, rstd))
+    for name, tiled, row in zip(("y", "mean", "rstd"), fwd[1], fwd[0], strict=True):
+        assert_bitwise_equal(tiled, row, f"{name}, D {d}: 32-row tiles vs rows")
+    mean = x.float().mean(-1)
+    rstd = torch.rsqrt(x.float().var(-1, unbiased=False) + 1e-5)
+    bwd = []
+    for tile in (0, 1):
+        dx, partial = torch.empty_like(x), torch.full((n_chunks, d), float("nan"))
+        ln._layer_norm_bwd_kernel[(n_chunks,)](
+            dy, x, w, mean, rstd, dx, partial, m, d, d, d, d, HAS_WEIGHT=has_w, ROWS_PER_CHUNK=rows,
+            BLOCK_D=block_d, TILE=tile,
+        )  # fmt: skip
+        bwd.append((dx, partial))
+    assert_bitwise_equal(bwd[1][0], bwd[0][0], f"dX, D {d}: chunk tile vs rows")
+    if has_w:
+        assert_bitwise_equal(bwd[1][1], bwd[0][1], f"chunk sums, D {d}: chunk tile vs rows")

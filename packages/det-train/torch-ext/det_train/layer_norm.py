@@ -40,6 +40,7 @@ from ._library import (
     tracked_parameter,
 )
 from .linear import GradPlan, bias_grad_op, deposit_bias_op
+from .rms_norm import chunk_tile, forward_rows  # the interpreter's tiles: RMSNorm's rule
 
 __all__ = ["LayerNorm", "layer_norm"]
 
@@ -70,14 +71,26 @@ def _layer_norm_fwd_kernel(
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr = 1,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    mask = cols < D
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=0) / D
-    xc = tl.where(mask, x - mean, 0.0)
-    var = tl.sum(xc * xc, axis=0) / D
+    # ROWS rows per program (a divisor of M): 1 on the GPU, a (ROWS, BLOCK_D) tile in the interpreter
+    # (RMSNorm's rule: each row's sums are numpy's over its BLOCK_D values either way, the same bits)
+    if ROWS == 1:
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_D)
+        mask = cols < D
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=0) / D
+        xc = tl.where(mask, x - mean, 0.0)
+        var = tl.sum(xc * xc, axis=0) / D
+    else:
+        row = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
+        cols = tl.arange(0, BLOCK_D)[None, :]
+        mask = cols < D
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=1, keep_dims=True) / D
+        xc = tl.where(mask, x - mean, 0.0)
+        var = tl.sum(xc * xc, axis=1, keep_dims=True) / D
     rstd = 1.0 / tl.sqrt(var + eps)
     y = xc * rstd
     if HAS_WEIGHT:
@@ -87,6 +100,50 @@ def _layer_norm_fwd_kernel(
     tl.store(y_ptr + row * stride_y + cols, cast_out(y, y_ptr), mask=mask)
     tl.store(mean_ptr + row, mean)
     tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _bwd_chunk_tile(
+    dy_ptr,
+    x_ptr,
+    mean_ptr,
+    rstd_ptr,
+    dx_ptr,
+    w,
+    first,
+    M,
+    D,
+    cols,
+    mask,
+    stride_dy,
+    stride_x,
+    stride_dx,
+    HAS_WEIGHT: tl.constexpr,
+    ROWS_PER_CHUNK: tl.constexpr,
+):
+    """The backward's chunk loop as one tile, for the interpreter: dX of the chunk's rows and its fp32
+    sum of ``dy * x_hat`` (the rows' sums along axis 1, the chunk sum along axis 0 in row order,
+    ``+ 0.0`` for the loop's +0 start: ``rms_norm._bwd_chunk_tile``'s argument)."""
+    r = tl.arange(0, ROWS_PER_CHUNK)[:, None]
+    row = tl.minimum(first + r, M - 1)
+    cols2, mask2 = cols[None, :], mask[None, :]
+    lmask = mask2 & ((first + r + cols2 * 0) < M)
+    dy = tl.load(dy_ptr + row * stride_dy + cols2, mask=lmask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + cols2, mask=mask2, other=0.0).to(tl.float32)
+    mean = tl.load(mean_ptr + row)
+    rstd = tl.load(rstd_ptr + row)
+    x_hat = tl.where(mask2, (x - mean) * rstd, 0.0)
+    if HAS_WEIGHT:
+        wdy = dy * w[None, :]
+        dw_acc = tl.sum(dy * x_hat, axis=0) + 0.0
+    else:
+        wdy = dy
+        dw_acc = tl.zeros(cols.shape, dtype=tl.float32)
+    c1 = tl.sum(x_hat * wdy, axis=1, keep_dims=True) / D
+    c2 = tl.sum(wdy, axis=1, keep_dims=True) / D
+    dx = (wdy - (x_hat * c1 + c2)) * rstd
+    tl.store(dx_ptr + row * stride_dx + cols2, cast_out(dx, dx_ptr), mask=lmask)
+    return dw_acc
 
 
 @triton.jit
@@ -106,31 +163,41 @@ def _layer_norm_bwd_kernel(
     HAS_WEIGHT: tl.constexpr,
     ROWS_PER_CHUNK: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    TILE: tl.constexpr = 0,
 ):
+    # TILE (the interpreter, BLOCK_D >= 2): the chunk's rows as one tile (_bwd_chunk_tile, RMSNorm's
+    # rule); the GPU computes them one after another: the same values and operations, the same bits
     chunk = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
     if HAS_WEIGHT:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     dw_acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for r in range(0, ROWS_PER_CHUNK):
-        # rows past M (short last chunk): dy = 0 adds exact zeros to dw_acc and dx is not stored
-        row = tl.minimum(chunk.to(tl.int64) * ROWS_PER_CHUNK + r, M - 1)
-        lmask = mask & ((chunk.to(tl.int64) * ROWS_PER_CHUNK + r + cols * 0) < M)
-        dy = tl.load(dy_ptr + row * stride_dy + cols, mask=lmask, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.load(mean_ptr + row)
-        rstd = tl.load(rstd_ptr + row)
-        x_hat = tl.where(mask, (x - mean) * rstd, 0.0)
-        if HAS_WEIGHT:
-            wdy = dy * w
-            dw_acc += dy * x_hat
-        else:
-            wdy = dy
-        c1 = tl.sum(x_hat * wdy, axis=0) / D
-        c2 = tl.sum(wdy, axis=0) / D
-        dx = (wdy - (x_hat * c1 + c2)) * rstd
-        tl.store(dx_ptr + row * stride_dx + cols, cast_out(dx, dx_ptr), mask=lmask)
+    if TILE:
+        first = chunk.to(tl.int64) * ROWS_PER_CHUNK
+        dw_acc = _bwd_chunk_tile(
+            dy_ptr, x_ptr, mean_ptr, rstd_ptr, dx_ptr, w if HAS_WEIGHT else cols, first, M, D, cols, mask,
+            stride_dy, stride_x, stride_dx, HAS_WEIGHT, ROWS_PER_CHUNK,
+        )  # fmt: skip
+    else:
+        for r in range(0, ROWS_PER_CHUNK):
+            # rows past M (short last chunk): dy = 0 adds exact zeros to dw_acc and dx is not stored
+            row = tl.minimum(chunk.to(tl.int64) * ROWS_PER_CHUNK + r, M - 1)
+            lmask = mask & ((chunk.to(tl.int64) * ROWS_PER_CHUNK + r + cols * 0) < M)
+            dy = tl.load(dy_ptr + row * stride_dy + cols, mask=lmask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+            mean = tl.load(mean_ptr + row)
+            rstd = tl.load(rstd_ptr + row)
+            x_hat = tl.where(mask, (x - mean) * rstd, 0.0)
+            if HAS_WEIGHT:
+                wdy = dy * w
+                dw_acc += dy * x_hat
+            else:
+                wdy = dy
+            c1 = tl.sum(x_hat * wdy, axis=0) / D
+            c2 = tl.sum(wdy, axis=0) / D
+            dx = (wdy - (x_hat * c1 + c2)) * rstd
+            tl.store(dx_ptr + row * stride_dx + cols, cast_out(dx, dx_ptr), mask=lmask)
     if HAS_WEIGHT:
         tl.store(dw_partial_ptr + chunk.to(tl.int64) * D + cols, dw_acc, mask=mask)
 
@@ -177,19 +244,20 @@ def layer_norm_op(
     mean = torch.empty((m,), dtype=torch.float32, device=x.device)
     rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m > 0:
-        key = ("fwd", d, x2.stride(0), eps.hex(), weight is not None, bias is not None)
+        per = forward_rows(m)
+        key = ("fwd", d, x2.stride(0), eps.hex(), weight is not None, bias is not None, per)
         bound = _BOUND.get(key)
         if bound is None:
             block_d = runtime.next_power_of_2(d)
             bound = _BOUND.put(key, runtime.BoundLaunch(
                 _layer_norm_fwd_kernel, 6,
                 (d, x2.stride(0), d, eps),  # y is contiguous: row stride D
-                HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_D=block_d,
+                HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_D=block_d, ROWS=per,
                 num_warps=_num_warps(block_d),
             ))  # fmt: skip
         w_arg = weight if weight is not None else x2
         b_arg = bias if bias is not None else x2
-        bound((m,), x2, w_arg, b_arg, y, mean, rstd)
+        bound((m // per,), x2, w_arg, b_arg, y, mean, rstd)
     return y, mean, rstd
 
 
@@ -312,7 +380,8 @@ def _backward(dy2, x2, weight, mean, rstd, rows: int) -> tuple[torch.Tensor, tor
         bound = _BOUND.put(key, runtime.BoundLaunch(
             _layer_norm_bwd_kernel, 7,
             (m, d, dy2.stride(0), x2.stride(0), d),  # dx is contiguous: row stride D
-            HAS_WEIGHT=has_w, ROWS_PER_CHUNK=rows, BLOCK_D=block_d, num_warps=_num_warps(block_d),
+            HAS_WEIGHT=has_w, ROWS_PER_CHUNK=rows, BLOCK_D=block_d, TILE=chunk_tile(block_d),
+            num_warps=_num_warps(block_d),
         ))  # fmt: skip
     bound((n_chunks,), dy2, x2, weight if has_w else x2, mean, rstd, dx, partial)
     return dx, partial

@@ -320,7 +320,7 @@ def rms_norm_op(
     y = torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
     rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m > 0:
-        per = _forward_rows(m)
+        per = forward_rows(m)
         key = ("fwd", d, x2.stride(0), eps.hex(), weight is not None, offset, per)
         bound = _BOUND.get(key)
         if bound is None:
@@ -340,7 +340,9 @@ def rms_norm_op(
 INTERPRETER_ROWS = 64
 
 
-def _forward_rows(m: int) -> int:
+def forward_rows(m: int) -> int:
+    """Rows per forward program: one on the GPU; in the interpreter the largest power of two <= 64
+    dividing ``m`` (LayerNorm's forward too)."""
     return min(INTERPRETER_ROWS, m & -m) if runtime.interpreter_active() else 1
 
 
@@ -438,9 +440,10 @@ def _(dy2, x2, weight, rstd, offset, ticket):
     return x2.new_empty(x2.shape)
 
 
-def _tile(block_d: int) -> int:
-    # the interpreter computes a chunk's rows as one tile; a 1-column tile's sum over rows would be
-    # numpy's pairwise sum, not the rows in order, so D = 1 keeps the loop
+def chunk_tile(block_d: int) -> int:
+    """1 where the backward computes a chunk's rows as one tile (the interpreter, BLOCK_D >= 2: a
+    1-column tile's sum over rows would be numpy's pairwise sum, not the rows in order), else 0
+    (LayerNorm's backward too)."""
     return int(runtime.interpreter_active() and block_d >= 2)
 
 
@@ -465,7 +468,7 @@ def _backward(dy2, x2, weight, rstd, rows: int, offset: float = 0.0) -> tuple[to
             _rms_norm_bwd_kernel, 6,
             (m, d, dy2.stride(0), x2.stride(0), d),  # dx is contiguous: row stride D
             HAS_WEIGHT=has_w, OFFSET=offset, ROWS_PER_CHUNK=rows, BLOCK_D=block_d,
-            PREFETCH=_prefetch(), TILE=_tile(block_d), num_warps=_num_warps(block_d),
+            PREFETCH=_prefetch(), TILE=chunk_tile(block_d), num_warps=_num_warps(block_d),
         ))  # fmt: skip
     bound((n_chunks,), dy2, x2, weight if has_w else x2, rstd, dx, partial)
     return dx, partial
