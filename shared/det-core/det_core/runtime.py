@@ -374,8 +374,10 @@ def launch(kernel, grid: tuple, *args, **kwargs):
     the compiled kernel is looked up by a key that determines what Triton 3.6 specializes on (its
     ``native_specialize_impl``): tensor dtype and 16-byte alignment; ints by exact value
     (``do_not_specialize`` ones by their i32 / i64 / u64 range); float and bool types; constexprs,
-    keyword arguments and the debug / instrumentation knobs by exact value. It is launched through
-    its own ``run``, with the live arguments, as ``JITFunction.run`` does (the parameters after the
+    keyword arguments and the debug / instrumentation knobs by exact value. It is launched with the
+    live arguments as ``JITFunction.run`` launches it, through its C launcher directly where that
+    launcher needs no scratch memory (``_CompiledLaunch``: without the launcher's Python wrapper,
+    tensor descriptors encoded as Triton encodes them), else through its ``run`` (the parameters after the
     positional ones, filled from keyword values or defaults, are kept with the compiled kernel when
     every keyword value is an int, bool, str or None: keyed exactly, they are the same for every
     launch of the key; a float or tensor keyword value is read from the live call). An int argument that
