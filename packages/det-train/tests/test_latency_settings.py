@@ -165,3 +165,34 @@ def test_layer_norm_interpreter_tiles_give_the_row_by_row_bits(d, has_w):
     assert_bitwise_equal(bwd[1][0], bwd[0][0], f"dX, D {d}: chunk tile vs rows")
     if has_w:
         assert_bitwise_equal(bwd[1][1], bwd[0][1], f"chunk sums, D {d}: chunk tile vs rows")
+
+
+def test_norm_interpreter_tiles_keep_nan_positions_and_every_other_bit():
+    """With NaN and inf in the data, tiles and rows agree on where the NaNs are and on every other
+    bit; only a NaN's sign and payload may differ (numpy's broadcast inner loop keeps the other
+    operand of a NaN-and-NaN operation), which numpy's SIMD dispatch already varies."""
+    ln = importlib.import_module("det_train.layer_norm")
+    m, d = 3, 32
+    x = torch.ones(m, d)
+    x[0, 0], x[1, 3] = float("inf"), float("nan")  # row 0: rstd 0, inf * 0; row 1: NaN throughout
+    dy = torch.randn(m, d, generator=torch.Generator().manual_seed(5))
+    dy[0, 1], dy[2, 5] = float("nan"), float("-nan")
+    rstd = torch.rsqrt(x.pow(2).mean(-1) + 1e-6)
+    mean = x.mean(-1)
+    for rows in (1, 2):
+        outs = []
+        for tile in (0, 1):
+            dx_r, dx_l, part = torch.empty(m, d), torch.empty(m, d), torch.empty(m, d)
+            rms._rms_norm_bwd_kernel[(triton.cdiv(m, rows),)](
+                dy, x, x, rstd, dx_r, part, m, d, d, d, d, HAS_WEIGHT=False, OFFSET=0.0, ROWS_PER_CHUNK=rows,
+                BLOCK_D=d, PREFETCH=0, TILE=tile,
+            )  # fmt: skip
+            ln._layer_norm_bwd_kernel[(triton.cdiv(m, rows),)](
+                dy, x, x, mean, rstd, dx_l, part, m, d, d, d, d, HAS_WEIGHT=False, ROWS_PER_CHUNK=rows,
+                BLOCK_D=d, TILE=tile,
+            )  # fmt: skip
+            outs.append((dx_r, dx_l))
+        for (row_dx, tile_dx), name in zip(zip(outs[0], outs[1], strict=True), ("rms", "ln"), strict=True):
+            nan = torch.isnan(row_dx)
+            assert nan.any() and torch.equal(nan, torch.isnan(tile_dx)), f"{name}, {rows} rows: NaN positions"
+            assert_bitwise_equal(tile_dx[~nan], row_dx[~nan], f"{name}, {rows} rows: non-NaN bits")

@@ -74,7 +74,8 @@ def _layer_norm_fwd_kernel(
     ROWS: tl.constexpr = 1,
 ):
     # ROWS rows per program (a divisor of M): 1 on the GPU, a (ROWS, BLOCK_D) tile in the interpreter
-    # (RMSNorm's rule: each row's sums are numpy's over its BLOCK_D values either way, the same bits)
+    # (RMSNorm's rule: each row's sums are numpy's over its BLOCK_D values either way, the same bits
+    # for every non-NaN result)
     if ROWS == 1:
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_D)
@@ -166,7 +167,8 @@ def _layer_norm_bwd_kernel(
     TILE: tl.constexpr = 0,
 ):
     # TILE (the interpreter, BLOCK_D >= 2): the chunk's rows as one tile (_bwd_chunk_tile, RMSNorm's
-    # rule); the GPU computes them one after another: the same values and operations, the same bits
+    # rule); the GPU computes them one after another: the same values and operations, the same
+    # non-NaN bits
     chunk = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D

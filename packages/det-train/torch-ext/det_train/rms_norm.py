@@ -72,6 +72,8 @@ def _rms_norm_fwd_kernel(
     # ROWS rows per program (a divisor of M): 1 on the GPU; in the interpreter a (ROWS, BLOCK_D) tile
     # (the interpreter runs each operation as one numpy call, per program): each row's sum is numpy's
     # sum of its BLOCK_D values as for the 1-D row, every other operation elementwise: the same bits
+    # for every non-NaN result (a NaN's sign and payload follow numpy's inner loop, as they already
+    # follow its SIMD dispatch level; the GPU's NaNs are canonical)
     if ROWS == 1:
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_D)
@@ -131,7 +133,9 @@ def _bwd_chunk_tile(
     """The backward's chunk loop as one tile, for the interpreter (which runs a program's operations
     one numpy call each): dX of every row of the chunk, and the chunk's fp32 sum of ``dy * x_hat``.
 
-    The same values and operations as the loop, so the same bits: a row's ``tl.sum`` is numpy's sum
+    The same values and operations as the loop, so the same bits for every non-NaN result (a NaN's
+    sign and payload may differ: numpy broadcasts a row's scalars in another inner loop, which keeps
+    the other operand of a NaN-and-NaN operation): a row's ``tl.sum`` is numpy's sum
     of its BLOCK_D values either way (the 2-D sum along axis 1 sums each row as the 1-D one), and the
     sum over the chunk's rows (axis 0 of a C-contiguous tile of at least 2 columns) adds the rows in
     order, as ``dw_acc +=`` does; ``+ 0.0`` gives the loop's +0 where every term is -0 (the loop
@@ -176,7 +180,7 @@ def _rms_norm_bwd_kernel(
     TILE: tl.constexpr = 0,
 ):
     # TILE (the interpreter, BLOCK_D >= 2): the chunk's rows as one tile, _bwd_chunk_tile; the GPU
-    # computes them one after another (the same values and operations: the same bits).
+    # computes them one after another (the same values and operations: the same non-NaN bits).
     # PREFETCH (0 or 1): the next row is loaded before this one is computed, so a row's load latency
     # overlaps the row before it (with 0 each row waits on its own loads: the former kernel). The
     # loaded values and every operation on them are the same for both: it never changes bits.
