@@ -39,8 +39,8 @@ from ._library import (
     finish_deposit,
     tracked_parameter,
 )
+from ._norm_tiles import chunk_grads, chunk_tile, forward_rows, row_block, row_sum
 from .linear import GradPlan, bias_grad_op, deposit_bias_op
-from .rms_norm import chunk_tile, forward_rows  # the interpreter's tiles: RMSNorm's rule
 
 __all__ = ["LayerNorm", "layer_norm"]
 
@@ -73,25 +73,12 @@ def _layer_norm_fwd_kernel(
     BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr = 1,
 ):
-    # ROWS rows per program (a divisor of M): 1 on the GPU, a (ROWS, BLOCK_D) tile in the interpreter
-    # (RMSNorm's rule: each row's sums are numpy's over its BLOCK_D values either way, the same bits
-    # for every non-NaN result)
-    if ROWS == 1:
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK_D)
-        mask = cols < D
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(x, axis=0) / D
-        xc = tl.where(mask, x - mean, 0.0)
-        var = tl.sum(xc * xc, axis=0) / D
-    else:
-        row = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
-        cols = tl.arange(0, BLOCK_D)[None, :]
-        mask = cols < D
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(x, axis=1, keep_dims=True) / D
-        xc = tl.where(mask, x - mean, 0.0)
-        var = tl.sum(xc * xc, axis=1, keep_dims=True) / D
+    # ROWS rows per program (a divisor of M): 1 on the GPU, a tile in the interpreter (_norm_tiles)
+    row, cols, mask = row_block(D, ROWS, BLOCK_D)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    mean = row_sum(x, ROWS) / D
+    xc = tl.where(mask, x - mean, 0.0)
+    var = row_sum(xc * xc, ROWS) / D
     rstd = 1.0 / tl.sqrt(var + eps)
     y = xc * rstd
     if HAS_WEIGHT:
@@ -101,50 +88,6 @@ def _layer_norm_fwd_kernel(
     tl.store(y_ptr + row * stride_y + cols, cast_out(y, y_ptr), mask=mask)
     tl.store(mean_ptr + row, mean)
     tl.store(rstd_ptr + row, rstd)
-
-
-@triton.jit
-def _bwd_chunk_tile(
-    dy_ptr,
-    x_ptr,
-    mean_ptr,
-    rstd_ptr,
-    dx_ptr,
-    w,
-    first,
-    M,
-    D,
-    cols,
-    mask,
-    stride_dy,
-    stride_x,
-    stride_dx,
-    HAS_WEIGHT: tl.constexpr,
-    ROWS_PER_CHUNK: tl.constexpr,
-):
-    """The backward's chunk loop as one tile, for the interpreter: dX of the chunk's rows and its fp32
-    sum of ``dy * x_hat`` (the rows' sums along axis 1, the chunk sum along axis 0 in row order,
-    ``+ 0.0`` for the loop's +0 start: ``rms_norm._bwd_chunk_tile``'s argument)."""
-    r = tl.arange(0, ROWS_PER_CHUNK)[:, None]
-    row = tl.minimum(first + r, M - 1)
-    cols2, mask2 = cols[None, :], mask[None, :]
-    lmask = mask2 & ((first + r + cols2 * 0) < M)
-    dy = tl.load(dy_ptr + row * stride_dy + cols2, mask=lmask, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + row * stride_x + cols2, mask=mask2, other=0.0).to(tl.float32)
-    mean = tl.load(mean_ptr + row)
-    rstd = tl.load(rstd_ptr + row)
-    x_hat = tl.where(mask2, (x - mean) * rstd, 0.0)
-    if HAS_WEIGHT:
-        wdy = dy * w[None, :]
-        dw_acc = tl.sum(dy * x_hat, axis=0) + 0.0
-    else:
-        wdy = dy
-        dw_acc = tl.zeros(cols.shape, dtype=tl.float32)
-    c1 = tl.sum(x_hat * wdy, axis=1, keep_dims=True) / D
-    c2 = tl.sum(wdy, axis=1, keep_dims=True) / D
-    dx = (wdy - (x_hat * c1 + c2)) * rstd
-    tl.store(dx_ptr + row * stride_dx + cols2, cast_out(dx, dx_ptr), mask=lmask)
-    return dw_acc
 
 
 @triton.jit
@@ -166,9 +109,8 @@ def _layer_norm_bwd_kernel(
     BLOCK_D: tl.constexpr,
     TILE: tl.constexpr = 0,
 ):
-    # TILE (the interpreter, BLOCK_D >= 2): the chunk's rows as one tile (_bwd_chunk_tile, RMSNorm's
-    # rule); the GPU computes them one after another: the same values and operations, the same
-    # non-NaN bits
+    # TILE (the interpreter, BLOCK_D >= 2): the chunk's rows as one tile (_norm_tiles.chunk_grads);
+    # the GPU computes them one after another: the same values and operations, the same non-NaN bits
     chunk = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -177,10 +119,11 @@ def _layer_norm_bwd_kernel(
     dw_acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     if TILE:
         first = chunk.to(tl.int64) * ROWS_PER_CHUNK
-        dw_acc = _bwd_chunk_tile(
-            dy_ptr, x_ptr, mean_ptr, rstd_ptr, dx_ptr, w if HAS_WEIGHT else cols, first, M, D, cols, mask,
-            stride_dy, stride_x, stride_dx, HAS_WEIGHT, ROWS_PER_CHUNK,
+        row, cols2, dx, lmask, dw_acc = chunk_grads(
+            dy_ptr, x_ptr, mean_ptr, rstd_ptr, w if HAS_WEIGHT else cols, first, M, D, cols, mask,
+            stride_dy, stride_x, HAS_WEIGHT, True, ROWS_PER_CHUNK,
         )  # fmt: skip
+        tl.store(dx_ptr + row * stride_dx + cols2, cast_out(dx, dx_ptr), mask=lmask)
     else:
         for r in range(0, ROWS_PER_CHUNK):
             # rows past M (short last chunk): dy = 0 adds exact zeros to dw_acc and dx is not stored

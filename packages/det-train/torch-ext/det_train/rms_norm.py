@@ -12,6 +12,10 @@ Reduction orders (fixed; the table below names what changes bits):
   (``_leaf_sums.fold_chunks``) and sub-leaves are combined by the canonical pairwise tree
   on the GPU (``_leaf_sums.tree_in_place``: ``TreePartial``'s bits, no host round-trip), or its
   maximal subtrees are deposited into the active ``CanonicalGradAccumulator``.
+
+The kernels and their config table are in ``_rms_norm_kernels.py``, the interpreter's many-row
+tiles (shared with LayerNorm) in ``_norm_tiles.py``; this module holds the op, its checks, launch
+plans and autograd.
 """
 
 from __future__ import annotations
@@ -22,8 +26,6 @@ import numbers
 import weakref
 
 import torch
-import triton
-import triton.language as tl
 from det_core import runtime
 from det_core.runtime import check_kernel_device
 
@@ -36,199 +38,17 @@ from ._library import (
     finish_deposit,
     tracked_parameter,
 )
+from ._norm_tiles import chunk_tile, forward_rows
+from ._rms_norm_kernels import (
+    BWD_PREFETCH,
+    MAX_D,
+    MAX_ROWS_PER_CHUNK,
+    _num_warps,
+    _rms_norm_bwd_kernel,
+    _rms_norm_fwd_kernel,
+)
 
 __all__ = ["RMSNorm", "rms_norm"]
-
-# Fixed config table (never timed). Every entry changes bits: BLOCK_D and num_warps fix tl.sum's
-# reduction tree over a row; MAX_ROWS_PER_CHUNK fixes the fold step inside a leaf (the step used is
-# the largest power of two <= it that divides leaf_tokens).
-MAX_D = 65536
-MAX_ROWS_PER_CHUNK = 16
-# Rows the backward loads ahead of the one it computes (0 or 1): latency only, never bits. Run 14's
-# ablation also timed 2 rows: no faster than 1, more registers.
-BWD_PREFETCH = 1
-
-
-def _num_warps(block_d: int) -> int:
-    """Warps per row program, a function of BLOCK_D only (changes bits of tl.sum)."""
-    return 1 if block_d <= 256 else 4 if block_d <= 2048 else 8 if block_d <= 8192 else 16
-
-
-@triton.jit
-def _rms_norm_fwd_kernel(
-    x_ptr,
-    w_ptr,
-    y_ptr,
-    rstd_ptr,
-    D,
-    stride_x,
-    stride_y,
-    eps,
-    HAS_WEIGHT: tl.constexpr,
-    OFFSET: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    ROWS: tl.constexpr = 1,
-):
-    # ROWS rows per program (a divisor of M): 1 on the GPU; in the interpreter a (ROWS, BLOCK_D) tile
-    # (the interpreter runs each operation as one numpy call, per program): each row's sum is numpy's
-    # sum of its BLOCK_D values as for the 1-D row, every other operation elementwise: the same bits
-    # for every non-NaN result (a NaN's sign and payload follow numpy's inner loop, as they already
-    # follow its SIMD dispatch level; the GPU's NaNs are canonical)
-    if ROWS == 1:
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK_D)
-        mask = cols < D
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        mean_sq = tl.sum(x * x, axis=0) / D
-    else:
-        row = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
-        cols = tl.arange(0, BLOCK_D)[None, :]
-        mask = cols < D
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        mean_sq = tl.sum(x * x, axis=1, keep_dims=True) / D
-    rstd = 1.0 / tl.sqrt(mean_sq + eps)
-    y = x * rstd
-    if HAS_WEIGHT:
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        if OFFSET != 0.0:  # the (offset + weight) scale, e.g. Gemma's fp32 (1 + w)
-            w = w + OFFSET
-        y = y * w
-    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + row, rstd)
-
-
-@triton.jit
-def _load_row(
-    dy_ptr, x_ptr, rstd_ptr, first, r, M, cols, mask, stride_dy, stride_x, ROWS_PER_CHUNK: tl.constexpr
-):
-    """Row ``r`` of the chunk starting at row ``first``, as stored (``dy``, ``x``, ``rstd``): ``dy`` is
-    0 past M; ``r`` past the chunk (a prefetch the loop never uses) loads nothing."""
-    row = tl.minimum(first + r, M - 1)  # past M: x of row M - 1, as an in-chunk row past M has always read
-    in_chunk = r < ROWS_PER_CHUNK
-    lmask = mask & ((first + r + cols * 0) < M) & in_chunk
-    dy = tl.load(dy_ptr + row * stride_dy + cols, mask=lmask, other=0.0)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask & in_chunk, other=0.0)
-    rstd = tl.load(rstd_ptr + row)
-    return dy, x, rstd
-
-
-@triton.jit
-def _bwd_chunk_tile(
-    dy_ptr,
-    x_ptr,
-    rstd_ptr,
-    dx_ptr,
-    w,
-    first,
-    M,
-    D,
-    cols,
-    mask,
-    stride_dy,
-    stride_x,
-    stride_dx,
-    HAS_WEIGHT: tl.constexpr,
-    ROWS_PER_CHUNK: tl.constexpr,
-):
-    """The backward's chunk loop as one tile, for the interpreter (which runs a program's operations
-    one numpy call each): dX of every row of the chunk, and the chunk's fp32 sum of ``dy * x_hat``.
-
-    The same values and operations as the loop, so the same bits for every non-NaN result (a NaN's
-    sign and payload may differ: numpy broadcasts a row's scalars in another inner loop, which keeps
-    the other operand of a NaN-and-NaN operation): a row's ``tl.sum`` is numpy's sum
-    of its BLOCK_D values either way (the 2-D sum along axis 1 sums each row as the 1-D one), and the
-    sum over the chunk's rows (axis 0 of a C-contiguous tile of at least 2 columns) adds the rows in
-    order, as ``dw_acc +=`` does; ``+ 0.0`` gives the loop's +0 where every term is -0 (the loop
-    starts from +0; numpy's sum does too in the versions tested, this does not depend on it)."""
-    r = tl.arange(0, ROWS_PER_CHUNK)[:, None]
-    row = tl.minimum(first + r, M - 1)
-    cols2, mask2 = cols[None, :], mask[None, :]
-    lmask = mask2 & ((first + r + cols2 * 0) < M)
-    dy = tl.load(dy_ptr + row * stride_dy + cols2, mask=lmask, other=0.0).to(tl.float32)
-    rstd = tl.load(rstd_ptr + row)
-    x_hat = tl.load(x_ptr + row * stride_x + cols2, mask=mask2, other=0.0).to(tl.float32) * rstd
-    if HAS_WEIGHT:
-        wdy = dy * w[None, :]
-        dw_acc = tl.sum(dy * x_hat, axis=0) + 0.0
-    else:
-        wdy = dy
-        dw_acc = tl.zeros(cols.shape, dtype=tl.float32)
-    c1 = tl.sum(x_hat * wdy, axis=1, keep_dims=True) / D
-    dx = (wdy - x_hat * c1) * rstd
-    tl.store(dx_ptr + row * stride_dx + cols2, dx.to(dx_ptr.dtype.element_ty), mask=lmask)
-    return dw_acc
-
-
-@triton.jit
-def _rms_norm_bwd_kernel(
-    dy_ptr,
-    x_ptr,
-    w_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dw_partial_ptr,
-    M,
-    D,
-    stride_dy,
-    stride_x,
-    stride_dx,
-    HAS_WEIGHT: tl.constexpr,
-    OFFSET: tl.constexpr,
-    ROWS_PER_CHUNK: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    TILE: tl.constexpr = 0,
-):
-    # TILE (the interpreter, BLOCK_D >= 2): the chunk's rows as one tile, _bwd_chunk_tile; the GPU
-    # computes them one after another (the same values and operations: the same non-NaN bits).
-    # PREFETCH (0 or 1): the next row is loaded before this one is computed, so a row's load latency
-    # overlaps the row before it (with 0 each row waits on its own loads: the former kernel). The
-    # loaded values and every operation on them are the same for both: it never changes bits.
-    chunk = tl.program_id(0)
-    first = chunk.to(tl.int64) * ROWS_PER_CHUNK
-    cols = tl.arange(0, BLOCK_D)
-    mask = cols < D
-    if HAS_WEIGHT:
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        if OFFSET != 0.0:
-            w = w + OFFSET
-    dw_acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    if TILE:  # the interpreter: the chunk as one (ROWS_PER_CHUNK, BLOCK_D) tile
-        dw_acc = _bwd_chunk_tile(
-            dy_ptr, x_ptr, rstd_ptr, dx_ptr, w if HAS_WEIGHT else cols, first, M, D, cols, mask,
-            stride_dy, stride_x, stride_dx, HAS_WEIGHT, ROWS_PER_CHUNK,
-        )  # fmt: skip
-    else:
-        if PREFETCH:
-            dy_next, x_next, rstd_next = _load_row(
-                dy_ptr, x_ptr, rstd_ptr, first, 0, M, cols, mask, stride_dy, stride_x, ROWS_PER_CHUNK
-            )
-        for r in range(0, ROWS_PER_CHUNK):
-            # rows past M (short last chunk): dy = 0 adds exact zeros to dw_acc and dx is not stored
-            row = tl.minimum(first + r, M - 1)
-            lmask = mask & ((first + r + cols * 0) < M)
-            if PREFETCH == 0:  # the loads of _load_row without its prefetch mask (r is in the chunk)
-                dy_raw = tl.load(dy_ptr + row * stride_dy + cols, mask=lmask, other=0.0)
-                x_raw = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-                rstd = tl.load(rstd_ptr + row)
-            else:
-                dy_raw, x_raw, rstd = dy_next, x_next, rstd_next
-                dy_next, x_next, rstd_next = _load_row(
-                    dy_ptr, x_ptr, rstd_ptr, first, r + 1, M, cols, mask, stride_dy, stride_x,
-                    ROWS_PER_CHUNK,
-                )  # fmt: skip
-            dy = dy_raw.to(tl.float32)
-            x_hat = x_raw.to(tl.float32) * rstd
-            if HAS_WEIGHT:
-                wdy = dy * w
-                dw_acc += dy * x_hat
-            else:
-                wdy = dy
-            c1 = tl.sum(x_hat * wdy, axis=0) / D
-            dx = (wdy - x_hat * c1) * rstd
-            tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=lmask)
-    if HAS_WEIGHT:
-        tl.store(dw_partial_ptr + chunk.to(tl.int64) * D + cols, dw_acc, mask=mask)
 
 
 def _check_eps(eps, op: str) -> float | None:
@@ -339,17 +159,6 @@ def rms_norm_op(
     return y, rstd
 
 
-# Rows per forward program in the interpreter, at most (the largest power of two dividing M): a
-# tile of many rows costs the interpreter about what one row does. One row per program on the GPU.
-INTERPRETER_ROWS = 64
-
-
-def forward_rows(m: int) -> int:
-    """Rows per forward program: one on the GPU; in the interpreter the largest power of two <= 64
-    dividing ``m`` (LayerNorm's forward too)."""
-    return min(INTERPRETER_ROWS, m & -m) if runtime.interpreter_active() else 1
-
-
 @rms_norm_op.register_fake
 def _(x, weight, eps, d, offset, ticket, leaf_tokens, deposit):
     y = x.new_empty(x.shape, dtype=_out_dtype(x, weight))
@@ -442,13 +251,6 @@ def rms_norm_backward_deposit_op(
 @rms_norm_backward_deposit_op.register_fake
 def _(dy2, x2, weight, rstd, offset, ticket):
     return x2.new_empty(x2.shape)
-
-
-def chunk_tile(block_d: int) -> int:
-    """1 where the backward computes a chunk's rows as one tile (the interpreter, BLOCK_D >= 2: a
-    1-column tile's sum over rows would be numpy's pairwise sum, not the rows in order), else 0
-    (LayerNorm's backward too)."""
-    return int(runtime.interpreter_active() and block_d >= 2)
 
 
 def _prefetch() -> int:
