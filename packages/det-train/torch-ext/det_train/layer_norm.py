@@ -40,20 +40,13 @@ from ._library import (
     tracked_parameter,
 )
 from ._norm_tiles import chunk_grads, chunk_tile, forward_rows, row_block, row_sum
+from ._rms_norm_kernels import MAX_D, MAX_ROWS_PER_CHUNK, _num_warps
 from .linear import GradPlan, bias_grad_op, deposit_bias_op
 
 __all__ = ["LayerNorm", "layer_norm"]
 
-# Fixed config table (never timed), keyed by D only. BLOCK_D and num_warps change bits (tl.sum's
-# tree over a row); MAX_ROWS_PER_CHUNK fixes the fold step of dweight inside a sub-leaf.
-MAX_D = 65536
-MAX_ROWS_PER_CHUNK = 16
+# The fixed config table is RMSNorm's (MAX_D, MAX_ROWS_PER_CHUNK, _num_warps: keyed by D only).
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _num_warps(block_d: int) -> int:
-    """Warps per row program, a function of BLOCK_D only (changes bits of tl.sum)."""
-    return 1 if block_d <= 256 else 4 if block_d <= 2048 else 8 if block_d <= 8192 else 16
 
 
 @triton.jit
