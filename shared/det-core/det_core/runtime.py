@@ -256,11 +256,19 @@ def _arg_key(value, exact: bool = True, specialize: bool = True):
         return kind, value
     if kind.__name__ == "TensorDescriptor":
         base = value.base
-        return (
-            "desc", base.dtype, base.data_ptr() % 16 == 0, tuple(value.shape), tuple(value.strides),
-            tuple(value.block_shape), getattr(value, "padding", None),
-        )  # fmt: skip
+        return (base.dtype, base.data_ptr() % 16 == 0, _descriptor_layout(value))
     raise _NoKey
+
+
+def _descriptor_layout(desc) -> tuple:
+    # what a launch key holds of a tensor descriptor besides its base: shape, strides, block, padding
+    return (
+        "desc",
+        tuple(desc.shape),
+        tuple(desc.strides),
+        tuple(desc.block_shape),
+        getattr(desc, "padding", None),
+    )
 
 
 def _params(kernel):
@@ -451,9 +459,10 @@ class _CompiledLaunch:
     ``wrap_handle_tensordesc``'s Python loop over every argument, which replaces each descriptor by
     its encoded ``CUtensorMap`` (``fill_tma_descriptor``) and its shape and strides. Here the
     descriptors' positions and encodings (swizzle, element size and type, block) are read once from
-    that wrapper, and a launch replaces just those arguments: ~20-40 us less host time per launch on
-    the H200 machine (run 15). Kernels that need scratch memory, other launchers and wrappers of
-    another form keep ``compiled.run``.
+    that wrapper, and a launch replaces just those arguments (run 15 on the H200 machine: Python
+    calls per 16-micro-batch training step 420k -> 348k; a BoundLaunch of a plain 4-pointer kernel
+    11.6 us of host time, the compiled kernel's ``run`` alone 8.3 us). Kernels that need scratch
+    memory, other launchers and wrappers of another form keep ``compiled.run``.
 
     **Determinism:** the same C launch with the same arguments (the same encoded descriptors) as
     ``compiled.run``: the same kernel, the same bits (GPU tests compare the paths).
@@ -678,9 +687,7 @@ class DescriptorTemplate:
         fields = getattr(desc, "__dict__", None)  # a plain dataclass on every Triton with descriptors
         self._fields = None if fields is None else {k: v for k, v in fields.items() if k != "base"}
         if self._fields is not None:  # the layout part of the launch key, for BoundLaunch's short key
-            layout = ("desc", tuple(desc.shape), tuple(desc.strides), tuple(desc.block_shape),
-                      getattr(desc, "padding", None))  # fmt: skip
-            self._fields[_LAYOUT] = layout
+            self._fields[_LAYOUT] = _descriptor_layout(desc)
 
     def __call__(self, base: torch.Tensor):
         if self._fields is None:
