@@ -152,6 +152,50 @@ def test_kernel_variants_equal_reference(config, state_dtype, monkeypatch):
         _assert_state_equal(opt.state[p], st, f"param {i}")
 
 
+# The GPU's own table entries through the interpreter: the tails of these sizes cut a quantisation
+# block and a masked sub-tile (a full and a partial EDGE_SUB sub-tile in one masked tile), so an entry
+# whose tiling logic is wrong fails here on CPU. A GPU miscompile of a right entry shows only on the
+# GPU (test_adamw_sr_states_gpu.py, benchmarks/check_state_configs.py).
+@pytest.mark.parametrize("entry", ["cuda-8bit", "cuda-bf16"])
+def test_gpu_table_entries_through_the_interpreter_equal_reference(entry, monkeypatch):
+    from adamw_sr import kernel
+    from adamw_sr.functional import PLAN_CACHE
+
+    config = kernel.LAUNCH_CONFIGS[entry]
+    state_dtype = "8bit" if entry == "cuda-8bit" else torch.bfloat16
+    edge = config["EDGE_SUB"]
+    monkeypatch.setitem(kernel.LAUNCH_CONFIGS, "interpreter", config)
+    PLAN_CACHE.clear()
+    sub, window = config["SUB"], config["BLOCK"]
+    # tails after a full window and tile: one full masked sub-tile, then one cut inside a block
+    tails = [edge + 3, edge + BLOCK + 5, sub - 1]
+    shapes = [(window + sub + t,) for t in tails] + [(7, 13)]
+    for n in (s[0] for s in shapes[:3]):
+        tail = n % sub
+        assert tail > edge and tail % BLOCK and tail % edge  # a full and a cut sub-tile, a cut block
+    bases = [0, 2**33, 10**12, 2**40] if state_dtype == "8bit" else [0, 2**33 + 1, 10**12 + 7, 2**40 + 3]
+    params = [
+        torch.randn(s, generator=torch.Generator().manual_seed(i)).bfloat16() for i, s in enumerate(shapes)
+    ]
+    refs = [p.clone() for p in params]
+    opt = AdamWSR(
+        [{"params": params, "base_index": bases}], lr=3e-2, weight_decay=0.1, seed=11, state_dtype=state_dtype
+    )
+    ref_states = [_ref_state(p, state_dtype) for p in refs]
+    for step in range(1, 3):
+        grads = _grads(shapes, step, torch.bfloat16)
+        grads[1] = (grads[1].float() * torch.logspace(-8, 2, grads[1].numel())).bfloat16()
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        opt.step()
+        for r, g, st, b in zip(refs, grads, ref_states, bases, strict=True):
+            _ref_step(r, g, st, step=step, lr=3e-2, weight_decay=0.1, seed=11, base_index=b)
+    PLAN_CACHE.clear()
+    for i, (p, r, st) in enumerate(zip(params, refs, ref_states, strict=True)):
+        assert_bitwise_equal(p, r, f"param {i}")
+        _assert_state_equal(opt.state[p], st, f"param {i}")
+
+
 # --------------------------------------------------------------------------- the 8-bit codes
 
 

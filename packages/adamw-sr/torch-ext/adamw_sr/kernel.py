@@ -65,19 +65,20 @@ from . import state_codes
 #   maxnreg      (optional) Triton's register cap per thread
 # fmt: off
 LAUNCH_CONFIGS = {
-    # ablation winner on the H200 (ablate_adamw.py, candidate H): 1.04x the copy floor on the 602M
-    # Llama-like set, 1.38x on 2,000 small tensors; bits identical to every other candidate
+    # the fp32-moment kernel is bandwidth-bound: the ablation's fastest entry (ablate_adamw.py; ratios
+    # on docs/benchmarks.md); bits identical to every other candidate
     "cuda": {"BLOCK": 2048, "SUB": 512, "num_warps": 4, "TILE_2D": True, "PRECOMPUTED": True},
     # bf16 / 8-bit moments (adamw_sr_states_kernel): compute-bound, so what counts is how many warps
-    # an SM holds. EDGE_SUB: a tile that straddles a segment end is walked in masked sub-tiles of
-    # EDGE_SUB elements (1 per thread at 64 x 2 warps): the masked code then needs no more registers
-    # than the full tiles' (one masked SUB tile took 80 of the kernel's 89 with bf16 moments).
-    # Ablation winner on the H200 for both formats (ablate_adamw.py --states, candidate S6: 256-element
-    # tiles on 2 warps, masked sub-tiles of 64): 1.22x / 2.49x the floor on the 602M set
+    # an SM holds: 256-element tiles on 2 warps (the ablation's fastest, ablate_adamw.py --states).
+    # EDGE_SUB: a tile that straddles a segment end is walked in masked sub-tiles, so the masked code
+    # needs no more registers than the full tiles' (a whole masked tile set the kernel's count).
+    # 8-bit: sub-tiles of 128, not 64: Triton 3.6 gave wrong block scales for the second quantisation
+    # block of a 64-element masked sub-tile on 1-2 warps (check_state_configs.py; the interpreter
+    # computes it right), see docs/benchmarks.md
     "cuda-bf16": {"BLOCK": 2048, "SUB": 256, "num_warps": 2, "TILE_2D": True, "PRECOMPUTED": True,
                   "EDGE_SUB": 64},
     "cuda-8bit": {"BLOCK": 2048, "SUB": 256, "num_warps": 2, "TILE_2D": True, "PRECOMPUTED": True,
-                  "EDGE_SUB": 64},
+                  "EDGE_SUB": 128},
     # the interpreter pays per program and per op, not per element: few, wide programs
     "interpreter": {"BLOCK": 8192, "SUB": 8192, "num_warps": 4, "TILE_2D": True, "PRECOMPUTED": True},
 }
