@@ -1,6 +1,13 @@
 #!/usr/bin/env bash
-# One full call on the lent GPU machine: the `gpu` tests, then the benchmarks; logs under $OUT.
-# Usage (device tool, carry .whl and .peers): bash tools/gpu_session.sh [pytest paths] ; BENCH=adamw,matmul to filter
+# One call on the lent GPU machine: a part of the `gpu` tests, then the benchmarks; logs under $OUT.
+#
+#   bash tools/gpu_session.sh part 1/2      det-core, det-train, det-attn `gpu` tests
+#   bash tools/gpu_session.sh part 2/2      adamw-sr and the end-to-end `gpu` tests
+#   bash tools/gpu_session.sh [pytest paths or options]     any selection
+#
+# The two parts together are the whole `gpu` suite, each sized to fit one device call (10 minutes)
+# with margin; each prints a one-line summary last. TESTS=0 skips the tests; BENCH=adamw,matmul runs
+# those benchmarks after them. Carry .whl (wheels) and .peers (peer libraries) where needed.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -8,11 +15,29 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD/.peers:$PWD/shared/det-core:$PWD/packages/adamw-sr/torch-ext:$PWD/packages/det-train/torch-ext:$PWD/packages/det-attn/torch-ext:$PWD:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+label=custom
+if [ "${1:-}" = part ]; then
+  label="part $2"
+  case "$2" in
+    1/2) set -- shared/det-core packages/det-train packages/det-attn ;;
+    2/2) set -- packages/adamw-sr tests ;;
+    *) echo "gpu_session.sh: unknown part '$2' (use 1/2 or 2/2)" >&2; exit 2 ;;
+  esac
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+rc=0
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu -p no:cacheprovider -q -rfE --timeout 240 "$@" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  log="$OUT/gpu_tests_${label//[ \/]/_}.log"
+  timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -m gpu -p no:cacheprovider -q -rfEs --timeout 240 \
+    --durations=15 "$@" >"$log" 2>&1
+  rc=$?
+  grep -vE "PASSED|^\.+( |$)|^[.sFE]+ +\[" "$log" | tail -60
+  summary=$(grep -E "^=*.*(passed|failed|error).* in [0-9.]+s" "$log" | tail -1 | tr -d '=')
+  [ "$rc" = 124 ] && summary="cut at ${TEST_TIMEOUT:-540} s: $(grep -cE '(PASSED|FAILED)' "$log") tests reported"
+  echo "gpu suite, $label (git $(git rev-parse --short HEAD 2>/dev/null || echo '?')): ${summary:-no summary, rc $rc}"
 fi
 if [ -n "${BENCH:-}" ]; then
   timeout "${BENCH_TIMEOUT:-300}" python3 tools/run_benchmarks.py --out "$OUT" --only "$BENCH" 2>&1 | tee "$OUT/bench.log" | tail -80
 fi
+exit $rc
