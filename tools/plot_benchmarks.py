@@ -1,26 +1,62 @@
-"""Plot the benchmark results (the JSON written by ``tools/run_benchmarks.py``) for the docs.
+"""The benchmark figures and the benchmarks page's summary, from the recorded runs.
 
-    python tools/plot_benchmarks.py docs/benchmarks/benchmarks.json \
-        --step docs/benchmarks/main-job_train_step.json --out docs/benchmarks
+Two uses:
 
-Writes ``bench_adamw.png`` (optimizer step time over the bandwidth floor, ours and peers),
-``bench_matmul.png`` (det_train TFLOP/s over cuBLAS for fwd / dX / dW per shape),
-``bench_attention.png`` (det_attn time ratio to SDPA cuDNN, forward and forward+backward) and,
-with ``--step``, ``bench_step.png`` (composed GPT step, ms per step, eager and CUDA graph). Every
-bar is a ratio to a peer measured in the same run; dashed lines are the issue targets. Sections
-missing from the JSON are skipped.
+    python tools/plot_benchmarks.py --docs            # regenerate the docs from docs/benchmarks/
+    python tools/plot_benchmarks.py --docs --check    # exit 1 if a committed generated part is stale
+
+With ``--docs`` every target is read from the **latest** run that measured it (the run folders
+``docs/benchmarks/runNN/`` and run 5's ``docs/benchmarks/benchmarks.json``; the targets and the
+tables are in ``tools/benchmark_records.py``). The script writes the "Summary of targets" and the
+"Ratios without a target" tables and the figure list between the ``<!-- BEGIN GENERATED: ... -->``
+markers of ``docs/benchmarks.md``, each package page's headline table between its markers, and
+``docs/benchmarks/bench_{adamw,matmul,attention,step}.png``. The output depends only on the
+recorded files (no dates, no environment): a rerun writes the same text and, with the same
+matplotlib, the same PNG bytes.
+
+    python tools/plot_benchmarks.py RESULTS.json [--step STEP.json] --out DIR
+
+plots one run's JSON (what ``tools/run_benchmarks.py`` writes; ``nox -s bench`` calls this).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded from a file path
+from benchmark_records import (  # noqa: E402
+    BENCH,
+    ROOT,
+    Run,
+    generated_pages,
+    newest_run,
+    recorded_runs,
+    states_table,
+    step_count_ratios,
+)
+
+# PNG metadata would otherwise carry matplotlib's version string: keep the files byte-stable
+PNG_METADATA = {"Software": None}
+
+
+# --------------------------------------------------------------------------------------------------
+# figures
+
+
+def _target_lines(ax, n_groups: int, targets) -> None:
+    """Dashed lines at the targets, labels alternating right / left so that close ones do not overlap."""
+    for i, (value, text) in enumerate(targets):
+        ax.axhline(value, color="black", linestyle="--", linewidth=1)
+        x, ha = (n_groups - 0.5, "right") if i % 2 == 0 else (-0.5, "left")
+        ax.annotate(text, (x, value), ha=ha, va="bottom", fontsize=8)
 
 
 def _bars(ax, labels, series: dict[str, list[float]], ylabel: str, targets=()):
@@ -29,9 +65,7 @@ def _bars(ax, labels, series: dict[str, list[float]], ylabel: str, targets=()):
     for i, (name, values) in enumerate(series.items()):
         xs = [x + (i - (len(series) - 1) / 2) * width for x in range(len(labels))]
         ax.bar(xs, values, width, label=name)
-    for value, text in targets:
-        ax.axhline(value, color="black", linestyle="--", linewidth=1)
-        ax.annotate(text, (len(labels) - 0.5, value), ha="right", va="bottom", fontsize=8)
+    _target_lines(ax, len(labels), targets)
     ax.set_xticks(range(len(labels)))
     ax.set_xticklabels(labels, fontsize=8)
     ax.set_ylabel(ylabel)
@@ -57,6 +91,59 @@ def plot_adamw(section: dict, env: str, out: Path) -> Path:
           targets=[(1.10, "target 1.10x (602M)"), (1.5, "target 1.5x (small)")])  # fmt: skip
     ax.set_yscale("log")
     ax.set_title(f"AdamW step, bf16 params (floor = 22 B/param / copy bandwidth)\n{env}", fontsize=9)
+    return _save(fig, out / "bench_adamw.png")
+
+
+def plot_adamw_latest(run_states: Run, run_small: Run, out: Path) -> Path:
+    """Left: the state formats on the 602 M set against their floors; right: 2,000 small tensors."""
+    by_optimizer, shipped = states_table(run_states)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4), gridspec_kw={"width_ratios": [3, 2]})
+    names, ratios = [], []
+    fp32 = by_optimizer.get("AdamWSR state_dtype fp32")
+    if fp32:
+        names.append("AdamWSR\nfp32 states")
+        ratios.append(fp32["step_ms"] / fp32["floor_ms"])
+    for dtype, label in (("bfloat16", "AdamWSR\nbf16 states"), ("8bit", "AdamWSR\n8-bit states")):
+        if dtype in shipped:
+            names.append(label)
+            ratios.append(shipped[dtype]["ms"] / shipped[dtype]["floor_ms"])
+    for optimizer, row in by_optimizer.items():
+        if not optimizer.startswith("AdamWSR"):
+            names.append(
+                optimizer.replace(" AdamW", "\nAdamW")
+                .replace(" fused", "\nfused")
+                .replace(" Kahan", "\nKahan")
+            )
+            ratios.append(row["step_ms"] / row["floor_ms"])
+    colors = ["tab:blue" if n.startswith("AdamWSR") else "tab:gray" for n in names]
+    left.bar(range(len(names)), ratios, color=colors)
+    left.set_xticks(range(len(names)))
+    left.set_xticklabels(names, fontsize=7)
+    left.set_yscale("log")
+    left.set_ylabel("step time / own bytes-moved floor")
+    left.grid(axis="y", alpha=0.3)
+    _target_lines(left, len(names), [(1.10, "fp32, bf16 target 1.10x"), (1.20, "8-bit target 1.20x")])
+    left.set_title(
+        f"602 M params, each optimizer against its own floor (run {run_states.number})", fontsize=9
+    )
+    row = next(r for r in run_small.load("adamw-sr_adamw.json")["rows"] if "2,000" in r["case"])
+    labels = [
+        "ours kernel",
+        "ours step()\nCUDA graph",
+        "ours step()\neager",
+        "torch fp32\nfused",
+        "torch bf16\nfused",
+    ]
+    keys = ["ours_kernel_ms", "ours_graphed_ms", "ours_step_ms", "torch_fp32_fused_ms", "torch_bf16_fused_ms"]
+    right.bar(range(len(keys)), [row[k] / row["floor_ms"] for k in keys],
+              color=["tab:blue"] * 3 + ["tab:gray"] * 2)  # fmt: skip
+    right.set_xticks(range(len(keys)))
+    right.set_xticklabels(labels, fontsize=7)
+    right.set_yscale("log")
+    _target_lines(right, len(keys), [(1.5, "target 1.5x")])
+    right.grid(axis="y", alpha=0.3)
+    right.set_title(f"2,000 small tensors, time / 22 B floor (run {run_small.number})", fontsize=9)
+    fig.suptitle("AdamWSR step on an NVIDIA H200 (log scale; lower is better)", fontsize=10)
     return _save(fig, out / "bench_adamw.png")
 
 
@@ -109,22 +196,91 @@ def plot_step(step: dict, out: Path) -> Path:
     return _save(fig, out / "bench_step.png")
 
 
+def plot_step_counts(run: Run, out: Path) -> Path:
+    """det / torch step time per micro-batch count, eager and in a CUDA graph, with the targets."""
+    eager = step_count_ratios("eager")(run)[0]
+    graph = dict(step_count_ratios("CUDA graph")(run)[0])
+    labels = [label for label, _ in eager if label in graph]
+    series = {
+        "eager": [dict(eager)[label] for label in labels],
+        "CUDA graph": [graph[label] for label in labels],
+    }
+    short = [label.replace(" micro-batches", " mb").replace("0.4 B model, ", "0.4 B\n") for label in labels]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    _bars(ax, short, series, "det / torch step time (lower is better)",
+          targets=[(1.15, "eager target 1.15x"), (1.10, "graph target 1.10x")])  # fmt: skip
+    ax.set_title(
+        f"Main job train step against torch's fastest parts, run {run.number}, NVIDIA H200\n"
+        "100 M GPT, 32 x 1024 tokens; 0.4 B: 16 x 1024 tokens",
+        fontsize=9,
+    )
+    return _save(fig, out / "bench_step.png")
+
+
+def plot_latest(runs: list[Run], out: Path) -> list[Path]:
+    """The docs figures, each from the newest run that measured it."""
+    out.mkdir(parents=True, exist_ok=True)
+    matmul = newest_run(runs, "det-train_matmul.json")
+    attention = newest_run(runs, "det-attn_attention.json")
+    return [
+        plot_adamw_latest(
+            newest_run(runs, "adamw-sr_states.json"), newest_run(runs, "adamw-sr_adamw.json", "2,000"), out
+        ),
+        plot_matmul(matmul.load("det-train_matmul.json"), f"NVIDIA H200, run {matmul.number}", out),
+        plot_attention(
+            attention.load("det-attn_attention.json"), f"NVIDIA H200, run {attention.number}", out
+        ),
+        plot_step_counts(newest_run(runs, "main-job_train_step_counts.json"), out),
+    ]
+
+
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, metadata=PNG_METADATA)
     plt.close(fig)
     return path
 
 
+# --------------------------------------------------------------------------------------------------
+
+
+def docs(check: bool, out: Path | None = None) -> int:
+    """Write (or with ``check``, compare) the generated page blocks; write the figures to ``out``."""
+    runs = recorded_runs()
+    stale = []
+    for page, text in generated_pages(runs).items():
+        if page.read_text() != text:
+            stale.append(page.relative_to(ROOT).as_posix())
+            if not check:
+                page.write_text(text)
+    if check:
+        if stale:
+            print("stale generated blocks (run python tools/plot_benchmarks.py --docs):", ", ".join(stale))
+            return 1
+        return 0
+    for path in plot_latest(runs, out or BENCH):
+        print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    for page in stale:
+        print(f"updated {page}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results", type=Path, help="benchmarks.json from tools/run_benchmarks.py")
+    parser.add_argument("results", type=Path, nargs="?", help="benchmarks.json from tools/run_benchmarks.py")
     parser.add_argument("--step", type=Path, default=None, help="main-job_train_step.json (bench_step.py)")
-    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    parser.add_argument("--out", type=Path, default=None, help="folder for the figures")
+    parser.add_argument("--docs", action="store_true", help="regenerate the docs from docs/benchmarks/run*")
+    parser.add_argument("--check", action="store_true", help="with --docs: only check the pages are current")
     args = parser.parse_args(argv)
+    if args.docs:
+        return docs(args.check, args.out)
+    if args.results is None:
+        parser.error("give RESULTS.json, or --docs")
+    out = args.out or Path("docs/benchmarks")
     data = json.loads(args.results.read_text())
     env = data.get("environment", "")
-    args.out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     written = []
     for key, plot in (
         ("adamw-sr_adamw", plot_adamw),
@@ -132,10 +288,10 @@ def main(argv: list[str] | None = None) -> int:
         ("det-attn_attention", plot_attention),
     ):
         if key in data:
-            written.append(plot(data[key], env, args.out))
+            written.append(plot(data[key], env, out))
     step = json.loads(args.step.read_text()) if args.step else data.get("main-job_train_step")
     if step:
-        written.append(plot_step(step, args.out))
+        written.append(plot_step(step, out))
     for path in written:
         print(f"wrote {path}")
     return 0
