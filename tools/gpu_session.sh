@@ -35,7 +35,7 @@ if [ "${TESTS:-1}" = 1 ]; then
   grep -vE "PASSED|^\.+( |$)|^[.sFE]+ +\[" "$log" | tail -60
   summary=$(grep -E "^=*.*(passed|failed|error).* in [0-9.]+s" "$log" | tail -1 | tr -d '=')
   [ "$rc" = 124 ] && summary="cut at ${TEST_TIMEOUT:-540} s: $(grep -cE '(PASSED|FAILED)' "$log") tests reported"
-  echo "gpu suite, $label (git $(git rev-parse --short HEAD 2>/dev/null || echo '?')): ${summary:-no summary, rc $rc}"
+  echo "gpu suite, $label (git ${GIT_REV:-$(git rev-parse --short HEAD 2>/dev/null)}): ${summary:-no summary, rc $rc}"
 fi
 if [ -n "${BENCH:-}" ]; then
   timeout "${BENCH_TIMEOUT:-300}" python3 tools/run_benchmarks.py --out "$OUT" --only "$BENCH" 2>&1 | tee "$OUT/bench.log" | tail -80
