@@ -314,9 +314,9 @@ def _is_norm(module: nn.Module) -> bool:
 def _per_head_norms(model: nn.Module) -> dict[int, str]:
     """id -> reason for each trainable norm applied per attention head (Qwen3's, Gemma 3's
     ``q_norm`` / ``k_norm``): a norm child of a module with a ``head_dim``, its weight of
-    ``head_dim`` elements, over more than one head (its sibling ``*_proj``'s outputs, else the
-    module's head count; unknown counts as more than one). Its rows are tokens x heads, and a
-    canonical-order weight gradient sums one row per token."""
+    ``head_dim`` elements, over more than one head (its sibling ``*_proj`` has more than
+    ``head_dim`` outputs; without one, the module's head count, unknown counting as several).
+    Its rows are tokens x heads, and a canonical-order weight gradient sums one row per token."""
     found = {}
     for parent_name, parent in model.named_modules():
         head_dim = getattr(parent, "head_dim", None)
@@ -327,23 +327,21 @@ def _per_head_norms(model: nn.Module) -> dict[int, str]:
                 continue
             if not child.weight.requires_grad:  # frozen: no weight gradient, the forward is row-wise
                 continue
+            # one head: its q / k projection has head_dim outputs (else the module's head count)
             proj = parent._modules.get(child_name.replace("norm", "proj"))
             out = getattr(proj, "out_features", None)
             config = getattr(parent, "config", None)
-            heads = (
-                out // head_dim
-                if isinstance(out, int)
-                else getattr(parent, "num_heads", getattr(config, "num_attention_heads", None))
-            )
-            if heads == 1:
+            heads = getattr(parent, "num_heads", getattr(config, "num_attention_heads", None))
+            one_head = out == head_dim if isinstance(out, int) else heads == 1
+            if one_head:
                 continue
             name = f"{parent_name}.{child_name}" if parent_name else child_name
             found[id(child)] = (
-                f"a norm over head_dim={head_dim} applied to each of the {heads or 'several'} attention "
-                f"heads (its rows are tokens x heads, its weight gradient a sum over both): per-head "
-                "norms are not supported yet (a canonical-order weight gradient sums one row per "
-                f"token). Freeze it before converting ({name}.weight.requires_grad_(False)), or train "
-                "a model whose q/k norms, if any, cover whole projections (Llama, Qwen2, OLMo 2)"
+                f"a norm over head_dim={head_dim} applied per attention head, to several heads here "
+                "(its rows are tokens x heads, its weight gradient a sum over both): per-head norms "
+                "are not supported yet (a canonical-order weight gradient sums one row per token). "
+                f"Freeze it before converting ({name}.weight.requires_grad_(False)), or train a model "
+                "whose q/k norms, if any, cover whole projections (Llama, Qwen2, OLMo 2)"
             )
     return found
 
