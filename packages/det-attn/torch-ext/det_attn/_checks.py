@@ -19,6 +19,11 @@ MAX_SEQLEN = 1 << 22
 MAX_HEADS = 1 << 19  # head (plus head_offset) gets the remaining 19 bits
 MAX_GRID_YZ = 65535  # CUDA grid limit for the sequence and head axes
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+# appended to the errors a layout mix-up can cause: (B, H, T, D) read as (B, T, H, D) takes T for H
+LAYOUT_HINT = (
+    "; q, k, v are read as (B, T, H, D): torch SDPA's (B, H, T, D) tensors need .transpose(1, 2) "
+    "(or det_attn.scaled_dot_product_attention)"
+)
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dims: int, op: str) -> None:
@@ -47,8 +52,10 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dims: int, op: 
         raise ValueError(f"{op}: k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     h_q, h_kv = q.shape[-2], k.shape[-2]
     if h_q == 0 or h_kv == 0 or h_q % h_kv:
+        hint = LAYOUT_HINT if dims == 4 else ""
         raise ValueError(
-            f"{op}: query heads ({h_q}) must be a positive multiple of key/value heads ({h_kv}) (GQA/MQA)"
+            f"{op}: query heads ({h_q}) must be a positive multiple of key/value heads ({h_kv}) "
+            f"(GQA/MQA){hint}"
         )
     if h_q > MAX_GRID_YZ:
         raise ValueError(f"{op}: at most {MAX_GRID_YZ} query heads are supported, got {h_q}")
@@ -72,6 +79,7 @@ def check_padded(q, k, v, causal, softmax_scale, dropout_p, seed, sequence_offse
     if causal and t_k < t_q:
         raise ValueError(
             f"{op}: causal attention needs T_k >= T_q (bottom-right alignment), got {t_k} < {t_q}"
+            f"{LAYOUT_HINT}"
         )
     dropout_p, seed, sequence_offset, head_offset = check_dropout(
         dropout_p, seed, sequence_offset, head_offset, heads, batch, op

@@ -294,7 +294,7 @@ class _AttentionFunction(torch.autograd.Function):
 
 
 # ``_AttentionFunction.apply`` below its Python wrapper (which, outside functorch transforms, only
-# unwraps dead functorch wrappers; under a transform the wrapper's path): ~3 us of host time less.
+# unwraps dead functorch wrappers; under a transform the wrapper's path): less host time per call.
 _C_APPLY = torch._C._FunctionBase.__dict__["apply"].__get__(None, _AttentionFunction)
 
 

@@ -38,8 +38,16 @@ def attention(
     Computes ``softmax(q k^T * softmax_scale [+ causal mask]) v`` per sequence and head, with
     optional dropout on the attention probabilities. The backward pass gives dq, dk, dv.
 
+    **Layout: (B, T, H, D)** (flash-attn's, sequence before heads), not torch SDPA's
+    ``(B, H, T, D)``. For SDPA-layout tensors pass ``q.transpose(1, 2)`` (likewise k and v; views,
+    no copy) or call ``det_attn.scaled_dot_product_attention``. Where the shapes allow both
+    readings no check can tell them apart, not even the strides (the ``transpose(1, 2)`` of a
+    contiguous SDPA tensor has the strides of an SDPA-layout view of a contiguous ``(B, T, H, D)``
+    one): a head-count error mentions the layout, other mix-ups compute another attention.
+
     Args:
-        q: ``(B, T_q, H_q, D)`` bf16 or fp16, on CUDA (or CPU under ``TRITON_INTERPRET=1``).
+        q: ``(B, T_q, H_q, D)`` (see Layout) bf16 or fp16, on CUDA (or CPU under
+            ``TRITON_INTERPRET=1``); any strides (transposed and strided views are read in place).
         k: ``(B, T_k, H_kv, D)``, same dtype and device; ``H_q`` a multiple of ``H_kv`` (GQA/MQA:
             query head ``h`` uses key/value head ``h // (H_q // H_kv)``).
         v: ``(B, T_k, H_kv, D)``.

@@ -28,12 +28,32 @@ def det_attn_transformers_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function (the ``AttentionInterface`` signature) on det_attn kernels.
 
+    Layout: transformers passes torch SDPA's ``(B, H, T, D)``; this function hands
+    ``det_attn.attention`` (whose layout is ``(B, T, H, D)``) the ``transpose(1, 2)`` views and
+    returns ``(B, T, H, D)``, as transformers' attention functions do.
+
     Args:
         module: the calling attention module (its ``is_causal`` is read, default True).
         query: ``(B, H_q, T_q, D)``; key, value: ``(B, H_kv, T_k, D)`` (GQA handled natively).
         attention_mask: must be ``None`` (no padding); pack sequences instead (transformers'
             ``cu_seq_lens_q/k`` and ``max_length_q/k`` keyword arguments, with ``B == 1``).
-        scaling: softmax scale; dropout: dropout probability, needs ``det_attn_seed=`` in kwargs.
+        scaling: softmax scale (default ``1 / sqrt(D)``).
+        dropout: attention-dropout probability (transformers' attention modules pass their
+            attention-dropout probability in training mode, 0.0 in eval mode); above 0 it needs
+            ``det_attn_seed``.
+        **kwargs: what the model call passes through (transformers forwards a model's extra
+            keyword arguments to every attention layer). Read here: ``det_attn_seed``, the
+            Philox seed of attention dropout, an integer in ``[0, 2**64)`` (int or numpy
+            integer; not a bool, float or str), given with the model call,
+            ``model(input_ids, ..., det_attn_seed=step_seed)``: required when ``dropout > 0``,
+            checked whenever given, used only with dropout; use a new seed per training step.
+            Every layer receives the same seed and the call's sequences are numbered from 0
+            (``sequence_offset=0``, ``head_offset=0``), so every layer of one call draws the same
+            mask, and a sequence's mask depends on its index in the micro-batch (not global: the
+            masks are not micro-batch or data-parallel invariant; call ``det_attn.attention``
+            with ``sequence_offset`` where that matters). Also read: ``is_causal``,
+            ``cu_seq_lens_q/k``, ``max_length_q/k``, ``sliding_window`` and ``softcap`` (must be
+            None).
 
     Returns:
         ``(attn_output (B, T_q, H_q, D), None)``: no attention weights.
@@ -41,7 +61,8 @@ def det_attn_transformers_forward(
     Raises:
         TypeError: ``dropout`` not a real number, ``det_attn_seed`` not an integer (a bool, float
             or str), or anything ``det_attn.attention`` rejects as a type.
-        ValueError: a padding mask, sliding window or softcap (not supported), dropout outside
+        ValueError: a query, key or value that is not 4-D (transformers' ``(B, H, T, D)``), a
+            padding mask, sliding window or softcap (not supported), dropout outside
             ``[0, 1)`` or without a seed, a seed outside ``[0, 2**64)``, or anything
             ``det_attn.attention`` rejects.
 
@@ -73,7 +94,13 @@ def det_attn_transformers_forward(
         )
     causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, T, H, D)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if isinstance(t, torch.Tensor) and t.dim() != 4:
+            raise ValueError(
+                f"{op}: {name} must be 4-D, transformers' (B, H, T, D) layout; got shape {tuple(t.shape)}"
+            )
+    # transformers' (B, H, T, D) -> det_attn.attention's (B, T, H, D): views, no copy
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     common = dict(causal=causal, softmax_scale=scaling, dropout_p=dropout, seed=seed)
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None and cu_k is not None:
@@ -85,7 +112,7 @@ def det_attn_transformers_forward(
         out = attention_varlen(q[0], k[0], v[0], cu_q.int(), cu_k.int(), max_q, max_k, **common)[None]
     else:
         out = attention(q, k, v, **common)
-    return out, None
+    return out, None  # (B, T, H, D), the layout transformers' attention functions return
 
 
 def register_transformers_attention(name: str = "det_attn") -> bool:

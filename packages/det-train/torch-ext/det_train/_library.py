@@ -58,7 +58,7 @@ def op_name(name: str) -> str:
 
 # ``Function.apply`` below its Python wrapper, which binds nothing for these Functions (no
 # setup_context) and, with no functorch transform active (``plain_eager``), only unwraps dead
-# functorch wrappers, which ``plain_eager`` sends to the dispatcher instead (~3 us per call saved).
+# functorch wrappers, which ``plain_eager`` sends to the dispatcher instead (host time saved per call).
 _apply = torch._C._FunctionBase.__dict__["apply"]
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")  # held for the process: dropping it deregisters
 _BELOW_AUTOGRAD = torch._C._AutoDispatchBelowAutograd
@@ -83,9 +83,9 @@ class Op:
 
     Why ``torch.library.Library`` and not ``torch.library.custom_op`` (as det-attn's operators):
     custom_op's per-call Python wrappers (a Dynamo-disable frame, the schema's aliasing and
-    ``out`` checks, its autograd wrapper) cost ~35 us of host time per call on the 2-core CPU
-    machine (torch 2.13), the Library registrations ~6 us (ops without autograd) to ~20 us; a
-    compiled graph calls hundreds of ops per micro-batch through the dispatcher.
+    ``out`` checks, its autograd wrapper) cost several times the Library registrations' host time
+    per call, and a compiled graph calls hundreds of ops per micro-batch through the dispatcher
+    (the eager step's host time: see docs/benchmarks.md).
 
     **Determinism:** every path runs the same implementation and the same backward on the same
     arguments, so the same kernels in the same order: compiled and eager results are compared bit

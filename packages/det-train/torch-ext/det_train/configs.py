@@ -121,13 +121,13 @@ TMA_MIN_ROWS = 1024
 
 # The rows class "mid": a large-class call whose 128 x 256 output tiles would fill their waves on
 # WAVE_SMS SMs (an H200's 132) to less than MID_MAX_FILL takes the "mid" entry's smaller tiles (the
-# main job's 768-wide layers at micro-batches of 2048-8192 tokens). Tiles never change bits.
+# main job's 768-wide layers at micro-batches of 2048 to 8192 tokens). Tiles never change bits.
 WAVE_SMS = 132
 MID_MAX_FILL = 0.75
 _WAVE_TILE = (128, 256)  # the output tile of the large entries, which the wave fill is computed for
 # The rows class "low": a call whose "mid" tiles (128 x 128) would still fill their waves to less than
-# LOW_MAX_FILL takes 64 x 128 tiles (the main job's layers at micro-batches of 1024 tokens: 0.73-0.96x
-# cuBLAS against 0.55-0.75x for 128 x 128, run 12's sweep_micro_batches on an H200).
+# LOW_MAX_FILL takes 64 x 128 tiles (the main job's layers at micro-batches of 1024 tokens, where they
+# were faster than 128 x 128 in sweep_micro_batches: see docs/benchmarks.md).
 LOW_MAX_FILL = 0.62
 _MID_TILE = (128, 128)
 
@@ -205,7 +205,8 @@ FOLD_MID_MAX_ELEMENTS = 1 << 20
 _WEIGHT_GRAD_FOLD_TABLE: dict[tuple[str, str], WeightGradConfig] = {
     ("half", "mid"): WeightGradConfig(64, 128, 64, 8, 4, 4, 1),
     # the large dW entry's 128 x 128 tiles with 3 stages (its 4 are for the tree kernel's loop):
-    # the main job's qkv, gate|up and down folds over 1024-4096 tokens (sweep_micro_batches, run 14)
+    # the main job's qkv, gate|up and down folds over 1024-4096 tokens (chosen by sweep_micro_batches:
+    # see docs/benchmarks.md)
     ("half", "large"): WeightGradConfig(128, 128, 64, 8, 8, 3, 1),
 }
 

@@ -19,6 +19,11 @@ modules it cannot convert that would break the invariances (unless allowed):
 RMSNorm-like classes are recognised by structure and confirmed by a probe (their own forward on a
 small fp32 input with a probe weight, through ``torch.func.functional_call``, compared with both
 forms); ``register_conversion`` adds a class of one's own.
+
+Refused up front (not supported yet): a trainable norm applied per attention head, such as Qwen3's
+and Gemma 3's ``q_norm`` / ``k_norm`` over more than one head (its rows are tokens x heads, and a
+canonical-order weight gradient sums one row per token); recognised as a norm child of a module
+with a ``head_dim`` whose weight has ``head_dim`` elements.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from .rms_norm import RMSNorm
 __all__ = ["ConversionError", "ScaledEmbedding", "convert", "register_conversion"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPE_NAMES = {str(d).removeprefix("torch.") for d in _DTYPES}
 # modules without parameters that still break the invariances (their forward depends on the batch
 # or on a global random generator): named, never silently kept
 _BATCH_DEPENDENT = (
@@ -64,7 +70,7 @@ _REGISTRY: dict[type, Callable[[nn.Module], nn.Module]] = {}
 
 
 class ConversionError(ValueError):
-    """``convert`` found modules it cannot make deterministic; ``problems`` lists
+    """``convert`` found modules it cannot convert; ``problems`` lists
     ``(qualified name, class name, reason)`` for each (``""`` is the model itself), in
     ``named_modules()`` order; the message shows them one per line.
 
@@ -76,8 +82,10 @@ class ConversionError(ValueError):
         self.problems = problems
         lines = [f"  {name or '<model>'} ({cls}): {reason}" for name, cls, reason in problems]
         super().__init__(
-            f"det_train.convert: {len(problems)} module(s) cannot be made deterministic, so the model "
-            "was left unchanged:\n" + "\n".join(lines) + "\nReplace or fix them, register a conversion "
+            f"det_train.convert: {len(problems)} module(s) cannot be converted to det_train's deterministic "
+            "layers, so the model was left unchanged:\n"
+            + "\n".join(lines)
+            + "\nReplace or fix them, register a conversion "
             "(det_train.register_conversion), or keep them as they are, knowingly, with "
             "convert(model, allow=[qualified names, class names or classes]) or strict=False."
         )
@@ -135,11 +143,12 @@ def _own_params(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _dtype_problem(module: nn.Module) -> str | None:
-    bad = sorted({str(p.dtype) for p in _own_params(module).values() if p.dtype not in _DTYPES})
+    bad = sorted({str(p.dtype).removeprefix("torch.") for p in _own_params(module).values()} - _DTYPE_NAMES)
+    if not bad:
+        return None
     return (
-        f"parameters of dtype {', '.join(bad)} (det_train supports bfloat16, float16, float32)"
-        if bad
-        else None
+        f"unsupported dtype {', '.join(bad)}: det_train's kernels take bfloat16, float16 and float32; "
+        "cast the model first (e.g. model.to(torch.float32) or model.to(torch.bfloat16))"
     )
 
 
@@ -204,9 +213,10 @@ def _rms_norm_like(module: nn.Module) -> tuple[float, float] | str | None:
     return eps, offset
 
 
-def _replacement(module: nn.Module) -> nn.Module | str | None:
+def _replacement(module: nn.Module, dropout_advice: str = "") -> nn.Module | str | None:
     """The deterministic replacement of ``module``, a reason it cannot be converted, or None when
-    it needs none (deterministic already, or no parameters of its own and nothing batch-dependent)."""
+    it needs none (deterministic already, or no parameters of its own and nothing batch-dependent).
+    ``dropout_advice``: what to do about a dropout module (``_dropout_advice``)."""
     cls = type(module)
     if cls in _REGISTRY:
         return _REGISTRY[cls](module)
@@ -243,7 +253,7 @@ def _replacement(module: nn.Module) -> nn.Module | str | None:
     if isinstance(module, _DROPOUT) and module.p > 0:
         return (
             f"dropout with p={module.p} draws from torch's global generator (its mask depends on the "
-            "batch's shape and split): set the dropout probabilities in the model's config to 0"
+            f"batch's shape and split): {dropout_advice or _dropout_advice(None)}"
         )
     norm = _rms_norm_like(module)
     if isinstance(norm, tuple):
@@ -265,6 +275,75 @@ def _replacement(module: nn.Module) -> nn.Module | str | None:
     if params:
         return f"no deterministic replacement (parameters: {', '.join(params)})"
     return None
+
+
+def _dropout_advice(model: nn.Module | None) -> str:
+    """How to remove a dropout module's randomness, in ``model``'s terms: convert accepts only
+    ``p == 0`` (eval mode is not enough: ``model.train()`` would draw masks again)."""
+    own = "set its p to 0 (model.get_submodule(name).p = 0.0) or replace it by nn.Identity()"
+    config = getattr(model, "config", None)
+    fields = []
+    if config is not None and hasattr(config, "__dict__"):  # a transformers config: its dropout fields
+        fields = [
+            f"{key}={value}"
+            for key, value in vars(config).items()
+            if ("dropout" in key or "pdrop" in key)
+            and isinstance(value, numbers.Real)
+            and not isinstance(value, bool)
+            and value > 0
+        ]
+    if not fields:
+        return own
+    return (
+        f"build the model with these config fields at 0.0 ({', '.join(fields)}; they set the modules' p "
+        f"when the model is built), or {own}"
+    )
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """A normalisation layer with a 1-D weight (and maybe a bias) and no children."""
+    params = _own_params(module)
+    if "weight" not in params or not set(params) <= {"weight", "bias"} or module._modules:
+        return False
+    norm_classes = (nn.LayerNorm, nn.RMSNorm, LayerNorm, RMSNorm)
+    return params["weight"].dim() == 1 and (
+        isinstance(module, norm_classes) or "norm" in type(module).__name__.lower()
+    )
+
+
+def _per_head_norms(model: nn.Module) -> dict[int, str]:
+    """id -> reason for each trainable norm applied per attention head (Qwen3's, Gemma 3's
+    ``q_norm`` / ``k_norm``): a norm child of a module with a ``head_dim``, its weight of
+    ``head_dim`` elements, over more than one head (its sibling ``*_proj`` has more than
+    ``head_dim`` outputs; without one, the module's head count, unknown counting as several).
+    Its rows are tokens x heads, and a canonical-order weight gradient sums one row per token."""
+    found = {}
+    for parent_name, parent in model.named_modules():
+        head_dim = getattr(parent, "head_dim", None)
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
+            continue
+        for child_name, child in parent._modules.items():
+            if child is None or not _is_norm(child) or child.weight.numel() != head_dim:
+                continue
+            if not child.weight.requires_grad:  # frozen: no weight gradient, the forward is row-wise
+                continue
+            # one head: its q / k projection has head_dim outputs (else the module's head count)
+            proj = parent._modules.get(child_name.replace("norm", "proj"))
+            out = getattr(proj, "out_features", None)
+            config = getattr(parent, "config", None)
+            heads = getattr(parent, "num_heads", getattr(config, "num_attention_heads", None))
+            one_head = out == head_dim if isinstance(out, int) else heads == 1
+            if one_head:
+                continue
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            found[id(child)] = (
+                f"a norm over head_dim={head_dim} applied per attention head, to several heads here "
+                "(its rows are tokens x heads, its weight gradient a sum over both): per-head norms "
+                "are not supported yet (a canonical-order weight gradient sums one row per token). "
+                f"Freeze it before converting ({name}.weight.requires_grad_(False)), or train a model "
+                "whose q/k norms, if any, cover whole projections (Llama, Qwen2, OLMo 2)"
+            )
+    return found
 
 
 def _scaled_embedding(module: nn.Module) -> nn.Module | str:
@@ -374,9 +453,10 @@ def convert(model: nn.Module, *, strict: bool = True, allow: Iterable = ()) -> n
     split-invariant under a ``CanonicalGradAccumulator``). What the conversion cannot see is not
     covered: functional calls in a ``forward`` (``F.scaled_dot_product_attention``, bare matmuls:
     use ``det_attn`` and ``deterministic_mode()``), parameter-free modules that reduce with torch
-    ops, losses computed inline. Not converted: a norm applied per attention head (Qwen3's
-    ``q_norm``) sums its weight gradient over tokens x heads, which the accumulator refuses at the
-    first backward.
+    ops, losses computed inline. Refused: a trainable norm applied per attention head (Qwen3's and
+    Gemma 3's ``q_norm`` / ``k_norm`` with more than one head: its rows are tokens x heads; found
+    as a norm of ``head_dim`` elements inside a module with a ``head_dim``); a frozen one
+    (``requires_grad=False``) is converted.
 
     Raises:
         ConversionError (a ValueError): with ``strict``, one or more modules that cannot be made
@@ -392,6 +472,7 @@ def convert(model: nn.Module, *, strict: bool = True, allow: Iterable = ()) -> n
     allow = {allow} if isinstance(allow, (str, type)) else set(allow)  # one name or class, or several
     replacements: dict[int, nn.Module] = {}
     loss_modules, problems, configs = [], [], set()
+    per_head, dropout_advice = _per_head_norms(model), _dropout_advice(model)
     for name, module in model.named_modules():
         kept = _allowed(name, module, allow)  # its problems are accepted; what converts, converts
         for verdict in (_attention_problem(module, configs), _loss_plan(module)):
@@ -399,7 +480,7 @@ def convert(model: nn.Module, *, strict: bool = True, allow: Iterable = ()) -> n
                 loss_modules.append(module)
             elif verdict is not None and not kept:
                 problems.append((name, type(module).__name__, verdict))
-        new = _replacement(module)
+        new = per_head.get(id(module)) or _replacement(module, dropout_advice)
         if isinstance(new, str):
             if not kept:
                 problems.append((name, type(module).__name__, new))

@@ -312,7 +312,7 @@ def embedding_deposit_op(
     sub = sub_leaf_tokens(leaf)
     flat, dy2 = _grad_rows(ids, dy, d, padding_idx)
     leaves = functools.partial(_leaf_tables, v, sub, leaf // sub)
-    acc.deposit_rows(tracked_parameter(acc, weight), (flat, dy2), leaves)
+    acc.deposit_rows(tracked_parameter(acc, weight), (flat, dy2), leaves, op="det_train.embedding")
     finish_deposit(acc)
     ticket.add_(1)
 

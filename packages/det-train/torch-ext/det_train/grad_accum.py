@@ -33,8 +33,8 @@ from ._open_leaf import _COPY, LeafFold, LeafPartial, _OpenFold, _OpenLeaf
 __all__ = ["DEFAULT_LEAF_TOKENS", "CanonicalGradAccumulator", "current_accumulator"]
 
 # Leaf size used by the ops when no accumulator is active (part of each op's reduction order) and
-# the accumulator's default. 8192 tokens: the dW kernel's leaf closes cost ~25% of its tensor-core
-# time at 1024-token leaves and ~3% at 8192 (H200, run 10, docs/det-train.md); micro-batches of any
+# the accumulator's default. 8192 tokens: each leaf close costs the dW kernel tensor-core time, a
+# large share at 1024-token leaves and little at 8192 (see docs/benchmarks.md); micro-batches of any
 # size still split a batch freely (an unfinished leaf's rows are carried); data-parallel shards must
 # be multiples of it.
 DEFAULT_LEAF_TOKENS = 8192
@@ -139,6 +139,7 @@ class CanonicalGradAccumulator:
         self._spans: list[tuple[int, int]] = []  # (token_offset, tokens) seen by the ops
         self._token_offset: int | None = None
         self._tokens: int | None = None  # tokens of the active micro-batch, as the ops report them
+        self._tokens_by: tuple = (None, None)  # (parameter, op) of the op that reported them first
         self._open_ends: set[int] = set()  # tokens where micro-batches ended inside a leaf
         self._max_end = 0  # the last token + 1 any deposit covered
         self._carry: dict[tuple[int, int, int], _OpenLeaf] = {}  # (param index, use, leaf) -> its rows
@@ -295,12 +296,16 @@ class CanonicalGradAccumulator:
             raise RuntimeError("no micro_batch is active on this accumulator")
         return self._token_offset
 
-    def leaf_span(self, num_tokens: int) -> tuple[int, int]:
+    def leaf_span(
+        self, num_tokens: int, param: torch.Tensor | None = None, op: str | None = None
+    ) -> tuple[int, int]:
         """For an op that saw ``num_tokens`` tokens: ``(first_leaf, n_leaves)`` of its global leaves.
 
         Local token t is global token ``token_offset + t`` and lies in global leaf
         ``first_leaf + t // leaf_tokens``. Records the span so ``reduce`` can check that only the
-        micro-batch ending the global batch has a partial last leaf.
+        micro-batch ending the global batch has a partial last leaf. ``param`` (the parameter the
+        op deposits for) and ``op`` (its name) only name it in errors: a ``ValueError`` when
+        another op of this micro-batch saw another token count.
         """
         offset = self.token_offset
         if num_tokens <= 0:
@@ -311,7 +316,7 @@ class CanonicalGradAccumulator:
                 "leaf_span / deposit need leaf-aligned micro-batches: use deposit_rows, which carries "
                 "the open leaf's rows"
             )
-        self._note_tokens(int(num_tokens), "an op")
+        self._note_tokens(int(num_tokens), param, op)
         span = (offset, int(num_tokens))
         if span not in self._spans:
             self._spans.append(span)
@@ -339,7 +344,12 @@ class CanonicalGradAccumulator:
         return index, use
 
     def deposit_rows(
-        self, param: torch.Tensor, rows: tuple, leaf_partial: LeafPartial, fold: LeafFold | None = None
+        self,
+        param: torch.Tensor,
+        rows: tuple,
+        leaf_partial: LeafPartial,
+        fold: LeafFold | None = None,
+        op: str | None = None,
     ) -> None:
         """Deposit ``param``'s gradient over this micro-batch's tokens, given as rows: any boundaries.
 
@@ -359,6 +369,7 @@ class CanonicalGradAccumulator:
                 RMSNorm weight's sub-leaf folds) and ``close_fn(state)`` gives the leaf's fp32
                 node. This call's ``fold`` continues a leaf an earlier call left open (an op may
                 bind what it already computed for these rows).
+            op: the op's name (e.g. ``"det_train.linear"``), for errors only.
 
         The leaf this micro-batch leaves unfinished stays open. With ``fold`` its fp32 fold is kept
         (one tensor of ``param``'s shape; rows past the last whole step, fewer than ``step``, are
@@ -374,9 +385,9 @@ class CanonicalGradAccumulator:
 
         Raises:
             ValueError: rows of different lengths or a length other than another op reported for
-                this micro-batch; an open leaf of ``param`` that does not end where this
-                micro-batch starts (the parameter skipped a micro-batch); an unaligned start with
-                nothing to continue.
+                this micro-batch (both ops and their parameters named); an open leaf of ``param``
+                that does not end where this micro-batch starts (the parameter skipped a
+                micro-batch); an unaligned start with nothing to continue.
             RuntimeError: outside ``micro_batch``.
         """
         # Host work per call is O(1) in the rows and the leaves: a few views, one leaf-sum or fold
@@ -386,7 +397,7 @@ class CanonicalGradAccumulator:
             if r.shape[0] != n:
                 raise ValueError(f"deposit_rows: rows of different lengths {[int(r.shape[0]) for r in rows]}")
         if self._token_offset is not None:  # before _slot counts a use (outside: _slot raises)
-            self._note_tokens(n, param)
+            self._note_tokens(n, param, op)
         slot = self._slot(param)
         offset = self._token_offset
         leaf = self.leaf_tokens
@@ -452,21 +463,43 @@ class CanonicalGradAccumulator:
                     f"[{held.start}, {held.end}) of an earlier micro-batch: micro-batches overlap"
                 )
 
-    def _note_tokens(self, n: int, who) -> None:
+    def _note_tokens(self, n: int, param: torch.Tensor | None, op: str | None) -> None:
         """Record the micro-batch's token count; every canonical-order op must report the same.
-        ``who``: the reporting op's description, or the parameter it deposits for (named lazily)."""
-        if self._tokens is not None and n != self._tokens:
-            if isinstance(who, torch.Tensor):
-                index = self._index.get(id(who))
-                who = f"{self._names[index] if index is not None else 'a parameter'}: an op"
-            raise ValueError(
-                f"{who} reported {n} tokens in a micro-batch whose other ops saw {self._tokens}; "
-                "every canonical-order op of a micro-batch must see all its tokens"
-            )
-        self._tokens = n
+        ``param``, ``op``: the parameter the op deposits for and the op's name (named lazily)."""
+        if self._tokens is None:
+            self._tokens, self._tokens_by = n, (param, op)
+        elif n != self._tokens:
+            raise ValueError(self._token_mismatch(n, param, op))
         end = self._token_offset + n
         if end > self._max_end:
             self._max_end = end
+
+    def _who(self, param: torch.Tensor | None, op: str | None) -> str:
+        index = None if param is None else self._index.get(id(param))
+        if index is None and param is not None:  # FSDP2: the unsharded parameter of a tracked one
+            index = next(
+                (i for i, f in self._fsdp.items() if getattr(f, "_unsharded_param", None) is param), None
+            )
+        name = (
+            "a parameter"
+            if param is None
+            else "an untracked parameter"
+            if index is None
+            else self._names[index]
+        )
+        return f"{name} ({op or 'an op'})"
+
+    def _token_mismatch(self, n: int, param: torch.Tensor | None, op: str | None) -> str:
+        """The error of an op that saw ``n`` tokens where the micro-batch's first op saw others."""
+        return (
+            f"{self._who(param, op)} saw {n} tokens (rows) in this micro-batch, but "
+            f"{self._who(*self._tokens_by)} saw {self._tokens}: every canonical-order op of a micro-batch "
+            "must see all its tokens, one row per token. An op that sees more rows than tokens runs per "
+            "attention head (a q/k norm over (B, T, H, D): det_train.convert refuses those); one that "
+            "sees fewer is given indices broadcast over the batch (GPT-2's learned position embedding "
+            "looked up with (1, T) position ids when none are passed: pass position_ids of the batch's "
+            "shape, position_ids=torch.arange(T).expand(B, T))"
+        )
 
     def _flush(self) -> None:
         """Run the pending open-leaf row copies (one multi-tensor copy where torch has one)."""

@@ -288,11 +288,11 @@ def layer_norm_backward_deposit_op(
     param = tracked_parameter(acc, weight)
     m = x2.shape[0]
     if acc.token_offset % leaf == 0 and m % leaf == 0:  # whole leaves: this pass's chunk sums
-        first_leaf, _ = acc.leaf_span(m)
+        first_leaf, _ = acc.leaf_span(m, param, "det_train.layer_norm")
         finish_param_grad(acc, param, first_leaf, fold_chunks(partial, sub // rows), leaf // sub)
     else:  # rows of a leaf split between micro-batches: the accumulator sums each leaf from all its rows
         leaves = functools.partial(_dweight_leaves, param, leaf, sub, rows)
-        acc.deposit_rows(param, (dy2, x2, mean, rstd), leaves)
+        acc.deposit_rows(param, (dy2, x2, mean, rstd), leaves, op="det_train.layer_norm")
         finish_deposit(acc)
     ticket.add_(1)
     return dx

@@ -84,7 +84,7 @@ _GRAD_PLANS = runtime.PlanCache()
 
 def grad_plan(leaf_tokens: int, weight: bool, bias: bool, ticket: torch.Tensor | None) -> GradPlan:
     """``GradPlan(leaf_tokens, weight, bias, ticket)``, one object per distinct value in eager execution
-    (a frozen dataclass costs ~1 us to build; a Linear-like op built two per call). Under
+    (building a frozen dataclass costs host time on every call; a Linear-like op built two). Under
     ``torch.compile`` a new one (Dynamo traces the constructor, not a cache it would guard on).
 
     **Determinism:** a frozen value object: the cached one equals the one it replaces."""
@@ -192,7 +192,7 @@ def deposit_weight_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, t
     step = weight_grad_config(dy.dtype, dy.shape[1], x.shape[1]).block_t
     fold = (step, _weight_fold)  # an open leaf's fp32 fold is carried to the micro-batch completing it
     leaves = functools.partial(_weight_leaves, acc.leaf_tokens)
-    acc.deposit_rows(tracked_parameter(acc, weight), (dy, x), leaves, fold)
+    acc.deposit_rows(tracked_parameter(acc, weight), (dy, x), leaves, fold, op="det_train.linear")
     finish_deposit(acc)
     ticket.add_(1)
 
@@ -207,7 +207,8 @@ def deposit_bias_op(dy: torch.Tensor, bias: torch.Tensor, ticket: torch.Tensor) 
     """The ``det_train::linear_deposit_bias`` op: deposit db = the sum of ``dy``'s rows into the
     active accumulator, at run time."""
     acc = active_accumulator("det_train.linear")
-    acc.deposit_rows(tracked_parameter(acc, bias), (dy,), functools.partial(_bias_leaves, acc.leaf_tokens))
+    bias = tracked_parameter(acc, bias)
+    acc.deposit_rows(bias, (dy,), functools.partial(_bias_leaves, acc.leaf_tokens), op="det_train.linear")
     finish_deposit(acc)
     ticket.add_(1)
 

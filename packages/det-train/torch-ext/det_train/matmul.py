@@ -562,7 +562,7 @@ def _(a, b):
 def matmul_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``matmul_op(a, b)`` for 2-D operands a backward already knows valid (dX = dY W of a Linear-like
     op: the forward checked W, autograd matched dY to the output): in plain eager execution the
-    launch without the op's checks and broadcast (~6 us of host time per call), else the op.
+    launch without the op's checks and broadcast (their host time, on every backward call), else the op.
 
     ``a (M, K)``, ``b (K, N)``, one dtype and device; returns ``(M, N)``. **Determinism:** the same
     launch as ``matmul_op``, so the same bits."""

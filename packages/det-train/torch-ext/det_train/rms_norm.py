@@ -237,12 +237,12 @@ def rms_norm_backward_deposit_op(
     param = tracked_parameter(acc, weight)
     m = x2.shape[0]
     if acc.token_offset % leaf == 0 and m % leaf == 0:  # whole leaves: this pass's chunk sums
-        first_leaf, _ = acc.leaf_span(m)
+        first_leaf, _ = acc.leaf_span(m, param, "det_train.rms_norm")
         finish_param_grad(acc, param, first_leaf, fold_chunks(partial, sub // rows), leaf // sub)
     else:
         leaves = functools.partial(_dweight_leaves, param, leaf, sub, rows, offset)
         fold = _dweight_fold(param, leaf, sub, rows, offset, dy2, partial)  # an open leaf: its folds
-        acc.deposit_rows(param, (dy2, x2, rstd), leaves, fold)
+        acc.deposit_rows(param, (dy2, x2, rstd), leaves, fold, op="det_train.rms_norm")
         finish_deposit(acc)
     ticket.add_(1)
     return dx

@@ -1,0 +1,189 @@
+"""Errors a new user hit, each now saying what was wrong and what to do: per-head q/k norms refused
+by ``convert`` up front (Qwen3, Gemma 3; OLMo 2's whole-projection norms and one-head models
+converted; a frozen per-head norm converted and split-invariant), the accumulator's token-count
+error naming both parameters and ops (a per-head norm that slipped through, GPT-2 without
+``position_ids``), the dropout refusal in the model's own terms (config fields or the module's
+``p``), and an fp64 layer reported as an unsupported dtype. Tiny transformers models from config
+objects (no download), CPU through the Triton interpreter."""
+
+import det_train
+import pytest
+import torch
+from det_core.testing import assert_bitwise_equal
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+
+def _decoder(model_cls, config_cls, heads, kv_heads, head_dim=64, attn="sdpa", **extra):
+    """A one-layer fp32 decoder (seed 0) with ``heads`` query and ``kv_heads`` key/value heads."""
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(
+        vocab_size=64,
+        hidden_size=128,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=8,
+        attn_implementation=attn,
+        **extra,
+    )
+    return getattr(transformers, model_cls)(config)
+
+
+def _problems(model):
+    with pytest.raises(det_train.ConversionError) as info:
+        det_train.convert(model, allow=[""])  # the attention check is not what this is about
+    return info.value.problems
+
+
+def test_per_head_q_k_norms_are_refused_up_front_with_the_remedy():
+    attn = "model.layers.0.self_attn"
+    # Qwen3, 2 query heads, 1 KV head: q_norm sees tokens x 2 rows, k_norm one row per token
+    model = _decoder("Qwen3ForCausalLM", "Qwen3Config", heads=2, kv_heads=1)
+    problems = _problems(model)
+    assert [(name, cls) for name, cls, _ in problems] == [(f"{attn}.q_norm", "Qwen3RMSNorm")]
+    reason = problems[0][2]
+    assert "a norm over head_dim=64 applied per attention head, to several heads here" in reason, reason
+    assert "per-head norms are not supported yet" in reason
+    assert f"({attn}.q_norm.weight.requires_grad_(False))" in reason
+    assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear  # nothing was converted
+    # Qwen3 with 2 KV heads, Gemma 3 (its norms in the 1 + weight form): q_norm and k_norm
+    for model_cls, config_cls, cls in (
+        ("Qwen3ForCausalLM", "Qwen3Config", "Qwen3RMSNorm"),
+        ("Gemma3ForCausalLM", "Gemma3TextConfig", "Gemma3RMSNorm"),
+    ):
+        problems = _problems(_decoder(model_cls, config_cls, heads=2, kv_heads=2))
+        assert [(n, c) for n, c, _ in problems] == [(f"{attn}.q_norm", cls), (f"{attn}.k_norm", cls)]
+        assert all("applied per attention head, to several heads" in r for _, _, r in problems)
+    # one head: one row per token, converted; OLMo 2's norms cover the whole q / k projections
+    model = _decoder("Qwen3ForCausalLM", "Qwen3Config", heads=1, kv_heads=1, head_dim=128)
+    det_train.convert(model, allow=[""])
+    assert type(model.model.layers[0].self_attn.q_norm) is det_train.RMSNorm
+    model = _decoder("Olmo2ForCausalLM", "Olmo2Config", heads=2, kv_heads=1, eos_token_id=0, pad_token_id=0)
+    det_train.convert(model, allow=[""])
+    attn_module = model.model.layers[0].self_attn
+    assert type(attn_module.q_norm) is det_train.RMSNorm and attn_module.q_norm.weight.numel() == 128
+    assert type(attn_module.k_norm) is det_train.RMSNorm and attn_module.k_norm.weight.numel() == 64
+
+
+def _grads(model, ids, splits, leaf):
+    """Parameter gradients of the causal-LM loss over ``ids`` cut into ``splits`` (first sequence,
+    sequences) micro-batches, through the accumulator."""
+    batch, seq = ids.shape
+    acc = det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=leaf)
+    for first, n in splits:
+        x = ids[first : first + n]
+        with acc.micro_batch(token_offset=first * seq):
+            model(input_ids=x, labels=x, num_items_in_batch=batch * (seq - 1)).loss.backward()
+    acc.reduce(total_tokens=batch * seq)
+    grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def test_frozen_per_head_norms_convert_and_split_bitwise():
+    det_attn = pytest.importorskip("det_attn")
+    det_attn.register_transformers_attention()
+    model = _decoder("Qwen3ForCausalLM", "Qwen3Config", heads=2, kv_heads=1, attn="det_attn")
+    model = model.to(torch.bfloat16)
+    q_norm = model.model.layers[0].self_attn.q_norm
+    q_norm.weight.requires_grad_(False)  # the documented remedy
+    det_train.convert(model)
+    converted = model.model.layers[0].self_attn.q_norm
+    assert type(converted) is det_train.RMSNorm and converted.weight is q_norm.weight
+    ids = torch.randint(0, 64, (2, 4), generator=torch.Generator().manual_seed(1))
+    whole = _grads(model, ids, [(0, 2)], leaf=8)
+    split = _grads(model, ids, [(0, 1), (1, 1)], leaf=8)  # cut in the middle of the one leaf
+    assert len(whole) == len(list(model.parameters())) - 1  # every parameter but the frozen one
+    for name, grad in whole.items():
+        assert_bitwise_equal(split[name], grad, f"{name}: 1 vs 2 micro-batches")
+    # unfrozen after convert: the first backward names the parameter, its op and the other one
+    model.model.layers[0].self_attn.q_norm.weight.requires_grad_(True)
+    with pytest.raises(ValueError) as info:
+        _grads(model, ids, [(0, 2)], leaf=8)
+    message = str(info.value)
+    assert message.startswith(
+        "model.layers.0.self_attn.q_norm.weight (det_train.rms_norm) saw 16 tokens (rows) in this "
+        "micro-batch, but "
+    ), message
+    assert "saw 8: every canonical-order op" in message and "runs per attention head" in message
+
+
+def test_gpt2_without_position_ids_names_the_position_embedding_and_the_remedy():
+    det_attn = pytest.importorskip("det_attn")
+    det_attn.register_transformers_attention()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=64,
+        n_embd=64,
+        n_layer=1,
+        n_head=1,
+        n_positions=8,
+        n_inner=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="det_attn",
+    )
+    model = det_train.convert(transformers.GPT2LMHeadModel(config).to(torch.bfloat16))
+    ids = torch.randint(0, 64, (2, 4), generator=torch.Generator().manual_seed(1))
+    acc = det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=8)
+    with pytest.raises(ValueError) as info:
+        with acc.micro_batch(token_offset=0):
+            model(input_ids=ids, labels=ids, num_items_in_batch=6).loss.backward()
+    message = str(info.value)
+    assert "transformer.wpe.weight (det_train.embedding) saw 4 tokens (rows)" in message, message
+    assert "saw 8: every canonical-order op" in message
+    assert "position_ids=torch.arange(T).expand(B, T)" in message
+    # the remedy: position ids of the batch's shape; the refused micro-batch left nothing behind
+    positions = torch.arange(4).expand(2, 4)
+    with acc.micro_batch(token_offset=0):
+        model(input_ids=ids, labels=ids, position_ids=positions, num_items_in_batch=6).loss.backward()
+    acc.reduce(total_tokens=8)
+    assert model.transformer.wpe.weight.grad[:4].abs().sum() > 0  # positions 0..3 got gradients
+    assert torch.equal(model.transformer.wpe.weight.grad[4:], torch.zeros(4, 64, dtype=torch.bfloat16))
+
+
+def test_dropout_refusal_says_what_fits_the_model():
+    # plain torch: no config to point to; the module's p is what convert accepts
+    with pytest.raises(det_train.ConversionError) as info:
+        det_train.convert(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1)))
+    ((name, cls, reason),) = info.value.problems
+    assert (name, cls) == ("1", "Dropout") and "config" not in reason, reason
+    assert reason.endswith(
+        "set its p to 0 (model.get_submodule(name).p = 0.0) or replace it by nn.Identity()"
+    ), reason
+    det_train.convert(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.0)))  # and p = 0 is accepted
+    # a transformers model: its config's dropout fields that are not 0, then the module's p
+    config = transformers.GPT2Config(
+        vocab_size=64, n_embd=64, n_layer=1, n_head=1, n_positions=8, embd_pdrop=0.0
+    )
+    with pytest.raises(det_train.ConversionError) as info:
+        det_train.convert(transformers.GPT2LMHeadModel(config), allow=[""])
+    reasons = {n: r for n, _, r in info.value.problems}
+    assert "transformer.drop" not in reasons  # embd_pdrop=0.0: p = 0
+    reason = reasons["transformer.h.0.attn.attn_dropout"]
+    assert "build the model with these config fields at 0.0 (resid_pdrop=0.1, attn_pdrop=0.1" in reason
+    assert "or set its p to 0" in reason
+
+
+def test_fp64_layer_is_an_unsupported_dtype_not_a_determinism_problem():
+    with pytest.raises(det_train.ConversionError) as info:
+        det_train.convert(nn.Sequential(nn.Linear(4, 4).double()))
+    message = str(info.value)
+    assert info.value.problems == [
+        (
+            "0",
+            "Linear",
+            "unsupported dtype float64: det_train's kernels take bfloat16, float16 and float32; cast "
+            "the model first (e.g. model.to(torch.float32) or model.to(torch.bfloat16))",
+        )
+    ]
+    assert "cannot be made deterministic" not in message and "cannot be converted" in message
+    model = nn.Sequential(nn.Linear(4, 4).double()).to(torch.float32)  # the remedy
+    assert type(det_train.convert(model)[0]) is det_train.Linear
