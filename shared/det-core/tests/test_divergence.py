@@ -338,3 +338,17 @@ def test_the_docs_example_runs_and_names_the_mixing_module(capsys):
     printed = capsys.readouterr().out
     assert printed.startswith("find_divergence: split_a=1 (1 micro-batch) vs split_b=3 (3 micro-batches)\n")
     assert "\n  mix: float32 (6, 8): " in printed and "also differ (outputs, 2): fc2, <root>" in printed
+
+
+def test_public_names_resolve_from_every_import_path_to_the_same_objects():
+    """The finder is a subpackage by role (report, capture, compare, find, cli): its public names
+    stay importable from det_core.testing.divergence and det_core.testing, as the same objects."""
+    import det_core.testing as testing
+    import det_core.testing.divergence as divergence
+    from det_core.testing.divergence import cli, find, report
+
+    assert divergence.__all__ == ["DivergenceReport", "Difference", "find_divergence", "main"]
+    assert divergence.Difference is report.Difference is testing.Difference is Difference
+    assert divergence.DivergenceReport is report.DivergenceReport is testing.DivergenceReport
+    assert divergence.find_divergence is find.find_divergence is testing.find_divergence
+    assert divergence.main is cli.main is main
