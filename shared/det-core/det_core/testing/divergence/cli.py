@@ -9,18 +9,38 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
-from .find import find_divergence
+from .find import _check_arguments, find_divergence
 
 
-def _load(target: str) -> Callable:
+def _load(target: str, parser: argparse.ArgumentParser) -> Callable:
+    """The callable that ``MODULE:FUNCTION`` names; anything else ends the command through
+    ``parser.error`` (status 2): never an uncaught traceback (status 1 would read as a divergence),
+    never a target module's own exit (a script that exits 0 when imported would read as none)."""
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"expected MODULE:FUNCTION (e.g. mypkg.repro:make_model), got {target!r}")
-    obj = importlib.import_module(module_name)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
+        parser.error(
+            f"cannot load the target: expected MODULE:FUNCTION (e.g. mypkg.repro:make_model), got {target!r}"
+        )
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as e:
+        parser.error(f"cannot load the target: {type(e).__name__}: {e} (is its folder on PYTHONPATH?)")
+    except SystemExit as e:
+        parser.error(
+            f"cannot load the target {target}: importing {module_name} exited (SystemExit({e.code!r})): "
+            "a target module must only define functions when imported; put make_model and step in a "
+            "module of their own, or guard the script's code with if __name__ == '__main__'"
+        )
+    except Exception as e:  # a module that fails on import: its traceback, then a usage error
+        traceback.print_exc()
+        parser.error(f"cannot load the target: importing {module_name} raised {type(e).__name__}: {e}")
+    try:
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except AttributeError as e:
+        parser.error(f"cannot load the target: AttributeError: {e}")
     if not callable(obj):
-        raise ValueError(f"{target} is a {type(obj).__name__}, not a callable")
+        parser.error(f"cannot load the target: {target} is a {type(obj).__name__}, not a callable")
     return obj
 
 
@@ -39,11 +59,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     Splits are Python literals (``3``, ``"(2, 4)"``) or else plain strings. Prints the report.
 
     Returns:
-        The exit status: 0 no divergence, 1 divergence, 2 a run that raised (its traceback is
-        printed), bad arguments or a target that does not import (argparse's convention).
+        The exit status: 0 no divergence, 1 divergence, 2 a run that raised or exited (its
+        traceback is printed; no comparison was made).
 
     Raises:
-        SystemExit: for bad arguments (status 2, after argparse prints the usage).
+        SystemExit: status 2 (argparse's convention, after the usage and a message): bad arguments;
+            a target that does not load (not ``MODULE:FUNCTION``, a module that does not import or
+            exits when imported, a missing or non-callable name); targets that ``find_divergence``
+            refuses before running (a model instance for ``MODEL``, a step that never reads its
+            split, ...).
 
     **Determinism:** as ``find_divergence``.
 
@@ -72,16 +96,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="keep tensors of this module/gradient only",
     )
     args = parser.parse_args(argv)
-    try:
-        make_model, step = _load(args.model), _load(args.step)
-    except (ImportError, AttributeError, ValueError) as e:
-        parser.error(f"cannot load the target: {type(e).__name__}: {e}")
+    make_model, step = _load(args.model, parser), _load(args.step, parser)
+    try:  # what find_divergence refuses before running: a usage error, without a traceback
+        _check_arguments(make_model, step, args.split_a, args.split_b, args.batch_dim)
+    except (TypeError, ValueError) as e:
+        parser.error(f"{args.model} / {args.step}: {e}")
     keep = set(args.keep) if args.keep else not args.digests_only
     try:
         report = find_divergence(
             make_model, step, args.split_a, args.split_b, batch_dim=args.batch_dim, keep_tensors=keep
         )
-    except Exception:  # the model or the step failed: not a divergence (exit 1 would say there is one)
+    except (Exception, SystemExit):  # the model or the step failed or exited: not a comparison
         traceback.print_exc()
         print("divergence: the run raised (above); no comparison was made", file=sys.stderr)
         return 2

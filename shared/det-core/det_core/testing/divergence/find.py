@@ -3,6 +3,10 @@ the first module output and the first gradient whose bits differ."""
 
 from __future__ import annotations
 
+import dis
+import inspect
+import types
+import warnings
 from collections.abc import Callable, Collection, Mapping
 
 import torch
@@ -28,6 +32,82 @@ def _keep_predicate(keep_tensors: bool | Collection[str]) -> Callable[[str], boo
         )
     names = set(keep_tensors)
     return lambda name: name in names
+
+
+def _check_arguments(make_model, step, split_a, split_b, batch_dim) -> None:
+    """Raise the error a new user needs before anything runs: a model where its factory belongs, a
+    factory or step that cannot be called as ``make_model()`` / ``step(model, split)``, a step that
+    never reads the split of two different ones."""
+    if not isinstance(batch_dim, int) or isinstance(batch_dim, bool) or batch_dim < 0:
+        raise ValueError(f"batch_dim must be a non-negative int, got {batch_dim!r}")
+    if isinstance(make_model, torch.nn.Module):
+        cls = type(make_model).__name__
+        raise TypeError(
+            f"make_model must be a factory: a zero-argument callable that returns a fresh model, e.g. "
+            f"make_model=lambda: {cls}() (with the constructor's arguments), or a def make_model() that "
+            f"seeds and builds it; got a model instance ({cls}). Each run builds its own model with the "
+            "same initial weights, so the tool needs the recipe, not the model"
+        )
+    for name, fn, args in (("make_model", make_model, ()), ("step", step, (None, None))):
+        if not callable(fn):
+            raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
+        try:
+            signature = inspect.signature(fn)
+        except (TypeError, ValueError):  # a builtin without a signature: the call will tell
+            continue
+        try:
+            signature.bind(*args)
+        except TypeError:
+            params = (p.replace(annotation=p.empty) for p in signature.parameters.values())
+            label = f"{getattr(fn, '__name__', type(fn).__name__)}({', '.join(map(str, params))})"
+            if name == "make_model":
+                raise TypeError(
+                    f"make_model must be a factory: a zero-argument callable that returns a fresh model, "
+                    f"but {label} cannot be called without arguments; wrap it, e.g. "
+                    f"make_model=lambda: {label.partition('(')[0]}(...) with its arguments"
+                ) from None
+            raise TypeError(
+                f"step must take two positional arguments, step(model, split), but {label} "
+                "cannot be called so; e.g. def step(model, split): ... (split: the decomposition, such "
+                "as a micro-batch count)"
+            ) from None
+    if split_b is not None and not _same(split_a, split_b):
+        unread = _unread_split_parameter(step)
+        if unread is not None:
+            raise ValueError(
+                f"step never reads its split parameter {unread!r}: split_a={split_a!r} and "
+                f"split_b={split_b!r} would run the same computation and 'no divergence' would say "
+                "nothing. step(model, split) must run the step under the decomposition it is given, "
+                f"e.g. for xb, yb in zip(x.chunk({unread}), y.chunk({unread})): "
+                "loss_fn(model(xb), yb).backward()"
+            )
+
+
+# Names through which a function can read its locals without naming them in its code
+_DYNAMIC_READS = frozenset(("locals", "vars", "eval", "exec"))
+
+
+def _unread_split_parameter(step) -> str | None:
+    """The name of the parameter that receives ``split`` in ``step(model, split)`` when ``step``'s
+    code never reads it; None when it reads it or that cannot be told (a ``functools.partial``, a
+    callable object, a builtin, a decorated function, ``*args``, ``locals()``)."""
+    func, index = step, 1  # split is the second positional argument
+    if inspect.ismethod(func):
+        func, index = func.__func__, 2  # after self
+    if not isinstance(func, types.FunctionType) or hasattr(func, "__wrapped__"):
+        return None
+    code = func.__code__
+    if index >= code.co_argcount:
+        return None  # collected by *args
+    name = code.co_varnames[index]
+    if name in code.co_cellvars or _DYNAMIC_READS.intersection(code.co_names):
+        return None  # read by an inner function or comprehension, or maybe through locals()
+    for instruction in dis.get_instructions(code):
+        op, arg = instruction.opname, instruction.argval
+        if op.startswith("LOAD") and ("FAST" in op or "DEREF" in op or "CLOSURE" in op):
+            if arg == name or (isinstance(arg, tuple) and name in arg):  # LOAD_FAST_LOAD_FAST: a pair
+                return None
+    return name
 
 
 def find_divergence(
@@ -72,10 +152,16 @@ def find_divergence(
       e.g. ``lambda m: dict(m.named_parameters())`` for the updated weights after an optimizer step.
     * Equality is of raw bits (sha256 of the bytes, with dtype and shape): ``-0.0 != 0.0``, NaN
       payloads count.
+    * **A check that did not run** is never reported as "no divergence". Before any run, a step
+      whose code never reads its ``split`` parameter (a plain function or method; read in its
+      bytecode) raises ``ValueError`` when the two splits differ. After the runs, two different
+      splits that called the model with the same micro-batch sizes (a step that reads its split
+      but does not decompose by it) give a ``UserWarning`` and ``report.same_decomposition``.
 
     Args:
-        make_model: builds the model with the same initial weights on every call (seed inside it).
-            The model is only built once per run; it may live on any device.
+        make_model: a factory: a zero-argument callable that returns a fresh model with the same
+            initial weights on every call (seed inside it), e.g. ``lambda: MyModel()``. It is
+            called once per run; the model may live on any device.
         step: ``step(model, split)`` runs one training step of ``model`` under decomposition
             ``split`` (e.g. a micro-batch count, or a list of micro-batch sizes) on the same global
             batch; its return value is ignored. Run it eagerly: a ``torch.compile``'d region hides
@@ -95,12 +181,14 @@ def find_divergence(
         bit patterns in hex, and the count of differing elements.
 
     Raises:
-        TypeError: ``make_model`` is a model instance instead of a function that builds one, or
-            ``make_model`` / ``step`` is not callable; ``make_model`` does not return a
-            ``torch.nn.Module``; ``gradients`` returns something other than tensors or None; an
-            output is a tensor subclass (e.g. DTensor); ``keep_tensors`` is a string.
-        ValueError: ``batch_dim`` negative; ``make_model`` returned different initial weights in the
-            two runs (it must seed); ``step`` never called ``model``.
+        TypeError: ``make_model`` is a model instance instead of a factory, or cannot be called
+            without arguments; ``step`` cannot be called as ``step(model, split)``; either is not
+            callable; ``make_model`` does not return a ``torch.nn.Module``; ``gradients`` returns
+            something other than tensors or None; an output is a tensor subclass (e.g. DTensor);
+            ``keep_tensors`` is a string.
+        ValueError: ``batch_dim`` negative; ``step`` never reads its split parameter (two different
+            splits); ``make_model`` returned the same model object twice, or different initial
+            weights in the two runs (it must seed); ``step`` never called ``model``.
         Exception: whatever ``make_model``, ``step`` or ``gradients`` raise, unchanged (the hooks
             are removed first).
 
@@ -114,19 +202,7 @@ def find_divergence(
     (FIPS 180-4) of their raw bytes, joined in global batch order, as batch invariance is defined
     in He et al., "Defeating Nondeterminism in LLM Inference" (Thinking Machines Lab, 2025).
     """
-    if not isinstance(batch_dim, int) or isinstance(batch_dim, bool) or batch_dim < 0:
-        raise ValueError(f"batch_dim must be a non-negative int, got {batch_dim!r}")
-    if isinstance(make_model, torch.nn.Module):
-        raise TypeError(
-            "make_model must be a function that builds the model (e.g. lambda: "
-            f"{type(make_model).__name__}(...)), got a model instance: each run needs a fresh "
-            "model with the same initial weights"
-        )
-    if not callable(make_model) or not callable(step):
-        bad = "make_model" if not callable(make_model) else "step"
-        raise TypeError(
-            f"{bad} must be callable, got {type(make_model if bad == 'make_model' else step).__name__}"
-        )
+    _check_arguments(make_model, step, split_a, split_b, batch_dim)
     keep = _keep_predicate(keep_tensors)
     read_gradients = gradients or _default_gradients
     run_to_run = split_b is None
@@ -139,6 +215,12 @@ def find_divergence(
         model = make_model()
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"make_model must return a torch.nn.Module, got {type(model).__name__}")
+        if runs and model is runs[0].model:
+            raise ValueError(
+                "make_model returned the same model object twice: it must build a fresh one on every "
+                "call (make_model=lambda: MyModel(), not lambda: model), else run b starts from the "
+                "state run a left"
+            )
         initial.append({k: digest(v) for k, v in model.state_dict().items()})
         run = _Run(model, batch_dim, keep)
         handles = [
@@ -195,7 +277,7 @@ def find_divergence(
         grads_compared += 1
         if found is not None:
             grad_diffs.append(found)
-    return DivergenceReport(
+    report = DivergenceReport(
         split_a=split_a,
         split_b=split_b,
         run_to_run=run_to_run,
@@ -208,3 +290,6 @@ def find_divergence(
         outputs_before_first=before_first,
         micro_batch_sizes=(tuple(run_a.sizes), tuple(run_b.sizes)),
     )
+    if report.same_decomposition:
+        warnings.warn(report.same_decomposition_warning, UserWarning, stacklevel=2)
+    return report

@@ -113,7 +113,8 @@ class DivergenceReport:
         micro_batches: how many times each run called the model, ``(a, b)``.
         micro_batch_sizes: per run, the ``batch_dim`` size of each model call's first tensor input
             (None where it has no such dim); ``same_decomposition`` flags two different splits with
-            equal sizes (``str(report)`` then warns that ``step`` may ignore its split).
+            equal sizes (``find_divergence`` then issues a ``UserWarning`` that ``step`` may ignore
+            its split, and ``str(report)`` does not call equal bits "no divergence").
         outputs_compared, gradients_compared: how many tensors were compared bit for bit.
         output_differences: the module outputs that differ, in forward execution order of run a
             (the order the outputs were produced: a submodule before its parent).
@@ -156,6 +157,15 @@ class DivergenceReport:
         )
 
     @property
+    def same_decomposition_warning(self) -> str:
+        """The warning ``find_divergence`` issues (and ``str(self)`` shows) for ``same_decomposition``."""
+        return (
+            f"both runs called the model with the same micro-batch sizes {list(self.micro_batch_sizes[0])}: "
+            "does step(model, split) use its split? (a step that ignores it compares a decomposition "
+            "with itself)"
+        )
+
+    @property
     def diverged(self) -> bool:
         """Whether any compared output or gradient differs."""
         return bool(self.output_differences or self.gradient_differences)
@@ -181,12 +191,14 @@ class DivergenceReport:
             )
         lines = [f"find_divergence: {title}"]
         if self.same_decomposition:
+            lines.append(f"warning: {self.same_decomposition_warning}")
+        if not self.diverged and self.same_decomposition:
             lines.append(
-                f"warning: both runs called the model with the same micro-batch sizes "
-                f"{list(self.micro_batch_sizes[0])}: does step(model, split) use its split? "
-                "(a step that ignores it compares a decomposition with itself)"
+                f"not a split-invariance check: {self.outputs_compared} module outputs and "
+                f"{self.gradients_compared} gradients are bitwise equal, but both runs made the same "
+                "micro-batches, so unless split changes something else they ran the same computation"
             )
-        if not self.diverged:
+        elif not self.diverged:
             lines.append(
                 f"no divergence: {self.outputs_compared} module outputs and {self.gradients_compared} "
                 "gradients are bitwise equal"
