@@ -5,6 +5,7 @@
 * ``det_core.reduce``  the canonical reduction order (leaves + fixed pairwise tree)
 * ``det_core.runtime`` GPU / Triton-interpreter dispatch checks
 * ``det_core.launch``  kernel launches with less host time (``launch``, ``BoundLaunch``, ...)
+* ``det_core.interpreter_mode`` GPU or the Triton interpreter (``interpreter_active``)
 * ``det_core.interpreter`` host-independent arithmetic for the Triton interpreter (CPU path)
 * ``det_core.testing`` the determinism-test harness and pytest plugin (dev only, not vendored)
 

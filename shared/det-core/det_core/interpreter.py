@@ -128,7 +128,7 @@ def _bf16_bits_to_f32(data: np.ndarray) -> np.ndarray:
 def install() -> None:
     """Make the interpreter's dot, exp, exp2, log and log2 host-independent (idempotent).
 
-    Called by ``det_core.runtime`` when the interpreter is active. Integer and fp8 dots keep
+    Called by ``det_core.interpreter_mode`` when the interpreter is active. Integer and fp8 dots keep
     Triton's own path (integer sums are exact; fp8 is not used by our kernels).
 
     Raises:

@@ -8,7 +8,7 @@ itself. ``BoundLaunch`` fixes a launch's arguments after its tensors, ``Descript
 validated TMA descriptor onto new bases, and ``PlanCache`` holds the launch plans that packages build
 per call signature. Host code only: no kernel is defined here.
 
-These names were first defined in ``det_core.runtime``, which still resolves them (the same objects).
+These names were first defined in ``det_core.runtime``, which still imports them (the same objects).
 
 **Determinism:** every path launches the same compiled kernel with the same arguments as
 ``kernel[grid](...)``, so the same bits (the GPU tests compare the direct path with Triton's).
@@ -22,7 +22,7 @@ import types
 
 import torch
 
-from . import runtime  # its import installs det_core.interpreter under TRITON_INTERPRET=1
+from .interpreter_mode import interpreter_active  # its import installs det_core.interpreter under it
 
 __all__ = ["BoundLaunch", "DescriptorTemplate", "PlanCache", "launch"]
 
@@ -170,7 +170,7 @@ def _direct_launch_enabled() -> bool:
         import triton
 
         _direct_launch = (
-            not runtime.interpreter_active()
+            not interpreter_active()
             and os.environ.get("DET_DIRECT_LAUNCH", "1") != "0"
             and triton.__version__.startswith(_DIRECT_LAUNCH_TRITON)
         )

@@ -1,24 +1,25 @@
-"""Where kernels run: on a CUDA GPU, or on CPU through the Triton interpreter.
+"""Where kernels run, and the checks every op makes before it launches them.
 
-The interpreter is chosen by ``TRITON_INTERPRET=1`` *before* Triton is imported (Triton reads it
-when a kernel is decorated). Under the interpreter bf16 ``tl.dot`` is not supported
-(triton-lang/triton#11584), so kernels upcast bf16 tiles to fp32 before a dot when
-``interpreter_active()`` (exact: a bf16 product is exact in fp32). Importing this module with the
-interpreter active installs ``det_core.interpreter``: the interpreter's dot and transcendentals
-then give the same bits on every x86-64 host.
-
-Also the checks every op makes (device, integer arguments, functorch transforms, first-order
-backward, plain eager execution) and host-side ``cdiv`` / ``next_power_of_2``. The launch path
-(``launch``, ``BoundLaunch``, ``DescriptorTemplate``, ``PlanCache``) lives in ``det_core.launch``;
-those names still resolve here, to the same objects.
+``interpreter_active()`` (from ``det_core.interpreter_mode``): kernels run on a CUDA GPU, or on
+CPU through the Triton interpreter under ``TRITON_INTERPRET=1``; importing this module with the
+interpreter active installs ``det_core.interpreter``, whose dot and transcendentals give the same
+bits on every x86-64 host. The checks: the device (``check_kernel_device``), integer arguments
+(``as_index``), functorch transforms (``check_no_functorch_autodiff``), first-order backward
+(``check_first_order``) and plain eager execution (``plain_eager``); host-side ``cdiv`` /
+``next_power_of_2``. The launch path (``launch``, ``BoundLaunch``, ``DescriptorTemplate``,
+``PlanCache``) lives in ``det_core.launch``; those names still resolve here, to the same objects.
 """
 
 from __future__ import annotations
 
 import operator
-import os
 
 import torch
+
+from .interpreter_mode import interpreter_active
+
+# moved to det_core.launch; imported here so that every import path of before keeps working
+from .launch import BoundLaunch, DescriptorTemplate, PlanCache, launch  # noqa: F401
 
 __all__ = [
     "as_index",
@@ -30,29 +31,6 @@ __all__ = [
     "next_power_of_2",
     "plain_eager",
 ]
-
-# Names that moved to det_core.launch, resolved from there on first use (an import at the top would
-# be a cycle: det_core.launch imports this module, so the interpreter is installed before a launch).
-_MOVED_TO_LAUNCH = frozenset(("BoundLaunch", "DescriptorTemplate", "PlanCache", "launch"))
-
-
-def __getattr__(name: str):
-    if name in _MOVED_TO_LAUNCH:
-        from . import launch as _launch_module
-
-        return getattr(_launch_module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def interpreter_active() -> bool:
-    """True when Triton kernels run through the CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-if interpreter_active():  # the interpreter's dot and transcendentals, made the same on every CPU
-    from . import interpreter as _interpreter
-
-    _interpreter.install()
 
 
 _PLAIN_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))

@@ -60,6 +60,9 @@ def test_launch_names_still_resolve_from_runtime_to_the_same_objects():
         assert obj.__module__ == "det_core.launch", name
         assert name in det_launch.__all__ and name not in runtime.__all__, name  # documented once
     assert det_core.launch is det_launch
+    from det_core import interpreter_mode
+
+    assert runtime.interpreter_active is interpreter_mode.interpreter_active  # both stand on it
     with pytest.raises(AttributeError, match="det_core.runtime.*no_such_name"):
         runtime.no_such_name  # noqa: B018
 
@@ -69,8 +72,8 @@ def test_launch_names_still_resolve_from_runtime_to_the_same_objects():
     ["import det_core.launch", "from det_core.runtime import BoundLaunch", "from det_core import runtime"],
 )
 def test_either_module_imports_first_in_a_fresh_process(first):
-    """det_core.launch imports det_core.runtime; runtime resolves the moved names lazily: no import
-    cycle whichever module a process imports first."""
+    """det_core.runtime imports det_core.launch (the moved names), both import
+    det_core.interpreter_mode: no import cycle, whichever module a process imports first."""
     code = (
         f"{first}\nimport det_core.launch as l, det_core.runtime as r\n"
         "assert r.launch is l.launch and r.BoundLaunch is l.BoundLaunch\nprint('ok')"
