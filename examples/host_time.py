@@ -11,7 +11,7 @@ Three parts, each printed as ``## ...`` lines (the cProfile tables follow the st
   backward on the calling thread; then the Python functions with the most own time over one step
   (``cProfile``, ``--top`` rows; ``--top 0`` skips it).
 * **launch**: host microseconds per call of one 4-pointer Triton kernel launched four ways
-  (``det_core.runtime.BoundLaunch``, ``kernel[grid]``, the compiled kernel's ``run``) and of a few
+  (``det_core.launch.BoundLaunch``, ``kernel[grid]``, the compiled kernel's ``run``) and of a few
   torch calls every op makes (``torch.empty``, an in-place add, a view), on this machine.
 * **ops**: host and wall time per call of ``det_train.rms_norm`` forward + backward
   (``torch.autograd.grad``) against ``F.rms_norm`` at 1024 x 768, with the default and the calling
@@ -102,7 +102,7 @@ def step_part(micro_batches: int, impls: list[str], top: int) -> None:
 def launch_part() -> None:
     import triton
     import triton.language as tl
-    from det_core import runtime
+    from det_core.launch import BoundLaunch
 
     @triton.jit
     def copy_kernel(a, b, c, d, n, BLOCK: tl.constexpr):
@@ -111,7 +111,7 @@ def launch_part() -> None:
 
     a = torch.randn(1024, device="cuda")
     b = torch.empty_like(a)
-    bound = runtime.BoundLaunch(copy_kernel, 4, (1024,), BLOCK=1024)
+    bound = BoundLaunch(copy_kernel, 4, (1024,), BLOCK=1024)
     for _ in range(3):
         bound((1,), a, b, a, b)
     compiled = copy_kernel[(1,)](a, b, a, b, 1024, BLOCK=1024)

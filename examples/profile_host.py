@@ -5,11 +5,12 @@
     python examples/profile_host.py --top 40 --sort cumtime
 
 The step is bench_step.py's det eager step (forward + backward of each micro-batch under the
-CanonicalGradAccumulator, ``acc.reduce``, ``AdamWSR.step``, ``zero_grad``) on CPU, with
-``det_core.runtime.launch`` (and each package's vendored copy) and every ``kernel[grid](...)``
-replaced by a counter: outputs are garbage, only the host's Python and torch work runs. It reports
-the host time per step without launches (min over repeats), the launches per step by kernel, the
-torch ops per step (torch.profiler) and the Python functions with the most time (cProfile).
+CanonicalGradAccumulator, ``acc.reduce``, ``AdamWSR.step``, ``zero_grad``) on CPU, with every
+``kernel[grid](...)`` replaced by a counter (``det_core.launch``'s ``launch`` and ``BoundLaunch``,
+in every package's vendored copy too, are ``kernel[grid]`` under the interpreter): outputs are
+garbage, only the host's Python and torch work runs. It reports the host time per step without
+launches (min over repeats), the launches per step by kernel, the torch ops per step
+(torch.profiler) and the Python functions with the most time (cProfile).
 
 The shapes keep the gpu preset's code paths: 32 sequences (of 64 tokens here, 1024 there) in
 ``--micro-batches`` micro-batches, leaves of ``--leaf-seqs`` sequences (8: the preset's 8192-token
@@ -49,12 +50,10 @@ def _count_launch(kernel, grid, *args, **kwargs):
 
 
 def stub_launches() -> None:
-    """Replace every Triton launch (``det_core.runtime.launch`` and ``kernel[grid]`` of jitted and
-    interpreted kernels) by a counter."""
+    """Replace every Triton launch (``kernel[grid]`` of jitted and interpreted kernels, which
+    ``det_core.launch.launch`` and ``BoundLaunch`` call under the interpreter) by a counter."""
     import triton.runtime.interpreter as interpreter
     import triton.runtime.jit as jit
-
-    importlib.import_module("det_core.runtime").launch = _count_launch
 
     def getitem(kernel, grid):
         return lambda *args, **kwargs: _count_launch(kernel, grid)

@@ -7,9 +7,9 @@
 On CPU (default; under ``TRITON_INTERPRET=1``, so the interpreter's config row: the same Python
 path as on the GPU, other block sizes) nothing is computed (outputs are garbage), in two modes:
 
-- ``stub``: every launch (``runtime.launch`` of the vendored det-core and ``kernel[grid]``) is a
-  no-op, as in ``examples/profile_host.py``: the host time of det_attn's own Python.
-- ``direct``: ``runtime.launch`` and ``runtime.BoundLaunch`` take their direct path (the one
+- ``stub``: every launch (det-core's ``launch`` and ``kernel[grid]``) is a no-op, as in
+  ``examples/profile_host.py``: the host time of det_attn's own Python.
+- ``direct``: det-core's ``launch`` and ``BoundLaunch`` take their direct path (the one
   Triton 3.6 gets on the GPU: keying the arguments, finding the compiled kernel), only the final
   ``compiled.run`` stubbed: det_attn's Python plus what its launches cost on the host there.
 
@@ -54,6 +54,7 @@ except ImportError:  # a version from before the host code was split by role (DE
     from det_attn import _kernels as _bwd_kernels  # noqa: E402
 
     _plans = None
+from det_core import launch as det_launch  # noqa: E402
 from det_core import runtime  # noqa: E402
 
 KERNELS = ("attn_fwd_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")
@@ -80,7 +81,7 @@ class _Compiled:
 
 
 class _FakeKernel:
-    """A kernel for ``runtime``'s direct path on CPU: the real ``JITFunction``'s parameters (what
+    """A kernel for ``det_core.launch``'s direct path on CPU: the real ``JITFunction``'s parameters (what
     the launch keys read); ``kernel[grid](...)`` returns a ``_Compiled`` without compiling."""
 
     def __init__(self, fn) -> None:
@@ -98,7 +99,12 @@ def stub_all() -> None:
     def getitem(kernel, grid):
         return lambda *args, **kwargs: None
 
-    runtime.launch = lambda kernel, grid, *args, **kwargs: None
+    def no_launch(kernel, grid, *args, **kwargs):
+        return None
+
+    runtime.launch = no_launch  # det_attn versions that call det_core.runtime.launch
+    if _plans is not None and hasattr(_plans, "launch"):
+        _plans.launch = no_launch  # det_attn versions that import it from det_core.launch
     jit.JITFunction.__getitem__ = getitem
     interpreter.InterpretedFunction.__getitem__ = getitem
 
@@ -111,8 +117,7 @@ def direct_path() -> None:
             if hasattr(module, name):
                 setattr(module, name, _FakeKernel(getattr(module, name).fn))
     torch.cuda.current_device = lambda: 0
-    runtime._direct_launch, runtime._knobs = True, knobs
-    runtime._run = lambda compiled, grid, device, *args: compiled
+    det_launch._direct_launch, det_launch._knobs = True, knobs
 
 
 def _per_call(fn, calls: int, repeats: int, grad: bool, sync) -> float:

@@ -585,7 +585,7 @@ def test_errors_are_the_same_with_warm_caches(monkeypatch):
     calls += [functools.partial(call, **kw) for _, call, kw, _, _ in _bad_dropout_cases()]
     cold = []
     for call in calls:
-        monkeypatch.setattr(_plans, "PLANS", _plans.runtime.PlanCache())
+        monkeypatch.setattr(_plans, "PLANS", _plans.PlanCache())
         cold.append(_error(call))
     q, k, v = _qkv(1, 8, 8, 2, 2)
     cu = torch.tensor([0, 8], dtype=torch.int32)

@@ -156,7 +156,7 @@ def test_host_descriptors_fall_back_to_pointers_with_the_same_bits(monkeypatch):
         return buf[1:].view(t.shape).copy_(t)
 
     with monkeypatch.context() as m:
-        m.setattr(_plans.runtime.DescriptorTemplate, "__call__", None)  # a descriptor built would fail
+        m.setattr(_descriptors.DescriptorTemplate, "__call__", None)  # a descriptor built would fail
         got = attention(unaligned(q), k, v, causal=True, return_lse=True)
     for name, a, b in zip(("o", "lse"), got, want, strict=True):
         assert_bitwise_equal(a, b, f"{name}: unaligned q")

@@ -93,7 +93,7 @@ print(digest([o, lse, q.grad, k.grad, v.grad]))
 
 
 # The launch paths' cases: host descriptors (D128, D64), the pointer loads (inputs not 16-byte
-# aligned), packed sequences, dropout (its launches unbound: runtime.launch), all with backward.
+# aligned), packed sequences, dropout (its launches unbound: launch), all with backward.
 _LAUNCH_PATH_CASES = """
 import torch
 from det_core.testing import digest
@@ -124,7 +124,7 @@ def run_cases():
 
 
 def test_bound_launches_give_the_bits_of_tritons_launch():
-    # a warm call launches through the plans' runtime.BoundLaunch objects (dropout: runtime.launch)
+    # a warm call launches through the plans' BoundLaunch objects (dropout: launch)
     # on their direct path; DET_DIRECT_LAUNCH=0 makes a fresh process launch with kernel[grid]
     namespace = {}
     exec(_LAUNCH_PATH_CASES, namespace)  # noqa: S102 - the same code as the child's

@@ -1,11 +1,11 @@
 """The host path of ``det_attn.attention`` / ``attention_varlen`` on CPU (Triton interpreter).
 
 Per call signature the launcher keeps a plan in one cache (``_plans.PLANS``: grids, sizes,
-strides, constexprs, ``runtime.BoundLaunch`` objects and the signature-only checks' outcome).
+strides, constexprs, ``BoundLaunch`` objects and the signature-only checks' outcome).
 Under the interpreter a bound launch is ``kernel[grid]``
 with the same arguments, so these tests check the plumbing: plans and checks reused, the bound
-launches holding exactly the arguments ``runtime.launch`` gets, dropout still through
-``runtime.launch`` with its per-call seed, the dropout arguments a launch without dropout fixes
+launches holding exactly the arguments ``launch`` gets, dropout still through
+``launch`` with its per-call seed, the dropout arguments a launch without dropout fixes
 ignored by the kernels, other argument kinds checked on every call, and the gradients of
 reshaped inputs (errors with warm caches: ``test_attention.py``). Bits of the bound path on the
 GPU: ``tests/test_attention_gpu.py``.
@@ -38,14 +38,14 @@ def _fwd_bwd(q, k, v, do, **kwargs):
 
 @pytest.fixture
 def fresh_caches(monkeypatch):
-    monkeypatch.setattr(_plans, "PLANS", _plans.runtime.PlanCache())
+    monkeypatch.setattr(_plans, "PLANS", _plans.PlanCache())
 
 
 @pytest.fixture
 def counts(monkeypatch):
-    """Calls of ``_checks.check_qkv`` and of ``runtime.launch`` (the unbound launches) by det_attn."""
+    """Calls of ``_checks.check_qkv`` and of ``launch`` (the unbound launches) by det_attn."""
     seen = {"checks": 0, "launches": 0}
-    check, launch = _checks.check_qkv, _plans.runtime.launch
+    check, launch = _checks.check_qkv, _plans.launch
 
     def counted_check(*args, **kwargs):
         seen["checks"] += 1
@@ -56,7 +56,7 @@ def counts(monkeypatch):
         return launch(*args, **kwargs)
 
     monkeypatch.setattr(_checks, "check_qkv", counted_check)
-    monkeypatch.setattr(_plans.runtime, "launch", counted_launch)
+    monkeypatch.setattr(_plans, "launch", counted_launch)
     return seen
 
 
@@ -79,7 +79,7 @@ def test_second_call_reuses_plan_and_checks_and_binds_every_launch(fresh_caches,
     assert counts["checks"] == 2 and len(_plans.PLANS) == 2
 
 
-def test_bound_launches_hold_the_arguments_runtime_launch_gets(fresh_caches):
+def test_bound_launches_hold_the_arguments_launch_gets(fresh_caches):
     q, k, v = _randn(1, 45, 2, D), _randn(1, 45, 1, D), _randn(1, 45, 1, D)
     attention(q, k, v, causal=True)
     (plan,) = _plans.PLANS.values()
@@ -106,7 +106,7 @@ def test_bound_launches_hold_the_arguments_runtime_launch_gets(fresh_caches):
     assert _plans.dropout_args(0.0, None, 5, 7) == no_dropout
 
 
-def test_dropout_goes_through_runtime_launch_with_its_seed(fresh_caches, counts):
+def test_dropout_goes_through_launch_with_its_seed(fresh_caches, counts):
     q, k, v = _randn(2, 33, 2, D, seed=5), _randn(2, 33, 2, D, seed=6), _randn(2, 33, 2, D, seed=7)
     do = _randn(2, 33, 2, D, seed=8)
     a = _fwd_bwd(q, k, v, do, causal=True, dropout_p=0.3, seed=11)
@@ -124,7 +124,7 @@ def test_dropout_goes_through_runtime_launch_with_its_seed(fresh_caches, counts)
 
 def test_kernels_ignore_dropout_arguments_without_dropout(fresh_caches):
     # a launch without dropout binds fixed dropout arguments (offsets included): the kernels
-    # must not read them unless DROPOUT is set. Pass others through runtime.launch: same bits.
+    # must not read them unless DROPOUT is set. Pass others through launch: same bits.
     for dense in (True, False):
         q, k, v = _randn(2, 29, 4, D, seed=20), _randn(2, 35, 2, D, seed=21), _randn(2, 35, 2, D, seed=22)
         do = _randn(58, 4, D, seed=23)

@@ -4,6 +4,8 @@
 * ``det_core.sr``      stochastic rounding fp32 -> bf16 (Triton + torch reference)
 * ``det_core.reduce``  the canonical reduction order (leaves + fixed pairwise tree)
 * ``det_core.runtime`` GPU / Triton-interpreter dispatch checks
+* ``det_core.launch``  kernel launches with less host time (``launch``, ``BoundLaunch``, ...)
+* ``det_core.interpreter_mode`` GPU or the Triton interpreter (``interpreter_active``)
 * ``det_core.interpreter`` host-independent arithmetic for the Triton interpreter (CPU path)
 * ``det_core.testing`` the determinism-test harness and pytest plugin (dev only, not vendored)
 
@@ -18,7 +20,7 @@ import importlib
 
 __version__ = "1.0.0"
 
-__all__ = ["reduce", "rng", "runtime", "sr"]
+__all__ = ["launch", "reduce", "rng", "runtime", "sr"]
 
 
 def __getattr__(name: str):

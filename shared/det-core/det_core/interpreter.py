@@ -4,10 +4,10 @@ Triton's interpreter computes a kernel with numpy. Two of the numpy calls it mak
 on every x86-64 CPU: ``tl.dot`` is ``np.matmul``, an OpenBLAS sgemm whose kernel (FMA or not,
 blocking, edge tiles) is chosen per CPU and per tile shape, and ``tl.exp`` / ``exp2`` / ``log`` /
 ``log2`` are numpy's SIMD float32 routines, whose AVX-512, AVX2 and scalar versions differ in the
-last bits (seen 2026-12-01: an AVX2 host, ``OPENBLAS_CORETYPE=Haswell`` or
-``NPY_DISABLE_CPU_FEATURES=X86_V3`` each change kernel results). ``install()`` replaces these five
-operations of the interpreter with versions built only from separately rounded IEEE-754 operations
-(multiply, add, divide, ``frexp``, ``ldexp``, casts), which numpy computes identically on every host:
+last bits (an AVX2 host, ``OPENBLAS_CORETYPE=Haswell`` or ``NPY_DISABLE_CPU_FEATURES=X86_V3``
+each change kernel results). ``install()`` replaces these five operations of the interpreter
+with versions built only from separately rounded IEEE-754 operations (multiply, add, divide,
+``frexp``, ``ldexp``, casts), which numpy computes identically on every host:
 
 * ``dot(a, b, acc)``: a sequential fp32 fold over K starting from the accumulator,
   ``acc + a[:, 0] b[0, :] + a[:, 1] b[1, :] + ...``, each product and each sum rounded to fp32
@@ -128,7 +128,7 @@ def _bf16_bits_to_f32(data: np.ndarray) -> np.ndarray:
 def install() -> None:
     """Make the interpreter's dot, exp, exp2, log and log2 host-independent (idempotent).
 
-    Called by ``det_core.runtime`` when the interpreter is active. Integer and fp8 dots keep
+    Called by ``det_core.interpreter_mode`` when the interpreter is active. Integer and fp8 dots keep
     Triton's own path (integer sums are exact; fp8 is not used by our kernels).
 
     Raises:

@@ -6,10 +6,12 @@ the clean model's sums are exact in fp32, so only a split-dependent op can chang
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import subprocess
 import sys
+import warnings
 from collections import OrderedDict
 from pathlib import Path
 
@@ -77,17 +79,72 @@ def test_no_divergence_for_a_split_invariant_model(parts):
     assert "no divergence: 5 module outputs and 4 gradients are bitwise equal" in str(report)
 
 
-def test_a_step_that_ignores_its_split_is_flagged_not_reported_as_invariant():
+def test_a_step_that_never_reads_its_split_is_refused_before_anything_runs():
+    built = []
+
+    def make_model():
+        built.append(1)
+        return models.make_split_dependent()
+
     def ignores_split(model, parts):
         models.step(model, 1)
 
-    report = find_divergence(models.make_split_dependent, ignores_split, 1, 3)
+    class Trainer:
+        def step(self, model, micro_batches):
+            models.step(model, 1)
+
+    for step, name in (
+        (ignores_split, "parts"),
+        (lambda m, _: models.step(m, 1), "_"),
+        (Trainer().step, "micro_batches"),
+    ):
+        with pytest.raises(
+            ValueError, match=rf"step never reads its split parameter '{name}'.*x\.chunk\({name}\)"
+        ):
+            find_divergence(make_model, step, 1, 3)
+    assert built == []  # refused before a model was built or a hook installed
+    # one split run twice (run-to-run) does not need the split: a step may ignore it there
+    assert not find_divergence(make_model, ignores_split, 3).diverged and len(built) == 2
+
+
+def test_a_step_that_reads_its_split_but_does_not_decompose_by_it_is_warned_about_not_reported_as_invariant():
+    def reads_but_ignores(model, parts):
+        models.step(model, 1 if parts else 1)
+
+    with pytest.warns(
+        UserWarning, match=r"same micro-batch sizes \[6\]: does step\(model, split\) use its split"
+    ):
+        report = find_divergence(models.make_split_dependent, reads_but_ignores, 1, 3)
     assert not report.diverged and report.same_decomposition
     assert report.micro_batch_sizes == ((models.ROWS,), (models.ROWS,))
-    assert "warning: both runs called the model with the same micro-batch sizes [6]" in str(report)
-    honest = find_divergence(models.make_clean, models.step, 1, 3)
+    text = str(report)
+    assert "warning: both runs called the model with the same micro-batch sizes [6]" in text
+    assert "no divergence" not in text and "not a split-invariance check: 5 module outputs" in text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an honest step: no warning
+        honest = find_divergence(models.make_clean, models.step, 1, 3)
     assert not honest.same_decomposition and honest.micro_batch_sizes == ((6,), (2, 2, 2))
-    assert "warning" not in str(honest)
+    assert "warning" not in str(honest) and "no divergence: 5 module outputs" in str(honest)
+
+
+def test_the_split_read_check_reads_what_it_can_and_never_refuses_a_step_it_cannot_read():
+    # split read by an inner function, through a partial, by a callable object, in *args: all run
+    # (the split-dependent model diverges, so each step really decomposed by its split)
+    def closure(model, parts):
+        def run():
+            models.step(model, parts)
+
+        run()
+
+    class Step:
+        def __call__(self, model, parts):
+            models.step(model, parts)
+
+    def star(*args):
+        models.step(*args)
+
+    for step in (closure, functools.partial(models.step), Step(), star, lambda m, s: models.step(m, s)):
+        assert find_divergence(models.make_split_dependent, step, 1, 3).diverged, step
 
 
 def test_inline_code_is_blamed_on_the_parent_not_the_module_that_receives_it():
@@ -239,13 +296,26 @@ def test_bad_input_raises_clear_errors_and_removes_the_hooks():
     with pytest.raises(ValueError, match="different initial weights.*seed it"):
         find_divergence(unseeded, lambda m, s: m(torch.ones(1, 4)), 1)
     with pytest.raises(ValueError, match="never called the model"):
-        find_divergence(models.make_clean, lambda m, s: None, 1, 2)
+        find_divergence(models.make_clean, lambda m, s: None, 1)
     with pytest.raises(ValueError, match="batch_dim"):
         find_divergence(models.make_clean, models.step, 1, 2, batch_dim=-1)
     with pytest.raises(TypeError, match="torch.nn.Module"):
         find_divergence(lambda: "model", models.step, 1, 2)
-    with pytest.raises(TypeError, match="function that builds the model.*got a model instance"):
+    with pytest.raises(
+        TypeError,
+        match=r"make_model must be a factory: a zero-argument callable that returns a "
+        r"fresh model, e\.g\. make_model=lambda: Tiny\(\).*got a model instance \(Tiny\)",
+    ):
         find_divergence(models.make_clean(), models.step, 1, 2)
+    with pytest.raises(
+        TypeError, match=r"factory.*Tiny\(center\).*cannot be called without arguments.*lambda: Tiny"
+    ):
+        find_divergence(models.Tiny, models.step, 1, 2)  # a class whose constructor needs arguments
+    with pytest.raises(TypeError, match=r"step must take two positional arguments, step\(model, split\)"):
+        find_divergence(models.make_clean, lambda model: None, 1, 2)
+    shared = models.make_clean()
+    with pytest.raises(ValueError, match="same model object twice.*not lambda: model"):
+        find_divergence(lambda: shared, models.step, 1, 2)
     with pytest.raises(TypeError, match="step must be callable"):
         find_divergence(models.make_clean, "step", 1, 2)
     with pytest.raises(TypeError, match="keep_tensors"):
@@ -284,6 +354,90 @@ def test_cli_in_process(monkeypatch, capsys):
     assert main(["_divergence_models:make_clean", "_divergence_models:step", "--split-a", "'x'"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" in err and "the run raised" in err
+
+
+def _target(tmp_path, monkeypatch, name, body):
+    """A module ``name`` on the path, with ``body`` as its source (CLI targets of every kind)."""
+    (tmp_path / f"{name}.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(str(HERE))
+    return name
+
+
+def _exit_code(capsys, argv):
+    """``main(argv)``'s exit status (returned or raised) and what it wrote to stderr."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+def test_cli_bad_targets_exit_2_with_a_message_never_0_or_1(tmp_path, monkeypatch, capsys):
+    step = ["_divergence_models:step", "--split-a", "1", "--split-b", "3"]
+    # a module whose import raises: not an uncaught traceback (1 would read as a divergence)
+    broken = _target(tmp_path, monkeypatch, "_div_broken", "raise RuntimeError('no GPU here')\n")
+    code, err = _exit_code(capsys, [f"{broken}:make_model", *step])
+    assert (
+        code == 2 and "cannot load the target: importing _div_broken raised RuntimeError: no GPU here" in err
+    )
+    # a script that exits when imported (here with status 0): not a silent 0 ("no divergence")
+    script = _target(
+        tmp_path, monkeypatch, "_div_script", "import sys\nprint('usage: train.py')\nsys.exit(0)\n"
+    )
+    code, err = _exit_code(capsys, [f"{script}:make_model", *step])
+    assert code == 2 and "importing _div_script exited (SystemExit(0))" in err and "__main__" in err
+    # a model instance where the factory belongs: the factory message, as a usage error
+    instance = _target(
+        tmp_path,
+        monkeypatch,
+        "_div_instance",
+        "from _divergence_models import make_clean\nmodel = make_clean()\n",
+    )
+    code, err = _exit_code(capsys, [f"{instance}:model", *step])
+    assert code == 2 and "make_model must be a factory" in err and "lambda: Tiny()" in err
+    assert "Traceback" not in err and "error:" in err
+    # a step that never reads its split
+    lazy = _target(tmp_path, monkeypatch, "_div_lazy", "def step(model, parts):\n    pass\n")
+    code, err = _exit_code(
+        capsys, ["_divergence_models:make_clean", f"{lazy}:step", "--split-a", "1", "--split-b", "3"]
+    )
+    assert code == 2 and "step never reads its split parameter 'parts'" in err
+    code, err = _exit_code(
+        capsys, ["_divergence_models:make_clean", "_divergence_models:ROWS", "--split-a", "1"]
+    )
+    assert code == 2 and "_divergence_models:ROWS is a int, not a callable" in err
+    code, err = _exit_code(capsys, ["_divergence_models:make_clean", *step, "--batch-dim", "-1"])
+    assert code == 2 and "batch_dim must be a non-negative int" in err
+
+
+def test_cli_a_step_that_exits_is_a_run_that_raised_not_a_result(tmp_path, monkeypatch, capsys):
+    quits = _target(
+        tmp_path, monkeypatch, "_div_quits", "import sys\ndef step(model, parts):\n    sys.exit(parts - 3)\n"
+    )
+    code, err = _exit_code(capsys, ["_divergence_models:make_clean", f"{quits}:step", "--split-a", "3"])
+    assert code == 2 and "SystemExit" in err and "no comparison was made" in err
+
+
+def test_cli_subprocess_a_target_script_that_exits_0_on_import_exits_2(tmp_path):
+    (tmp_path / "_div_exits.py").write_text("import sys\nsys.exit(0)\n")
+    path = [str(tmp_path), str(HERE), *(p for p in sys.path if p)]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "det_core.testing.divergence",
+            "_div_exits:make_model",
+            "_divergence_models:step",
+        ]
+        + ["--split-a", "1", "--split-b", "3"],
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(path)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "importing _div_exits exited (SystemExit(0))" in proc.stderr
+    assert proc.stdout == ""
 
 
 @pytest.mark.parametrize(
@@ -338,3 +492,17 @@ def test_the_docs_example_runs_and_names_the_mixing_module(capsys):
     printed = capsys.readouterr().out
     assert printed.startswith("find_divergence: split_a=1 (1 micro-batch) vs split_b=3 (3 micro-batches)\n")
     assert "\n  mix: float32 (6, 8): " in printed and "also differ (outputs, 2): fc2, <root>" in printed
+
+
+def test_public_names_resolve_from_every_import_path_to_the_same_objects():
+    """The finder is a subpackage by role (report, capture, compare, find, cli): its public names
+    stay importable from det_core.testing.divergence and det_core.testing, as the same objects."""
+    import det_core.testing as testing
+    import det_core.testing.divergence as divergence
+    from det_core.testing.divergence import cli, find, report
+
+    assert divergence.__all__ == ["DivergenceReport", "Difference", "find_divergence", "main"]
+    assert divergence.Difference is report.Difference is testing.Difference is Difference
+    assert divergence.DivergenceReport is report.DivergenceReport is testing.DivergenceReport
+    assert divergence.find_divergence is find.find_divergence is testing.find_divergence
+    assert divergence.main is cli.main is main

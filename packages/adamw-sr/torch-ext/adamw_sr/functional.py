@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 from det_core import rng, runtime
+from det_core.launch import PlanCache
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import kernel, state_codes, states
@@ -39,7 +40,7 @@ MAX_STEP = 2**24 - 1
 
 
 # launch tables by addresses, dtypes and index segments (one per param list in use; rebuilt on a miss)
-PLAN_CACHE = runtime.PlanCache(limit=64)
+PLAN_CACHE = PlanCache(limit=64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -480,9 +481,7 @@ def _check_steps(steps: torch.Tensor) -> None:
         )
 
 
-def hyper_tensor(
-    lr, betas, eps, weight_decay, device, cache: runtime.PlanCache | None = None
-) -> torch.Tensor:
+def hyper_tensor(lr, betas, eps, weight_decay, device, cache: PlanCache | None = None) -> torch.Tensor:
     """fp64 ``[lr, beta1, beta2, eps, weight_decay]`` on ``device`` (lr may be a device tensor).
 
     With ``cache``, kept by value: a float lr's tensor whole, a tensor lr's constant tail (groups

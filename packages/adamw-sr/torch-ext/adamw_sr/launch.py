@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 from det_core import rng, runtime
+from det_core.launch import PlanCache, launch
 
 from . import kernel, state_codes
 from .kernel import (
@@ -144,7 +145,7 @@ def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 # device chunk tables by segments: they depend on shapes and indices, not addresses, so launch plans
 # of the same params with new gradient tensors share one
-_CHUNK_TABLES = runtime.PlanCache(limit=16)
+_CHUNK_TABLES = PlanCache(limit=16)
 
 
 def _chunk_table(segments: torch.Tensor, block: int, device: torch.device) -> tuple[torch.Tensor, bool]:
@@ -269,7 +270,7 @@ def launch_fused_step(
         _EXACTNESS_OPTIONS.update(exactness_options())
     config = plan.config
     if config["PRECOMPUTED"]:
-        runtime.launch(
+        launch(
             kernel.step_scalars_kernel,
             (runtime.cdiv(plan.num_tensors, SCALARS_BLOCK),),
             steps,
@@ -301,7 +302,7 @@ def launch_fused_step(
         **_EXACTNESS_OPTIONS,
     )
     if plan.state_format == FORMAT_FP32:
-        return runtime.launch(
+        return launch(
             kernel.adamw_sr_kernel, (plan.num_chunks,), p, g, m, v, vmax, *tables,
             seed_lo, seed_hi, rng.STREAM_PARAM_SR, *amp, **meta,
         )  # fmt: skip
@@ -310,7 +311,7 @@ def launch_fused_step(
         ms, vs = (tensors[low] for tensors, low in zip(scales, plan.lowest[5:], strict=True))
     if "maxnreg" in config:
         meta["maxnreg"] = config["maxnreg"]
-    return runtime.launch(
+    return launch(
         kernel.adamw_sr_states_kernel, (plan.num_chunks,), p, g, m, v, vmax, ms, vs, *tables,
         seed_lo, seed_hi, rng.STREAM_PARAM_SR, rng.STREAM_STATE_SR, *amp,
         STATE=plan.state_format, STATE_STOCHASTIC=state_stochastic, EDGE_SUB=plan.edge_sub, **meta,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from det_core import rng, runtime
+from det_core.launch import PlanCache
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import states
@@ -187,8 +188,8 @@ class AdamWSR(torch.optim.Optimizer):
             state_rounding=state_rounding,
         )  # fmt: skip
         self._base_index_cache = {}
-        self._segments_cache = runtime.PlanCache(limit=64)  # param list -> its launch's index segments
-        self._hyper_cache = runtime.PlanCache(limit=256)  # hyperparameter values -> their device tensor
+        self._segments_cache = PlanCache(limit=64)  # param list -> its launch's index segments
+        self._hyper_cache = PlanCache(limit=256)  # hyperparameter values -> their device tensor
         # id(group) -> the group's recorded launches (step_cache), re-checked at every eager step
         self._launch_records: dict = {}
         # "unchecked": a loaded state not yet validated (states this class creates are valid by
@@ -419,8 +420,8 @@ class AdamWSR(torch.optim.Optimizer):
         self._state_flags = {"unchecked": True, "state_dtypes": ()}
         # caches are not pickled (torch's __getstate__ keeps defaults, state and param_groups)
         self._base_index_cache = {}
-        self._segments_cache = runtime.PlanCache(limit=64)
-        self._hyper_cache = runtime.PlanCache(limit=256)
+        self._segments_cache = PlanCache(limit=64)
+        self._hyper_cache = PlanCache(limit=256)
         self._launch_records = {}
         for group in self.param_groups:
             group.setdefault("amsgrad", False)

@@ -7,7 +7,7 @@ batch row's end read as zeros, stores past it dropped), so both paths give the s
 
 from __future__ import annotations
 
-from det_core import runtime
+from det_core.launch import DescriptorTemplate
 
 try:  # Triton >= 3.4; older versions take the pointer loads (the same bits)
     from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
@@ -31,7 +31,7 @@ def fwd_descriptors_fit(q, k, o_strides, dense) -> bool:
 
 
 def fwd_descriptor_templates(q, k, o_strides, dense, block_m: int, block_n: int) -> tuple:
-    """Host TMA descriptors of q, k, v, o over ``(B, T, H * D)`` as ``runtime.DescriptorTemplate``
+    """Host TMA descriptors of q, k, v, o over ``(B, T, H * D)`` as ``DescriptorTemplate``
     (validated here once; a call copies each with its tensor as the base, whose 16-byte alignment
     the launcher checks per call)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -42,7 +42,7 @@ def fwd_descriptor_templates(q, k, o_strides, dense, block_m: int, block_n: int)
 
     def template(t_len, heads, stride_t, block):
         shape, strides = [batch, t_len, heads * head_dim], [t_len * stride_t, stride_t, 1]
-        return runtime.DescriptorTemplate(TensorDescriptor(probe, shape, strides, [1, block, head_dim]))
+        return DescriptorTemplate(TensorDescriptor(probe, shape, strides, [1, block, head_dim]))
 
     q_desc = template(t_q, q.shape[1], q.stride(0), block_m)
     k_desc = template(t_k, k.shape[1], k.stride(0), block_n)

@@ -1,5 +1,5 @@
 """Launch plans of det_attn: per call signature, every launch argument but the tensors, and the
-launches themselves, built once and kept in one ``det_core.runtime.PlanCache``.
+launches themselves, built once and kept in one ``det_core.launch.PlanCache``.
 
 The host side of a repeated call is then one dictionary lookup plus the launches (it bounds the
 speed at short sequences). A plan also records what the signature-only argument checks found
@@ -14,12 +14,13 @@ from dataclasses import dataclass
 
 import torch
 from det_core import rng, runtime
+from det_core.launch import BoundLaunch, PlanCache, launch
 
 from . import _bwd_kernels, _configs, _descriptors, _fwd_kernel
 
 # Plans by call signature (see padded_key, packed_key). A plan is a pure function of its key and
 # of the config row it was built from; ``cached`` drops one whose row is no longer the table's.
-PLANS = runtime.PlanCache()
+PLANS = PlanCache()
 
 # The dropout arguments (seed_lo, seed_hi, seq_offset, head_offset, threshold, drop_scale) of a
 # call without dropout: the kernels read them only under DROPOUT (the offsets too: seq_id and
@@ -39,7 +40,7 @@ class FwdLaunch:
     grid: tuple
     sizes: tuple
     meta: dict
-    bound: runtime.BoundLaunch | None
+    bound: BoundLaunch | None
 
 
 @dataclass(frozen=True)
@@ -70,13 +71,13 @@ class Plan:
     dq_sizes: tuple
     dq_strides: tuple
     dq_meta: dict
-    # Bound launches (runtime.BoundLaunch: every argument after the tensors fixed, so a call keys
+    # Bound launches (BoundLaunch: every argument after the tensors fixed, so a call keys
     # only its tensors). Without dropout the dropout arguments are the fixed NO_DROPOUT; with
     # dropout they change per call (the seed), so the forward, dK/dV and dQ launches go through
-    # runtime.launch and these two are None (as is fwd.bound).
-    pre_launch: runtime.BoundLaunch
-    dkdv_launch: runtime.BoundLaunch | None
-    dq_launch: runtime.BoundLaunch | None
+    # ``launch`` and these two are None (as is fwd.bound).
+    pre_launch: BoundLaunch
+    dkdv_launch: BoundLaunch | None
+    dq_launch: BoundLaunch | None
 
 
 # --------------------------------------------------------------------------- keys and the cache
@@ -265,7 +266,7 @@ def build(q, k, dense, batch, max_q, max_k, scale, causal, dropout, on_cpu=False
         n_fwd = runtime.cdiv(max_q, block_m)
         sizes = (n_fwd, heads, seqlen_q, seqlen_k, group, qk_scale)
         # without dropout every argument after the tensors is fixed (NO_DROPOUT): a bound launch
-        bound = None if dropout else runtime.BoundLaunch(
+        bound = None if dropout else BoundLaunch(
             _fwd_kernel.attn_fwd_kernel, 7, (*sizes, *NO_DROPOUT, *fwd_strides), **meta
         )  # fmt: skip
         return FwdLaunch(_grid(n_fwd, heads, batch), sizes, meta, bound)
@@ -299,8 +300,8 @@ def build(q, k, dense, batch, max_q, max_k, scale, causal, dropout, on_cpu=False
         **common,
     )
     dkdv_launch = dq_launch = None
-    if not dropout:  # the launches' arguments after the tensors, as runtime.launch gets them
-        bound = runtime.BoundLaunch
+    if not dropout:  # the launches' arguments after the tensors, as ``launch`` gets them
+        bound = BoundLaunch
         dkdv_launch = bound(
             _bwd_kernels.attn_bwd_dkdv_kernel, 10, (*dkdv_sizes, *NO_DROPOUT, *dkdv_strides), **dkdv_meta
         )
@@ -332,7 +333,7 @@ def build(q, k, dense, batch, max_q, max_k, scale, causal, dropout, on_cpu=False
         dq_sizes=dq_sizes,
         dq_strides=dq_strides,
         dq_meta=dq_meta,
-        pre_launch=runtime.BoundLaunch(_bwd_kernels.attn_bwd_preprocess_kernel, 3, pre_args, **pre_meta),
+        pre_launch=BoundLaunch(_bwd_kernels.attn_bwd_preprocess_kernel, 3, pre_args, **pre_meta),
         dkdv_launch=dkdv_launch,
         dq_launch=dq_launch,
     )
@@ -344,7 +345,7 @@ def build(q, k, dense, batch, max_q, max_k, scale, causal, dropout, on_cpu=False
 def launch_forward(plan: Plan, q, k, v, cu_q, cu_k, drop: tuple | None):
     """``(o, lse2)`` of one forward call on kernel inputs; ``drop``: the dropout arguments
     (``dropout_args``), None without dropout (then the plan's bound launch, whose arguments are
-    the same as runtime.launch would get)."""
+    the same as ``launch`` would get)."""
     o = torch.empty_like(q)
     lse2 = q.new_empty(plan.lse_shape, dtype=torch.float32)
     if plan.dense is not None:  # a padded batch: no cu_seqlens tensors (any pointer will do)
@@ -361,7 +362,7 @@ def launch_forward(plan: Plan, q, k, v, cu_q, cu_k, drop: tuple | None):
         fwd.bound(fwd.grid, *tensors)
     else:
         kernel = _fwd_kernel.attn_fwd_kernel
-        runtime.launch(kernel, fwd.grid, *tensors, *fwd.sizes, *drop, *plan.fwd_strides, **fwd.meta)
+        launch(kernel, fwd.grid, *tensors, *fwd.sizes, *drop, *plan.fwd_strides, **fwd.meta)
     return o, lse2
 
 
@@ -383,7 +384,7 @@ def launch_backward(plan: Plan, do, q, k, v, o, lse2, cu_q, cu_k, drop: tuple | 
         plan.dq_launch(plan.dq_grid, *dq_tensors)
     else:
         kernel = _bwd_kernels.attn_bwd_dkdv_kernel
-        runtime.launch(
+        launch(
             kernel,
             plan.dkdv_grid,
             *dkdv_tensors,
@@ -393,7 +394,5 @@ def launch_backward(plan: Plan, do, q, k, v, o, lse2, cu_q, cu_k, drop: tuple | 
             **plan.dkdv_meta,
         )
         kernel = _bwd_kernels.attn_bwd_dq_kernel
-        runtime.launch(
-            kernel, plan.dq_grid, *dq_tensors, *plan.dq_sizes, *drop, *plan.dq_strides, **plan.dq_meta
-        )
+        launch(kernel, plan.dq_grid, *dq_tensors, *plan.dq_sizes, *drop, *plan.dq_strides, **plan.dq_meta)
     return dq, dk, dv

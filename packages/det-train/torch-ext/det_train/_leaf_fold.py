@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 from det_core import runtime
+from det_core.launch import BoundLaunch, DescriptorTemplate, PlanCache
 
 from ._tiles import INTERPRET, dot_precision, grouped_tile, row_major
 from .configs import WeightGradConfig, weight_grad_fold_config
@@ -205,8 +206,8 @@ def weight_grad_fold(
             config.block_t * dy.stride(0), config.block_t * x.stride(0),
         )  # fmt: skip
         grid = (runtime.cdiv(N, config.block_n) * runtime.cdiv(K, config.block_k),)
-        launch = runtime.BoundLaunch(_weight_grad_fold_kernel, 4, scalars, **meta)
-        templates = None if descs is None else tuple(map(runtime.DescriptorTemplate, descs))
+        launch = BoundLaunch(_weight_grad_fold_kernel, 4, scalars, **meta)
+        templates = None if descs is None else tuple(map(DescriptorTemplate, descs))
         plan = _FOLD_PLANS.put(key, (grid, launch, templates))
     grid, launch, templates = plan
     out = torch.empty((N, K), dtype=torch.float32, device=dy.device)
@@ -215,4 +216,4 @@ def weight_grad_fold(
     return out
 
 
-_FOLD_PLANS = runtime.PlanCache()
+_FOLD_PLANS = PlanCache()

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 from det_core import runtime
+from det_core.launch import BoundLaunch, PlanCache
 from det_core.reduce import TreePartial, num_leaves
 from det_core.sr import round_nearest_bf16
 
@@ -322,12 +323,12 @@ class SubLeafFold:
 
 
 # (grid, launch with sizes and constexprs bound) by what they are computed from: a call keys only
-# its tensors (runtime.BoundLaunch; host time per launch)
-_BOUND = runtime.PlanCache()
+# its tensors (BoundLaunch; host time per launch)
+_BOUND = PlanCache()
 
 
 def _bind(key: tuple, grid: tuple, kernel, n_tensors: int, scalars: tuple, **meta):
-    return _BOUND.put(key, (grid, runtime.BoundLaunch(kernel, n_tensors, scalars, **meta)))
+    return _BOUND.put(key, (grid, BoundLaunch(kernel, n_tensors, scalars, **meta)))
 
 
 # The vector reductions (RMSNorm weight, bias, embedding table, loss sum) sum each leaf as the canonical

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 from det_core import runtime
+from det_core.launch import launch
 from det_core.runtime import as_index, check_kernel_device
 
 from ._leaf_sums import leaf_layout, tree_in_place
@@ -151,7 +152,7 @@ def cross_entropy_op(
     loss = torch.empty((n,), dtype=torch.float32, device=logits2.device)
     lse = torch.empty((n,), dtype=torch.float32, device=logits2.device)
     if n:
-        runtime.launch(
+        launch(
             _ce_fwd_kernel,
             (n,),
             logits2,
@@ -225,7 +226,7 @@ def cross_entropy_backward_op(
     if n:
         block = min(MAX_BWD_BLOCK_V, runtime.next_power_of_2(v))
         grid = (n, runtime.cdiv(v, block))
-        runtime.launch(
+        launch(
             _ce_bwd_kernel,
             grid,
             logits2,
@@ -259,7 +260,7 @@ def _canonical_token_sum(loss: torch.Tensor) -> torch.Tensor:
     leaf = leaf_layout(1)[2]  # the sub-leaf: one program per leaf of 8192 tokens would be slow
     n_leaves = -(-n // leaf)
     sums = torch.empty((n_leaves,), dtype=torch.float32, device=loss.device)
-    runtime.launch(_token_leaf_sum_kernel, (n_leaves,), loss, sums, n, LEAF=leaf, LANES=_LANES, num_warps=4)
+    launch(_token_leaf_sum_kernel, (n_leaves,), loss, sums, n, LEAF=leaf, LANES=_LANES, num_warps=4)
     # the pairwise tree over the leaves in one kernel (TreePartial's bits, no host round-trip)
     return tree_in_place(sums.view(n_leaves, 1), 0, torch.float32).view(())
 

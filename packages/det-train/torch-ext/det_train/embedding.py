@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 from det_core import runtime
+from det_core.launch import launch
 from det_core.reduce import TreePartial, num_leaves
 from det_core.runtime import as_index, check_kernel_device
 
@@ -174,9 +175,7 @@ def _weight_grad(ids, dy, v: int, leaf: int, first_leaf: int, out_dtype, node_ta
     sorted_ids, perm, seg_first, seg_leaf = _segments(ids, leaf, first_leaf)
     sums = torch.empty((m, d), dtype=torch.float32, device=dy.device)
     grid = (m, runtime.cdiv(d, _BLOCK_D))
-    runtime.launch(
-        _segment_fold_kernel, grid, dy, perm, seg_first, sums, m, d, dy.stride(0), BLOCK_D=_BLOCK_D
-    )
+    launch(_segment_fold_kernel, grid, dy, perm, seg_first, sums, m, d, dy.stride(0), BLOCK_D=_BLOCK_D)
     if node_tables:
         lo, hi = first_leaf, first_leaf + n_leaves
         nodes = dyadic_nodes(lo, hi)
@@ -188,7 +187,7 @@ def _weight_grad(ids, dy, v: int, leaf: int, first_leaf: int, out_dtype, node_ta
         hi = 1 << levels  # the whole tree: lone children promote
         node_of_leaf = seg_first  # unused
         out = torch.zeros((v, d), dtype=out_dtype, device=dy.device)  # untouched rows: exact zeros
-    runtime.launch(
+    launch(
         _id_tree_kernel,
         grid,
         sums,

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 from det_core import runtime
+from det_core.launch import BoundLaunch, PlanCache
 from det_core.reduce import TreePartial
 from det_core.runtime import check_kernel_device
 
@@ -140,9 +141,9 @@ def _layer_norm_bwd_kernel(
         tl.store(dw_partial_ptr + chunk.to(tl.int64) * D + cols, dw_acc, mask=mask)
 
 
-# Launches with their sizes, strides and constexprs bound (runtime.BoundLaunch), by what they are
+# Launches with their sizes, strides and constexprs bound (BoundLaunch), by what they are
 # computed from: a call keys only its tensors (host time per launch).
-_BOUND = runtime.PlanCache()
+_BOUND = PlanCache()
 
 
 def _rows_of(t: torch.Tensor, d: int) -> torch.Tensor:
@@ -187,7 +188,7 @@ def layer_norm_op(
         bound = _BOUND.get(key)
         if bound is None:
             block_d = runtime.next_power_of_2(d)
-            bound = _BOUND.put(key, runtime.BoundLaunch(
+            bound = _BOUND.put(key, BoundLaunch(
                 _layer_norm_fwd_kernel, 6,
                 (d, x2.stride(0), d, eps),  # y is contiguous: row stride D
                 HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_D=block_d, ROWS=per,
@@ -315,7 +316,7 @@ def _backward(dy2, x2, weight, mean, rstd, rows: int) -> tuple[torch.Tensor, tor
     bound = _BOUND.get(key)
     if bound is None:
         block_d = runtime.next_power_of_2(d)
-        bound = _BOUND.put(key, runtime.BoundLaunch(
+        bound = _BOUND.put(key, BoundLaunch(
             _layer_norm_bwd_kernel, 7,
             (m, d, dy2.stride(0), x2.stride(0), d),  # dx is contiguous: row stride D
             HAS_WEIGHT=has_w, ROWS_PER_CHUNK=rows, BLOCK_D=block_d, TILE=chunk_tile(block_d),

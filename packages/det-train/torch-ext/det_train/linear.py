@@ -17,6 +17,7 @@ import math
 
 import torch
 from det_core import runtime
+from det_core.launch import PlanCache
 from det_core.reduce import TreePartial, num_leaves
 
 from ._leaf_fold import weight_grad_fold
@@ -79,7 +80,7 @@ def plan_grads(tokens: int, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return grad_plan(leaf, dep_w, dep_b, deposit_ticket() if dep_w or dep_b else None)
 
 
-_GRAD_PLANS = runtime.PlanCache()
+_GRAD_PLANS = PlanCache()
 
 
 def grad_plan(leaf_tokens: int, weight: bool, bias: bool, ticket: torch.Tensor | None) -> GradPlan:
@@ -273,7 +274,7 @@ def _bias_leaves(leaf_tokens: int, first_leaf: int, rows: tuple) -> TreePartial:
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 # argument signatures that passed ``_check_linear`` (the check reads nothing else)
-_CHECKED = runtime.PlanCache()
+_CHECKED = PlanCache()
 
 
 def _signature(x, weight, bias) -> tuple | None:

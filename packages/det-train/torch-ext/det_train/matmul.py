@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 from det_core import runtime
+from det_core.launch import BoundLaunch, DescriptorTemplate, PlanCache
 
 from . import configs
 from ._library import Op, plain_eager
@@ -197,7 +198,7 @@ class _Plan:
         self, tma, grid, kernel, n_tensors, scalars, meta, a_desc=None, b_desc=None, b_kmajor=True
     ) -> None:
         self.tma, self.grid = tma, grid
-        self.launch = runtime.BoundLaunch(kernel, n_tensors, scalars, **meta)
+        self.launch = BoundLaunch(kernel, n_tensors, scalars, **meta)
         self.a_desc, self.b_desc = a_desc, b_desc
         self.b_kmajor = b_kmajor  # TMA: B's descriptor is of W = B.T (True) or of B itself
 
@@ -205,7 +206,7 @@ class _Plan:
 # Launch plans by call signature: the host side of a matmul is then a dict lookup and the launch
 # (~600 launches per training step: the config lookup, the strides and the constexprs were tens of
 # microseconds of host time per call). The key holds everything a plan is computed from.
-_PLANS = runtime.PlanCache()
+_PLANS = PlanCache()
 
 
 def _plan_key(a, b, out, carry, bias, config, transposed_b: bool) -> tuple:
@@ -241,7 +242,7 @@ def _make_plan(key, a, b, out, carry, bias, config) -> _Plan:
                 common, B_KMAJOR=b_kmajor, PERSISTENT=config.persistent, UPCAST=INTERPRET,
                 num_warps=config.num_warps, num_stages=config.num_stages,
             ),
-            runtime.DescriptorTemplate(a_desc), runtime.DescriptorTemplate(b_desc), b_kmajor,
+            DescriptorTemplate(a_desc), DescriptorTemplate(b_desc), b_kmajor,
         )  # fmt: skip
     else:
         a3, saz = _as_batched(a)

@@ -27,6 +27,7 @@ import weakref
 
 import torch
 from det_core import runtime
+from det_core.launch import BoundLaunch, PlanCache
 from det_core.runtime import check_kernel_device
 
 from ._leaf_sums import SubLeafFold, finish_param_grad, fold_chunks, leaf_subtrees, sub_leaf_tokens
@@ -96,9 +97,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor | None, d: int) -> None:
         raise ValueError(f"rms_norm: normalized size {d} exceeds {MAX_D} (one row per program)")
 
 
-# Launches with their sizes, strides and constexprs bound (runtime.BoundLaunch), by what they are
+# Launches with their sizes, strides and constexprs bound (BoundLaunch), by what they are
 # computed from: a call keys only its tensors (host time per launch).
-_BOUND = runtime.PlanCache()
+_BOUND = PlanCache()
 
 
 def _layout(leaf: int) -> tuple[int, int]:
@@ -149,7 +150,7 @@ def rms_norm_op(
         bound = _BOUND.get(key)
         if bound is None:
             block_d = runtime.next_power_of_2(d)
-            bound = _BOUND.put(key, runtime.BoundLaunch(
+            bound = _BOUND.put(key, BoundLaunch(
                 _rms_norm_fwd_kernel, 4,
                 (d, x2.stride(0), d, eps),  # y is contiguous: row stride D
                 HAS_WEIGHT=weight is not None, OFFSET=offset, BLOCK_D=block_d, ROWS=per,
@@ -270,7 +271,7 @@ def _backward(dy2, x2, weight, rstd, rows: int, offset: float = 0.0) -> tuple[to
     bound = _BOUND.get(key)
     if bound is None:
         block_d = runtime.next_power_of_2(d)
-        bound = _BOUND.put(key, runtime.BoundLaunch(
+        bound = _BOUND.put(key, BoundLaunch(
             _rms_norm_bwd_kernel, 6,
             (m, d, dy2.stride(0), x2.stride(0), d),  # dx is contiguous: row stride D
             HAS_WEIGHT=has_w, OFFSET=offset, ROWS_PER_CHUNK=rows, BLOCK_D=block_d,
@@ -384,7 +385,7 @@ def rms_norm(
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 # ``_check_args``'s results ``(d, eps, offset)`` by everything they are computed from
-_CHECKED = runtime.PlanCache()
+_CHECKED = PlanCache()
 
 
 def _signature(x, weight, eps, normalized_shape, offset) -> tuple | None:

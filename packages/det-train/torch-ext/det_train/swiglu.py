@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 from det_core import runtime, sr
+from det_core.launch import launch
 from det_core.runtime import check_kernel_device
 
 from ._library import Op
@@ -112,7 +113,7 @@ def swiglu_op(x2: torch.Tensor) -> torch.Tensor:
     y = x2.new_empty((rows, f))
     if rows and f:
         grid, block, per = _grid(rows, f)
-        runtime.launch(
+        launch(
             _swiglu_fwd_kernel, grid, x2, y, rows, f, x2.stride(0), y.stride(0), BLOCK=block, ROWS=per,
             num_warps=4,
         )  # fmt: skip
@@ -152,7 +153,7 @@ def swiglu_backward_op(dy: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
         if dy.stride(-1) != 1:
             dy = dy.contiguous()
         grid, block, per = _grid(rows, f)
-        runtime.launch(
+        launch(
             _swiglu_bwd_kernel, grid, dy, x2, dx, rows, f, dy.stride(0), x2.stride(0), dx.stride(0),
             BLOCK=block, ROWS=per, num_warps=4,
         )  # fmt: skip

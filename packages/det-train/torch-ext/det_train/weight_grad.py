@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 from det_core import runtime
+from det_core.launch import BoundLaunch, DescriptorTemplate, PlanCache
 from det_core.reduce import TreePartial, num_leaves
 
 from ._leaf_fold import dw_tma_operands, leaf_sum, leaf_sum_tma, tma_step
@@ -409,8 +410,8 @@ class _Run:
     def __init__(self, grid, out_shape, out_dtype, scratch_shape, kernel, scalars, meta, descs, nodes):
         self.grid, self.out_shape, self.out_dtype = grid, out_shape, out_dtype
         self.scratch_shape, self.nodes = scratch_shape, nodes
-        self.launch = runtime.BoundLaunch(kernel, 3 if scratch_shape is None else 4, scalars, **meta)
-        self.descs = None if descs is None else tuple(map(runtime.DescriptorTemplate, descs))
+        self.launch = BoundLaunch(kernel, 3 if scratch_shape is None else 4, scalars, **meta)
+        self.descs = None if descs is None else tuple(map(DescriptorTemplate, descs))
 
 
 class _Plan:
@@ -423,7 +424,7 @@ class _Plan:
 # Launch plans by call signature (shapes, strides, dtypes, alignment, leaves, config): the host side
 # of a dW call is then a dict lookup, the allocations and the launches (its config lookup, runs,
 # descriptors, strides and constexprs were tens of microseconds per call, ~100 calls per step).
-_PLANS = runtime.PlanCache()
+_PLANS = PlanCache()
 
 
 def _make_plan(key, dy, x, leaf_tokens, first_leaf, config, finish_dtype) -> _Plan:

@@ -34,8 +34,8 @@ __all__ = [
     "Difference",
 ]
 
-# det_core.testing.divergence (the divergence finder) loads on first use, so that
-# `python -m det_core.testing.divergence` finds it not yet imported
+# det_core.testing.divergence (the divergence finder, a subpackage) loads on first use: the
+# harness's own helpers need none of it
 _DIVERGENCE = ("find_divergence", "DivergenceReport", "Difference")
 
 

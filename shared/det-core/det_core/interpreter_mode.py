@@ -1,0 +1,30 @@
+"""Where kernels run: on a CUDA GPU, or on CPU through the Triton interpreter.
+
+The interpreter is chosen by ``TRITON_INTERPRET=1`` *before* Triton is imported (Triton reads it
+when a kernel is decorated). Under the interpreter bf16 ``tl.dot`` is not supported
+(triton-lang/triton#11584), so kernels upcast bf16 tiles to fp32 before a dot when
+``interpreter_active()`` (exact: a bf16 product is exact in fp32). Importing this module with the
+interpreter active installs ``det_core.interpreter``: the interpreter's dot and transcendentals
+then give the same bits on every x86-64 host. ``det_core.runtime`` (the checks) and
+``det_core.launch`` (the launches) both stand on it, so either import installs it.
+
+**Determinism:** on the GPU nothing here runs; under the interpreter the installed arithmetic is
+the same on every host (see ``det_core.interpreter``).
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["interpreter_active"]
+
+
+def interpreter_active() -> bool:
+    """True when Triton kernels run through the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+if interpreter_active():  # the interpreter's dot and transcendentals, made the same on every CPU
+    from . import interpreter as _interpreter
+
+    _interpreter.install()
