@@ -40,15 +40,15 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-importlib.import_module("det_train.matmul")
-importlib.import_module("det_train.weight_grad")
-fold_mod = importlib.import_module("det_train._leaf_fold")
-mm = sys.modules["det_train.matmul"]
-lin = sys.modules["det_train.weight_grad"]
+importlib.import_module("det_train.ops.matmul")
+importlib.import_module("det_train.ops.weight_grad")
+fold_mod = importlib.import_module("det_train.ops._leaf_fold")
+mm = sys.modules["det_train.ops.matmul"]
+lin = sys.modules["det_train.ops.weight_grad"]
 cfgs = (
-    sys.modules["det_train.configs"]
-    if "det_train.configs" in sys.modules
-    else importlib.import_module("det_train.configs")
+    sys.modules["det_train.ops.configs"]
+    if "det_train.ops.configs" in sys.modules
+    else importlib.import_module("det_train.ops.configs")
 )
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -117,8 +117,8 @@ def norm_entries() -> int:
     backward (the same rows, with and without weight, without prefetch and at the shipped depth,
     row by row as on the GPU) and the chunk folds (the former plan and ``_fold_plan``'s);
     returns the failures."""
-    rms = importlib.import_module("det_train.rms_norm")
-    sums = importlib.import_module("det_train._leaf_sums")
+    rms = importlib.import_module("det_train.ops.rms_norm")
+    sums = importlib.import_module("det_train.accum._leaf_sums")
     bad = 0
 
     def known(fn, meta):  # an older kernel without a new constexpr compiles as it was
@@ -150,7 +150,7 @@ def norm_entries() -> int:
                         f"rms bwd {tname[1:]} D={d} weight={has_w} prefetch={prefetch}", fn, types,
                         known(fn, meta), rms._num_warps(block_d), 3,
                     )  # fmt: skip
-    ln = importlib.import_module("det_train.layer_norm")
+    ln = importlib.import_module("det_train.ops.layer_norm")
     for tname in ("*bf16", "*fp32"):  # LayerNorm: the same row programs, one row at a time
         for d in (768, 4096):
             block_d = triton.next_power_of_2(d)

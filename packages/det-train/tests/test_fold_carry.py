@@ -16,9 +16,9 @@ import det_train
 import pytest
 import torch
 from det_core.testing import assert_bitwise_equal
-from det_train._leaf_fold import weight_grad_fold
-from det_train._open_leaf import _OpenFold
-from det_train.weight_grad import weight_grad_partial
+from det_train.accum._open_leaf import _OpenFold
+from det_train.ops._leaf_fold import weight_grad_fold
+from det_train.ops.weight_grad import weight_grad_partial
 
 T = 512
 

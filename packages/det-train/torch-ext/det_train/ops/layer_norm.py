@@ -30,7 +30,7 @@ from det_core import runtime
 from det_core.reduce import TreePartial
 from det_core.runtime import check_kernel_device
 
-from ._leaf_sums import cast_out, finish_param_grad, fold_chunks, leaf_subtrees, sub_leaf_tokens
+from ..accum._leaf_sums import cast_out, finish_param_grad, fold_chunks, leaf_subtrees, sub_leaf_tokens
 from ._library import (
     Op,
     accumulation,

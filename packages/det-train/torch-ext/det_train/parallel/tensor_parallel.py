@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 from det_core import runtime
 
-from ._library import Op
-from .configs import matmul_config
-from .linear import GradPlan, _check_linear, param_grads, plan_grads
-from .matmul import chain_part, launch_matmul, matmul_op
+from ..ops._library import Op
+from ..ops.configs import matmul_config
+from ..ops.linear import GradPlan, _check_linear, param_grads, plan_grads
+from ..ops.matmul import chain_part, launch_matmul, matmul_op
 
 __all__ = ["column_parallel_linear", "row_parallel_linear"]
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from det_core.reduce import TreePartial
 
-from .dp_reduce import all_gather_single
+from ..accum.dp_reduce import all_gather_single
 
 __all__ = ["DeterministicAllreduceState", "deterministic_allreduce_hook", "rank_tree_sum", "reduce_gradients"]
 

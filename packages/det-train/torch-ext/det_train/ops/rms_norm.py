@@ -29,7 +29,7 @@ import torch
 from det_core import runtime
 from det_core.runtime import check_kernel_device
 
-from ._leaf_sums import SubLeafFold, finish_param_grad, fold_chunks, leaf_subtrees, sub_leaf_tokens
+from ..accum._leaf_sums import SubLeafFold, finish_param_grad, fold_chunks, leaf_subtrees, sub_leaf_tokens
 from ._library import (
     Op,
     accumulation,
