@@ -108,7 +108,7 @@ def ablate_rms_bwd(m: int, d: int, gen) -> None:
         def call():
             rms._rms_norm_bwd_kernel[(n_chunks,)](
                 dy, x, w, rstd, dx, partial, m, d, d, d, d, HAS_WEIGHT=True, OFFSET=0.0,
-                ROWS_PER_CHUNK=ROWS, BLOCK_D=block_d, PREFETCH=prefetch, num_warps=rms._num_warps(block_d),
+                ROWS_PER_CHUNK=ROWS, BLOCK_D=block_d, PREFETCH=prefetch, num_warps=rms.num_warps_for(block_d),
             )  # fmt: skip
 
         call()

@@ -77,7 +77,7 @@ def test_rms_backward_prefetch_depths_give_the_same_bits():
         dx, partial = torch.empty_like(x), torch.empty(n_chunks, d)
         rms._rms_norm_bwd_kernel[(n_chunks,)](
             dy, x, w, rstd, dx, partial, m, d, d, d, d, HAS_WEIGHT=True, OFFSET=0.0, ROWS_PER_CHUNK=rows,
-            BLOCK_D=block_d, PREFETCH=prefetch, num_warps=rms._num_warps(block_d),
+            BLOCK_D=block_d, PREFETCH=prefetch, num_warps=rms.num_warps_for(block_d),
         )  # fmt: skip
         outs.append((prefetch, dx, partial))
     # the chunk sums: dy * x_hat folded one row at a time in row order, from 0.0
