@@ -5,7 +5,7 @@ summed over tokens in the canonical order (fp32 leaf sums combined by det_core's
 - dW = dY^T X and db = sum of dY over tokens, in the canonical order (``weight_grad.py``: fp32
   leaf sums of ``leaf_tokens`` tokens combined by det_core's fixed tree, whole aligned subtrees
   finished in-kernel).
-- With an active ``CanonicalGradAccumulator`` the leaf sums are deposited there (``grad_accum.py``)
+- With an active ``CanonicalGradAccumulator`` the leaf sums are deposited there (``accum/grad_accum.py``)
   and the autograd gradient of the weight / bias is None.
 """
 
