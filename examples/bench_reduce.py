@@ -80,7 +80,7 @@ class SentBytes:
         self.sent = 0
 
     def __enter__(self):
-        from det_train import dp_reduce
+        from det_train.accum import dp_reduce
 
         self._saved = dist.all_to_all_single, dp_reduce.all_gather_single
         a2a, gather = self._saved
@@ -99,7 +99,7 @@ class SentBytes:
         return self
 
     def __exit__(self, *exc):
-        from det_train import dp_reduce
+        from det_train.accum import dp_reduce
 
         dist.all_to_all_single, dp_reduce.all_gather_single = self._saved
 
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
 
 
 def run(args, device, world: int, rank: int) -> list[dict]:
-    from det_train import dp_reduce
+    from det_train.accum import dp_reduce
 
     shapes = parameter_shapes(args.preset)
     numel = sum(torch.Size(s).numel() for _, s in shapes)

@@ -77,7 +77,7 @@ def keep_freed_memory() -> None:
 
 def make_step(width: int, layers: int, micro_batches: int = 2, leaf_seqs: int = 8) -> bench_step.Step:
     if width < 256:  # every Linear in the large shape class, as at the gpu preset's widths
-        importlib.import_module("det_train.configs").shape_class = lambda n, k: "large"
+        importlib.import_module("det_train.ops.configs").shape_class = lambda n, k: "large"
     cfg = tg.make_config(
         "gpu", d_model=width, n_head=width // 64, d_ff=width, seq_len=64, batch_seqs=32,
         micro_batch_seqs=32 // micro_batches, leaf_tokens=64 * leaf_seqs, n_layer=layers,

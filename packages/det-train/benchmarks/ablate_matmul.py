@@ -47,7 +47,7 @@ TARGETS = {"fwd": 0.85, "dW": 0.80}
 
 def _gpt_candidates():
     """Candidates for the main job's small-N/K layers (every one keeps block_k 64 / block_t 64)."""
-    from det_train.configs import MatmulConfig, WeightGradConfig
+    from det_train.ops.configs import MatmulConfig, WeightGradConfig
 
     M = MatmulConfig
     fwd = {
@@ -85,7 +85,7 @@ def _gpt_candidates():
 
 
 def _candidates():
-    from det_train.configs import MatmulConfig, WeightGradConfig
+    from det_train.ops.configs import MatmulConfig, WeightGradConfig
 
     M = MatmulConfig
     fwd = {
@@ -130,9 +130,9 @@ def _same(fn, ref: torch.Tensor) -> str:
 
 def _run_shape(m, k, n, fwd_cands, dw_cands, rows: list[dict], dx_cands=None) -> None:
     """Time and bit-check every candidate on one (M, K, N); append one row per candidate."""
-    from det_train import configs
-    from det_train.matmul import launch_matmul
-    from det_train.weight_grad import weight_grad_partial
+    from det_train.ops import configs
+    from det_train.ops.matmul import launch_matmul
+    from det_train.ops.weight_grad import weight_grad_partial
 
     table_fwd = configs.matmul_config(torch.bfloat16, "nt", n, k, rows=m)  # M picks TMA or pointer
     table_dw = configs.weight_grad_config(torch.bfloat16, n, k)

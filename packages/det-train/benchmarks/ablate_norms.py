@@ -43,9 +43,9 @@ import det_train  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
-from det_train import _leaf_sums as sums  # noqa: E402
+from det_train.accum import _leaf_sums as sums  # noqa: E402
 
-rms = importlib.import_module("det_train.rms_norm")  # the package's rms_norm is the function
+rms = importlib.import_module("det_train.ops.rms_norm")  # the package's rms_norm is the function
 
 SHAPES = ((32, 64), (48, 96)) if DRY else ((1024, 768), (2048, 768), (4096, 768), (8192, 4096))
 ROWS = rms.MAX_ROWS_PER_CHUNK
@@ -108,7 +108,7 @@ def ablate_rms_bwd(m: int, d: int, gen) -> None:
         def call():
             rms._rms_norm_bwd_kernel[(n_chunks,)](
                 dy, x, w, rstd, dx, partial, m, d, d, d, d, HAS_WEIGHT=True, OFFSET=0.0,
-                ROWS_PER_CHUNK=ROWS, BLOCK_D=block_d, PREFETCH=prefetch, num_warps=rms._num_warps(block_d),
+                ROWS_PER_CHUNK=ROWS, BLOCK_D=block_d, PREFETCH=prefetch, num_warps=rms.num_warps_for(block_d),
             )  # fmt: skip
 
         call()

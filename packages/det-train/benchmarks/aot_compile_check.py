@@ -40,15 +40,15 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-importlib.import_module("det_train.matmul")
-importlib.import_module("det_train.weight_grad")
-fold_mod = importlib.import_module("det_train._leaf_fold")
-mm = sys.modules["det_train.matmul"]
-lin = sys.modules["det_train.weight_grad"]
+importlib.import_module("det_train.ops.matmul")
+importlib.import_module("det_train.ops.weight_grad")
+fold_mod = importlib.import_module("det_train.ops._leaf_fold")
+mm = sys.modules["det_train.ops.matmul"]
+lin = sys.modules["det_train.ops.weight_grad"]
 cfgs = (
-    sys.modules["det_train.configs"]
-    if "det_train.configs" in sys.modules
-    else importlib.import_module("det_train.configs")
+    sys.modules["det_train.ops.configs"]
+    if "det_train.ops.configs" in sys.modules
+    else importlib.import_module("det_train.ops.configs")
 )
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -117,8 +117,8 @@ def norm_entries() -> int:
     backward (the same rows, with and without weight, without prefetch and at the shipped depth,
     row by row as on the GPU) and the chunk folds (the former plan and ``_fold_plan``'s);
     returns the failures."""
-    rms = importlib.import_module("det_train.rms_norm")
-    sums = importlib.import_module("det_train._leaf_sums")
+    rms = importlib.import_module("det_train.ops.rms_norm")
+    sums = importlib.import_module("det_train.accum._leaf_sums")
     bad = 0
 
     def known(fn, meta):  # an older kernel without a new constexpr compiles as it was
@@ -132,7 +132,7 @@ def norm_entries() -> int:
             block_d = triton.next_power_of_2(d)
             meta = dict(HAS_WEIGHT=True, OFFSET=0.0, BLOCK_D=block_d, ROWS=1)
             bad += not compile_one(
-                f"rms fwd {tname[1:]} D={d}", fn, types, known(fn, meta), rms._num_warps(block_d), 3
+                f"rms fwd {tname[1:]} D={d}", fn, types, known(fn, meta), rms.num_warps_for(block_d), 3
             )
     fn = rms._rms_norm_bwd_kernel
     for tname in ("*bf16", "*fp32"):
@@ -148,9 +148,9 @@ def norm_entries() -> int:
                         continue
                     bad += not compile_one(
                         f"rms bwd {tname[1:]} D={d} weight={has_w} prefetch={prefetch}", fn, types,
-                        known(fn, meta), rms._num_warps(block_d), 3,
+                        known(fn, meta), rms.num_warps_for(block_d), 3,
                     )  # fmt: skip
-    ln = importlib.import_module("det_train.layer_norm")
+    ln = importlib.import_module("det_train.ops.layer_norm")
     for tname in ("*bf16", "*fp32"):  # LayerNorm: the same row programs, one row at a time
         for d in (768, 4096):
             block_d = triton.next_power_of_2(d)
@@ -159,14 +159,14 @@ def norm_entries() -> int:
             meta = dict(HAS_WEIGHT=True, HAS_BIAS=True, BLOCK_D=block_d, ROWS=1)
             fn = ln._layer_norm_fwd_kernel
             bad += not compile_one(
-                f"ln fwd {tname[1:]} D={d}", fn, types, known(fn, meta), ln._num_warps(block_d), 3
+                f"ln fwd {tname[1:]} D={d}", fn, types, known(fn, meta), ln.num_warps_for(block_d), 3
             )
             types = {n: tname for n in ("dy_ptr", "x_ptr", "w_ptr", "dx_ptr")}
             types.update(mean_ptr="*fp32", rstd_ptr="*fp32", dw_partial_ptr="*fp32")
             meta = dict(HAS_WEIGHT=True, ROWS_PER_CHUNK=ln.MAX_ROWS_PER_CHUNK, BLOCK_D=block_d, TILE=0)
             fn = ln._layer_norm_bwd_kernel
             bad += not compile_one(
-                f"ln bwd {tname[1:]} D={d}", fn, types, known(fn, meta), ln._num_warps(block_d), 3
+                f"ln bwd {tname[1:]} D={d}", fn, types, known(fn, meta), ln.num_warps_for(block_d), 3
             )
     plan = getattr(sums, "_fold_plan", None)
     plans = {(1024, 1, 4)} | ({plan(768), plan(4096)} if plan else set())

@@ -82,8 +82,8 @@ def _tflops(flops: float, ms) -> float | None:
 def _workspace_bytes(m: int, k: int, n: int) -> dict:
     """Extra memory of the canonical dW order for one layer (plain backward, default leaves):
     the kernel's fp32 scratch stack and the fp32 (N, K) nodes it leaves for the torch tree."""
-    from det_train.configs import weight_grad_config
-    from det_train.weight_grad import _aligned_runs, dw_scratch_shape
+    from det_train.ops.configs import weight_grad_config
+    from det_train.ops.weight_grad import _aligned_runs, dw_scratch_shape
 
     cfg = weight_grad_config(torch.bfloat16, n, k)
     runs = _aligned_runs(0, -(-m // LEAF_TOKENS), cfg.leaves_per_program)
@@ -99,8 +99,8 @@ def _workspace_bytes(m: int, k: int, n: int) -> dict:
 
 def _cases(m, k, n):
     """name -> {impl -> callable} for one shape, inputs built once (random normal bf16)."""
-    from det_train.matmul import launch_matmul
-    from det_train.weight_grad import weight_grad_partial
+    from det_train.ops.matmul import launch_matmul
+    from det_train.ops.weight_grad import weight_grad_partial
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -149,8 +149,8 @@ def _micro_batched_dw(dy, x, n, k):
     micro-batches (the linear backward's deposit, then ``reduce``): what finer micro-batches cost."""
     import functools
 
-    from det_train.grad_accum import CanonicalGradAccumulator
-    from det_train.linear import _weight_leaves
+    from det_train.accum.grad_accum import CanonicalGradAccumulator
+    from det_train.ops.linear import _weight_leaves
 
     m = dy.shape[0]
     weight = torch.nn.Parameter(torch.empty(n, k, device="cuda", dtype=torch.bfloat16))
@@ -187,9 +187,9 @@ def _micro_batched_cublas(dy, x):
 
 def _sweep(m, k, n, tensors) -> list[dict]:
     """Time candidate configs (forward "nt", dX "nn", dW leaves per program) for the table."""
-    from det_train import configs
-    from det_train.matmul import launch_matmul
-    from det_train.weight_grad import weight_grad_partial
+    from det_train.ops import configs
+    from det_train.ops.matmul import launch_matmul
+    from det_train.ops.weight_grad import weight_grad_partial
 
     x, w, dy, y, dx = tensors
     flops = 2.0 * m * n * k

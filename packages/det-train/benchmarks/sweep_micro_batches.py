@@ -41,10 +41,10 @@ for _p in (_ROOT / "packages/det-train/torch-ext", _ROOT / "shared/det-core"):
         sys.path.insert(0, str(_p))
 
 import torch  # noqa: E402
-from det_train import configs  # noqa: E402
-from det_train._leaf_fold import weight_grad_fold  # noqa: E402
-from det_train.configs import MatmulConfig, WeightGradConfig  # noqa: E402
-from det_train.matmul import launch_matmul  # noqa: E402
+from det_train.ops import configs  # noqa: E402
+from det_train.ops._leaf_fold import weight_grad_fold  # noqa: E402
+from det_train.ops.configs import MatmulConfig, WeightGradConfig  # noqa: E402
+from det_train.ops.matmul import launch_matmul  # noqa: E402
 
 # (name, N = out_features, K = in_features, uses per step): the main job's gpu preset
 LAYERS = [("qkv", 2304, 768, 12), ("attn_out", 768, 768, 12), ("gate_up", 5120, 768, 12)]

@@ -8,7 +8,7 @@ import functools
 
 import torch
 from det_core.reduce import TreePartial, canonical_sum, leaf_sums_reference
-from det_train.grad_accum import DEFAULT_LEAF_TOKENS, current_accumulator
+from det_train.accum.grad_accum import DEFAULT_LEAF_TOKENS, current_accumulator
 
 
 class ToyScale(torch.autograd.Function):

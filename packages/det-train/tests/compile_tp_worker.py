@@ -14,7 +14,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from det_core.testing import contiguous_splits  # noqa: E402
-from det_train.tensor_parallel import column_parallel_linear, row_parallel_linear  # noqa: E402
+from det_train.parallel.tensor_parallel import column_parallel_linear, row_parallel_linear  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("_tp_worker", Path(__file__).with_name("tp_worker.py"))
 tp_worker = importlib.util.module_from_spec(_spec)

@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_leaves
 sys.path.insert(0, str(Path(__file__).parent))
 
 import det_train  # noqa: E402
-from det_train import dp_reduce  # noqa: E402
+from det_train.accum import dp_reduce  # noqa: E402
 
 from examples import train_gpt as tg  # noqa: E402
 

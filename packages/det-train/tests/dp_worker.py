@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from det_core.testing import contiguous_splits  # noqa: E402
-from det_train.grad_accum import CanonicalGradAccumulator  # noqa: E402
+from det_train.accum.grad_accum import CanonicalGradAccumulator  # noqa: E402
 
 LEAF = 4
 DEVICE = torch.device("cpu")  # run_rank sets cuda:<rank> for the NCCL test
@@ -174,8 +174,8 @@ def case_fsdp_accum(rank, world):
 
 def _ddp_hook_case(rank, world, n_leaves):
     import det_train
-    import det_train._leaf_sums as leaf_sums
-    import det_train._library as library
+    import det_train.accum._leaf_sums as leaf_sums
+    import det_train.ops._library as library
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     leaf_sums.DEFAULT_LEAF_TOKENS = LEAF  # the ops' plain-backward leaf size, small for the test

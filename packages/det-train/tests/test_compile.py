@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from det_core.testing import assert_bitwise_equal, contiguous_splits
 from det_train import CanonicalGradAccumulator, layers
-from det_train._library import NAMESPACE, deposit_ticket
+from det_train.ops._library import NAMESPACE, deposit_ticket
 from torch._dynamo.testing import CompileCounterWithBackend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -53,7 +53,7 @@ for _module in (
     "swiglu",
 ):
     importlib.import_module(f"det_train.{_module}")
-importlib.import_module("det_train.tensor_parallel")
+importlib.import_module("det_train.parallel.tensor_parallel")
 
 
 def _op(name):

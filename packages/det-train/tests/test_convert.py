@@ -11,7 +11,7 @@ import det_train
 import pytest
 import torch
 from det_core.testing import assert_bitwise_equal
-from det_train.grad_accum import CanonicalGradAccumulator
+from det_train.accum.grad_accum import CanonicalGradAccumulator
 from torch import nn
 
 

@@ -14,7 +14,7 @@ from det_core.testing import (
     digest,
     run_in_fresh_process,
 )
-from det_train.grad_accum import CanonicalGradAccumulator
+from det_train.accum.grad_accum import CanonicalGradAccumulator
 from det_train.reference_norms import cross_entropy_reference
 
 

@@ -111,7 +111,7 @@ def test_ddp_hook_aligned_power_of_two_subtrees():
 
 
 def test_ddp_hook_matches_accumulator_when_aligned():
-    from det_train.distributed import rank_tree_sum
+    from det_train.parallel.distributed import rank_tree_sum
 
     one = run_ranks(1)[0]
     assert_bitwise_equal(one["hook12/norm.weight"], one["hook12/norm.weight"], "self")
@@ -146,7 +146,7 @@ def test_gpu_nccl_dp_2_equals_dp_1():
 
 
 def test_reduce_with_group_needs_initialized_process_group():
-    from det_train.grad_accum import CanonicalGradAccumulator
+    from det_train.accum.grad_accum import CanonicalGradAccumulator
 
     w = torch.randn(2, requires_grad=True)
     with pytest.raises(RuntimeError, match="not initialized"):

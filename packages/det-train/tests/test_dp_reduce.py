@@ -24,7 +24,7 @@ from det_core.testing import assert_bitwise_equal, run_processes
 
 sys.path.insert(0, str(Path(__file__).parent))
 import dp_reduce_worker as worker  # noqa: E402
-from det_train import dp_reduce  # noqa: E402
+from det_train.accum import dp_reduce  # noqa: E402
 
 # per DP degree: (job name, kwargs) run in order in one process group; "main" = the main job
 JOBS = {
@@ -223,7 +223,7 @@ def test_gpu_single_process_reduce_is_the_tree_of_all_deposits():
     """One GPU, no process group: reduce runs no collective and its p.grad is TreePartial.result of
     the deposits (the one-process path, unchanged by the owner reduction), bf16 and fp32."""
     from det_core.reduce import TreePartial
-    from det_train.grad_accum import CanonicalGradAccumulator
+    from det_train.accum.grad_accum import CanonicalGradAccumulator
 
     assert dp_reduce.group_size() == 1
     g = torch.Generator(device="cuda").manual_seed(0)

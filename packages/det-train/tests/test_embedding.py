@@ -11,8 +11,8 @@ from det_core.testing import (
     digest,
     run_in_fresh_process,
 )
-from det_train._leaf_sums import sub_leaf_tokens
-from det_train.grad_accum import DEFAULT_LEAF_TOKENS, CanonicalGradAccumulator
+from det_train.accum._leaf_sums import sub_leaf_tokens
+from det_train.accum.grad_accum import DEFAULT_LEAF_TOKENS, CanonicalGradAccumulator
 from det_train.reference_norms import embedding_weight_grad_reference
 
 
@@ -41,7 +41,7 @@ def test_forward_is_exact_gather():
 @pytest.mark.parametrize("hot", [None, 7])
 def test_grad_equals_canonical_definition(hot, monkeypatch):
     # the plain backward's leaf, small here so that 3 leaves stay cheap under the interpreter
-    monkeypatch.setattr(det_train._leaf_sums, "DEFAULT_LEAF_TOKENS", 256)
+    monkeypatch.setattr(det_train.accum._leaf_sums, "DEFAULT_LEAF_TOKENS", 256)
     ids, w, dy = _inputs(2 * 256 + 5, 50, 12, hot=hot)  # 3 leaves, last short
     grad = _grad(ids, w, dy)
     ref = embedding_weight_grad_reference(ids, dy, 50, 256).to(w.dtype)
@@ -198,8 +198,8 @@ def test_bad_input_and_empty():
 def test_node_of_leaf_maps_each_leaf_to_its_subtree(lo, hi):
     """The leaf -> subtree table, filled on the device (no host copy, so capturable), is the
     subtree order of dyadic_nodes expanded leaf by leaf."""
-    from det_train._leaf_sums import dyadic_nodes
-    from det_train.embedding import _node_of_leaf
+    from det_train.accum._leaf_sums import dyadic_nodes
+    from det_train.ops.embedding import _node_of_leaf
 
     nodes = dyadic_nodes(lo, hi)
     expected = [q for q, (level, _) in enumerate(nodes) for _ in range(1 << level)]

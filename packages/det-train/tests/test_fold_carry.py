@@ -16,9 +16,9 @@ import det_train
 import pytest
 import torch
 from det_core.testing import assert_bitwise_equal
-from det_train._leaf_fold import weight_grad_fold
-from det_train._open_leaf import _OpenFold
-from det_train.weight_grad import weight_grad_partial
+from det_train.accum._open_leaf import OpenFold
+from det_train.ops._leaf_fold import weight_grad_fold
+from det_train.ops.weight_grad import weight_grad_partial
 
 T = 512
 
@@ -93,12 +93,12 @@ def test_open_leaf_keeps_the_fold_and_at_most_a_partial_step_of_rows():
     acc = det_train.CanonicalGradAccumulator(layer.named_parameters(), leaf_tokens=256)
     with acc.micro_batch(token_offset=0):
         layer(x[:128]).float().square().sum().backward()  # ends inside leaf 0, on the step
-    (state,) = [s for s in acc._carry.values() if isinstance(s, _OpenFold)]
+    (state,) = [s for s in acc._carry.values() if isinstance(s, OpenFold)]
     assert state.acc.dtype == torch.float32 and state.acc.shape == layer.weight.shape
     assert state.rest == () and state.end == 128
     with acc.micro_batch(token_offset=128):
         layer(x[128:200]).float().square().sum().backward()  # 72 rows: one step folded, 8 kept
-    (state,) = [s for s in acc._carry.values() if isinstance(s, _OpenFold)]
+    (state,) = [s for s in acc._carry.values() if isinstance(s, OpenFold)]
     assert state.folded_end == 192 and [r.shape[0] for r in state.rest] == [8, 8] and state.end == 200
 
 
@@ -128,7 +128,7 @@ def test_a_continued_fold_lets_the_replaced_one_go():
     acc = det_train.CanonicalGradAccumulator(layer.named_parameters(), leaf_tokens=256)
     with acc.micro_batch(token_offset=0):
         layer(x[:64]).float().square().sum().backward()
-    (state,) = [s for s in acc._carry.values() if isinstance(s, _OpenFold)]
+    (state,) = [s for s in acc._carry.values() if isinstance(s, OpenFold)]
     first = weakref.ref(state.acc)
     del state
     with acc.micro_batch(token_offset=64):

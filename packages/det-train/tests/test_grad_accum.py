@@ -11,7 +11,7 @@ import pytest
 import torch
 from det_core.reduce import TreePartial, canonical_sum
 from det_core.testing import assert_bitwise_equal, contiguous_splits
-from det_train.grad_accum import DEFAULT_LEAF_TOKENS, CanonicalGradAccumulator, current_accumulator
+from det_train.accum.grad_accum import DEFAULT_LEAF_TOKENS, CanonicalGradAccumulator, current_accumulator
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _canonical_toy import toy_scale, toy_scale_rows  # noqa: E402

@@ -9,9 +9,9 @@ import pytest
 import torch
 import triton
 from det_core.testing import assert_bitwise_equal
-from det_train import _leaf_sums as sums
+from det_train.accum import _leaf_sums as sums
 
-rms = importlib.import_module("det_train.rms_norm")  # the package's rms_norm is the function
+rms = importlib.import_module("det_train.ops.rms_norm")  # the package's rms_norm is the function
 
 
 def _gpu_plan(n: int) -> tuple[int, int, int]:
@@ -77,7 +77,7 @@ def test_rms_backward_prefetch_depths_give_the_same_bits():
         dx, partial = torch.empty_like(x), torch.empty(n_chunks, d)
         rms._rms_norm_bwd_kernel[(n_chunks,)](
             dy, x, w, rstd, dx, partial, m, d, d, d, d, HAS_WEIGHT=True, OFFSET=0.0, ROWS_PER_CHUNK=rows,
-            BLOCK_D=block_d, PREFETCH=prefetch, num_warps=rms._num_warps(block_d),
+            BLOCK_D=block_d, PREFETCH=prefetch, num_warps=rms.num_warps_for(block_d),
         )  # fmt: skip
         outs.append((prefetch, dx, partial))
     # the chunk sums: dy * x_hat folded one row at a time in row order, from 0.0
@@ -134,7 +134,7 @@ def test_rms_interpreter_tiles_give_the_row_by_row_bits(d, has_w):
 def test_layer_norm_interpreter_tiles_give_the_row_by_row_bits(d, has_w):
     """LayerNorm's interpreter tiles (RMSNorm's rule) give the one-row-at-a-time kernels' bits: y,
     mean, rstd, dX and the chunk sums, with a short last chunk and a chunk of zero dy."""
-    ln = importlib.import_module("det_train.layer_norm")
+    ln = importlib.import_module("det_train.ops.layer_norm")
     g = torch.Generator().manual_seed(4)
     m, rows = 64 + 37, ln.MAX_ROWS_PER_CHUNK
     x = (3 * torch.randn(m, d, generator=g) + 1).bfloat16()
@@ -171,7 +171,7 @@ def test_norm_interpreter_tiles_keep_nan_positions_and_every_other_bit():
     """With NaN and inf in the data, tiles and rows agree on where the NaNs are and on every other
     bit; only a NaN's sign and payload may differ (numpy's broadcast inner loop keeps the other
     operand of a NaN-and-NaN operation), which numpy's SIMD dispatch already varies."""
-    ln = importlib.import_module("det_train.layer_norm")
+    ln = importlib.import_module("det_train.ops.layer_norm")
     m, d = 3, 32
     x = torch.ones(m, d)
     x[0, 0], x[1, 3] = float("inf"), float("nan")  # row 0: rstd 0, inf * 0; row 1: NaN throughout

@@ -11,7 +11,7 @@ from det_core.testing import (
     assert_run_to_run,
     contiguous_splits,
 )
-from det_train.grad_accum import DEFAULT_LEAF_TOKENS, CanonicalGradAccumulator
+from det_train.accum.grad_accum import DEFAULT_LEAF_TOKENS, CanonicalGradAccumulator
 from det_train.reference_norms import layer_norm_reference
 
 # max |err| / max |ref| against fp64, per output dtype (the rounding of the output dominates)

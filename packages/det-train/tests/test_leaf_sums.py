@@ -1,4 +1,4 @@
-"""det_train._leaf_sums.tree_in_place (the GPU tree behind rms_norm / cross_entropy / linear-free
+"""det_train.accum._leaf_sums.tree_in_place (the GPU tree behind rms_norm / cross_entropy / linear-free
 weight gradients) gives TreePartial's nodes and root bit for bit, for any leaf count and offset."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 from det_core.reduce import TreePartial
 from det_core.sr import round_nearest_bf16_torch
 from det_core.testing import assert_bitwise_equal
-from det_train._leaf_sums import dyadic_nodes, tree_in_place
+from det_train.accum._leaf_sums import dyadic_nodes, tree_in_place
 
 
 def _leaves(n, width=37, seed=0):
@@ -57,7 +57,7 @@ def test_gpu_tree_equals_tree_partial(n, lo):
 
 # ---------------------------------------------------------------- sub-leaves of the vector reductions
 def test_sub_leaf_is_a_power_of_two_part_of_the_leaf():
-    from det_train._leaf_sums import SUB_LEAF_TOKENS, sub_leaf_tokens
+    from det_train.accum._leaf_sums import SUB_LEAF_TOKENS, sub_leaf_tokens
 
     assert SUB_LEAF_TOKENS == 1024
     assert [sub_leaf_tokens(n) for n in (8192, 4096, 1024, 3072, 1000, 32, 7)] == [1024] * 3 + [
@@ -72,7 +72,7 @@ def test_sub_leaf_is_a_power_of_two_part_of_the_leaf():
 def test_coarsen_keeps_the_tree_over_sub_leaves(n_sub):
     """Subtrees over sub-leaves (4 per leaf) read as subtrees over leaves, the short last leaf's
     pieces combined right to left: the root is the canonical tree over the sub-leaves."""
-    from det_train._leaf_sums import coarsen
+    from det_train.accum._leaf_sums import coarsen
 
     x = _leaves(n_sub, seed=n_sub)
     want = TreePartial().add_leaves(0, x).result(n_sub)
@@ -88,9 +88,9 @@ def test_ops_sum_each_leaf_as_the_tree_over_its_sub_leaves(monkeypatch):
     of 4 (SUB_LEAF_TOKENS patched), through the accumulator in unaligned micro-batches and without
     it: the bits of leaves of 4 tokens (sub-leaf = leaf), whose tree is the same tree."""
     import det_train
-    import det_train._leaf_sums as leaf_sums
+    import det_train.accum._leaf_sums as leaf_sums
     from det_core.testing import contiguous_splits
-    from det_train.grad_accum import CanonicalGradAccumulator
+    from det_train.accum.grad_accum import CanonicalGradAccumulator
 
     monkeypatch.setattr(leaf_sums, "SUB_LEAF_TOKENS", 4)
     # 4 leaves, the last short (2 sub-leaves, one short); the cuts below fall inside sub-leaves, on

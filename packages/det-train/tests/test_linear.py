@@ -15,11 +15,12 @@ from det_core.testing import (
     digest,
     run_in_fresh_process,
 )
-from det_train import CanonicalGradAccumulator, Linear, configs, linear
-from det_train._leaf_fold import dw_tma_operands
-from det_train.configs import WeightGradConfig, check_weight_grad_config, weight_grad_config
+from det_train import CanonicalGradAccumulator, Linear, linear
+from det_train.ops import configs
+from det_train.ops._leaf_fold import dw_tma_operands
+from det_train.ops.configs import WeightGradConfig, check_weight_grad_config, weight_grad_config
+from det_train.ops.weight_grad import _aligned_runs, bias_grad_partial, weight_grad_partial
 from det_train.reference import linear_fp64, weight_grad_canonical, weight_grad_fp64
-from det_train.weight_grad import _aligned_runs, bias_grad_partial, weight_grad_partial
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CPU_ROWS = [1, 2, 3, 17, 64, 65, 129]
@@ -310,7 +311,7 @@ def test_micro_batches_of_any_size_give_the_bits_of_one_batch(dtype):
 def test_plain_backward_equals_accumulator_with_default_leaf():
     """Without an accumulator the op uses leaf_tokens = DEFAULT_LEAF_TOKENS: same bits as the
     accumulator's tree with its default leaf, whole or in unaligned micro-batches."""
-    from det_train.grad_accum import DEFAULT_LEAF_TOKENS
+    from det_train.accum.grad_accum import DEFAULT_LEAF_TOKENS
 
     assert DEFAULT_LEAF_TOKENS == 8192
     t = 300  # one short leaf: the accumulator sums it at reduce, from the carried rows
@@ -500,7 +501,7 @@ def test_gpu_fresh_process_cold_cache_real_size():
 
 
 def test_dw_scratch_holds_the_levels_the_kernel_stacks():
-    from det_train.weight_grad import dw_scratch_shape
+    from det_train.ops.weight_grad import dw_scratch_shape
 
     table = configs._WEIGHT_GRAD_TABLE[("half", "large")]  # lean, quads, 1 merge slot
     cpu = torch.device("cpu")  # 4 resident programs under the interpreter
@@ -517,7 +518,7 @@ def test_dw_launch_plans_never_serve_another_call_signature(monkeypatch):
     or a finished result each get their own plan; every result equals the cold-cache one."""
     import importlib
 
-    wg = importlib.import_module("det_train.weight_grad")
+    wg = importlib.import_module("det_train.ops.weight_grad")
     base = dataclasses.replace(weight_grad_config(torch.bfloat16, 40, 72), block_t=32)
     quads = dataclasses.replace(base, leaves_per_program=8, lean=True, pairs=True, tma=True, quads=True)
     buf, x = _randn(256 * 40 + 8, seed=30), _randn(256, 72, seed=31)

@@ -16,8 +16,8 @@ from det_core.testing import (
     digest,
     run_in_fresh_process,
 )
-from det_train import configs
-from det_train.matmul import launch_matmul, matmul, matmul_partial
+from det_train.ops import configs
+from det_train.ops.matmul import launch_matmul, matmul, matmul_partial
 from det_train.reference import matmul_fp64
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -46,7 +46,7 @@ def test_run_to_run_fresh_process_cold_cache():
     code = (
         "import torch\n"
         "from det_core.testing import digest\n"
-        "from det_train.matmul import matmul\n"
+        "from det_train.ops.matmul import matmul\n"
         "g = torch.Generator().manual_seed(7)\n"
         f"a = torch.randn(33, 96, generator=g).to(torch.bfloat16).to('{DEVICE}')\n"
         f"b = torch.randn(80, 96, generator=g).to(torch.bfloat16).to('{DEVICE}')\n"
@@ -101,7 +101,7 @@ def test_tma_kernel_gives_the_pointer_kernel_bits(dtype):
     """The TMA kernel (host descriptors; plain and persistent; B = W.T as W's K-major tiles, and a
     row-major B as its own tiles) equals the pointer kernel bit for bit: K tail zero-filled, rows
     past M and columns past N never stored, bias added."""
-    from det_train.matmul import _tma_operands
+    from det_train.ops.matmul import _tma_operands
 
     for m, k, n in [(5, 72, 40), (33, 136, 24), (70, 200, 36)]:
         x, w, bias = (
@@ -158,7 +158,7 @@ def test_table_entries_of_a_dtype_share_block_k_and_rows_pick_only_the_kernel():
 def test_row_threshold_switches_kernel_not_bits(monkeypatch):
     """With the threshold lowered to 64 rows, 64 rows take the TMA kernel and 63 the pointer kernel
     (the table's own large "nt" entries): every shared row is bitwise equal, with and without bias."""
-    mm = importlib.import_module("det_train.matmul")  # the module (det_train.matmul is also a function)
+    mm = importlib.import_module("det_train.ops.matmul")  # the module (det_train.matmul is also a function)
     monkeypatch.setattr(configs, "TMA_MIN_ROWS", 64)
     monkeypatch.setattr(configs, "MID_MAX_FILL", 0.0)  # 64 rows in the "many" class, not "mid"
     monkeypatch.setattr(configs, "LOW_MAX_FILL", 0.0)  # nor "low"
@@ -336,8 +336,8 @@ def test_gpu_tma_and_pointer_kernels_agree_across_the_row_threshold():
     below: the same rows from M = TMA_MIN_ROWS - 1 (pointer) and M = TMA_MIN_ROWS (TMA) are bitwise
     equal, whole matrices, with and without bias, for N = 4096 and 14336, and for a K with a tail
     with a partial last N tile (K = 4136 = 64 x 64 + 40, N = 4000 = 15 x 256 + 160)."""
-    from det_train.linear import linear
-    from det_train.matmul import _tma_operands
+    from det_train.ops.linear import linear
+    from det_train.ops.matmul import _tma_operands
 
     threshold = configs.TMA_MIN_ROWS
     for k, n in [(4096, 4096), (4096, 14336), (4136, 4000)]:
@@ -384,7 +384,7 @@ def test_launch_plans_never_serve_another_call_signature(monkeypatch):
     cached shape takes the pointer kernel (TMA needs aligned bases), bias and carry are part of the
     key, launch_linear(x, W) is launch_matmul(x, W.t()) with the same plan; every result equals the
     cold-cache one."""
-    mm = importlib.import_module("det_train.matmul")
+    mm = importlib.import_module("det_train.ops.matmul")
     used = []
     real_launch_tma = mm._launch_tma
     monkeypatch.setattr(mm, "_launch_tma", lambda *a, **kw: used.append("tma") or real_launch_tma(*a, **kw))

@@ -255,7 +255,7 @@ def _leaf(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 
 
 def _linear_grads(x, w, bias, dy):
-    """``(y, dx, dw, db)`` of ``det_train.linear`` on leaves made from x, w, bias."""
+    """``(y, dx, dw, db)`` of ``det_train.ops.linear`` on leaves made from x, w, bias."""
     y = det_train.linear(x, w, bias)
     y.backward(dy)
     return y.detach(), x.grad, w.grad, None if bias is None else bias.grad

@@ -12,7 +12,7 @@ from det_core.testing import (
     digest,
     run_in_fresh_process,
 )
-from det_train.grad_accum import DEFAULT_LEAF_TOKENS, CanonicalGradAccumulator
+from det_train.accum.grad_accum import DEFAULT_LEAF_TOKENS, CanonicalGradAccumulator
 from det_train.reference_norms import rms_norm_reference
 
 # max |err| / max |ref| against fp64, per output dtype (the rounding of the output dominates)
@@ -292,7 +292,7 @@ def test_cast_weight_under_the_accumulator_gets_an_autograd_gradient_and_reduce_
     with acc.micro_batch(token_offset=0):
         det_train.rms_norm(x, w.bfloat16()).backward(dy)
     w2 = w.detach().bfloat16().requires_grad_()
-    monkeypatch.setattr(det_train._leaf_sums, "DEFAULT_LEAF_TOKENS", 8)  # the accumulator's leaves
+    monkeypatch.setattr(det_train.accum._leaf_sums, "DEFAULT_LEAF_TOKENS", 8)  # the accumulator's leaves
     det_train.rms_norm(x, w2).backward(dy)  # the plain backward of the same call
     assert_bitwise_equal(w.grad, w2.grad.float(), "autograd gradient through the cast")
     with pytest.raises(RuntimeError, match=r"norm.weight: p.grad already holds .* cast or view"):

@@ -6,8 +6,8 @@ import pytest
 import torch
 from det_core.testing import assert_bitwise_equal, assert_row_invariant
 from det_train import deterministic_mode, layers, linear, matmul
-from det_train.matmul import matmul_partial
-from det_train.routing import routed_ops
+from det_train.integrations.routing import routed_ops
+from det_train.ops.matmul import matmul_partial
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -14,12 +14,12 @@ import importlib
 import pytest
 import torch
 from det_core.testing import assert_bitwise_equal, assert_row_invariant
-from det_train import configs
-from det_train._leaf_fold import weight_grad_fold
-from det_train.weight_grad import weight_grad_partial
+from det_train.ops import configs
+from det_train.ops._leaf_fold import weight_grad_fold
+from det_train.ops.weight_grad import weight_grad_partial
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-mm = importlib.import_module("det_train.matmul")  # the module (det_train.matmul is also a function)
+mm = importlib.import_module("det_train.ops.matmul")  # the module (det_train.matmul is also a function)
 
 
 def _randn(*shape, seed=0):
@@ -138,7 +138,7 @@ def test_gpu_row_invariance_across_the_rows_classes(n):
     """Rows of x @ W.T (+ bias) and of dY @ W at the main job's widths (K = 768) from M = 1 to
     16384: "few", "low" (1024 rows), "mid" (2048-8192 rows at N = 768) and "many" — anchor first /
     middle / last."""
-    from det_train.linear import linear
+    from det_train.ops.linear import linear
 
     k = 768
     w, bias = _randn(n, k, seed=60), _randn(n, seed=61)

@@ -85,7 +85,7 @@ def test_bad_input_raises_a_clear_error(bad, error, match):
 def test_direct_op_calls_check_the_layout():
     import importlib
 
-    importlib.import_module("det_train.swiglu")
+    importlib.import_module("det_train.ops.swiglu")
     ops = torch.ops.det_train
     x = _randn(3, 8, seed=6)
     with pytest.raises(ValueError, match="unit last stride"):

@@ -17,7 +17,7 @@ import pytest
 import torch
 from det_core.testing import assert_bitwise_equal, contiguous_splits
 from det_train import linear
-from det_train.matmul import matmul_partial
+from det_train.ops.matmul import matmul_partial
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -19,9 +19,9 @@ import pytest
 import torch
 from det_core.reduce import TreePartial
 from det_core.testing import assert_bitwise_equal, contiguous_splits
-from det_train import _leaf_sums
-from det_train._leaf_sums import SubLeafFold, fold_chunks, fold_chunks_resume
-from det_train._open_leaf import _OpenFold, _OpenLeaf
+from det_train.accum import _leaf_sums
+from det_train.accum._leaf_sums import SubLeafFold, fold_chunks, fold_chunks_resume
+from det_train.accum._open_leaf import OpenFold, OpenLeaf
 
 LEAF, STEP, D = 32, 4, 16
 T = 2 * LEAF + 11  # a short last leaf of 11 tokens: a partial sub-leaf and a partial chunk
@@ -31,7 +31,7 @@ _WHOLE = {}
 @pytest.fixture(autouse=True)
 def _small_order(monkeypatch):
     monkeypatch.setattr(_leaf_sums, "SUB_LEAF_TOKENS", 16)
-    monkeypatch.setattr(importlib.import_module("det_train.rms_norm"), "MAX_ROWS_PER_CHUNK", STEP)
+    monkeypatch.setattr(importlib.import_module("det_train.ops.rms_norm"), "MAX_ROWS_PER_CHUNK", STEP)
     assert _leaf_sums.sub_leaf_tokens(LEAF) == 16
 
 
@@ -105,7 +105,7 @@ def test_open_leaf_keeps_sub_leaf_folds_not_rows():
     with acc.micro_batch(token_offset=0):
         det_train.rms_norm(x[:24], w).backward(dy[:24])  # one whole sub-leaf and two chunks of the next
     (state,) = acc._carry.values()
-    assert isinstance(state, _OpenFold) and not isinstance(state, _OpenLeaf) and state.rest == ()
+    assert isinstance(state, OpenFold) and not isinstance(state, OpenLeaf) and state.rest == ()
     fold = state.acc
     assert isinstance(fold, SubLeafFold) and fold.tokens == 24
     assert [tuple(b.shape) for b in fold.done] == [(1, D)]  # sub-leaf 0's sum

@@ -12,7 +12,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from det_core.testing import contiguous_splits  # noqa: E402
-from det_train.tensor_parallel import column_parallel_linear, row_parallel_linear  # noqa: E402
+from det_train.parallel.tensor_parallel import column_parallel_linear, row_parallel_linear  # noqa: E402
 
 M, K, N = 37, 320, 192  # K and N cut at multiples of 64
 

@@ -6,12 +6,41 @@ and data-parallel ranks. See docs/det-train.md for exactly what is and is not gu
 """
 
 import importlib
+import importlib.abc
+import importlib.util
 import sys
 import types
 
 __version__ = "1.0.0"
 
-# public name -> defining module (imported on first use, so one op's import error cannot hide the others)
+# public module name -> where it lives: ops/ (the ops, their kernels and config table), accum/ (the
+# accumulator and its canonical reduction order), parallel/ (TP linears, DP reduction) and
+# integrations/ (convert, transformers' loss, the ``kernels`` layers, aten routing). The keys are the
+# flat layout's module names: ``det_train.grad_accum`` still imports, as the very module object
+# ``det_train.accum.grad_accum`` (``_MovedModules``).
+_MODULES = {
+    "matmul": "ops.matmul",
+    "linear": "ops.linear",
+    "weight_grad": "ops.weight_grad",
+    "configs": "ops.configs",
+    "conv1d": "ops.conv1d",
+    "rms_norm": "ops.rms_norm",
+    "layer_norm": "ops.layer_norm",
+    "embedding": "ops.embedding",
+    "cross_entropy": "ops.cross_entropy",
+    "swiglu": "ops.swiglu",
+    "grad_accum": "accum.grad_accum",
+    "dp_reduce": "accum.dp_reduce",
+    "tensor_parallel": "parallel.tensor_parallel",
+    "distributed": "parallel.distributed",
+    "convert": "integrations.convert",
+    "hf_loss": "integrations.hf_loss",
+    "layers": "integrations.layers",
+    "routing": "integrations.routing",
+}
+
+# public name -> defining module (a key of _MODULES; imported on first use, so one op's import error
+# cannot hide the others)
 _EXPORTS = {
     "matmul": "matmul",
     "matmul_partial": "matmul",
@@ -67,5 +96,32 @@ def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'det_train' has no attribute {name!r}")
-    value = importlib.import_module(f".{module}", __name__)
+    value = importlib.import_module(f".{_MODULES[module]}", __name__)
     return value if name == module and not hasattr(value, name) else getattr(value, name)
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports ``det_train.<module>`` of the flat layout (``det_train.grad_accum``, ``det_train.configs``,
+    ...) as the module it now is (``det_train.accum.grad_accum``): one module object under both
+    names, so a monkeypatched global or an ``isinstance`` check sees one module, and nothing is
+    imported before it is asked for.
+
+    Placed after the path finders: it only answers names that no file of the package bears.
+    """
+
+    def find_spec(self, fullname, path=None, target=None):
+        package, _, name = fullname.rpartition(".")
+        if package != __name__ or name not in _MODULES:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec):
+        module = importlib.import_module(f".{_MODULES[spec.name.rpartition('.')[2]]}", __name__)
+        spec.loader_state = module.__spec__  # the import system sets __spec__ to this alias spec
+        return module
+
+    def exec_module(self, module):
+        module.__spec__ = module.__spec__.loader_state  # the module's own spec back; nothing to run
+
+
+sys.meta_path.append(_MovedModules())

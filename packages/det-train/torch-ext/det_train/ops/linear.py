@@ -5,7 +5,7 @@ summed over tokens in the canonical order (fp32 leaf sums combined by det_core's
 - dW = dY^T X and db = sum of dY over tokens, in the canonical order (``weight_grad.py``: fp32
   leaf sums of ``leaf_tokens`` tokens combined by det_core's fixed tree, whole aligned subtrees
   finished in-kernel).
-- With an active ``CanonicalGradAccumulator`` the leaf sums are deposited there (``grad_accum.py``)
+- With an active ``CanonicalGradAccumulator`` the leaf sums are deposited there (``accum/grad_accum.py``)
   and the autograd gradient of the weight / bias is None.
 """
 
@@ -273,12 +273,12 @@ def _bias_leaves(leaf_tokens: int, first_leaf: int, rows: tuple) -> TreePartial:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-# argument signatures that passed ``_check_linear`` (the check reads nothing else)
+# argument signatures that passed ``check_linear`` (the check reads nothing else)
 _CHECKED = PlanCache()
 
 
 def _signature(x, weight, bias) -> tuple | None:
-    """What ``_check_linear`` reads of plain eager tensors on a kernel device, or None (then it
+    """What ``check_linear`` reads of plain eager tensors on a kernel device, or None (then it
     checks in full: traced calls, other types, CPU without the interpreter, whose error is raised)."""
     if torch.compiler.is_compiling() or type(x) not in _PLAIN or type(weight) not in _PLAIN:
         return None
@@ -291,7 +291,24 @@ def _signature(x, weight, bias) -> tuple | None:
     return (x.dtype, device, x.dim(), x.shape[-1:], weight.dtype, weight.device, weight.shape, b)
 
 
-def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+def check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Check ``linear``'s arguments (also the tensor-parallel linears' local shards).
+
+    Args:
+        x: ``(*, in_features)``; bfloat16, float16 or float32.
+        weight: ``(out_features, in_features)``, x's dtype and device.
+        bias: None or ``(out_features,)``, weight's dtype and device.
+
+    Raises:
+        TypeError: non-tensors, unsupported or mismatched dtypes.
+        ValueError: shape mismatches, devices differ.
+        RuntimeError: CPU tensors without the Triton interpreter.
+
+    A signature of plain eager tensors that passed once (dtypes, devices, the shapes the check
+    reads) is remembered and not checked again.
+
+    **Determinism:** a check; it computes nothing.
+    """
     key = _signature(x, weight, bias)
     if key is not None and key in _CHECKED:
         return
@@ -355,7 +372,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Method: tiled GEMM with fixed K order (Triton tutorial 03; He et al., "Defeating
     Nondeterminism in LLM Inference", 2025); canonical pairwise tree (Higham, SISC 1993).
     """
-    _check_linear(x, weight, bias)
+    check_linear(x, weight, bias)
     plan = plan_grads(math.prod(x.shape[:-1]), weight, bias)
     return linear_op(x, weight, bias, plan.ticket, plan.leaf_tokens, plan.weight, plan.bias)
 

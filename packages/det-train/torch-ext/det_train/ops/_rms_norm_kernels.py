@@ -18,8 +18,18 @@ MAX_ROWS_PER_CHUNK = 16
 BWD_PREFETCH = 1
 
 
-def _num_warps(block_d: int) -> int:
-    """Warps per row program, a function of BLOCK_D only (changes bits of tl.sum)."""
+def num_warps_for(block_d: int) -> int:
+    """Warps per row program of the RMSNorm and LayerNorm kernels, a function of BLOCK_D only.
+
+    Args:
+        block_d: the row block, ``next_pow2(D)`` (at most ``MAX_D``).
+
+    Returns:
+        1, 4, 8 or 16. Raises nothing.
+
+    **Determinism:** part of the fixed config table: num_warps fixes ``tl.sum``'s reduction tree
+    over a row, so it changes bits; it depends on D alone, never on the number of rows.
+    """
     return 1 if block_d <= 256 else 4 if block_d <= 2048 else 8 if block_d <= 8192 else 16
 
 

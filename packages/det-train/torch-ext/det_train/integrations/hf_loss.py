@@ -18,8 +18,8 @@ import numbers
 
 import torch
 
-from .cross_entropy import cross_entropy
-from .grad_accum import current_accumulator
+from ..accum.grad_accum import current_accumulator
+from ..ops.cross_entropy import cross_entropy
 
 __all__ = ["causal_lm_loss"]
 

@@ -15,7 +15,7 @@ the bits of one batch.
 
 Interface: ``deposit_rows`` (any micro-batch boundaries; used by the linear, RMSNorm and embedding
 backward passes) and ``leaf_span`` + ``deposit`` / ``deposit_partial`` (leaf-aligned micro-batches).
-The checks at reduce time and the cross-rank reduction are in ``_accum_reduce.py``.
+The checks at reduce time and the cross-rank reduction are in ``_reduce.py``.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch
 from det_core.reduce import TreePartial, num_leaves
 from det_core.runtime import as_index
 
-from . import _accum_reduce, dp_reduce
-from ._open_leaf import _COPY, LeafFold, LeafPartial, _OpenFold, _OpenLeaf
+from . import _reduce, dp_reduce
+from ._open_leaf import LeafFold, LeafPartial, OpenFold, OpenLeaf, foreach_copy
 
 __all__ = ["DEFAULT_LEAF_TOKENS", "CanonicalGradAccumulator", "current_accumulator"]
 
@@ -142,7 +142,7 @@ class CanonicalGradAccumulator:
         self._tokens_by: tuple = (None, None)  # (parameter, op) of the op that reported them first
         self._open_ends: set[int] = set()  # tokens where micro-batches ended inside a leaf
         self._max_end = 0  # the last token + 1 any deposit covered
-        self._carry: dict[tuple[int, int, int], _OpenLeaf] = {}  # (param index, use, leaf) -> its rows
+        self._carry: dict[tuple[int, int, int], OpenLeaf] = {}  # (param index, use, leaf) -> its rows
         # (destination, source) row copies into open leaves, run as one _foreach_copy_ per micro-batch
         # (one launch, not one per row tensor and parameter) or before a leaf's rows are read
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -415,7 +415,7 @@ class CanonicalGradAccumulator:
             pos = min(n, open_leaf.start + leaf - offset)  # own rows that belong to the open leaf
             head = rows if pos == n else tuple(r[:pos] for r in rows)
             done = open_leaf.start + leaf == offset + pos
-            if isinstance(open_leaf, _OpenFold):
+            if isinstance(open_leaf, OpenFold):
                 advanced = open_leaf.advance(head, done, fold)
                 if not done:  # the leaf stays open: its new state replaces the old (logged) one
                     if key not in self._undo_carry:
@@ -445,9 +445,9 @@ class CanonicalGradAccumulator:
             start += full
             tail = rows if pos + full == 0 else tuple(r[pos + full :] for r in rows)
             if fold is not None:
-                state = _OpenFold(start, fold).advance(tail, False)
+                state = OpenFold(start, fold).advance(tail, False)
             else:
-                state = _OpenLeaf(start, tail, leaf, leaf_partial, self)
+                state = OpenLeaf(start, tail, leaf, leaf_partial, self)
             self._set_carry((*slot, start // leaf), state)
 
     def _check_not_open(self, slot: tuple[int, int], start: int, end: int) -> None:
@@ -507,7 +507,7 @@ class CanonicalGradAccumulator:
             dst, src = zip(*self._pending, strict=True)
             self._pending = []
             with torch.no_grad():  # the views were made in the backward; the copy is not a graph op
-                _COPY(list(dst), list(src))
+                foreach_copy(list(dst), list(src))
 
     def _merge(self, slot: tuple[int, int], partial: TreePartial) -> None:
         try:
@@ -603,7 +603,7 @@ class CanonicalGradAccumulator:
             raise ValueError(f"total_tokens must be a positive int, got {total_tokens!r}")
         names, params, leaf_tokens = self._names, self._params, self.leaf_tokens
         try:  # this rank's checks: under data parallelism every rank learns of a refusal (no hang)
-            local = _accum_reduce.local_partials(
+            local = _reduce.local_partials(
                 total_tokens,
                 leaf_tokens=leaf_tokens,
                 names=names,
@@ -617,7 +617,7 @@ class CanonicalGradAccumulator:
         except (ValueError, RuntimeError) as err:
             local, refusal = {}, err
         if dp_reduce.group_size(group) > 1:  # data parallel: every rank's nodes go to their owners
-            grads = _accum_reduce.reduce_across_ranks(
+            grads = _reduce.reduce_across_ranks(
                 group,
                 local,
                 refusal,
@@ -635,7 +635,7 @@ class CanonicalGradAccumulator:
         if refusal is not None:
             raise refusal
         grads: dict[int, torch.Tensor] = {}
-        roots = _accum_reduce.checked_roots(
+        roots = _reduce.checked_roots(
             dict(sorted(local.items())), total_tokens, leaf_tokens=leaf_tokens, names=names
         )
         for (index, _use), root in roots.items():

@@ -33,7 +33,7 @@ from det_core.launch import launch
 from det_core.reduce import TreePartial, num_leaves
 from det_core.runtime import as_index, check_kernel_device
 
-from ._leaf_sums import cast_out, coarsen, dyadic_nodes, sub_leaf_tokens, tree_combine
+from ..accum._leaf_sums import cast_out, coarsen, dyadic_nodes, sub_leaf_tokens, tree_combine
 from ._library import (
     Op,
     accumulation,

@@ -18,7 +18,7 @@ from det_core import runtime
 from det_core.launch import launch
 from det_core.runtime import as_index, check_kernel_device
 
-from ._leaf_sums import leaf_layout, tree_in_place
+from ..accum._leaf_sums import leaf_layout, tree_in_place
 from ._library import Op
 
 __all__ = ["cross_entropy"]
@@ -361,7 +361,7 @@ def cross_entropy(
             raise ValueError("cross_entropy: num_global_tokens applies to reduction='mean' only")
         num_global_tokens = _as_token_count(num_global_tokens)
     elif reduction == "mean":
-        from .grad_accum import current_accumulator
+        from ..accum.grad_accum import current_accumulator
 
         if current_accumulator() is not None:  # each micro-batch would divide by its own count
             raise ValueError(

@@ -30,7 +30,7 @@ from det_core import runtime
 from det_core.launch import BoundLaunch, PlanCache
 from det_core.runtime import check_kernel_device
 
-from ._leaf_sums import SubLeafFold, finish_param_grad, fold_chunks, leaf_subtrees, sub_leaf_tokens
+from ..accum._leaf_sums import SubLeafFold, finish_param_grad, fold_chunks, leaf_subtrees, sub_leaf_tokens
 from ._library import (
     Op,
     accumulation,
@@ -44,9 +44,9 @@ from ._rms_norm_kernels import (
     BWD_PREFETCH,
     MAX_D,
     MAX_ROWS_PER_CHUNK,
-    _num_warps,
     _rms_norm_bwd_kernel,
     _rms_norm_fwd_kernel,
+    num_warps_for,
 )
 
 __all__ = ["RMSNorm", "rms_norm"]
@@ -154,7 +154,7 @@ def rms_norm_op(
                 _rms_norm_fwd_kernel, 4,
                 (d, x2.stride(0), d, eps),  # y is contiguous: row stride D
                 HAS_WEIGHT=weight is not None, OFFSET=offset, BLOCK_D=block_d, ROWS=per,
-                num_warps=_num_warps(block_d),
+                num_warps=num_warps_for(block_d),
             ))  # fmt: skip
         bound((m // per,), x2, weight if weight is not None else x2, y, rstd)
     return y, rstd
@@ -275,7 +275,7 @@ def _backward(dy2, x2, weight, rstd, rows: int, offset: float = 0.0) -> tuple[to
             _rms_norm_bwd_kernel, 6,
             (m, d, dy2.stride(0), x2.stride(0), d),  # dx is contiguous: row stride D
             HAS_WEIGHT=has_w, OFFSET=offset, ROWS_PER_CHUNK=rows, BLOCK_D=block_d,
-            PREFETCH=_prefetch(), TILE=chunk_tile(block_d), num_warps=_num_warps(block_d),
+            PREFETCH=_prefetch(), TILE=chunk_tile(block_d), num_warps=num_warps_for(block_d),
         ))  # fmt: skip
     bound((n_chunks,), dy2, x2, weight if has_w else x2, rstd, dx, partial)
     return dx, partial

@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 from det_core import runtime
 
-from ._library import Op
-from .configs import matmul_config
-from .linear import GradPlan, _check_linear, param_grads, plan_grads
-from .matmul import chain_part, launch_matmul, matmul_op
+from ..ops._library import Op
+from ..ops.configs import matmul_config
+from ..ops.linear import GradPlan, check_linear, param_grads, plan_grads
+from ..ops.matmul import chain_part, launch_matmul, matmul_op
 
 __all__ = ["column_parallel_linear", "row_parallel_linear"]
 
@@ -223,7 +223,7 @@ def row_parallel_linear(
     bits. Cost: the ranks' work is a chain (pipelined over row chunks); each hop sends an fp32
     chunk; the last rank broadcasts Y.
     """
-    _check_linear(x, weight, bias)
+    check_linear(x, weight, bias)
     name = _group_name(group)
     plan = plan_grads(math.prod(x.shape[:-1]), weight, bias)
     args = (plan.ticket, plan.leaf_tokens, plan.weight, plan.bias)
@@ -261,7 +261,7 @@ def column_parallel_linear(
     **Determinism:** Y_r, dW_r, db_r are column / row slices of the unsplit results; dX equals the
     unsplit dX for any split at multiples of the K step and any ``chunk_rows``.
     """
-    _check_linear(x, weight, bias)
+    check_linear(x, weight, bias)
     name = _group_name(group)
     plan = plan_grads(math.prod(x.shape[:-1]), weight, bias)
     args = (plan.ticket, plan.leaf_tokens, plan.weight, plan.bias)

@@ -31,7 +31,7 @@ from det_core.launch import BoundLaunch, PlanCache
 from det_core.reduce import TreePartial
 from det_core.runtime import check_kernel_device
 
-from ._leaf_sums import cast_out, finish_param_grad, fold_chunks, leaf_subtrees, sub_leaf_tokens
+from ..accum._leaf_sums import cast_out, finish_param_grad, fold_chunks, leaf_subtrees, sub_leaf_tokens
 from ._library import (
     Op,
     accumulation,
@@ -41,12 +41,12 @@ from ._library import (
     tracked_parameter,
 )
 from ._norm_tiles import chunk_grads, chunk_tile, forward_rows, row_block, row_sum
-from ._rms_norm_kernels import MAX_D, MAX_ROWS_PER_CHUNK, _num_warps
+from ._rms_norm_kernels import MAX_D, MAX_ROWS_PER_CHUNK, num_warps_for
 from .linear import GradPlan, bias_grad_op, deposit_bias_op
 
 __all__ = ["LayerNorm", "layer_norm"]
 
-# The fixed config table is RMSNorm's (MAX_D, MAX_ROWS_PER_CHUNK, _num_warps: keyed by D only).
+# The fixed config table is RMSNorm's (MAX_D, MAX_ROWS_PER_CHUNK, num_warps_for: keyed by D only).
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -192,7 +192,7 @@ def layer_norm_op(
                 _layer_norm_fwd_kernel, 6,
                 (d, x2.stride(0), d, eps),  # y is contiguous: row stride D
                 HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_D=block_d, ROWS=per,
-                num_warps=_num_warps(block_d),
+                num_warps=num_warps_for(block_d),
             ))  # fmt: skip
         w_arg = weight if weight is not None else x2
         b_arg = bias if bias is not None else x2
@@ -320,7 +320,7 @@ def _backward(dy2, x2, weight, mean, rstd, rows: int) -> tuple[torch.Tensor, tor
             _layer_norm_bwd_kernel, 7,
             (m, d, dy2.stride(0), x2.stride(0), d),  # dx is contiguous: row stride D
             HAS_WEIGHT=has_w, ROWS_PER_CHUNK=rows, BLOCK_D=block_d, TILE=chunk_tile(block_d),
-            num_warps=_num_warps(block_d),
+            num_warps=num_warps_for(block_d),
         ))  # fmt: skip
     bound((n_chunks,), dy2, x2, weight if has_w else x2, mean, rstd, dx, partial)
     return dx, partial

@@ -38,12 +38,12 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from .conv1d import Conv1D
-from .embedding import Embedding, embedding
+from ..ops.conv1d import Conv1D
+from ..ops.embedding import Embedding, embedding
+from ..ops.layer_norm import LayerNorm
+from ..ops.linear import Linear
+from ..ops.rms_norm import RMSNorm
 from .hf_loss import causal_lm_loss
-from .layer_norm import LayerNorm
-from .linear import Linear
-from .rms_norm import RMSNorm
 
 __all__ = ["ConversionError", "ScaledEmbedding", "convert", "register_conversion"]
 

@@ -1,8 +1,8 @@
 """An open leaf of the canonical order: a leaf that a micro-batch ended inside, kept by
 ``CanonicalGradAccumulator`` until the micro-batch that completes it (or ``reduce``).
 
-Two forms: ``_OpenFold``, an op's fp32 fold of the leaf so far (the Linear weight's dW; the RMSNorm
-weight's sub-leaf folds), continued by the next micro-batch's kernel; ``_OpenLeaf``, copies of the
+Two forms: ``OpenFold``, an op's fp32 fold of the leaf so far (the Linear weight's dW; the RMSNorm
+weight's sub-leaf folds), continued by the next micro-batch's kernel; ``OpenLeaf``, copies of the
 leaf's rows, summed by the op's leaf-sum function once the leaf is complete (the ops without a
 resumable fold: embedding, bias, LayerNorm).
 """
@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from det_core.reduce import TreePartial
 
-__all__ = ["LeafFold", "LeafPartial"]
+__all__ = ["LeafFold", "LeafPartial", "OpenFold", "OpenLeaf", "foreach_copy"]
 
 # A leaf-sum function of an op: (global index of the first leaf, rows of whole leaves) -> partial tree.
 LeafPartial = Callable[[int, tuple], TreePartial]
@@ -24,7 +24,7 @@ LeafPartial = Callable[[int, tuple], TreePartial]
 LeafFold = tuple  # (int, Callable[[tuple, object], object]) or (..., Callable[[object], torch.Tensor])
 
 
-class _OpenFold:
+class OpenFold:
     """An unfinished leaf as its op's fp32 fold: ``acc`` covers tokens ``[start, folded_end)`` (a
     multiple of ``step`` tokens), ``rest`` holds copies of the rows after it (fewer than ``step``).
     Immutable: ``advance`` returns a new state, so a micro-batch that raises leaves the old one."""
@@ -56,7 +56,7 @@ class _OpenFold:
             else:
                 rows_in = self.rest
             if int(rows_in[0].shape[0]) < step and not finish:
-                return _OpenFold(self.start, fold, done, acc, rows_in)
+                return OpenFold(self.start, fold, done, acc, rows_in)
             acc, done = fold_fn(rows_in, acc), done + int(rows_in[0].shape[0])
         whole = n if finish else n - n % step
         if whole:
@@ -65,10 +65,10 @@ class _OpenFold:
         if finish:
             return fold[2](acc) if len(fold) > 2 else acc
         rest = tuple(r[whole:].clone() for r in rows) if whole < n else ()
-        return _OpenFold(self.start, fold, done, acc, rest)
+        return OpenFold(self.start, fold, done, acc, rest)
 
 
-class _OpenLeaf:
+class OpenLeaf:
     """The rows a parameter's unfinished leaf has received so far, copied into buffers that grow by
     doubling up to one leaf (each row is copied at most twice, however many micro-batches the leaf
     is split into; the buffers hold at most 2x the rows received, and never more than a leaf).
@@ -111,4 +111,4 @@ def _copy_each(dst: list, src: list) -> None:
 
 
 # torch._foreach_copy_ (torch >= 2.1) copies a list of tensors in a few launches
-_COPY = getattr(torch, "_foreach_copy_", None) or _copy_each
+foreach_copy = getattr(torch, "_foreach_copy_", None) or _copy_each

@@ -26,7 +26,7 @@ import weakref
 import torch
 from det_core.runtime import check_no_functorch_autodiff, plain_eager
 
-from .grad_accum import DEFAULT_LEAF_TOKENS, CanonicalGradAccumulator, current_accumulator
+from ..accum.grad_accum import DEFAULT_LEAF_TOKENS, CanonicalGradAccumulator, current_accumulator
 
 __all__ = [
     "NAMESPACE",

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 import torch
 from det_core import runtime
 
-from .linear import linear
-from .matmul import check_operands, forward_matmul, launch_matmul
+from ..ops.linear import linear
+from ..ops.matmul import check_operands, forward_matmul, launch_matmul
 
 __all__ = ["deterministic_mode", "routed_ops"]
 

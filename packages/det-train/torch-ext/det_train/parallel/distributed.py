@@ -2,8 +2,8 @@
 
 Two paths (docs/det-train.md, "Reductions"):
 
-1. **The general one: ``CanonicalGradAccumulator.reduce(total_tokens, group)``** (grad_accum.py,
-   dp_reduce.py). Every rank's partial canonical trees go to the owners of their element ranges
+1. **The general one: ``CanonicalGradAccumulator.reduce(total_tokens, group)``** (accum/grad_accum.py,
+   accum/dp_reduce.py). Every rank's partial canonical trees go to the owners of their element ranges
    (an all-to-all), each owner finishes the canonical tree for its range and, for replicated
    parameters, the finished gradients are all-gathered; under FSDP2 the owner's range is its shard.
    The reduced gradient is bitwise identical on every rank *and* for any DP degree, micro-batch
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from det_core.reduce import TreePartial
 
-from .dp_reduce import all_gather_single
+from ..accum.dp_reduce import all_gather_single
 
 __all__ = ["DeterministicAllreduceState", "deterministic_allreduce_hook", "rank_tree_sum", "reduce_gradients"]
 

@@ -22,8 +22,8 @@ from det_core import runtime
 from det_core.launch import BoundLaunch, DescriptorTemplate, PlanCache
 from det_core.reduce import TreePartial, num_leaves
 
+from ..accum._leaf_sums import coarsen, sub_leaf_tokens
 from ._leaf_fold import dw_tma_operands, leaf_sum, leaf_sum_tma, tma_step
-from ._leaf_sums import coarsen, sub_leaf_tokens
 from ._tiles import (
     INTERPRET,
     bf16_by_bits,

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from det_core.reduce import TreePartial, num_leaves
 
 from . import dp_reduce
-from ._open_leaf import _OpenFold, _OpenLeaf
+from ._open_leaf import OpenFold, OpenLeaf
 
 __all__ = ["checked_roots", "local_partials", "reduce_across_ranks"]
 
@@ -36,7 +36,7 @@ def local_partials(
     names: list[str],
     params: list[torch.Tensor],
     partials: dict[Slot, TreePartial],
-    carry: dict[tuple[int, int, int], _OpenLeaf | _OpenFold],
+    carry: dict[tuple[int, int, int], OpenLeaf | OpenFold],
     spans: list[tuple[int, int]],
     max_end: int,
 ) -> dict[Slot, TreePartial]:
@@ -91,7 +91,7 @@ def local_partials(
     for (index, use, leaf), open_leaf in carry.items():  # the short last leaf
         tree = local.setdefault((index, use), TreePartial())
         try:
-            if isinstance(open_leaf, _OpenFold):
+            if isinstance(open_leaf, OpenFold):
                 tree.merge(TreePartial().add_node(0, leaf, open_leaf.advance((), True)))
                 continue
             tree.merge(open_leaf.leaf_partial(leaf, open_leaf.rows()))

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from .linear import linear
-from .rms_norm import rms_norm
+from ..ops.linear import linear
+from ..ops.rms_norm import rms_norm
 
 __all__ = ["Linear", "RMSNorm", "RMSNormZeroCentered"]
 
