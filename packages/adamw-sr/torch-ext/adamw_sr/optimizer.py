@@ -477,8 +477,10 @@ class AdamWSR(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         compiling = torch.compiler.is_compiling()
-        # read once: under torch.compile each read of param_groups makes dynamo mark the groups
-        # capturable (torch._dynamo.variables.optimizer), which the device check below would refuse
+        # Under torch.compile dynamo's view of every group reads capturable=True (it turns the flag
+        # on while tracing, torch._dynamo.variables.optimizer; torch's note "torch.compile x
+        # capturable"), whatever the user passed: like torch's optimizers, the capturable checks run
+        # in eager mode only (there the user's flag is read), and the compiler owns graph capture.
         groups = self.param_groups
         # as torch's optimizers: the capture query is not traceable (dynamo would break the graph here)
         capturing = not compiling and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
@@ -528,8 +530,9 @@ class AdamWSR(torch.optim.Optimizer):
             check_grads(with_grad)
             if with_grad:  # CPU params need the Triton interpreter: say so before any state is touched
                 runtime.check_kernel_device(*(local_tensor(p) for p in with_grad), op="AdamWSR.step")
-                if group["capturable"] and local_tensor(with_grad[0]).device.type != "cuda":
-                    self._check_device_flags(group)  # a loaded param group may set capturable
+                # a loaded param group may set capturable (eager only: see dynamo's flag above)
+                if not compiling and group["capturable"] and local_tensor(with_grad[0]).device.type != "cuda":
+                    self._check_device_flags(group)
             work.append((group, with_grad, None))
         if check_states and not compiling:
             self._state_flags["unchecked"] = False
