@@ -19,10 +19,12 @@ from .functional import StepLaunch, adamw_sr_step, fused_step, hyper_tensor
 from .indices import (
     PLAIN_TENSOR_TYPES,
     check_8bit_layout,
+    check_disjoint_indices,
     default_base_indices,
     is_dtensor,
     local_segments,
     local_tensor,
+    param_starts,
 )
 from .launch import to_device_async
 from .step_cache import GroupLaunches, LaunchSet, grad_mask, pack_steps, packed_steps
@@ -45,7 +47,8 @@ class AdamWSR(torch.optim.Optimizer):
         params: iterable of tensors or param-group dicts. Tensors must be contiguous, non-empty
             (a DTensor's local shard may be empty), real, fp32 or bf16, all on one device (CUDA, or
             CPU with ``TRITON_INTERPRET=1``). A group may give ``base_index``: a list with one int
-            (or ``None``) per param, the global index of its first element.
+            (or ``None``) per param, the global index of its first element; the ranges
+            ``[base_index, base_index + numel)`` of all params (defaults included) must be disjoint.
         lr: learning rate, float or 1-element tensor (a CUDA tensor for graph capture).
         betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW`` (decoupled decay
             ``p *= 1 - lr * weight_decay``).
@@ -82,7 +85,7 @@ class AdamWSR(torch.optim.Optimizer):
             ``differentiable=True``, ``capturable=True`` with non-CUDA params), an unsupported
             ``state_dtype`` (the message lists the supported ones) or ``state_rounding``,
             ``amsgrad`` with ``state_dtype="8bit"``, an empty or non-contiguous param, params on
-            several devices.
+            several devices, two params whose ``base_index`` ranges overlap (message names both).
         TypeError: ``params`` is a module (pass ``model.parameters()``); fp16, complex or integer
             params; a seed that is a bool or not an integer.
         RuntimeError: ``fused=True`` with params where the fused step cannot run (CPU without the
@@ -207,7 +210,8 @@ class AdamWSR(torch.optim.Optimizer):
             TypeError: a param is fp16, complex or not floating point; the group's ``seed`` is not
                 an integer (a bool or a float).
             ValueError: a param is empty or non-contiguous, on another device than the others,
-                ``base_index`` does not give one entry per param, or ``seed`` is outside ``[0, 2**64)``;
+                ``base_index`` does not give one entry per param or gives a param a range of global
+                indices that overlaps another param's, or ``seed`` is outside ``[0, 2**64)``;
                 the group sets ``foreach``, ``fused=False``, or ``capturable=True`` with non-CUDA params;
                 an unsupported ``state_dtype`` or ``state_rounding``, or amsgrad with 8-bit states.
             RuntimeError: ``fused=True`` with params where the fused step cannot run (CPU without
@@ -257,6 +261,11 @@ class AdamWSR(torch.optim.Optimizer):
                     f"AdamWSR: base_index must list one non-negative int (or None) per param, "
                     f"got {base!r} for {len(group['params'])} params"
                 )
+        try:
+            check_disjoint_indices(self.param_groups, "AdamWSR")
+        except ValueError:
+            self.param_groups.pop()
+            raise
         self._clear_launch_caches()
 
     def _clear_launch_caches(self) -> None:
@@ -288,16 +297,7 @@ class AdamWSR(torch.optim.Optimizer):
         # filled in place, never reassigned inside step(): dynamo (torch 2.11) refuses a setattr on
         # the optimizer object while tracing a compiled step
         if not self._base_index_cache:
-            params = [p for group in self.param_groups for p in group["params"]]
-            aligns = [
-                states.base_index_alignment(g["state_dtype"]) for g in self.param_groups for _ in g["params"]
-            ]
-            defaults = default_base_indices((p.numel() for p in params), aligns)  # global numel for a DTensor
-            explicit = [
-                b for g in self.param_groups for b in (g.get("base_index") or [None] * len(g["params"]))
-            ]
-            out = {id(p): d if b is None else b for p, d, b in zip(params, defaults, explicit, strict=True)}
-            self._base_index_cache.update(out)
+            self._base_index_cache.update((id(p), start) for p, start, _ in param_starts(self.param_groups))
         return self._base_index_cache
 
     def _segments(self, ps: list, base: dict[int, int], state_dtype: str = states.FLOAT32) -> torch.Tensor:
@@ -341,8 +341,9 @@ class AdamWSR(torch.optim.Optimizer):
 
         Raises:
             ValueError: a checkpoint group's ``state_dtype`` differs from this optimizer's group's,
-                or a saved state does not hold its format's tensors (moment dtype, 8-bit scales).
-                Checked before anything is loaded: the optimizer is left as it was.
+                or a saved state does not hold its format's tensors (moment dtype, 8-bit scales), or
+                the checkpoint's ``base_index`` gives two params overlapping ranges of global indices
+                (or not one entry per param). Checked before anything is loaded: the optimizer is left as it was.
         """
         saved = state_dict["state"]
         self._check_loadable(state_dict)
@@ -408,6 +409,20 @@ class AdamWSR(torch.optim.Optimizer):
                             f"state_dtype={saved_dtype!r}) has dtype {value.dtype}; that format stores "
                             f"{torch.uint8 if key in states.SCALE_KEYS else want}"
                         )
+        # the checkpoint's base_index replaces each group's: its ranges must be disjoint too
+        loaded = [
+            dict(g, base_index=t.get("base_index"))
+            for g, t in zip(self.param_groups, saved_groups, strict=True)
+        ]
+        for i, group in enumerate(loaded):
+            if len(saved_groups[i].get("params", [])) != len(group["params"]):
+                return  # torch's own load names this mismatch
+            if group["base_index"] is not None and len(group["base_index"]) != len(group["params"]):
+                raise ValueError(
+                    f"AdamWSR.load_state_dict: param group {i} of the checkpoint has base_index "
+                    f"{group['base_index']!r} for {len(group['params'])} params; it must list one per param"
+                )
+        check_disjoint_indices(loaded, "AdamWSR.load_state_dict (the checkpoint's base_index)")
 
     def _check_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
         """A loaded or existing state must hold its format's tensors at the param's shape and a step."""
