@@ -343,7 +343,8 @@ class AdamWSR(torch.optim.Optimizer):
             ValueError: a checkpoint group's ``state_dtype`` differs from this optimizer's group's,
                 or a saved state does not hold its format's tensors (moment dtype, 8-bit scales), or
                 the checkpoint's ``base_index`` gives two params overlapping ranges of global indices
-                (or not one entry per param). Checked before anything is loaded: the optimizer is left as it was.
+                (or not one entry per param). Checked before anything is loaded: the optimizer is left
+                as it was.
         """
         saved = state_dict["state"]
         self._check_loadable(state_dict)
