@@ -2,20 +2,20 @@
 (param dtype, grad dtype) group, with stochastic rounding of bf16 weights keyed by global element index,
 and moments stored in fp32, bf16 or 8 bits (``state_dtype``; formats in ``states``, ``state_codes``).
 
-The class validates its param groups, keeps the state and builds each step's launches; the global
-element index is ``indices``, the functional step it calls ``functional`` (``adamw_sr_step`` is
-re-exported here), the host launch code ``launch`` and the kernels ``kernel``.
+The class validates its param groups, keeps the state and builds each step's launches, which it
+runs through the functional step ``functional.fused_step`` (the one way to the kernel, also behind
+``adamw_sr_step``, re-exported here), on both its full and its recorded (``step_cache``) path; the
+global element index is ``indices``, the host launch code ``launch``, the kernels ``kernel``.
 """
 
 from __future__ import annotations
 
 import torch
 from det_core import rng, runtime
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import states
 from .checks import amp_scalar, check_grads, check_hyperparameters, param_problem
-from .functional import StepLaunch, adamw_sr_step, fused_step, hyper_tensor
+from .functional import StepLaunch, adamw_sr_step, dispatch_mode_active, fused_step, hyper_tensor
 from .indices import (
     PLAIN_TENSOR_TYPES,
     check_8bit_layout,
@@ -26,7 +26,7 @@ from .indices import (
     local_tensor,
     param_starts,
 )
-from .launch import to_device_async
+from .launch import LaunchPlan, to_device_async
 from .step_cache import GroupLaunches, LaunchSet, grad_mask, pack_steps, packed_steps
 
 __all__ = ["AdamWSR", "adamw_sr_step", "default_base_indices", "local_segments"]
@@ -425,10 +425,6 @@ class AdamWSR(torch.optim.Optimizer):
                 )
         check_disjoint_indices(loaded, "AdamWSR.load_state_dict (the checkpoint's base_index)")
 
-    def _check_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
-        """A loaded or existing state must hold its format's tensors at the param's shape and a step."""
-        states.check_state(p, state, group["state_dtype"], group["amsgrad"])
-
     def __setstate__(self, state: dict) -> None:
         """Fill group options a loaded state lacks (e.g. a ``torch.optim.AdamW`` state_dict), like torch."""
         super().__setstate__(state)
@@ -477,7 +473,8 @@ class AdamWSR(torch.optim.Optimizer):
         Host work: in eager mode a group's first step (and any step after its params, gradients'
         dtypes / shapes / devices / layouts, states or shaping options changed) takes the full
         path and records its launches; later steps re-check that record in C-level passes and
-        launch from it (``step_cache``), with the same bits. The step counters of one launch are
+        launch with it (``step_cache``; the launch still goes through ``fused_step``, which reuses
+        the record's plan), with the same bits. The step counters of one launch are
         then 0-dim views of one fp32 buffer (``state["step"]`` stays a 0-dim fp32 tensor).
 
         AMP: ``torch.amp.GradScaler.step(opt)`` sets ``opt.grad_scale`` and ``opt.found_inf`` for
@@ -527,12 +524,13 @@ class AdamWSR(torch.optim.Optimizer):
             for group in groups:
                 for p in group["params"]:
                     if self.state.get(p):
-                        self._check_state(p, self.state[p], group)
+                        # a loaded state must hold its format's tensors at the param's shape and a step
+                        states.check_state(p, self.state[p], group["state_dtype"], group["amsgrad"])
         # set by torch.amp.GradScaler.step for the length of this call (None: not under a GradScaler,
         # or grad_scale None when the gradients were unscaled already)
         amp = (getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
         # recorded launches (step_cache) serve plain tensors in plain eager mode
-        recordable = not (compiling or capturing or _get_current_dispatch_mode() is not None)
+        recordable = not (compiling or capturing or dispatch_mode_active())
         # per group: (group, its record, each recorded launch's gradients) when the record still
         # holds (step_cache), else (group, the params with a gradient, None) for the full path
         work = []
@@ -573,8 +571,11 @@ class AdamWSR(torch.optim.Optimizer):
                     group["lr"], group["betas"], group["eps"], group["weight_decay"], first.device,
                     self._hyper_cache,
                 )  # fmt: skip
-                for launch_set, grads in zip(first.sets, picked, strict=True):
-                    launch_set.run(grads, group, hyper, *amp)
+                for ls, grads in zip(first.sets, picked, strict=True):
+                    _launch_step(
+                        group, ls.params, grads, ls.moments, ls.segments, (ls.counts, None), first.device,
+                        hyper, *amp, record=ls,
+                    )  # fmt: skip
             elif first:
                 record = self._group_step(group, first, group_launches, *amp, record=recordable)
                 if record is not None:
@@ -629,44 +630,11 @@ class AdamWSR(torch.optim.Optimizer):
                 counts = pack_steps(ps_states)
             else:
                 counts = None if torch.compiler.is_compiling() else packed_steps(ps_states)
-            step_list = [s["step"] for s in ps_states]
-            if found_inf is None:
-                if counts is None:
-                    torch._foreach_add_(step_list, 1.0)
-                else:
-                    counts.add_(1.0)
-            steps = counts if counts is not None else torch.stack(step_list).to(torch.float32)
-            if steps.device != device:
-                steps = to_device_async(steps, device)
-            if found_inf is not None:
-                steps = steps + 1.0  # the step number of this step; the counts advance below
-            role = {key: _state_role(ps_states, key) for key in roles}
-            launch = StepLaunch(
-                params=[local_tensor(p) for p in ps],
-                grads=[local_tensor(p.grad) for p in ps],
-                exp_avgs=role["exp_avg"],
-                exp_avg_sqs=role["exp_avg_sq"],
-                max_exp_avg_sqs=role.get("max_exp_avg_sq", []),
-                steps=steps,
-                hyper=hyper,
-                segments=segments,
-                seed=group["seed"],
-                amsgrad=amsgrad,
-                maximize=group["maximize"],
-                stochastic=ps[0].dtype == torch.bfloat16 and group["stochastic_rounding"] is not False,
-                grad_scale=grad_scale,
-                found_inf=found_inf,
-                state_stochastic=group["state_rounding"] == "stochastic",
-                exp_avg_scales=role.get("exp_avg_scale", []),
-                exp_avg_sq_scales=role.get("exp_avg_sq_scale", []),
-            )
-            plan = fused_step(launch)
-            if found_inf is not None:  # + 1 where no inf was found, + 0.0 (the same bits) where one was
-                advance = (found_inf == 0).to(torch.float32).reshape(())
-                if counts is None:
-                    torch._foreach_add_(step_list, [advance] * len(step_list))
-                else:
-                    counts.add_(advance)
+            moments = tuple(_state_list(ps_states, key, roles) for key in (*_STATE_KEYS, *states.SCALE_KEYS))
+            launch, plan = _launch_step(
+                group, [local_tensor(p) for p in ps], [local_tensor(p.grad) for p in ps], moments, segments,
+                (counts, [s["step"] for s in ps_states]), device, hyper, grad_scale, found_inf,
+            )  # fmt: skip
             if record and plan is not None:
                 picks = [position[id(p)] for p in ps]
                 picks = None if picks == list(range(len(group["params"]))) else tuple(picks)
@@ -679,6 +647,52 @@ class AdamWSR(torch.optim.Optimizer):
         )
 
 
-def _state_role(param_states: list[dict], key: str) -> list[torch.Tensor]:
-    """The local tensors of one state entry (``"exp_avg"``, ...), one per param, in order."""
-    return [local_tensor(state[key]) for state in param_states]
+def _launch_step(
+    group: dict,
+    params: list,
+    grads: list,
+    moments: tuple,
+    segments: torch.Tensor,
+    counts: tuple,
+    device: torch.device,
+    hyper: torch.Tensor,
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+    record: LaunchSet | None = None,
+) -> tuple[StepLaunch, LaunchPlan | None]:
+    """One launch of a group's step, full or recorded path alike: advance the step counts, run the
+    launch through the functional step ``fused_step`` with the group's current options (under AMP
+    the counts advance after it, by ``found_inf == 0``). ``moments``: the state lists in
+    ``StepLaunch``'s order; ``counts``: ``(pack_steps buffer or None, the state["step"] tensors)``;
+    ``record``: the recorded launch of these tensors, which ``fused_step`` reuses."""
+    buffer, step_list = counts
+    if found_inf is None:
+        if buffer is None:
+            torch._foreach_add_(step_list, 1.0)
+        else:
+            buffer.add_(1.0)
+    steps = buffer if buffer is not None else torch.stack(step_list).to(torch.float32)
+    if steps.device != device:
+        steps = to_device_async(steps, device)
+    if found_inf is not None:
+        steps = steps + 1.0  # the step number of this step; the counts advance below
+    launch = StepLaunch(
+        params, grads, moments[0], moments[1], moments[2], steps, hyper, segments, group["seed"],
+        group["amsgrad"], group["maximize"],
+        params[0].dtype == torch.bfloat16 and group["stochastic_rounding"] is not False,
+        grad_scale, found_inf, group["state_rounding"] == "stochastic", moments[3], moments[4],
+    )  # fmt: skip
+    plan = fused_step(launch, record)
+    if found_inf is not None:  # + 1 where no inf was found, + 0.0 (the same bits) where one was
+        advance = (found_inf == 0).to(torch.float32).reshape(())
+        if buffer is None:
+            torch._foreach_add_(step_list, [advance] * len(step_list))
+        else:
+            buffer.add_(advance)
+    return launch, plan
+
+
+def _state_list(param_states: list[dict], key: str, roles: tuple) -> list[torch.Tensor]:
+    """The local tensors of one state entry (``"exp_avg"``, ...), one per param, in order; ``[]``
+    for an entry the format does not have (not in ``roles``)."""
+    return [local_tensor(state[key]) for state in param_states] if key in roles else []
