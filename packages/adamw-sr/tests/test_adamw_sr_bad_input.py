@@ -505,3 +505,16 @@ def test_first_overlap_finds_nested_and_touching_ranges():
     assert first_overlap([(10, 5), (0, 10), (15, 1)]) is None  # touching ends share no index
     assert first_overlap([(0, 10), (5, 0)]) is None  # an empty range overlaps nothing
     assert first_overlap([(2**40, 8), (2**40 + 7, 1)]) == (0, 1)
+
+
+def test_functional_step_refuses_overlapping_base_indices_untouched():
+    params = [torch.randn(16).bfloat16(), torch.randn(8).bfloat16()]
+    before = [p.clone() for p in params]
+    ms, vs = [torch.zeros(16), torch.zeros(8)], [torch.zeros(16), torch.zeros(8)]
+    match = r"params\[0\] \(global indices \[0, 16\)\) and params\[1\] \(global indices \[15, 23\)\) overlap"
+    with pytest.raises(ValueError, match=match):
+        adamw_sr_step(params, [torch.ones(16), torch.ones(8)], ms, vs, None, torch.ones(2), lr=1e-2,
+                      base_indices=[0, 15])  # fmt: skip
+    for p, q in zip(params, before, strict=True):
+        assert_bitwise_equal(p, q)
+    assert all(not t.any() for t in ms + vs)

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import kernel, state_codes, states
 from .checks import SUPPORTED_GRAD_DTYPES, SUPPORTED_PARAM_DTYPES, amp_scalar, check_hyperparameters
-from .indices import BASE_INDEX_ALIGNMENT, PLAIN_TENSOR_TYPES, default_base_indices
+from .indices import BASE_INDEX_ALIGNMENT, PLAIN_TENSOR_TYPES, default_base_indices, first_overlap
 from .launch import LaunchPlan, launch_fused_step, to_device_async
 
 __all__ = [
@@ -329,7 +329,8 @@ def adamw_sr_step(
         stochastic_rounding: bf16 params: ``None``/``True`` stochastic, ``False`` nearest.
         seed: Philox seed, an integer (int or numpy integer, not bool) with ``0 <= seed < 2**64``.
         base_indices: global index of each param's first element (default: ``default_base_indices``,
-            the running offset with each param starting on a multiple of 8).
+            the running offset with each param starting on a multiple of 8); the ranges
+            ``[base_indices[i], base_indices[i] + numel)`` must be disjoint.
         segments: advanced: int64 CPU ``[S, 4]`` rows ``(slot, local_start, length, global_start)``
             mapping local elements to global indices (overrides ``base_indices``; see ``local_segments``).
         grad_scale: AMP: a 1-element fp32 tensor, the loss scale the gradients carry
@@ -356,7 +357,8 @@ def adamw_sr_step(
         TypeError: unsupported dtypes (moments other than fp32, bf16 or uint8, or of mixed dtypes);
             a seed that is not an integer (a bool, a float); ``grad_scale`` or ``found_inf`` not an
             fp32 tensor.
-        ValueError: mismatched lengths, shapes, devices or layouts; 8-bit moments with amsgrad,
+        ValueError: mismatched lengths, shapes, devices or layouts; ``base_indices`` giving two
+            params overlapping ranges of global indices; 8-bit moments with amsgrad,
             without their scales or with a segment off the block grid; an unknown
             ``state_rounding``; a seed outside ``[0, 2**64)``;
             a step outside ``[1, 2**24 - 1]`` or not an integer; ``lr < 0``, a beta outside
@@ -455,6 +457,15 @@ def adamw_sr_step(
                     f"adamw_sr_step: base_indices[{i}] = {b!r} must be an int in [0, 2**62) "
                     "(the global index of the param's first element)"
                 )
+        hit = first_overlap([(b, p.numel()) for p, b in zip(params, base_indices, strict=True)])
+        if hit is not None:  # shared global indices would share rounding bits
+            (i, bi), (j, bj) = ((k, base_indices[k]) for k in hit)
+            raise ValueError(
+                f"adamw_sr_step: params[{i}] (global indices [{bi}, {bi + params[i].numel()})) and "
+                f"params[{j}] (global indices [{bj}, {bj + params[j].numel()})) overlap: their "
+                "stochastic-rounding bits would be shared. Give each param a disjoint range "
+                "[base_indices[i], base_indices[i] + numel), or omit base_indices for the defaults."
+            )
         rows = [
             (i, 0, p.numel(), int(b))
             for i, (p, b) in enumerate(zip(params, base_indices, strict=True))
