@@ -112,3 +112,28 @@ def test_compiled_step_after_eager_steps_and_after_resume_equals_eager(state_dty
     # caches (as from step 0): no recompilation at every step
     assert counter2.frame_count == 1 and counter3.frame_count == 2
     assert all(float(o3.state[p]["step"]) == 4.0 for p in m3.parameters())
+
+
+def test_compiled_step_of_two_groups_is_one_graph_and_equals_eager():
+    # groups of different formats (8-bit weights, bf16 biases) trace as one graph too
+    torch._dynamo.reset()
+
+    def make():
+        model = torch.nn.Sequential(_model(4), torch.nn.GELU(), torch.nn.Linear(8, 4).bfloat16())
+        groups = [
+            {"params": [model[0].weight, model[2].weight], "state_dtype": "8bit"},
+            {"params": [model[0].bias, model[2].bias], "state_dtype": torch.bfloat16},
+        ]
+        return model, AdamWSR(groups, lr=1e-2, seed=9)
+
+    (m1, o1), (m2, o2) = make(), make()
+    step, counter = _compiled(o2)
+    for i in range(2):
+        _set_grads(m1, i)
+        _set_grads(m2, i)
+        o1.step()
+        step()
+        _assert_same(m1, o1, m2, o2)
+    assert counter.frame_count == 2
+    explained = torch._dynamo.explain(o2.step)()
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons

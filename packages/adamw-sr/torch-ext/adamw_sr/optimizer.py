@@ -463,7 +463,9 @@ class AdamWSR(torch.optim.Optimizer):
                 outside torch.optim.AdamW's ranges, an unsupported ``state_dtype`` or
                 ``state_rounding``, amsgrad with 8-bit states (param_groups are re-checked at each
                 eager step); with 8-bit states, a param or shard not starting on a block of 32 global
-                indices (the message names the block size and the fixes).
+                indices (the message names the block size and the fixes); a loaded group's
+                ``capturable=True`` with non-CUDA params (eager; under torch.compile dynamo sets the
+                flag itself and the compiler owns graph capture, as for torch's optimizers).
             TypeError: a gradient dtype other than fp32/bf16; a group's ``seed`` not an integer, a
                 hyperparameter not a real number; ``grad_scale`` / ``found_inf`` not fp32 tensors.
 
@@ -490,10 +492,9 @@ class AdamWSR(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         compiling = torch.compiler.is_compiling()
-        # Under torch.compile dynamo's view of every group reads capturable=True (it turns the flag
-        # on while tracing, torch._dynamo.variables.optimizer; torch's note "torch.compile x
-        # capturable"), whatever the user passed: like torch's optimizers, the capturable checks run
-        # in eager mode only (there the user's flag is read), and the compiler owns graph capture.
+        # While dynamo traces, every group reads capturable=True whatever the user passed (torch's note
+        # "torch.compile x capturable"): as in torch's optimizers, the capturable checks (a loaded
+        # group may set it) run in eager mode only, and the compiler owns graph capture.
         groups = self.param_groups
         # as torch's optimizers: the capture query is not traceable (dynamo would break the graph here)
         capturing = not compiling and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
@@ -544,7 +545,6 @@ class AdamWSR(torch.optim.Optimizer):
             check_grads(with_grad)
             if with_grad:  # CPU params need the Triton interpreter: say so before any state is touched
                 runtime.check_kernel_device(*(local_tensor(p) for p in with_grad), op="AdamWSR.step")
-                # a loaded param group may set capturable (eager only: see dynamo's flag above)
                 if not compiling and group["capturable"] and local_tensor(with_grad[0]).device.type != "cuda":
                     self._check_device_flags(group)
             work.append((group, with_grad, None))
