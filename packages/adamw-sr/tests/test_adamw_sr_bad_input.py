@@ -435,3 +435,86 @@ def test_capturable_true_with_cpu_params_is_refused_like_torch():
 def test_a_module_instead_of_its_parameters_names_the_fix():
     with pytest.raises(TypeError, match=r"got the module Linear; pass model.parameters\(\)"):
         AdamWSR(torch.nn.Linear(3, 2))
+
+
+# --------------------------------------------------------------------------- overlapping base_index
+
+
+def test_overlapping_base_index_in_one_group_is_refused():
+    # two params with one base_index would draw the same rounding bits at every shared index
+    a, b = torch.zeros(16, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.bfloat16)
+    with pytest.raises(
+        ValueError,
+        match=r"param 0 of param group 0 \(base_index=4, 16 elements: global indices \[4, 20\)\) and "
+        r"param 1 of param group 0 \(base_index=12, 8 elements: global indices \[12, 20\)\) overlap.*"
+        r"disjoint range.*omit base_index",
+    ):
+        AdamWSR([{"params": [a, b], "base_index": [4, 12]}])
+    with pytest.raises(ValueError, match=r"param 0 .* and param 1 .* overlap"):
+        AdamWSR([{"params": [a, b], "base_index": [3, 3]}])
+    # adjacent ranges share no index, and None keeps a param's default index
+    opt = AdamWSR([{"params": [a, b], "base_index": [4, 20]}])
+    assert opt._base_indices() == {id(a): 4, id(b): 20}
+    c = torch.zeros(8)
+    match = (
+        r"param 0 of param group 0 \(default index 0, 8 elements.* param 1 of param group 0 \(base_index=7"
+    )
+    with pytest.raises(ValueError, match=match):
+        AdamWSR([{"params": [c, a], "base_index": [None, 7]}])
+
+
+def test_overlapping_base_index_across_groups_is_refused_and_nothing_is_touched():
+    p, q = torch.nn.Parameter(torch.randn(64).bfloat16()), torch.nn.Parameter(torch.randn(32).bfloat16())
+    opt = AdamWSR([p], lr=1e-2, seed=2)  # p at its default index 0: [0, 64)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    unchanged = _bad_step_leaves_everything_untouched(opt, [p, q])
+    groups = list(opt.param_groups)
+    with pytest.raises(
+        ValueError,
+        match=r"AdamWSR: param 0 of param group 0 \(default index 0, 64 elements: global indices \[0, 64\)\) "
+        r"and param 0 of param group 1 \(base_index=40, 32 elements: global indices \[40, 72\)\) overlap",
+    ):
+        opt.add_param_group({"params": [q], "base_index": [40]})
+    assert opt.param_groups == groups and unchanged()
+    q.grad = torch.ones_like(q)  # q is not the optimizer's: the next step moves p only, from step 1
+    opt.step()
+    assert float(opt.state[p]["step"]) == 2.0 and q not in opt.state
+    opt.add_param_group({"params": [q], "base_index": [64]})  # right after p: accepted
+    assert opt._base_indices()[id(q)] == 64
+
+
+def test_a_checkpoint_with_overlapping_base_index_is_refused_untouched():
+    p, q = torch.nn.Parameter(torch.randn(40).bfloat16()), torch.nn.Parameter(torch.randn(24).bfloat16())
+    opt = AdamWSR([{"params": [p, q], "base_index": [0, 40]}], lr=1e-2)
+    p.grad, q.grad = torch.ones_like(p), torch.ones_like(q)
+    opt.step()
+    saved = opt.state_dict()
+    saved["param_groups"][0]["base_index"] = [0, 39]  # edited by hand: q's first index is p's last
+    unchanged = _bad_step_leaves_everything_untouched(opt, [p, q])
+    match = r"AdamWSR.load_state_dict \(the checkpoint's base_index\): param 0 .* param 1 .*\(base_index=39"
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(saved)
+    assert unchanged() and opt.param_groups[0]["base_index"] == [0, 40]
+
+
+def test_first_overlap_finds_nested_and_touching_ranges():
+    from adamw_sr.indices import first_overlap
+
+    assert first_overlap([(0, 100), (200, 5), (50, 5)]) == (0, 2)  # inside a longer range, not adjacent
+    assert first_overlap([(10, 5), (0, 10), (15, 1)]) is None  # touching ends share no index
+    assert first_overlap([(0, 10), (5, 0)]) is None  # an empty range overlaps nothing
+    assert first_overlap([(2**40, 8), (2**40 + 7, 1)]) == (0, 1)
+
+
+def test_functional_step_refuses_overlapping_base_indices_untouched():
+    params = [torch.randn(16).bfloat16(), torch.randn(8).bfloat16()]
+    before = [p.clone() for p in params]
+    ms, vs = [torch.zeros(16), torch.zeros(8)], [torch.zeros(16), torch.zeros(8)]
+    match = r"params\[0\] \(global indices \[0, 16\)\) and params\[1\] \(global indices \[15, 23\)\) overlap"
+    with pytest.raises(ValueError, match=match):
+        adamw_sr_step(params, [torch.ones(16), torch.ones(8)], ms, vs, None, torch.ones(2), lr=1e-2,
+                      base_indices=[0, 15])  # fmt: skip
+    for p, q in zip(params, before, strict=True):
+        assert_bitwise_equal(p, q)
+    assert all(not t.any() for t in ms + vs)

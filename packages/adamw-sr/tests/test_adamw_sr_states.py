@@ -814,8 +814,7 @@ def test_compiled_optimizer_step_with_8bit_and_bf16_states_equals_eager():
         assert_bitwise_equal(a, b)
         for key, value in o1.state[a].items():
             assert_bitwise_equal(o2.state[b][key], value, key)
-    # one group (of 8-bit states) traces as one graph; two groups break once between them, with fp32
-    # states as before this option
+    # one group (of 8-bit states) traces as one graph (two groups too: test_adamw_sr_compile.py)
     single = AdamWSR([m1[0].weight], lr=1e-3, state_dtype="8bit")
     m1[0].weight.grad = torch.ones_like(m1[0].weight)
     single.step()

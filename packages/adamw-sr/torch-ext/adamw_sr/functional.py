@@ -1,9 +1,17 @@
-"""The functional fused step ``adamw_sr_step`` and the launch it runs: its launch plans (one cache)
-and its ``torch.library`` custom ops (opaque to ``torch.compile``).
+"""The functional fused step: ``fused_step``, the one path from every caller to the kernel, and
+``adamw_sr_step``, its public form that checks its arguments first; their launch plans (one cache)
+and ``torch.library`` custom ops (opaque to ``torch.compile``).
 
-Reading order: the hyperparameter checks, ``StepLaunch`` (one launch's tensors and options),
-the plan cache, the custom ops, ``fused_step`` (op or direct launch), ``adamw_sr_step`` and the
-device scalars it builds (``hyper_tensor``, ``amp_scalar``).
+One front door (class -> functional -> backend): ``AdamWSR.step`` (validated param groups and
+state, both its full and its recorded eager path) and ``adamw_sr_step`` (validated arguments) each
+build a ``StepLaunch`` and call ``fused_step``, which runs it through a custom op (under a
+compiler or a dispatch mode) or straight through ``_launch`` -> ``launch.launch_fused_step`` ->
+``kernel``. ``AdamWSR``'s recorded launches (``step_cache.LaunchSet``) are caches that
+``fused_step`` reads (the plan, the written tensors), not another way to the kernel.
+
+Reading order: ``StepLaunch`` (one launch's tensors and options), the plan cache, the custom ops,
+``fused_step`` (op or direct launch), ``adamw_sr_step`` and the device scalars it builds
+(``hyper_tensor``).
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import kernel, state_codes, states
 from .checks import SUPPORTED_GRAD_DTYPES, SUPPORTED_PARAM_DTYPES, amp_scalar, check_hyperparameters
-from .indices import BASE_INDEX_ALIGNMENT, PLAIN_TENSOR_TYPES, default_base_indices
+from .indices import BASE_INDEX_ALIGNMENT, PLAIN_TENSOR_TYPES, default_base_indices, first_overlap
 from .launch import LaunchPlan, launch_fused_step, to_device_async
 
 __all__ = [
@@ -26,6 +34,7 @@ __all__ = [
     "PLAN_CACHE",
     "StepLaunch",
     "adamw_sr_step",
+    "dispatch_mode_active",
     "fused_step",
     "get_plan",
     "hyper_tensor",
@@ -43,7 +52,7 @@ MAX_STEP = 2**24 - 1
 PLAN_CACHE = PlanCache(limit=64)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(eq=False)
 class StepLaunch:
     """One fused launch: the tensors of each role and the options, as the kernel reads them.
 
@@ -57,7 +66,9 @@ class StepLaunch:
     ``found_inf`` is nonzero). bf16 / 8-bit moments (their dtype says which): ``state_stochastic``
     rounds them stochastically (else to nearest); ``exp_avg_scales``, ``exp_avg_sq_scales``: the
     8-bit block scales (uint8), one tensor per param, else ``[]``. Built by callers that have
-    validated every tensor (``adamw_sr_step``, ``AdamWSR.step``); holds no checks of its own.
+    validated every tensor (``adamw_sr_step``, ``AdamWSR.step``); holds no checks of its own. Not
+    frozen (its ``__init__`` is then plain attribute stores, cheap enough for every eager step);
+    nothing changes a built one.
 
     **Determinism:** a record of one launch's arguments: ``fused_step`` of equal records writes
     equal bits.
@@ -157,13 +168,12 @@ def _fused_step_op_body(
     found_inf: Optional[torch.Tensor],  # noqa: UP045
 ) -> None:
     """The body of the three custom ops: ``StepLaunch``'s fields in order (``StepLaunch.op_args``)."""
-    _launch(
-        StepLaunch(
-            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hyper, segments, int(seed),
-            amsgrad, maximize, stochastic, grad_scale, found_inf, state_stochastic, exp_avg_scales,
-            exp_avg_sq_scales,
-        )
+    launch = StepLaunch(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hyper, segments, int(seed),
+        amsgrad, maximize, stochastic, grad_scale, found_inf, state_stochastic, exp_avg_scales,
+        exp_avg_sq_scales,
     )  # fmt: skip
+    _launch(launch, get_plan(launch))
 
 
 # One schema, three ops that differ in what they declare written: fp32 moments without AMP only
@@ -192,9 +202,9 @@ for _op in _OPS.values():
     _op.register_fake(_no_output)
 
 
-def _launch(launch: StepLaunch) -> LaunchPlan:
-    """``launch`` over its cached plan (the custom ops' body and the eager path); returns the plan."""
-    plan = get_plan(launch)
+def _launch(launch: StepLaunch, plan: LaunchPlan) -> None:
+    """``launch`` over ``plan`` (its tensors' plan): the one call of the backend, from the custom ops'
+    body and from ``fused_step``'s eager way."""
     roles = (
         launch.params, launch.grads, launch.exp_avgs, launch.exp_avg_sqs,
         launch.max_exp_avg_sqs or launch.exp_avg_sqs,
@@ -206,22 +216,41 @@ def _launch(launch: StepLaunch) -> LaunchPlan:
         state_stochastic=launch.state_stochastic,
         scales=(launch.exp_avg_scales, launch.exp_avg_sq_scales),
     )  # fmt: skip
-    return plan
 
 
-def fused_step(launch: StepLaunch) -> LaunchPlan | None:
-    """Run one ``StepLaunch`` (no checks: callers validate first; see ``adamw_sr_step``).
+def dispatch_mode_active() -> bool:
+    """Whether a ``TorchDispatchMode`` (e.g. fake tensors, a debug mode) is watching the dispatcher:
+    then ``fused_step`` goes through its custom op, and ``AdamWSR`` records no launches.
 
-    Through a custom op when a compiler or a dispatch mode (e.g. fake tensors) is watching; in
-    plain eager mode straight to the launch, skipping the op's per-tensor dispatch checks (a third
-    of ``step()``'s host time at 2,000 tensors), and bumping the version counters of the tensors
-    written in place, as the op would. Returns the ``LaunchPlan`` it launched over (``None``
-    through the op).
+    **Determinism:** a query; changes nothing.
+    """
+    return _get_current_dispatch_mode() is not None
 
-    **Determinism:** both ways run the same launch: the bits of ``adamw_sr_step``.
+
+def fused_step(launch: StepLaunch, record=None) -> LaunchPlan | None:
+    """Run one ``StepLaunch``: the functional step of validated tensors (no checks: callers validate
+    first, as ``adamw_sr_step`` and ``AdamWSR.step`` do), the one way to the kernel.
+
+    Through a custom op when a compiler or a dispatch mode (e.g. fake tensors) is watching or the
+    params are not plain tensors; in plain eager mode straight to the launch, skipping the op's
+    per-tensor dispatch checks (a large part of ``step()``'s host time at thousands of tensors), and
+    bumping the version counters of the tensors written in place, as the op would.
+
+    Args:
+        launch: the launch (see ``StepLaunch``).
+        record: ``AdamWSR``'s recorded launch of these tensors (``step_cache.LaunchSet``; its
+            caller checked that it still holds, in plain eager mode): its plan for the gradients'
+            addresses and its list of written tensors are used instead of building them.
+
+    Returns: the ``LaunchPlan`` it launched over (``None`` through the op).
+
+    **Determinism:** every way runs the same launch over the same plan tables: the bits of
+    ``adamw_sr_step``.
     """
     amp = launch.grad_scale is not None or launch.found_inf is not None
-    if (
+    if record is not None:
+        plan, written = record.plan_for(launch), record.written
+    elif (
         torch.compiler.is_compiling()
         or _get_current_dispatch_mode() is not None
         or type(launch.params[0]) not in PLAIN_TENSOR_TYPES
@@ -229,9 +258,11 @@ def fused_step(launch: StepLaunch) -> LaunchPlan | None:
         fp32 = launch.state_format == kernel.FORMAT_FP32
         _OPS["states" if not fp32 else "fp32_amp" if amp else "fp32"](*launch.op_args())
         return None
-    plan = _launch(launch)
-    written = [*launch.params, *launch.exp_avgs, *launch.exp_avg_sqs, *launch.max_exp_avg_sqs]
-    written += [*launch.exp_avg_scales, *launch.exp_avg_sq_scales]
+    else:
+        plan = get_plan(launch)
+        written = [*launch.params, *launch.exp_avgs, *launch.exp_avg_sqs, *launch.max_exp_avg_sqs]
+        written += [*launch.exp_avg_scales, *launch.exp_avg_sq_scales]
+    _launch(launch, plan)
     increment_versions(written + launch.grads if amp else written)
     return plan
 
@@ -299,7 +330,8 @@ def adamw_sr_step(
         stochastic_rounding: bf16 params: ``None``/``True`` stochastic, ``False`` nearest.
         seed: Philox seed, an integer (int or numpy integer, not bool) with ``0 <= seed < 2**64``.
         base_indices: global index of each param's first element (default: ``default_base_indices``,
-            the running offset with each param starting on a multiple of 8).
+            the running offset with each param starting on a multiple of 8); the ranges
+            ``[base_indices[i], base_indices[i] + numel)`` must be disjoint.
         segments: advanced: int64 CPU ``[S, 4]`` rows ``(slot, local_start, length, global_start)``
             mapping local elements to global indices (overrides ``base_indices``; see ``local_segments``).
         grad_scale: AMP: a 1-element fp32 tensor, the loss scale the gradients carry
@@ -326,7 +358,8 @@ def adamw_sr_step(
         TypeError: unsupported dtypes (moments other than fp32, bf16 or uint8, or of mixed dtypes);
             a seed that is not an integer (a bool, a float); ``grad_scale`` or ``found_inf`` not an
             fp32 tensor.
-        ValueError: mismatched lengths, shapes, devices or layouts; 8-bit moments with amsgrad,
+        ValueError: mismatched lengths, shapes, devices or layouts; ``base_indices`` giving two
+            params overlapping ranges of global indices; 8-bit moments with amsgrad,
             without their scales or with a segment off the block grid; an unknown
             ``state_rounding``; a seed outside ``[0, 2**64)``;
             a step outside ``[1, 2**24 - 1]`` or not an integer; ``lr < 0``, a beta outside
@@ -425,6 +458,15 @@ def adamw_sr_step(
                     f"adamw_sr_step: base_indices[{i}] = {b!r} must be an int in [0, 2**62) "
                     "(the global index of the param's first element)"
                 )
+        hit = first_overlap([(b, p.numel()) for p, b in zip(params, base_indices, strict=True)])
+        if hit is not None:  # shared global indices would share rounding bits
+            (i, bi), (j, bj) = ((k, base_indices[k]) for k in hit)
+            raise ValueError(
+                f"adamw_sr_step: params[{i}] (global indices [{bi}, {bi + params[i].numel()})) and "
+                f"params[{j}] (global indices [{bj}, {bj + params[j].numel()})) overlap: their "
+                "stochastic-rounding bits would be shared. Give each param a disjoint range "
+                "[base_indices[i], base_indices[i] + numel), or omit base_indices for the defaults."
+            )
         rows = [
             (i, 0, p.numel(), int(b))
             for i, (p, b) in enumerate(zip(params, base_indices, strict=True))

@@ -20,10 +20,13 @@ from . import state_codes, states
 __all__ = [
     "BASE_INDEX_ALIGNMENT",
     "check_8bit_layout",
+    "check_disjoint_indices",
     "default_base_indices",
+    "first_overlap",
     "is_dtensor",
     "local_segments",
     "local_tensor",
+    "param_starts",
 ]
 
 # Default base indices start every parameter on a multiple of 8: its windows are then 4-aligned in the
@@ -53,6 +56,81 @@ def default_base_indices(numels, alignments=None) -> list[int]:
         out.append(offset)
         offset = runtime.cdiv(offset + int(n), BASE_INDEX_ALIGNMENT) * BASE_INDEX_ALIGNMENT
     return out
+
+
+def first_overlap(ranges) -> tuple[int, int] | None:
+    """Two ranges of global indices that share an index, or ``None`` when all are disjoint.
+
+    Args:
+        ranges: sequence of ``(start, length)`` int pairs, the half-open ranges
+            ``[start, start + length)`` (a param's base index and its global element count).
+
+    Returns: the positions ``(i, j)``, ``i < j``, of two overlapping ranges (the pair met first in
+    the order of ``start``), or ``None``. Empty ranges overlap nothing.
+
+    **Determinism:** a pure function of the ranges. Two params whose ranges overlap would draw the
+    same stochastic-rounding bits at their shared indices: ``AdamWSR`` refuses them with this.
+    """
+    reach, holder = None, -1  # the furthest end so far and the range that reaches it
+    for start, end, i in sorted((int(s), int(s) + int(n), i) for i, (s, n) in enumerate(ranges) if n > 0):
+        if reach is not None and start < reach:
+            return (min(holder, i), max(holder, i))
+        if reach is None or end > reach:
+            reach, holder = end, i
+    return None
+
+
+def param_starts(groups: list[dict]) -> list[tuple[torch.Tensor, int, bool]]:
+    """``(param, global index of its first element, whether the group's base_index gave it)`` for
+    every param of ``groups`` (``AdamWSR``'s param-group dicts: ``params``, ``state_dtype``, optional
+    ``base_index``) in order: the running default offsets (``default_base_indices``, each param
+    aligned for its group's ``state_dtype``; a DTensor counts its global elements), overridden by
+    ``base_index`` entries that are not ``None``.
+
+    **Determinism:** a pure function of the groups' element counts, formats and base indices.
+    """
+    params = [p for g in groups for p in g["params"]]
+    aligns = [states.base_index_alignment(g["state_dtype"]) for g in groups for _ in g["params"]]
+    defaults = default_base_indices((p.numel() for p in params), aligns)
+    explicit = [b for g in groups for b in (g.get("base_index") or [None] * len(g["params"]))]
+    return [
+        (p, d if b is None else b, b is not None) for p, d, b in zip(params, defaults, explicit, strict=True)
+    ]
+
+
+def check_disjoint_indices(groups: list[dict], op: str) -> None:
+    """Refuse two params of ``groups`` (``AdamWSR``'s param-group dicts) whose global index ranges
+    ``[start, start + numel)`` (``param_starts``) overlap. Default indices never overlap each
+    other: only groups with a ``base_index`` are checked. ``op`` names the caller in the message.
+
+    Raises:
+        ValueError: naming both params (group and position), their ranges and the fixes.
+
+    **Determinism:** an element's rounding bits are keyed by its global index, so overlapping
+    params would draw the same random bits at their shared indices: this keeps the streams apart.
+    """
+    if not any(g.get("base_index") for g in groups):
+        return
+    starts = param_starts(groups)
+    hit = first_overlap([(start, p.numel()) for p, start, _ in starts])
+    if hit is None:
+        return
+    where = [(gi, pi) for gi, g in enumerate(groups) for pi in range(len(g["params"]))]
+
+    def name(k: int) -> str:
+        p, start, explicit = starts[k]
+        how = f"base_index={start}" if explicit else f"default index {start}"
+        return (
+            f"param {where[k][1]} of param group {where[k][0]} ({how}, {p.numel()} elements: global "
+            f"indices [{start}, {start + p.numel()}))"
+        )
+
+    raise ValueError(
+        f"{op}: {name(hit[0])} and {name(hit[1])} overlap: the stochastic-rounding bits of an element "
+        "are keyed by its global index, so these params would share random bits. Give each param its own "
+        "disjoint range [base_index, base_index + numel), or omit base_index (None) for the default "
+        "indices."
+    )
 
 
 # the types of a plain (unsharded) tensor: tested by ``type(t) in PLAIN_TENSOR_TYPES``, a set lookup

@@ -2,9 +2,10 @@
 (param dtype, grad dtype) group, with stochastic rounding of bf16 weights keyed by global element index,
 and moments stored in fp32, bf16 or 8 bits (``state_dtype``; formats in ``states``, ``state_codes``).
 
-The class validates its param groups, keeps the state and builds each step's launches; the global
-element index is ``indices``, the functional step it calls ``functional`` (``adamw_sr_step`` is
-re-exported here), the host launch code ``launch`` and the kernels ``kernel``.
+The class validates its param groups, keeps the state and builds each step's launches, which it
+runs through the functional step ``functional.fused_step`` (the one way to the kernel, also behind
+``adamw_sr_step``, re-exported here), on both its full and its recorded (``step_cache``) path; the
+global element index is ``indices``, the host launch code ``launch``, the kernels ``kernel``.
 """
 
 from __future__ import annotations
@@ -12,20 +13,21 @@ from __future__ import annotations
 import torch
 from det_core import rng, runtime
 from det_core.launch import PlanCache
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import states
 from .checks import amp_scalar, check_grads, check_hyperparameters, param_problem
-from .functional import StepLaunch, adamw_sr_step, fused_step, hyper_tensor
+from .functional import StepLaunch, adamw_sr_step, dispatch_mode_active, fused_step, hyper_tensor
 from .indices import (
     PLAIN_TENSOR_TYPES,
     check_8bit_layout,
+    check_disjoint_indices,
     default_base_indices,
     is_dtensor,
     local_segments,
     local_tensor,
+    param_starts,
 )
-from .launch import to_device_async
+from .launch import LaunchPlan, to_device_async
 from .step_cache import GroupLaunches, LaunchSet, grad_mask, pack_steps, packed_steps
 
 __all__ = ["AdamWSR", "adamw_sr_step", "default_base_indices", "local_segments"]
@@ -46,7 +48,8 @@ class AdamWSR(torch.optim.Optimizer):
         params: iterable of tensors or param-group dicts. Tensors must be contiguous, non-empty
             (a DTensor's local shard may be empty), real, fp32 or bf16, all on one device (CUDA, or
             CPU with ``TRITON_INTERPRET=1``). A group may give ``base_index``: a list with one int
-            (or ``None``) per param, the global index of its first element.
+            (or ``None``) per param, the global index of its first element; the ranges
+            ``[base_index, base_index + numel)`` of all params (defaults included) must be disjoint.
         lr: learning rate, float or 1-element tensor (a CUDA tensor for graph capture).
         betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW`` (decoupled decay
             ``p *= 1 - lr * weight_decay``).
@@ -83,7 +86,7 @@ class AdamWSR(torch.optim.Optimizer):
             ``differentiable=True``, ``capturable=True`` with non-CUDA params), an unsupported
             ``state_dtype`` (the message lists the supported ones) or ``state_rounding``,
             ``amsgrad`` with ``state_dtype="8bit"``, an empty or non-contiguous param, params on
-            several devices.
+            several devices, two params whose ``base_index`` ranges overlap (message names both).
         TypeError: ``params`` is a module (pass ``model.parameters()``); fp16, complex or integer
             params; a seed that is a bool or not an integer.
         RuntimeError: ``fused=True`` with params where the fused step cannot run (CPU without the
@@ -208,7 +211,8 @@ class AdamWSR(torch.optim.Optimizer):
             TypeError: a param is fp16, complex or not floating point; the group's ``seed`` is not
                 an integer (a bool or a float).
             ValueError: a param is empty or non-contiguous, on another device than the others,
-                ``base_index`` does not give one entry per param, or ``seed`` is outside ``[0, 2**64)``;
+                ``base_index`` does not give one entry per param or gives a param a range of global
+                indices that overlaps another param's, or ``seed`` is outside ``[0, 2**64)``;
                 the group sets ``foreach``, ``fused=False``, or ``capturable=True`` with non-CUDA params;
                 an unsupported ``state_dtype`` or ``state_rounding``, or amsgrad with 8-bit states.
             RuntimeError: ``fused=True`` with params where the fused step cannot run (CPU without
@@ -258,6 +262,11 @@ class AdamWSR(torch.optim.Optimizer):
                     f"AdamWSR: base_index must list one non-negative int (or None) per param, "
                     f"got {base!r} for {len(group['params'])} params"
                 )
+        try:
+            check_disjoint_indices(self.param_groups, "AdamWSR")
+        except ValueError:
+            self.param_groups.pop()
+            raise
         self._clear_launch_caches()
 
     def _clear_launch_caches(self) -> None:
@@ -289,16 +298,7 @@ class AdamWSR(torch.optim.Optimizer):
         # filled in place, never reassigned inside step(): dynamo (torch 2.11) refuses a setattr on
         # the optimizer object while tracing a compiled step
         if not self._base_index_cache:
-            params = [p for group in self.param_groups for p in group["params"]]
-            aligns = [
-                states.base_index_alignment(g["state_dtype"]) for g in self.param_groups for _ in g["params"]
-            ]
-            defaults = default_base_indices((p.numel() for p in params), aligns)  # global numel for a DTensor
-            explicit = [
-                b for g in self.param_groups for b in (g.get("base_index") or [None] * len(g["params"]))
-            ]
-            out = {id(p): d if b is None else b for p, d, b in zip(params, defaults, explicit, strict=True)}
-            self._base_index_cache.update(out)
+            self._base_index_cache.update((id(p), start) for p, start, _ in param_starts(self.param_groups))
         return self._base_index_cache
 
     def _segments(self, ps: list, base: dict[int, int], state_dtype: str = states.FLOAT32) -> torch.Tensor:
@@ -342,8 +342,10 @@ class AdamWSR(torch.optim.Optimizer):
 
         Raises:
             ValueError: a checkpoint group's ``state_dtype`` differs from this optimizer's group's,
-                or a saved state does not hold its format's tensors (moment dtype, 8-bit scales).
-                Checked before anything is loaded: the optimizer is left as it was.
+                or a saved state does not hold its format's tensors (moment dtype, 8-bit scales), or
+                the checkpoint's ``base_index`` gives two params overlapping ranges of global indices
+                (or not one entry per param). Checked before anything is loaded: the optimizer is left
+                as it was.
         """
         saved = state_dict["state"]
         self._check_loadable(state_dict)
@@ -409,10 +411,20 @@ class AdamWSR(torch.optim.Optimizer):
                             f"state_dtype={saved_dtype!r}) has dtype {value.dtype}; that format stores "
                             f"{torch.uint8 if key in states.SCALE_KEYS else want}"
                         )
-
-    def _check_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
-        """A loaded or existing state must hold its format's tensors at the param's shape and a step."""
-        states.check_state(p, state, group["state_dtype"], group["amsgrad"])
+        # the checkpoint's base_index replaces each group's: its ranges must be disjoint too
+        loaded = [
+            dict(g, base_index=t.get("base_index"))
+            for g, t in zip(self.param_groups, saved_groups, strict=True)
+        ]
+        for i, group in enumerate(loaded):
+            if len(saved_groups[i].get("params", [])) != len(group["params"]):
+                return  # torch's own load names this mismatch
+            if group["base_index"] is not None and len(group["base_index"]) != len(group["params"]):
+                raise ValueError(
+                    f"AdamWSR.load_state_dict: param group {i} of the checkpoint has base_index "
+                    f"{group['base_index']!r} for {len(group['params'])} params; it must list one per param"
+                )
+        check_disjoint_indices(loaded, "AdamWSR.load_state_dict (the checkpoint's base_index)")
 
     def __setstate__(self, state: dict) -> None:
         """Fill group options a loaded state lacks (e.g. a ``torch.optim.AdamW`` state_dict), like torch."""
@@ -452,7 +464,9 @@ class AdamWSR(torch.optim.Optimizer):
                 outside torch.optim.AdamW's ranges, an unsupported ``state_dtype`` or
                 ``state_rounding``, amsgrad with 8-bit states (param_groups are re-checked at each
                 eager step); with 8-bit states, a param or shard not starting on a block of 32 global
-                indices (the message names the block size and the fixes).
+                indices (the message names the block size and the fixes); a loaded group's
+                ``capturable=True`` with non-CUDA params (eager; under torch.compile dynamo sets the
+                flag itself and the compiler owns graph capture, as for torch's optimizers).
             TypeError: a gradient dtype other than fp32/bf16; a group's ``seed`` not an integer, a
                 hyperparameter not a real number; ``grad_scale`` / ``found_inf`` not fp32 tensors.
 
@@ -462,7 +476,8 @@ class AdamWSR(torch.optim.Optimizer):
         Host work: in eager mode a group's first step (and any step after its params, gradients'
         dtypes / shapes / devices / layouts, states or shaping options changed) takes the full
         path and records its launches; later steps re-check that record in C-level passes and
-        launch from it (``step_cache``), with the same bits. The step counters of one launch are
+        launch with it (``step_cache``; the launch still goes through ``fused_step``, which reuses
+        the record's plan), with the same bits. The step counters of one launch are
         then 0-dim views of one fp32 buffer (``state["step"]`` stays a 0-dim fp32 tensor).
 
         AMP: ``torch.amp.GradScaler.step(opt)`` sets ``opt.grad_scale`` and ``opt.found_inf`` for
@@ -478,8 +493,9 @@ class AdamWSR(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         compiling = torch.compiler.is_compiling()
-        # read once: under torch.compile each read of param_groups makes dynamo mark the groups
-        # capturable (torch._dynamo.variables.optimizer), which the device check below would refuse
+        # While dynamo traces, every group reads capturable=True whatever the user passed (torch's note
+        # "torch.compile x capturable"): as in torch's optimizers, the capturable checks (a loaded
+        # group may set it) run in eager mode only, and the compiler owns graph capture.
         groups = self.param_groups
         # as torch's optimizers: the capture query is not traceable (dynamo would break the graph here)
         capturing = not compiling and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
@@ -510,12 +526,13 @@ class AdamWSR(torch.optim.Optimizer):
             for group in groups:
                 for p in group["params"]:
                     if self.state.get(p):
-                        self._check_state(p, self.state[p], group)
+                        # a loaded state must hold its format's tensors at the param's shape and a step
+                        states.check_state(p, self.state[p], group["state_dtype"], group["amsgrad"])
         # set by torch.amp.GradScaler.step for the length of this call (None: not under a GradScaler,
         # or grad_scale None when the gradients were unscaled already)
         amp = (getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
         # recorded launches (step_cache) serve plain tensors in plain eager mode
-        recordable = not (compiling or capturing or _get_current_dispatch_mode() is not None)
+        recordable = not (compiling or capturing or dispatch_mode_active())
         # per group: (group, its record, each recorded launch's gradients) when the record still
         # holds (step_cache), else (group, the params with a gradient, None) for the full path
         work = []
@@ -529,8 +546,8 @@ class AdamWSR(torch.optim.Optimizer):
             check_grads(with_grad)
             if with_grad:  # CPU params need the Triton interpreter: say so before any state is touched
                 runtime.check_kernel_device(*(local_tensor(p) for p in with_grad), op="AdamWSR.step")
-                if group["capturable"] and local_tensor(with_grad[0]).device.type != "cuda":
-                    self._check_device_flags(group)  # a loaded param group may set capturable
+                if not compiling and group["capturable"] and local_tensor(with_grad[0]).device.type != "cuda":
+                    self._check_device_flags(group)
             work.append((group, with_grad, None))
         if check_states and not compiling:
             self._state_flags["unchecked"] = False
@@ -555,8 +572,11 @@ class AdamWSR(torch.optim.Optimizer):
                     group["lr"], group["betas"], group["eps"], group["weight_decay"], first.device,
                     self._hyper_cache,
                 )  # fmt: skip
-                for launch_set, grads in zip(first.sets, picked, strict=True):
-                    launch_set.run(grads, group, hyper, *amp)
+                for ls, grads in zip(first.sets, picked, strict=True):
+                    _launch_step(
+                        group, ls.params, grads, ls.moments, ls.segments, (ls.counts, None), first.device,
+                        hyper, *amp, record=ls,
+                    )  # fmt: skip
             elif first:
                 record = self._group_step(group, first, group_launches, *amp, record=recordable)
                 if record is not None:
@@ -611,44 +631,11 @@ class AdamWSR(torch.optim.Optimizer):
                 counts = pack_steps(ps_states)
             else:
                 counts = None if torch.compiler.is_compiling() else packed_steps(ps_states)
-            step_list = [s["step"] for s in ps_states]
-            if found_inf is None:
-                if counts is None:
-                    torch._foreach_add_(step_list, 1.0)
-                else:
-                    counts.add_(1.0)
-            steps = counts if counts is not None else torch.stack(step_list).to(torch.float32)
-            if steps.device != device:
-                steps = to_device_async(steps, device)
-            if found_inf is not None:
-                steps = steps + 1.0  # the step number of this step; the counts advance below
-            role = {key: _state_role(ps_states, key) for key in roles}
-            launch = StepLaunch(
-                params=[local_tensor(p) for p in ps],
-                grads=[local_tensor(p.grad) for p in ps],
-                exp_avgs=role["exp_avg"],
-                exp_avg_sqs=role["exp_avg_sq"],
-                max_exp_avg_sqs=role.get("max_exp_avg_sq", []),
-                steps=steps,
-                hyper=hyper,
-                segments=segments,
-                seed=group["seed"],
-                amsgrad=amsgrad,
-                maximize=group["maximize"],
-                stochastic=ps[0].dtype == torch.bfloat16 and group["stochastic_rounding"] is not False,
-                grad_scale=grad_scale,
-                found_inf=found_inf,
-                state_stochastic=group["state_rounding"] == "stochastic",
-                exp_avg_scales=role.get("exp_avg_scale", []),
-                exp_avg_sq_scales=role.get("exp_avg_sq_scale", []),
-            )
-            plan = fused_step(launch)
-            if found_inf is not None:  # + 1 where no inf was found, + 0.0 (the same bits) where one was
-                advance = (found_inf == 0).to(torch.float32).reshape(())
-                if counts is None:
-                    torch._foreach_add_(step_list, [advance] * len(step_list))
-                else:
-                    counts.add_(advance)
+            moments = tuple(_state_list(ps_states, key, roles) for key in (*_STATE_KEYS, *states.SCALE_KEYS))
+            launch, plan = _launch_step(
+                group, [local_tensor(p) for p in ps], [local_tensor(p.grad) for p in ps], moments, segments,
+                (counts, [s["step"] for s in ps_states]), device, hyper, grad_scale, found_inf,
+            )  # fmt: skip
             if record and plan is not None:
                 picks = [position[id(p)] for p in ps]
                 picks = None if picks == list(range(len(group["params"]))) else tuple(picks)
@@ -661,6 +648,52 @@ class AdamWSR(torch.optim.Optimizer):
         )
 
 
-def _state_role(param_states: list[dict], key: str) -> list[torch.Tensor]:
-    """The local tensors of one state entry (``"exp_avg"``, ...), one per param, in order."""
-    return [local_tensor(state[key]) for state in param_states]
+def _launch_step(
+    group: dict,
+    params: list,
+    grads: list,
+    moments: tuple,
+    segments: torch.Tensor,
+    counts: tuple,
+    device: torch.device,
+    hyper: torch.Tensor,
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+    record: LaunchSet | None = None,
+) -> tuple[StepLaunch, LaunchPlan | None]:
+    """One launch of a group's step, full or recorded path alike: advance the step counts, run the
+    launch through the functional step ``fused_step`` with the group's current options (under AMP
+    the counts advance after it, by ``found_inf == 0``). ``moments``: the state lists in
+    ``StepLaunch``'s order; ``counts``: ``(pack_steps buffer or None, the state["step"] tensors)``;
+    ``record``: the recorded launch of these tensors, which ``fused_step`` reuses."""
+    buffer, step_list = counts
+    if found_inf is None:
+        if buffer is None:
+            torch._foreach_add_(step_list, 1.0)
+        else:
+            buffer.add_(1.0)
+    steps = buffer if buffer is not None else torch.stack(step_list).to(torch.float32)
+    if steps.device != device:
+        steps = to_device_async(steps, device)
+    if found_inf is not None:
+        steps = steps + 1.0  # the step number of this step; the counts advance below
+    launch = StepLaunch(
+        params, grads, moments[0], moments[1], moments[2], steps, hyper, segments, group["seed"],
+        group["amsgrad"], group["maximize"],
+        params[0].dtype == torch.bfloat16 and group["stochastic_rounding"] is not False,
+        grad_scale, found_inf, group["state_rounding"] == "stochastic", moments[3], moments[4],
+    )  # fmt: skip
+    plan = fused_step(launch, record)
+    if found_inf is not None:  # + 1 where no inf was found, + 0.0 (the same bits) where one was
+        advance = (found_inf == 0).to(torch.float32).reshape(())
+        if buffer is None:
+            torch._foreach_add_(step_list, [advance] * len(step_list))
+        else:
+            buffer.add_(advance)
+    return launch, plan
+
+
+def _state_list(param_states: list[dict], key: str, roles: tuple) -> list[torch.Tensor]:
+    """The local tensors of one state entry (``"exp_avg"``, ...), one per param, in order; ``[]``
+    for an entry the format does not have (not in ``roles``)."""
+    return [local_tensor(state[key]) for state in param_states] if key in roles else []

@@ -26,9 +26,9 @@ import operator
 
 import torch
 
-from .functional import StepLaunch, get_plan, increment_versions
+from .functional import StepLaunch, get_plan
 from .indices import PLAIN_TENSOR_TYPES
-from .launch import LaunchPlan, launch_fused_step, to_device_async
+from .launch import LaunchPlan
 
 __all__ = ["GroupLaunches", "LaunchSet", "grad_mask", "pack_steps"]
 
@@ -43,10 +43,7 @@ _GRAD = operator.attrgetter("grad")
 _STEP = operator.itemgetter("step")
 _PLAIN = frozenset(PLAIN_TENSOR_TYPES)
 _PLANS_PER_SET = 8
-
-
-def _same_objects(a, b) -> bool:
-    return all(map(operator.is_, a, b))
+_IS = operator.is_  # ``all(map(_IS, a, b))``: the same objects in order (inline: no call per check)
 
 
 def _same_shapes(tensors, shapes) -> bool:
@@ -114,11 +111,14 @@ class LaunchSet:
         roles: the state keys the format has (``"exp_avg"``, ...).
         counts: the step-count buffer of ``pack_steps``.
 
-    Holds the params, their states and the launch's options, but not the gradients (a record must
-    not keep freed gradients alive): only their addresses, for the plan.
+    Holds the params, their states (``moments``: the launch's state lists in ``StepLaunch``'s order),
+    the ``segments`` and the step counts, but not the gradients (a record must not keep freed
+    gradients alive): only their addresses, for the plan. Launches nothing itself: ``AdamWSR.step``
+    builds the step's ``StepLaunch`` from it and ``functional.fused_step`` reads its plan
+    (``plan_for``) and ``written`` list.
 
-    **Determinism:** ``run`` makes the launch the full path would make for the same tensors and
-    options (same plan tables, step numbers and flags): the same bits.
+    **Determinism:** a step served by the record makes the launch the full path would make for the
+    same tensors and options (same plan tables, step numbers and flags): the same bits.
     """
 
     def __init__(
@@ -126,7 +126,11 @@ class LaunchSet:
     ) -> None:
         ps = launch.params
         self.params, self.picks, self.states, self.plan, self.counts = ps, picks, param_states, plan, counts
-        self.launch = dataclasses.replace(launch, grads=[])
+        self.moments = (
+            launch.exp_avgs, launch.exp_avg_sqs, launch.max_exp_avg_sqs, launch.exp_avg_scales,
+            launch.exp_avg_sq_scales,
+        )  # fmt: skip
+        self.segments = launch.segments
         self.roles = {key: [state[key] for state in param_states] for key in roles}
         self.steps = list(map(_STEP, param_states))
         self.param_dtype = ps[0].dtype
@@ -171,13 +175,13 @@ class LaunchSet:
         ):
             return False
         live = list(map(state.get, ps))
-        if not _same_objects(live, self.states):
+        if not all(map(_IS, live, self.states)):
             return False
         try:
-            if not _same_objects(map(_STEP, live), self.steps):
+            if not all(map(_IS, map(_STEP, live), self.steps)):
                 return False
             for key, tensors in self.roles.items():
-                if not _same_objects(map(operator.itemgetter(key), live), tensors):
+                if not all(map(_IS, map(operator.itemgetter(key), live), tensors)):
                     return False
         except KeyError:  # an entry removed from a state dict
             return False
@@ -189,41 +193,20 @@ class LaunchSet:
             return all(map(operator.eq, map(_GET_DEVICE, grads), itertools.repeat(self.device_index)))
         return set(map(_DEVICE, grads)) == {self.device}  # CPU (-1) and meta (-1) told apart
 
-    def run(self, grads: list, group: dict, hyper: torch.Tensor, grad_scale, found_inf) -> None:
-        """The step of this launch with the live ``grads`` and ``group`` options (checked by the caller):
-        what the full path does, from the record."""
-        launch = self.launch
-        grad_ptrs = list(map(_DATA_PTR, grads))
-        if grad_ptrs != self.grad_ptrs:  # validated gradients elsewhere in memory: their plan
+    def plan_for(self, launch: StepLaunch) -> LaunchPlan:
+        """The launch plan of ``launch`` (this record's tensors with validated gradients): the
+        recorded one, or for gradients elsewhere in memory theirs (kept per address set, built by
+        ``functional.get_plan`` on a miss). Read by ``functional.fused_step``, the one launch path."""
+        grad_ptrs = list(map(_DATA_PTR, launch.grads))
+        if grad_ptrs != self.grad_ptrs:
             key = tuple(grad_ptrs)
             plan = self.plans.get(key)
             if plan is None:
                 if len(self.plans) >= _PLANS_PER_SET:
                     self.plans.clear()
-                plan = self.plans[key] = get_plan(dataclasses.replace(launch, grads=grads))
+                plan = self.plans[key] = get_plan(launch)
             self.plan, self.grad_ptrs = plan, grad_ptrs
-        counts = self.counts
-        if found_inf is None:
-            counts.add_(1.0)
-            steps = counts
-        else:
-            steps = counts + 1.0  # the step number of this step; the counts advance below
-        if steps.device != self.device:
-            steps = to_device_async(steps, self.device)
-        roles = (launch.params, grads, launch.exp_avgs, launch.exp_avg_sqs)
-        launch_fused_step(
-            self.plan, (*roles, launch.max_exp_avg_sqs or launch.exp_avg_sqs), steps, hyper,
-            seed=group["seed"], amsgrad=launch.amsgrad, maximize=group["maximize"],
-            param_bf16=self.param_dtype == torch.bfloat16,
-            stochastic=self.param_dtype == torch.bfloat16 and group["stochastic_rounding"] is not False,
-            grad_scale=grad_scale, found_inf=found_inf,
-            state_stochastic=group["state_rounding"] == "stochastic",
-            scales=(launch.exp_avg_scales, launch.exp_avg_sq_scales),
-        )  # fmt: skip
-        if found_inf is not None:  # + 1 where no inf was found, + 0.0 (the same bits) where one was
-            counts.add_((found_inf == 0).to(torch.float32).reshape(()))
-        amp = grad_scale is not None or found_inf is not None
-        increment_versions(self.written + grads if amp else self.written)
+        return self.plan
 
 
 @dataclasses.dataclass(eq=False)
@@ -258,7 +241,7 @@ class GroupLaunches:
         if (
             group is not self.group
             or len(params) != len(self.params)
-            or not _same_objects(params, self.params)
+            or not all(map(_IS, params, self.params))
             or self.options_of(group) != self.options
         ):
             return None
