@@ -338,8 +338,18 @@ def _per_head_norms(model: nn.Module) -> dict[int, int | str]:
             if out == head_dim if isinstance(out, int) else heads == 1:
                 continue
             name = f"{parent_name}.{child_name}" if parent_name else child_name
-            if isinstance(out, int) and out % head_dim == 0:
+            counts = {getattr(config, k, None) for k in ("num_attention_heads", "num_key_value_heads")}
+            counts = {c for c in counts if isinstance(c, int)}
+            if isinstance(out, int) and out % head_dim == 0 and (not counts or out // head_dim in counts):
                 found[id(child)] = out // head_dim
+                continue
+            if isinstance(out, int) and out % head_dim == 0:  # a gated projection (Qwen3.5): more outputs
+                found[id(child)] = (
+                    f"a norm over head_dim={head_dim} applied per attention head, whose sibling projection "
+                    f"has {out} outputs ({out // head_dim} x head_dim) but the config {sorted(counts)} heads "
+                    "(a gated projection?): register_conversion(...) a det_train.RMSNorm(head_dim, heads=H), "
+                    f"or freeze it before converting ({name}.weight.requires_grad_(False))"
+                )
                 continue
             found[id(child)] = (
                 f"a norm over head_dim={head_dim} applied per attention head, whose head count is unknown "
