@@ -138,7 +138,7 @@ def rms_norm_op(
     ticket: torch.Tensor | None,
     leaf_tokens: int,
     deposit: bool,
-    rows_per_token: int,
+    rows_per_token: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``det_train::rms_norm`` op: ``(y, rstd)`` (``rms_norm`` after its checks; ``rstd (M,)`` fp32
     is saved for the backward). ``ticket`` / ``leaf_tokens`` / ``deposit``: what the forward decided
@@ -166,16 +166,17 @@ def rms_norm_op(
 
 
 @rms_norm_op.register_fake
-def _(x, weight, eps, d, offset, ticket, leaf_tokens, deposit, rows_per_token):
+def _(x, weight, eps, d, offset, ticket, leaf_tokens, deposit, rows_per_token=1):
     y = x.new_empty(x.shape, dtype=_out_dtype(x, weight))
     return y, x.new_empty((x.numel() // d,), dtype=torch.float32)
 
 
 def _rms_norm_setup(ctx, inputs, output):
-    x, weight, eps, d, offset, ticket, leaf_tokens, deposit, rows_per_token = inputs
+    x, weight, eps, d, offset, ticket, leaf_tokens, deposit, *rest = inputs  # rows_per_token may be left out
+    rows_per_token = rest[0] if rest else 1
     ctx.save_for_backward(x, weight, output[1])  # a saved leaf unpacks as the Parameter itself
     ctx.d, ctx.offset, ctx.leaf_tokens, ctx.deposit = d, offset, leaf_tokens, deposit
-    ctx.rows_per_token = rows_per_token
+    ctx.rows_per_token, ctx.n_rest = rows_per_token, len(inputs) - 2  # the gradients after dX, dweight
     ctx.ticket = ticket  # mutated by the deposit op: not saved (saving checks its version)
 
 
@@ -186,14 +187,14 @@ def _rms_norm_backward(ctx, dy, _drstd):
     want_w = weight is not None and ctx.needs_input_grad[1]
     if x.numel() == 0:
         dw = torch.zeros_like(weight) if want_w else None
-        return torch.empty(x.shape, dtype=x.dtype, device=x.device), dw, *(None,) * 7
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device), dw, *(None,) * ctx.n_rest
     x2, dy2 = _rows_of(x, d), _rows_of(dy, d)
     if want_w and ctx.deposit:
         dx = rms_norm_backward_deposit_op(dy2, x2, weight, rstd, ctx.offset, ctx.ticket, ctx.rows_per_token)
-        return dx.view(x.shape), None, *(None,) * 7
+        return dx.view(x.shape), None, *(None,) * ctx.n_rest
     leaf_rows = ctx.leaf_tokens * ctx.rows_per_token  # a leaf of leaf_tokens tokens
     dx, dw = rms_norm_backward_op(dy2, x2, weight, rstd, ctx.offset, leaf_rows, want_w)
-    return dx.view(x.shape), dw if want_w else None, *(None,) * 7
+    return dx.view(x.shape), dw if want_w else None, *(None,) * ctx.n_rest
 
 
 rms_norm_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup, nondifferentiable=(1,))
@@ -234,7 +235,7 @@ def rms_norm_backward_deposit_op(
     rstd: torch.Tensor,
     offset: float,
     ticket: torch.Tensor,
-    rows_per_token: int,
+    rows_per_token: int = 1,
 ) -> torch.Tensor:
     """The ``det_train::rms_norm_backward_deposit`` op: dX, with dweight deposited into the active
     accumulator at run time (whole leaves: this pass's chunk sums; rows of a leaf split between
@@ -260,7 +261,7 @@ def rms_norm_backward_deposit_op(
 
 
 @rms_norm_backward_deposit_op.register_fake
-def _(dy2, x2, weight, rstd, offset, ticket, rows_per_token):
+def _(dy2, x2, weight, rstd, offset, ticket, rows_per_token=1):
     return x2.new_empty(x2.shape)
 
 
