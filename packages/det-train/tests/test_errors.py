@@ -1,7 +1,8 @@
-"""Errors a new user hit, each now saying what was wrong and what to do: per-head q/k norms refused
-by ``convert`` up front (Qwen3, Gemma 3; OLMo 2's whole-projection norms and one-head models
-converted; a frozen per-head norm converted and split-invariant), the accumulator's token-count
-error naming both parameters and ops (a per-head norm that slipped through, GPT-2 without
+"""Errors a new user hit, each now saying what was wrong and what to do: per-head q/k norms (Qwen3,
+Gemma 3) converted with their heads, refused only where the head count is unknown (OLMo 2's
+whole-projection norms and one-head models converted as plain norms; a frozen per-head norm
+converted and split-invariant, unfrozen too), the accumulator's token-count error naming both
+parameters and ops (a per-head norm not told its heads, GPT-2 without
 ``position_ids``), the dropout refusal in the model's own terms (config fields or the module's
 ``p``), and an fp64 layer reported as an unsupported dtype. Tiny transformers models from config
 objects (no download), CPU through the Triton interpreter."""
@@ -39,25 +40,34 @@ def _problems(model):
     return info.value.problems
 
 
-def test_per_head_q_k_norms_are_refused_up_front_with_the_remedy():
+def test_per_head_q_k_norms_convert_with_their_heads_or_are_refused_naming_why():
     attn = "model.layers.0.self_attn"
     # Qwen3, 2 query heads, 1 KV head: q_norm sees tokens x 2 rows, k_norm one row per token
     model = _decoder("Qwen3ForCausalLM", "Qwen3Config", heads=2, kv_heads=1)
+    det_train.convert(model, allow=[""])  # the attention check is not what this is about
+    layer = model.model.layers[0].self_attn
+    assert type(layer.q_norm) is det_train.RMSNorm and layer.q_norm.heads == 2
+    assert type(layer.k_norm) is det_train.RMSNorm and layer.k_norm.heads is None
+    # Qwen3 with 2 KV heads, Gemma 3 (its norms in the 1 + weight form): both norms per head
+    for model_cls, config_cls in (
+        ("Qwen3ForCausalLM", "Qwen3Config"),
+        ("Gemma3ForCausalLM", "Gemma3TextConfig"),
+    ):
+        layer = det_train.convert(_decoder(model_cls, config_cls, heads=2, kv_heads=2), allow=[""])
+        layer = layer.model.layers[0].self_attn
+        assert (layer.q_norm.heads, layer.k_norm.heads) == (2, 2), model_cls
+        assert (layer.q_norm.offset, layer.k_norm.offset) == (
+            (1.0, 1.0) if "Gemma" in model_cls else (0.0, 0.0)
+        )
+    # no projection to count the heads by: refused, naming the remedy, and nothing converted
+    model = _decoder("Qwen3ForCausalLM", "Qwen3Config", heads=2, kv_heads=1)
+    model.model.layers[0].self_attn.q_proj = nn.Identity()
     problems = _problems(model)
     assert [(name, cls) for name, cls, _ in problems] == [(f"{attn}.q_norm", "Qwen3RMSNorm")]
     reason = problems[0][2]
-    assert "a norm over head_dim=64 applied per attention head, to several heads here" in reason, reason
-    assert "per-head norms are not supported yet" in reason
+    assert "a norm over head_dim=64 applied per attention head, whose head count is unknown" in reason, reason
     assert f"({attn}.q_norm.weight.requires_grad_(False))" in reason
-    assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear  # nothing was converted
-    # Qwen3 with 2 KV heads, Gemma 3 (its norms in the 1 + weight form): q_norm and k_norm
-    for model_cls, config_cls, cls in (
-        ("Qwen3ForCausalLM", "Qwen3Config", "Qwen3RMSNorm"),
-        ("Gemma3ForCausalLM", "Gemma3TextConfig", "Gemma3RMSNorm"),
-    ):
-        problems = _problems(_decoder(model_cls, config_cls, heads=2, kv_heads=2))
-        assert [(n, c) for n, c, _ in problems] == [(f"{attn}.q_norm", cls), (f"{attn}.k_norm", cls)]
-        assert all("applied per attention head, to several heads" in r for _, _, r in problems)
+    assert type(model.model.layers[0].self_attn.k_proj) is nn.Linear  # nothing was converted
     # one head: one row per token, converted; OLMo 2's norms cover the whole q / k projections
     model = _decoder("Qwen3ForCausalLM", "Qwen3Config", heads=1, kv_heads=1, head_dim=128)
     det_train.convert(model, allow=[""])
@@ -100,8 +110,15 @@ def test_frozen_per_head_norms_convert_and_split_bitwise():
     assert len(whole) == len(list(model.parameters())) - 1  # every parameter but the frozen one
     for name, grad in whole.items():
         assert_bitwise_equal(split[name], grad, f"{name}: 1 vs 2 micro-batches")
-    # unfrozen after convert: the first backward names the parameter, its op and the other one
-    model.model.layers[0].self_attn.q_norm.weight.requires_grad_(True)
+    assert converted.heads == 2  # unfrozen after convert, its gradient is canonical too
+    converted.weight.requires_grad_(True)
+    whole = _grads(model, ids, [(0, 2)], leaf=8)
+    split = _grads(model, ids, [(0, 1), (1, 1)], leaf=8)
+    assert whole["model.layers.0.self_attn.q_norm.weight"].abs().sum() > 0
+    for name, grad in whole.items():
+        assert_bitwise_equal(split[name], grad, f"{name}: unfrozen, 1 vs 2 micro-batches")
+    # a per-head norm not told its heads: the first backward names the parameter, its op and the other one
+    converted.heads = None
     with pytest.raises(ValueError) as info:
         _grads(model, ids, [(0, 2)], leaf=8)
     message = str(info.value)

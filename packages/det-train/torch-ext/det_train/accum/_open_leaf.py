@@ -9,12 +9,13 @@ resumable fold: embedding, bias, LayerNorm).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 from det_core.reduce import TreePartial
 
-__all__ = ["LeafFold", "LeafPartial", "OpenFold", "OpenLeaf", "foreach_copy"]
+__all__ = ["LeafFold", "LeafPartial", "OpenFold", "OpenLeaf", "foreach_copy", "token_rows"]
 
 # A leaf-sum function of an op: (global index of the first leaf, rows of whole leaves) -> partial tree.
 LeafPartial = Callable[[int, tuple], TreePartial]
@@ -112,3 +113,24 @@ def _copy_each(dst: list, src: list) -> None:
 
 # torch._foreach_copy_ (torch >= 2.1) copies a list of tensors in a few launches
 foreach_copy = getattr(torch, "_foreach_copy_", None) or _copy_each
+
+
+def token_rows(leaf_partial: LeafPartial, fold: LeafFold | None, group: int) -> tuple:
+    """An op's leaf-sum and fold functions over rows of ``group`` rows per token, as functions of the
+    accumulator's token-grouped rows ``(tokens, group, ...)``: the rows are flattened back (views) and
+    the fold's step becomes ``lcm(step, group) / group`` tokens, a multiple of the op's row step."""
+
+    def flat(rows: tuple) -> tuple:
+        return tuple(r.flatten(0, 1) for r in rows)
+
+    def partial(first_leaf: int, rows: tuple) -> TreePartial:
+        return leaf_partial(first_leaf, flat(rows))
+
+    if fold is None:
+        return partial, None
+    step, fold_fn = fold[0], fold[1]
+
+    def fold_tokens(rows: tuple, state):
+        return fold_fn(flat(rows), state)
+
+    return partial, (step // math.gcd(step, group), fold_tokens, *fold[2:])

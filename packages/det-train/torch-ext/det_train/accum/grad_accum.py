@@ -13,6 +13,12 @@ micro-batch completes the leaf, or until ``reduce`` when the leaf ends the globa
 then summed from all its rows by the same kernel as an aligned one, so any micro-batch sizes give
 the bits of one batch.
 
+An op's rows may be tokens x a row group (``rows_per_token``): a per-head q/k norm over
+``(B, T, H, D)`` sees ``H`` rows per token, token-major (heads inner). Its leaves are still
+``leaf_tokens`` tokens (``leaf_tokens * H`` rows) and a micro-batch boundary, always at a token, is a
+row boundary that is a multiple of ``H``: an open leaf carries whole tokens' rows, and the leaf's sum
+has the bits of one batch.
+
 Interface: ``deposit_rows`` (any micro-batch boundaries; used by the linear, RMSNorm and embedding
 backward passes) and ``leaf_span`` + ``deposit`` / ``deposit_partial`` (leaf-aligned micro-batches).
 The checks at reduce time and the cross-rank reduction are in ``_reduce.py``.
@@ -28,7 +34,7 @@ from det_core.reduce import TreePartial, num_leaves
 from det_core.runtime import as_index
 
 from . import _reduce, dp_reduce
-from ._open_leaf import LeafFold, LeafPartial, OpenFold, OpenLeaf, foreach_copy
+from ._open_leaf import LeafFold, LeafPartial, OpenFold, OpenLeaf, foreach_copy, token_rows
 
 __all__ = ["DEFAULT_LEAF_TOKENS", "CanonicalGradAccumulator", "current_accumulator"]
 
@@ -155,6 +161,10 @@ class CanonicalGradAccumulator:
         self._undo_carry: dict[tuple[int, int, int], object] = {}
         self._undo_fills: dict[int, tuple] = {}
         self._open_leaves: dict[tuple[int, int], set[int]] = {}  # slot -> leaves of its _carry entries
+        # slot -> rows per token of its deposit_rows calls (fixed: an open leaf is continued with rows of
+        # its layout); the active micro-batch's entries wait in _new_groups until it succeeds
+        self._groups: dict[tuple[int, int], int] = {}
+        self._new_groups: dict[tuple[int, int], int] = {}
 
     def track_fsdp(self, module: torch.nn.Module) -> CanonicalGradAccumulator:
         """Accept deposits for FSDP2's unsharded parameters of ``module`` (``fully_shard``).
@@ -229,6 +239,7 @@ class CanonicalGradAccumulator:
         self._tokens = None
         self._uses = {}
         self._undo_trees, self._undo_carry, self._undo_fills = {}, {}, {}
+        self._new_groups = {}
         spans, max_end = len(self._spans), self._max_end
         _ACTIVE.append(self)
         try:
@@ -239,6 +250,7 @@ class CanonicalGradAccumulator:
             raise
         else:
             self._flush()  # the micro-batch's tensors can go: their open-leaf rows are copied
+            self._groups.update(self._new_groups)
             if self._tokens is not None:  # ops deposited: the leaf it continued is no longer open here
                 self._open_ends.discard(token_offset)
                 if (token_offset + self._tokens) % self.leaf_tokens:
@@ -248,6 +260,7 @@ class CanonicalGradAccumulator:
             self._token_offset = None
             # the log holds the replaced trees and folds: let them go (memory of one step, not two)
             self._undo_trees, self._undo_carry, self._undo_fills = {}, {}, {}
+            self._new_groups = {}
 
     def _undo(self, spans: int, max_end: int) -> None:
         """Undo the active micro-batch's deposits (its undo log) and its spans and token range."""
@@ -350,13 +363,16 @@ class CanonicalGradAccumulator:
         leaf_partial: LeafPartial,
         fold: LeafFold | None = None,
         op: str | None = None,
+        rows_per_token: int = 1,
     ) -> None:
         """Deposit ``param``'s gradient over this micro-batch's tokens, given as rows: any boundaries.
 
         Args:
             param: a tracked parameter.
             rows: the op's per-token inputs to the gradient, tensors whose dim 0 is this
-                micro-batch's tokens in order (e.g. ``(dy, x)`` of a Linear), all of one length.
+                micro-batch's tokens in order (e.g. ``(dy, x)`` of a Linear), all of one length;
+                with ``rows_per_token`` ``g > 1``, dim 0 is tokens x ``g`` rows, token-major (row
+                ``t * g + h`` is row ``h`` of token ``t``: a per-head norm's heads).
             leaf_partial: ``leaf_partial(first_leaf, leaf_rows)`` -> ``TreePartial`` of the leaf
                 sums over ``leaf_rows`` (rows of whole leaves starting at global leaf
                 ``first_leaf``; only the last leaf of the global batch may be short). It is called
@@ -370,6 +386,10 @@ class CanonicalGradAccumulator:
                 node. This call's ``fold`` continues a leaf an earlier call left open (an op may
                 bind what it already computed for these rows).
             op: the op's name (e.g. ``"det_train.linear"``), for errors only.
+            rows_per_token: the row group ``g`` (default 1), the same in every call for ``param``
+                (per use). ``leaf_partial`` and ``fold_fn`` then see rows of whole tokens (``g``
+                rows each, a leaf being ``leaf_tokens * g`` rows) and ``step`` counts rows: the
+                fold continues at multiples of ``lcm(step, g)`` rows.
 
         The leaf this micro-batch leaves unfinished stays open. With ``fold`` its fp32 fold is kept
         (one tensor of ``param``'s shape; rows past the last whole step, fewer than ``step``, are
@@ -385,7 +405,9 @@ class CanonicalGradAccumulator:
 
         Raises:
             ValueError: rows of different lengths or a length other than another op reported for
-                this micro-batch (both ops and their parameters named); an open leaf of ``param``
+                this micro-batch (both ops and their parameters named); a length that is not a
+                multiple of ``rows_per_token``, or a ``rows_per_token`` other than this parameter's
+                earlier calls'; an open leaf of ``param``
                 that does not end where this micro-batch starts (the parameter skipped a
                 micro-batch); an unaligned start with nothing to continue.
             RuntimeError: outside ``micro_batch``.
@@ -396,9 +418,28 @@ class CanonicalGradAccumulator:
         for r in rows:
             if r.shape[0] != n:
                 raise ValueError(f"deposit_rows: rows of different lengths {[int(r.shape[0]) for r in rows]}")
+        group = rows_per_token
+        if group != 1:  # tokens x group rows: dim 0 becomes tokens (views), the op's functions see rows
+            if isinstance(group, bool) or not isinstance(group, int) or group < 1 or n % group:
+                raise ValueError(
+                    f"{self._who(param, op)} has {n} rows in this micro-batch, not a multiple of its "
+                    f"rows_per_token {group!r} (a positive int; its rows are tokens x {group!r}): pass the "
+                    "op an input whose rows are whole tokens (e.g. a per-head norm's (B, T, H, D), H heads)"
+                )
+            n //= group
+            rows = tuple(r.unflatten(0, (n, group)) for r in rows)
+            leaf_partial, fold = token_rows(leaf_partial, fold, group)
         if self._token_offset is not None:  # before _slot counts a use (outside: _slot raises)
             self._note_tokens(n, param, op)
         slot = self._slot(param)
+        known = self._new_groups.get(slot, self._groups.get(slot, group))
+        if known != group:
+            raise ValueError(
+                f"{self._who(param, op)} (use {slot[1]}) gave {group} rows per token, but {known} in an "
+                "earlier call: a parameter's rows per token (a per-head norm's heads) must not change "
+                "between the micro-batches of a step"
+            )
+        self._new_groups[slot] = group
         offset = self._token_offset
         leaf = self.leaf_tokens
         pos = 0  # own rows consumed so far
@@ -494,8 +535,10 @@ class CanonicalGradAccumulator:
         return (
             f"{self._who(param, op)} saw {n} tokens (rows) in this micro-batch, but "
             f"{self._who(*self._tokens_by)} saw {self._tokens}: every canonical-order op of a micro-batch "
-            "must see all its tokens, one row per token. An op that sees more rows than tokens runs per "
-            "attention head (a q/k norm over (B, T, H, D): det_train.convert refuses those); one that "
+            "must see all its tokens, one row per token (or rows_per_token rows). An op that sees more "
+            "rows than tokens runs per attention head (a q/k norm over (B, T, H, D) not told its heads: "
+            "det_train.convert makes q/k norms per-head, det_train.RMSNorm(..., heads=H); "
+            "det_train.rms_norm takes rows_per_token=H); one that "
             "sees fewer is given indices broadcast over the batch (GPT-2's learned position embedding "
             "looked up with (1, T) position ids when none are passed: pass position_ids of the batch's "
             "shape, position_ids=torch.arange(T).expand(B, T))"
@@ -652,4 +695,4 @@ class CanonicalGradAccumulator:
     def _clear(self) -> None:
         """Empty after a reduce: no partial tree, span or open leaf."""
         self._partials, self._spans, self._carry, self._open_ends, self._max_end = {}, [], {}, set(), 0
-        self._open_leaves = {}
+        self._open_leaves, self._groups = {}, {}

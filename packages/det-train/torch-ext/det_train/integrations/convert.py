@@ -12,7 +12,10 @@ modules it cannot convert that would break the invariances (unless allowed):
 - ``nn.RMSNorm`` and transformers' RMSNorm classes (Llama, Qwen2/3, Mistral, ...: a ``weight`` and
   an ``eps`` / ``variance_epsilon``, forward ``x * rsqrt(mean(x**2) + eps) * weight``) ->
   ``det_train.RMSNorm``; Gemma-style ones (``x_hat * (1 + weight.float())``) ->
-  ``det_train.RMSNorm(offset=1.0)``;
+  ``det_train.RMSNorm(offset=1.0)``; a norm applied per attention head (Qwen3's and Gemma 3's
+  ``q_norm`` / ``k_norm`` over ``head_dim``, rows tokens x heads) -> ``det_train.RMSNorm(heads=H)``,
+  ``H`` the heads of its sibling ``q_proj`` / ``k_proj`` (its weight gradient sums over the tokens
+  in the canonical order, each token's heads in order);
 - transformers' ``Conv1D`` (GPT-2) -> ``det_train.Conv1D``;
 - a transformers causal LM's ``loss_function`` -> ``det_train.causal_lm_loss``.
 
@@ -20,10 +23,11 @@ RMSNorm-like classes are recognised by structure and confirmed by a probe (their
 small fp32 input with a probe weight, through ``torch.func.functional_call``, compared with both
 forms); ``register_conversion`` adds a class of one's own.
 
-Refused up front (not supported yet): a trainable norm applied per attention head, such as Qwen3's
-and Gemma 3's ``q_norm`` / ``k_norm`` over more than one head (its rows are tokens x heads, and a
-canonical-order weight gradient sums one row per token); recognised as a norm child of a module
-with a ``head_dim`` whose weight has ``head_dim`` elements.
+Per-head norms are recognised as a norm child of a module with a ``head_dim`` whose weight has
+``head_dim`` elements. Refused up front: a per-head norm whose head count cannot be found (no
+sibling projection) or that is not an RMSNorm; a transformers model on det_attn whose config asks
+for what det_attn lacks (sliding-window layers, as Gemma 3's by default; attention logit
+soft-capping), which det_attn would refuse at the first forward.
 """
 
 from __future__ import annotations
@@ -245,7 +249,7 @@ def _replacement(module: nn.Module, dropout_advice: str = "") -> nn.Module | str
     if _uses_forward(module, nn.LayerNorm):
         return problem or _rebuilt(module, LayerNorm)
     if _uses_forward(module, nn.RMSNorm):
-        return problem or _rebuilt(module, RMSNorm, offset=0.0)
+        return problem or _rebuilt(module, RMSNorm, offset=0.0, heads=None)
     if _is_transformers_conv1d(module):
         return problem or _rebuilt(module, Conv1D)
     if isinstance(module, _BATCH_DEPENDENT):
@@ -268,6 +272,7 @@ def _replacement(module: nn.Module, dropout_advice: str = "") -> nn.Module | str
             eps=eps,
             elementwise_affine=True,
             offset=offset,
+            heads=None,
         )
     if isinstance(norm, str):
         return norm
@@ -311,12 +316,12 @@ def _is_norm(module: nn.Module) -> bool:
     )
 
 
-def _per_head_norms(model: nn.Module) -> dict[int, str]:
-    """id -> reason for each trainable norm applied per attention head (Qwen3's, Gemma 3's
-    ``q_norm`` / ``k_norm``): a norm child of a module with a ``head_dim``, its weight of
-    ``head_dim`` elements, over more than one head (its sibling ``*_proj`` has more than
-    ``head_dim`` outputs; without one, the module's head count, unknown counting as several).
-    Its rows are tokens x heads, and a canonical-order weight gradient sums one row per token."""
+def _per_head_norms(model: nn.Module) -> dict[int, int | str]:
+    """id -> heads (or a reason it cannot be converted) for each trainable norm applied per attention
+    head (Qwen3's, Gemma 3's ``q_norm`` / ``k_norm``): a norm child of a module with a ``head_dim``,
+    its weight of ``head_dim`` elements, over more than one head (its sibling ``*_proj`` has more
+    than ``head_dim`` outputs: ``out_features / head_dim`` heads; without one, the module's head
+    count, unknown counting as several). Its rows are tokens x heads."""
     found = {}
     for parent_name, parent in model.named_modules():
         head_dim = getattr(parent, "head_dim", None)
@@ -325,25 +330,52 @@ def _per_head_norms(model: nn.Module) -> dict[int, str]:
         for child_name, child in parent._modules.items():
             if child is None or not _is_norm(child) or child.weight.numel() != head_dim:
                 continue
-            if not child.weight.requires_grad:  # frozen: no weight gradient, the forward is row-wise
-                continue
             # one head: its q / k projection has head_dim outputs (else the module's head count)
             proj = parent._modules.get(child_name.replace("norm", "proj"))
             out = getattr(proj, "out_features", None)
             config = getattr(parent, "config", None)
             heads = getattr(parent, "num_heads", getattr(config, "num_attention_heads", None))
-            one_head = out == head_dim if isinstance(out, int) else heads == 1
-            if one_head:
+            if out == head_dim if isinstance(out, int) else heads == 1:
                 continue
             name = f"{parent_name}.{child_name}" if parent_name else child_name
+            counts = {getattr(config, k, None) for k in ("num_attention_heads", "num_key_value_heads")}
+            counts = {c for c in counts if isinstance(c, int)}
+            if isinstance(out, int) and out % head_dim == 0 and (not counts or out // head_dim in counts):
+                found[id(child)] = out // head_dim
+                continue
+            if isinstance(out, int) and out % head_dim == 0:  # a gated projection (Qwen3.5): more outputs
+                found[id(child)] = (
+                    f"a norm over head_dim={head_dim} applied per attention head, whose sibling projection "
+                    f"has {out} outputs ({out // head_dim} x head_dim) but the config {sorted(counts)} heads "
+                    "(a gated projection?): register_conversion(...) a det_train.RMSNorm(head_dim, heads=H), "
+                    f"or freeze it before converting ({name}.weight.requires_grad_(False))"
+                )
+                continue
             found[id(child)] = (
-                f"a norm over head_dim={head_dim} applied per attention head, to several heads here "
-                "(its rows are tokens x heads, its weight gradient a sum over both): per-head norms "
-                "are not supported yet (a canonical-order weight gradient sums one row per token). "
-                f"Freeze it before converting ({name}.weight.requires_grad_(False)), or train a model "
-                "whose q/k norms, if any, cover whole projections (Llama, Qwen2, OLMo 2)"
+                f"a norm over head_dim={head_dim} applied per attention head, whose head count is unknown "
+                f"(no sibling {child_name.replace('norm', 'proj')} Linear with a multiple of head_dim "
+                "outputs): register_conversion(...) a det_train.RMSNorm(head_dim, heads=H), or freeze it "
+                f"before converting ({name}.weight.requires_grad_(False))"
             )
     return found
+
+
+def _per_head(module: nn.Module, heads: int | str, dropout_advice: str) -> nn.Module | str | None:
+    """The replacement of a per-head norm: ``det_train.RMSNorm(heads=H)`` (a frozen one too: its
+    forward is row-wise, and it stays right if unfrozen), or a reason."""
+    if isinstance(heads, str):
+        return heads if module.weight.requires_grad else _replacement(module, dropout_advice)
+    new = _replacement(module, dropout_advice)
+    if new is None and isinstance(module, RMSNorm) and getattr(module, "heads", None) != heads:
+        new = _rebuilt(module, RMSNorm, heads=heads)  # det_train's own, not told its heads
+    if isinstance(new, RMSNorm):
+        new.heads = heads
+    elif new is not None and not isinstance(new, str) and module.weight.requires_grad:  # a LayerNorm
+        return (
+            f"a norm over head_dim={module.weight.numel()} applied per attention head ({heads} heads) that "
+            f"is not an RMSNorm ({type(new).__name__}): only RMSNorm takes rows of tokens x heads"
+        )
+    return new
 
 
 def _scaled_embedding(module: nn.Module) -> nn.Module | str:
@@ -380,12 +412,33 @@ def _attention_problem(module: nn.Module, seen: set) -> str | None:
     interface = getattr(sys.modules.get("transformers.modeling_utils"), "ALL_ATTENTION_FUNCTIONS", None)
     fn = interface.get(impl) if interface is not None and hasattr(interface, "get") else None
     if getattr(fn, "__name__", None) == _DET_ATTENTION:
-        return None
+        return _det_attn_lacks(config)
     return (
         f"attention implementation {impl!r} (config._attn_implementation) is not deterministic (its "
         "backward accumulates with atomics, its rows depend on the batch): load the model with "
         "attn_implementation='det_attn' after `import det_attn` (det_attn.register_transformers_attention())"
     )
+
+
+def _det_attn_lacks(config) -> str | None:
+    """What a transformers ``config`` asks of attention that det_attn has not: sliding-window layers
+    (``layer_types`` with ``"sliding_attention"`` and a ``sliding_window``: Gemma 3's 5 local : 1
+    global layers by default, Qwen2/3 with ``use_sliding_window``) or attention logit soft-capping."""
+    layer_types = getattr(config, "layer_types", None) or ()
+    window = getattr(config, "sliding_window", None)
+    if "sliding_attention" in layer_types and window is not None:
+        return (
+            f"sliding-window attention (config.layer_types has 'sliding_attention' layers, sliding_window="
+            f"{window}) is not supported by det_attn: build the model with full attention in every layer "
+            "(layer_types=['full_attention'] * num_hidden_layers, or use_sliding_window=False)"
+        )
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        return (
+            f"attention logit soft-capping (config.attn_logit_softcapping={softcap}) is not supported by "
+            "det_attn: build the model with attn_logit_softcapping=None"
+        )
+    return None
 
 
 def _loss_plan(module: nn.Module) -> str | None:
@@ -453,10 +506,9 @@ def convert(model: nn.Module, *, strict: bool = True, allow: Iterable = ()) -> n
     split-invariant under a ``CanonicalGradAccumulator``). What the conversion cannot see is not
     covered: functional calls in a ``forward`` (``F.scaled_dot_product_attention``, bare matmuls:
     use ``det_attn`` and ``deterministic_mode()``), parameter-free modules that reduce with torch
-    ops, losses computed inline. Refused: a trainable norm applied per attention head (Qwen3's and
-    Gemma 3's ``q_norm`` / ``k_norm`` with more than one head: its rows are tokens x heads; found
-    as a norm of ``head_dim`` elements inside a module with a ``head_dim``); a frozen one
-    (``requires_grad=False``) is converted.
+    ops, losses computed inline. A norm applied per attention head (Qwen3's and Gemma 3's
+    ``q_norm`` / ``k_norm``: a norm of ``head_dim`` elements inside a module with a ``head_dim``)
+    becomes ``det_train.RMSNorm(heads=H)``: its weight gradient is canonical over the tokens too.
 
     Raises:
         ConversionError (a ValueError): with ``strict``, one or more modules that cannot be made
@@ -480,7 +532,11 @@ def convert(model: nn.Module, *, strict: bool = True, allow: Iterable = ()) -> n
                 loss_modules.append(module)
             elif verdict is not None and not kept:
                 problems.append((name, type(module).__name__, verdict))
-        new = per_head.get(id(module)) or _replacement(module, dropout_advice)
+        heads = per_head.get(id(module))
+        if heads is None:
+            new = _replacement(module, dropout_advice)
+        else:
+            new = _per_head(module, heads, dropout_advice)
         if isinstance(new, str):
             if not kept:
                 problems.append((name, type(module).__name__, new))

@@ -12,6 +12,9 @@ Reduction orders (fixed; the table below names what changes bits):
   (``_leaf_sums.fold_chunks``) and sub-leaves are combined by the canonical pairwise tree
   on the GPU (``_leaf_sums.tree_in_place``: ``TreePartial``'s bits, no host round-trip), or its
   maximal subtrees are deposited into the active ``CanonicalGradAccumulator``.
+- per-head rows (``rows_per_token`` ``g > 1``, a q/k norm over ``(B, T, H, D)``): the rows are
+  tokens x ``g``, token-major, and the same order runs over them with leaves of ``leaf_tokens * g``
+  rows (the canonical token leaves); a micro-batch boundary is a token, i.e. a multiple of ``g`` rows.
 
 The kernels and their config table are in ``_rms_norm_kernels.py``, the interpreter's many-row
 tiles (shared with LayerNorm) in ``_norm_tiles.py``; this module holds the op, its checks, launch
@@ -135,10 +138,12 @@ def rms_norm_op(
     ticket: torch.Tensor | None,
     leaf_tokens: int,
     deposit: bool,
+    rows_per_token: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``det_train::rms_norm`` op: ``(y, rstd)`` (``rms_norm`` after its checks; ``rstd (M,)`` fp32
     is saved for the backward). ``ticket`` / ``leaf_tokens`` / ``deposit``: what the forward decided
-    for the weight gradient (deposit it into the active accumulator, or return it)."""
+    for the weight gradient (deposit it into the active accumulator, or return it); ``rows_per_token``:
+    the rows of one token (a per-head norm's heads)."""
     x2 = _rows_of(x, d)
     m = x2.shape[0]
     # not a view: FSDP2 hooks want a base
@@ -161,15 +166,17 @@ def rms_norm_op(
 
 
 @rms_norm_op.register_fake
-def _(x, weight, eps, d, offset, ticket, leaf_tokens, deposit):
+def _(x, weight, eps, d, offset, ticket, leaf_tokens, deposit, rows_per_token=1):
     y = x.new_empty(x.shape, dtype=_out_dtype(x, weight))
     return y, x.new_empty((x.numel() // d,), dtype=torch.float32)
 
 
 def _rms_norm_setup(ctx, inputs, output):
-    x, weight, eps, d, offset, ticket, leaf_tokens, deposit = inputs
+    x, weight, eps, d, offset, ticket, leaf_tokens, deposit, *rest = inputs  # rows_per_token may be left out
+    rows_per_token = rest[0] if rest else 1
     ctx.save_for_backward(x, weight, output[1])  # a saved leaf unpacks as the Parameter itself
     ctx.d, ctx.offset, ctx.leaf_tokens, ctx.deposit = d, offset, leaf_tokens, deposit
+    ctx.rows_per_token, ctx.n_rest = rows_per_token, len(inputs) - 2  # the gradients after dX, dweight
     ctx.ticket = ticket  # mutated by the deposit op: not saved (saving checks its version)
 
 
@@ -180,13 +187,14 @@ def _rms_norm_backward(ctx, dy, _drstd):
     want_w = weight is not None and ctx.needs_input_grad[1]
     if x.numel() == 0:
         dw = torch.zeros_like(weight) if want_w else None
-        return torch.empty(x.shape, dtype=x.dtype, device=x.device), dw, *(None,) * 6
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device), dw, *(None,) * ctx.n_rest
     x2, dy2 = _rows_of(x, d), _rows_of(dy, d)
     if want_w and ctx.deposit:
-        dx = rms_norm_backward_deposit_op(dy2, x2, weight, rstd, ctx.offset, ctx.ticket)
-        return dx.view(x.shape), None, *(None,) * 6
-    dx, dw = rms_norm_backward_op(dy2, x2, weight, rstd, ctx.offset, ctx.leaf_tokens, want_w)
-    return dx.view(x.shape), dw if want_w else None, *(None,) * 6
+        dx = rms_norm_backward_deposit_op(dy2, x2, weight, rstd, ctx.offset, ctx.ticket, ctx.rows_per_token)
+        return dx.view(x.shape), None, *(None,) * ctx.n_rest
+    leaf_rows = ctx.leaf_tokens * ctx.rows_per_token  # a leaf of leaf_tokens tokens
+    dx, dw = rms_norm_backward_op(dy2, x2, weight, rstd, ctx.offset, leaf_rows, want_w)
+    return dx.view(x.shape), dw if want_w else None, *(None,) * ctx.n_rest
 
 
 rms_norm_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup, nondifferentiable=(1,))
@@ -203,7 +211,7 @@ def rms_norm_backward_op(
     want_dw: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``det_train::rms_norm_backward`` op: ``(dX (M, D), dweight)``, dweight the canonical tree
-    over this call's sub-leaves (of leaves of ``leaf_tokens``) in the weight's dtype; an empty
+    over this call's sub-leaves (of leaves of ``leaf_tokens`` rows) in the weight's dtype; an empty
     tensor for dweight when ``want_dw`` is False."""
     has_w = weight is not None
     sub, rows = _layout(leaf_tokens) if has_w else (1, MAX_ROWS_PER_CHUNK)
@@ -227,30 +235,33 @@ def rms_norm_backward_deposit_op(
     rstd: torch.Tensor,
     offset: float,
     ticket: torch.Tensor,
+    rows_per_token: int = 1,
 ) -> torch.Tensor:
     """The ``det_train::rms_norm_backward_deposit`` op: dX, with dweight deposited into the active
     accumulator at run time (whole leaves: this pass's chunk sums; rows of a leaf split between
-    micro-batches: carried, and summed from all its rows by the same kernel)."""
+    micro-batches: carried, and summed from all its rows by the same kernel). ``rows_per_token``
+    ``g``: the rows are tokens x ``g`` (a leaf is ``leaf_tokens * g`` rows)."""
     acc = active_accumulator("det_train.rms_norm")
-    leaf = acc.leaf_tokens
+    group = rows_per_token
+    leaf = acc.leaf_tokens * group  # in rows
     sub, rows = _layout(leaf)
     dx, partial = _backward(dy2, x2, weight, rstd, rows, offset)
     param = tracked_parameter(acc, weight)
     m = x2.shape[0]
-    if acc.token_offset % leaf == 0 and m % leaf == 0:  # whole leaves: this pass's chunk sums
-        first_leaf, _ = acc.leaf_span(m, param, "det_train.rms_norm")
+    if acc.token_offset * group % leaf == 0 and m % leaf == 0:  # whole leaves: this pass's chunk sums
+        first_leaf, _ = acc.leaf_span(m // group, param, "det_train.rms_norm")
         finish_param_grad(acc, param, first_leaf, fold_chunks(partial, sub // rows), leaf // sub)
     else:
         leaves = functools.partial(_dweight_leaves, param, leaf, sub, rows, offset)
         fold = _dweight_fold(param, leaf, sub, rows, offset, dy2, partial)  # an open leaf: its folds
-        acc.deposit_rows(param, (dy2, x2, rstd), leaves, fold, op="det_train.rms_norm")
+        acc.deposit_rows(param, (dy2, x2, rstd), leaves, fold, op="det_train.rms_norm", rows_per_token=group)
         finish_deposit(acc)
     ticket.add_(1)
     return dx
 
 
 @rms_norm_backward_deposit_op.register_fake
-def _(dy2, x2, weight, rstd, offset, ticket):
+def _(dy2, x2, weight, rstd, offset, ticket, rows_per_token=1):
     return x2.new_empty(x2.shape)
 
 
@@ -328,6 +339,7 @@ def rms_norm(
     normalized_shape: tuple[int, ...] | None = None,
     *,
     offset: float = 0.0,
+    rows_per_token: int = 1,
 ) -> torch.Tensor:
     """Root-mean-square normalisation over the trailing ``normalized_shape`` dims, times
     ``offset + weight``.
@@ -343,6 +355,11 @@ def rms_norm(
             (``w`` widened to fp32 first, then one fp32 add: Gemma's ``1.0 + weight.float()``, whose
             weight is stored zero-centred); 0.0 (default) is the plain ``x_hat * w``. Finite;
             needs a ``weight``. The weight gradient is the same either way (``dy * x_hat``).
+        rows_per_token: ``g``, the rows (of ``x`` flattened to ``(M, D)``) of one token: 1 (default)
+            for a norm over tokens; ``H`` for a per-head q/k norm over ``(B, T, H, D)`` (rows
+            token-major, heads inner: Qwen3's, Gemma 3's ``q_norm`` / ``k_norm``). ``M`` must be a
+            multiple of ``g``; the weight gradient's leaves are then ``leaf_tokens`` tokens
+            (``leaf_tokens * g`` rows), so it sums over the micro-batch's tokens like the other ops.
 
     Returns:
         ``y`` of ``x``'s shape, dtype ``promote_types(x.dtype, weight.dtype)`` (``x.dtype`` without
@@ -353,9 +370,10 @@ def rms_norm(
 
     **Determinism:** bitwise run to run; a row's y and dX do not depend on the number of rows, its
     position or the other rows (one program per row, config keyed by D only). dweight is
-    invariant to micro-batching and data-parallel splits at leaf boundaries when a
+    invariant to micro-batching (any token boundaries; with ``rows_per_token`` > 1 too, the order
+    over a leaf's rows being fixed by its tokens) and data-parallel splits at leaf boundaries when a
     ``CanonicalGradAccumulator`` is active; without one it is the canonical sum over the call's own
-    tokens (leaf size ``DEFAULT_LEAF_TOKENS``). Bits may differ between GPU models, Triton versions
+    tokens (leaf size ``DEFAULT_LEAF_TOKENS`` tokens). Bits may differ between GPU models, Triton versions
     and the CPU interpreter (``tl.sum``'s tree and ``sqrt`` lowering).
 
     Raises:
@@ -363,24 +381,25 @@ def rms_norm(
         ValueError: weight shape or size mismatch (a weight whose shape is not ``x``'s trailing
             dims), trailing shape mismatch, normalized size 0 (must be >= 1) or over 65536,
             ``eps`` negative, NaN or infinite; ``offset`` not finite, or non-zero without a
-            weight; tensors on different devices.
+            weight; ``rows_per_token`` not a positive int or not dividing the rows; tensors on
+            different devices.
         RuntimeError: CPU tensors without the Triton interpreter, or another unsupported device.
 
     Reference: Zhang & Sennrich, "Root Mean Square Layer Normalization" (NeurIPS 2019), as
     ``torch.nn.functional.rms_norm``; the weight gradient's order is det_core's canonical leaf /
     tree order (docs/det-train.md, "RMSNorm").
     """
-    key = _signature(x, weight, eps, normalized_shape, offset)
+    key = _signature(x, weight, eps, normalized_shape, offset, rows_per_token)
     checked = None if key is None else _CHECKED.get(key)
     if checked is None:
-        checked = _check_args(x, weight, eps, normalized_shape, offset)
+        checked = _check_args(x, weight, eps, normalized_shape, offset, rows_per_token)
         if key is not None:
             _CHECKED.put(key, checked)
     d, eps, offset = checked
     leaf, active = accumulation()
     deposit = active and weight is not None and weight.is_leaf and x.numel() > 0
     ticket = deposit_ticket() if deposit else None
-    return rms_norm_op(x, weight, eps, d, offset, ticket, leaf, deposit)[0]
+    return rms_norm_op(x, weight, eps, d, offset, ticket, leaf, deposit, int(rows_per_token))[0]
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -388,11 +407,13 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _CHECKED = PlanCache()
 
 
-def _signature(x, weight, eps, normalized_shape, offset) -> tuple | None:
+def _signature(x, weight, eps, normalized_shape, offset, rows_per_token) -> tuple | None:
     """What ``_check_args`` reads, for plain eager tensors on a kernel device and plain Python
     arguments (a float or None eps, a float offset, a tuple of ints or None shape); None otherwise
     (then it checks in full: traced calls, other types, CPU without the interpreter)."""
     if torch.compiler.is_compiling() or type(x) not in _PLAIN or type(offset) is not float:
+        return None
+    if type(rows_per_token) is not int:
         return None
     if weight is not None and type(weight) not in _PLAIN:
         return None
@@ -407,10 +428,11 @@ def _signature(x, weight, eps, normalized_shape, offset) -> tuple | None:
         return None
     w = None if weight is None else (weight.dtype, weight.shape, weight.stride(), weight.device)
     # eps by its bits: -0.0 and 0.0 are equal keys but different kernel constants
-    return (x.dtype, x.shape, device, w, None if eps is None else eps.hex(), normalized_shape, offset)
+    eps_bits = None if eps is None else eps.hex()
+    return (x.dtype, x.shape, device, w, eps_bits, normalized_shape, offset, rows_per_token)
 
 
-def _check_args(x, weight, eps, normalized_shape, offset) -> tuple[int, float, float]:
+def _check_args(x, weight, eps, normalized_shape, offset, rows_per_token=1) -> tuple[int, float, float]:
     """``rms_norm``'s argument checks; returns ``(d, eps, offset)`` as the op takes them."""
     for name, t in (("x", x), ("weight", weight)):
         if t is not None and not isinstance(t, torch.Tensor):
@@ -454,7 +476,19 @@ def _check_args(x, weight, eps, normalized_shape, offset) -> tuple[int, float, f
     if weight is not None and not weight.is_contiguous():
         raise ValueError("rms_norm: weight must be contiguous (it is read as a flat vector of D elements)")
     offset = _check_offset(offset, weight, "rms_norm")
+    _check_rows_per_token(rows_per_token, x.numel() // d, x.shape)
     return d, float(eps), offset
+
+
+def _check_rows_per_token(group, rows: int, shape) -> None:
+    """``rows_per_token`` a positive int dividing the ``rows`` of ``x`` (of ``shape``)."""
+    if isinstance(group, bool) or not isinstance(group, numbers.Integral):
+        raise TypeError(f"rms_norm: rows_per_token must be an int, got {type(group).__name__} {group!r}")
+    if group < 1 or rows % group:
+        raise ValueError(
+            f"rms_norm: rows_per_token={group} must be a positive int dividing the rows of x ({rows} rows "
+            f"of x's shape {tuple(shape)}): a per-head norm over (B, T, H, D) has H rows per token"
+        )
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -472,9 +506,17 @@ class RMSNorm(torch.nn.RMSNorm):
             ``TRITON_INTERPRET=1``).
         offset: keyword-only, added to the weight in fp32 (``rms_norm``'s ``offset``; Gemma-style
             norms store ``weight`` zero-centred and scale by ``1 + weight``). Not in the state_dict.
+        heads: keyword-only, None (default) or ``H``: a per-head norm (Qwen3's, Gemma 3's q/k
+            norms) whose input has ``H`` rows per token. Its head axis is the leading dim that is
+            innermost in memory (the smallest stride among those of size > 1: a view of the q / k
+            projection's output, ``(B, T, H, D)`` or its transpose ``(B, H, T, D)``), and must have
+            ``H`` elements; the other leading dims, in order, are the tokens. The rows are handed
+            to ``rms_norm`` token-major (``rows_per_token=H``; a view, no copy). Not in the
+            state_dict.
 
     Forward: ``x`` of shape ``(..., *normalized_shape)`` (float32 / bfloat16 / float16) gives ``y``
     of ``x``'s shape in ``promote_types(x.dtype, weight.dtype)``; fp32 math.
+    With ``heads``, ``x`` needs a head axis besides ``normalized_shape``.
 
     Raises:
         TypeError: at construction, a weight ``dtype`` other than float32, bfloat16, float16, or
@@ -482,13 +524,15 @@ class RMSNorm(torch.nn.RMSNorm):
         ValueError: at construction, ``eps`` negative, NaN or infinite, ``offset`` not finite or
             non-zero without a weight. At forward, as ``rms_norm``: TypeError for unsupported
             dtypes; ValueError for a trailing shape other than ``normalized_shape`` or ``D`` over
-            65536; RuntimeError / ValueError for device problems.
+            65536, or (with ``heads``) an input whose innermost leading dim in memory does not
+            have ``heads`` elements; RuntimeError / ValueError for device problems.
 
     **Determinism:** bitwise run to run; each row's output and input gradient do not depend on
     the number of rows, its position or the other rows. The weight gradient is a sum over tokens in
-    the canonical order: invariant to leaf-aligned micro-batch and data-parallel splits under a
-    ``CanonicalGradAccumulator``. Not guaranteed across GPU models, Triton versions or the CPU
-    interpreter; details in ``rms_norm``.
+    the canonical order: invariant to micro-batch and data-parallel splits under a
+    ``CanonicalGradAccumulator`` (with ``heads`` too: its leaves are tokens, each of ``heads``
+    rows). Not guaranteed across GPU models, Triton versions or the CPU interpreter; details in
+    ``rms_norm``.
 
     Method: Zhang & Sennrich, "Root Mean Square Layer Normalization" (NeurIPS 2019); the
     ``1 + weight`` form is Gemma's (Gemma Team, "Gemma: Open Models Based on Gemini Research and
@@ -504,8 +548,11 @@ class RMSNorm(torch.nn.RMSNorm):
         dtype=None,
         *,
         offset: float = 0.0,
+        heads: int | None = None,
     ) -> None:
         eps = _check_eps(eps, "det_train.RMSNorm")
+        if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1):
+            raise ValueError(f"det_train.RMSNorm: heads must be None or a positive int, got {heads!r}")
         if (
             elementwise_affine
             and dtype is not None
@@ -516,7 +563,7 @@ class RMSNorm(torch.nn.RMSNorm):
             )
         offset = _check_offset(offset, True if elementwise_affine else None, "det_train.RMSNorm")
         super().__init__(normalized_shape, eps, elementwise_affine, device=device, dtype=dtype)
-        self.offset = offset
+        self.offset, self.heads = offset, heads
         if offset != 0.0:
             self.reset_parameters()
 
@@ -527,7 +574,42 @@ class RMSNorm(torch.nn.RMSNorm):
                 self.weight.fill_(1.0 - getattr(self, "offset", 0.0))
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + (f", offset={self.offset}" if self.offset else "")
+        heads = getattr(self, "heads", None)
+        return (
+            super().extra_repr()
+            + (f", offset={self.offset}" if self.offset else "")
+            + (f", heads={heads}" if heads is not None else "")
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, tuple(self.normalized_shape), offset=self.offset)
+        shape = tuple(self.normalized_shape)
+        heads = getattr(self, "heads", None)  # a module rebuilt by convert from an older one has none
+        if heads is None:
+            return rms_norm(x, self.weight, self.eps, shape, offset=self.offset)
+        axis = _head_axis(x, heads, len(shape))
+        rows = x.movedim(axis, -len(shape) - 1)  # tokens (the other leading dims) x heads x shape
+        y = rms_norm(rows, self.weight, self.eps, shape, offset=self.offset, rows_per_token=heads)
+        return y.movedim(-len(shape) - 1, axis)
+
+
+def _head_axis(x: torch.Tensor, heads: int, k: int) -> int:
+    """The head axis of a per-head norm's input: the leading dim (before the ``k`` normalized ones)
+    innermost in memory among those of size > 1 (the projection's heads, whatever the view's dim
+    order), checked to have ``heads`` elements."""
+    lead = x.dim() - k
+    if lead < 1:
+        raise ValueError(
+            f"det_train.RMSNorm(heads={heads}): x of shape {tuple(x.shape)} has no dim besides its {k} "
+            "normalized one(s): a per-head norm takes (B, T, H, D) or (B, H, T, D)"
+        )
+    dims = [i for i in range(lead) if x.shape[i] > 1]
+    # the smallest stride; among equal strides (size-1 neighbours) the last dim
+    axis = min(dims, key=lambda i: (x.stride(i), -i)) if dims else lead - 1
+    if x.shape[axis] != heads:
+        raise ValueError(
+            f"det_train.RMSNorm(heads={heads}): x of shape {tuple(x.shape)} (strides {x.stride()}) has "
+            f"no head axis of {heads} elements innermost in memory before its {k} normalized dim(s): a "
+            "per-head norm takes a view of the q / k projection's output, (B, T, H, D) or its "
+            "transpose (B, H, T, D), H being the heads of that projection"
+        )
+    return axis
