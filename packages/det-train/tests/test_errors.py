@@ -2,8 +2,8 @@
 Gemma 3) converted with their heads, refused only where the head count is unknown (OLMo 2's
 whole-projection norms and one-head models converted as plain norms; a frozen per-head norm
 converted and split-invariant, unfrozen too), the accumulator's token-count error naming both
-parameters and ops (a per-head norm not told its heads, GPT-2 without
-``position_ids``), the dropout refusal in the model's own terms (config fields or the module's
+parameters and ops (a per-head norm not told its heads), GPT-2 without ``position_ids`` (convert
+passes the batch's positions), the dropout refusal in the model's own terms (config fields or the module's
 ``p``), and an fp64 layer reported as an unsupported dtype. Tiny transformers models from config
 objects (no download), CPU through the Triton interpreter."""
 
@@ -129,41 +129,38 @@ def test_frozen_per_head_norms_convert_and_split_bitwise():
     assert "saw 8: every canonical-order op" in message and "runs per attention head" in message
 
 
-def test_gpt2_without_position_ids_names_the_position_embedding_and_the_remedy():
+def _gpt2_grads(micro_batches, *, explicit_positions: bool) -> dict[str, torch.Tensor]:
+    """Gradients of a converted tiny GPT-2 over 3 sequences of 4 tokens (leaves of 8 tokens), the
+    micro-batches given as (first sequence, sequences); positions passed or left to convert."""
     det_attn = pytest.importorskip("det_attn")
     det_attn.register_transformers_attention()
     torch.manual_seed(0)
     config = transformers.GPT2Config(
-        vocab_size=64,
-        n_embd=64,
-        n_layer=1,
-        n_head=1,
-        n_positions=8,
-        n_inner=64,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-        attn_implementation="det_attn",
-    )
+        vocab_size=64, n_embd=64, n_layer=1, n_head=1, n_positions=8, n_inner=64, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, attn_implementation="det_attn",
+    )  # fmt: skip
     model = det_train.convert(transformers.GPT2LMHeadModel(config).to(torch.bfloat16))
-    ids = torch.randint(0, 64, (2, 4), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 64, (3, 4), generator=torch.Generator().manual_seed(1))
     acc = det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=8)
-    with pytest.raises(ValueError) as info:
-        with acc.micro_batch(token_offset=0):
-            model(input_ids=ids, labels=ids, num_items_in_batch=6).loss.backward()
-    message = str(info.value)
-    assert "transformer.wpe.weight (det_train.embedding) saw 4 tokens (rows)" in message, message
-    assert "saw 8: every canonical-order op" in message
-    assert "position_ids=torch.arange(T).expand(B, T)" in message
-    # the remedy: position ids of the batch's shape; the refused micro-batch left nothing behind
-    positions = torch.arange(4).expand(2, 4)
-    with acc.micro_batch(token_offset=0):
-        model(input_ids=ids, labels=ids, position_ids=positions, num_items_in_batch=6).loss.backward()
-    acc.reduce(total_tokens=8)
-    assert model.transformer.wpe.weight.grad[:4].abs().sum() > 0  # positions 0..3 got gradients
-    assert torch.equal(model.transformer.wpe.weight.grad[4:], torch.zeros(4, 64, dtype=torch.bfloat16))
+    for first, n in micro_batches:
+        x = ids[first : first + n]
+        extra = {"position_ids": torch.arange(4).expand(n, 4)} if explicit_positions else {}
+        with acc.micro_batch(token_offset=4 * first):
+            model(input_ids=x, labels=x, num_items_in_batch=9, **extra).loss.backward()
+    acc.reduce(total_tokens=12)
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+def test_gpt2_without_position_ids_gets_the_batch_positions_from_convert():
+    # GPT-2 looks positions up with (1, T) ids when none are passed: convert's pre-hook passes ids
+    # of the batch's shape, so the position embedding's gradient is canonical over every token
+    explicit = _gpt2_grads([(0, 3)], explicit_positions=True)
+    whole = _gpt2_grads([(0, 3)], explicit_positions=False)
+    split = _gpt2_grads([(0, 1), (1, 2)], explicit_positions=False)  # a cut at token 4, inside leaf 0
+    assert explicit["transformer.wpe.weight"][:4].abs().sum() > 0  # positions 0..3 got gradients
+    for name, grad in explicit.items():
+        assert_bitwise_equal(whole[name], grad, name)
+        assert_bitwise_equal(split[name], grad, name)
 
 
 def test_dropout_refusal_says_what_fits_the_model():

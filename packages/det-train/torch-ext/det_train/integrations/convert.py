@@ -17,7 +17,9 @@ modules it cannot convert that would break the invariances (unless allowed):
   ``H`` the heads of its sibling ``q_proj`` / ``k_proj`` (its weight gradient sums over the tokens
   in the canonical order, each token's heads in order);
 - transformers' ``Conv1D`` (GPT-2) -> ``det_train.Conv1D``;
-- a transformers causal LM's ``loss_function`` -> ``det_train.causal_lm_loss``.
+- a transformers causal LM's ``loss_function`` -> ``det_train.causal_lm_loss``;
+- a model with a learned position embedding ``wpe`` (GPT-2) gets a forward pre-hook that passes
+  ``position_ids`` of the batch's shape when the caller passes none (``_batch_position_ids``).
 
 RMSNorm-like classes are recognised by structure and confirmed by a probe (their own forward on a
 small fp32 input with a probe weight, through ``torch.func.functional_call``, compared with both
@@ -33,6 +35,7 @@ soft-capping), which det_attn would refuse at the first forward.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import numbers
 import sys
@@ -401,6 +404,48 @@ def _scaled_embedding(module: nn.Module) -> nn.Module | str:
     return new
 
 
+def _position_ids_index(module: nn.Module) -> int | None:
+    """Where ``module.forward`` takes ``position_ids`` positionally (None: it takes none)."""
+    try:
+        names = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    return names.index("position_ids") if "position_ids" in names else None
+
+
+def _batch_position_ids(module: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook of a model with a learned position embedding (GPT-2's ``wpe``).
+
+    Called without ``position_ids``, such a model looks its positions up with ids of shape (1, T)
+    and broadcasts them over the batch, so autograd sums the position embedding's gradient over the
+    sequences before det_train sees it and the embedding sees T tokens while every other op sees
+    B x T. Ids of the batch's shape, ``cache_position`` (else ``arange(T)``) expanded to (B, T),
+    are what the model computes anyway, and the embedding's gradient is then canonical over all
+    B x T tokens. Left alone: a call that passes ``position_ids`` (by keyword or position) or a
+    cache of past keys (generation: transformers' own positions).
+    """
+    index = _position_ids_index(module)
+    if kwargs.get("position_ids") is not None or (index is not None and len(args) > index):
+        return None
+    past = kwargs.get("past_key_values")
+    if past is not None and (past.get_seq_length() if hasattr(past, "get_seq_length") else len(past)):
+        return None
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    reference = ids if ids is not None else kwargs.get("inputs_embeds")
+    if reference is None or reference.dim() < 2:
+        return None
+    batch, tokens = reference.shape[:2]
+    positions = kwargs.get("cache_position")
+    if positions is None:
+        positions = torch.arange(tokens, device=reference.device)
+    return args, {**kwargs, "position_ids": positions.reshape(1, -1).expand(batch, tokens)}
+
+
+def _wants_batch_positions(module: nn.Module) -> bool:
+    """A module owning a learned position embedding ``wpe`` whose forward takes ``position_ids``."""
+    return isinstance(getattr(module, "wpe", None), nn.Embedding) and _position_ids_index(module) is not None
+
+
 def _attention_problem(module: nn.Module, seen: set) -> str | None:
     """A reason the transformers model ``module``'s attention implementation is not det_attn (each
     config checked once: a causal LM and its base model share one)."""
@@ -560,4 +605,8 @@ def convert(model: nn.Module, *, strict: bool = True, allow: Iterable = ()) -> n
         model.__dict__.update(root.__dict__)
     for module in loss_modules:
         module.loss_function = causal_lm_loss
+    for module in model.modules():
+        if _wants_batch_positions(module) and not getattr(module, "_det_train_batch_positions", False):
+            module.register_forward_pre_hook(_batch_position_ids, with_kwargs=True)
+            module._det_train_batch_positions = True  # a second convert adds no second hook
     return model
