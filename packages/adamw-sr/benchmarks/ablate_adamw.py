@@ -16,7 +16,7 @@ Reading the table: ``x floor`` is time / floor (target <= 1.10 on the 602 M set,
 set); ``regs`` is registers per thread (65536 / (regs * 32 * warps) programs fit on an SM);
 ``bits`` must say ``same`` for every row (anything else is a bug: report it). The line ``best`` names
 the fastest candidate on the 602 M set among those with the same bits; paste its config into
-``LAUNCH_CONFIGS["cuda"]`` in ``torch-ext/adamw_sr/kernel.py`` to adopt it.
+``LAUNCH_CONFIGS["cuda"]`` in ``torch-ext/adamw_sr/_kernel.py`` to adopt it.
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ def ptx_code(ptx: str) -> str:
     """The PTX's instructions: without ``.param`` declarations, source-line records (``.loc``, the
     debug sections and their ``$L__tmpN`` labels) and comments, and with the kernel's name (in its
     ``.entry`` line and its parameter names) replaced by ``KERNEL``, so that a line moved in
-    kernel.py, a body moved into an inlined helper, a renamed kernel or an appended argument does
+    _kernel.py, a body moved into an inlined helper, a renamed kernel or an appended argument does
     not show as a change."""
     ptx = ptx.split(".section\t.debug")[0].split(".section .debug")[0]
     entry = re.search(r"\.entry\s+(\w+)\s*\(", ptx)
