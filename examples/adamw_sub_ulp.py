@@ -58,18 +58,18 @@ SERIES = ("exp_avg_mean", "exp_avg_std", "exp_avg_sq_mean", "exp_avg_sq_std", "d
 
 def stored_moments(state: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """The stored ``exp_avg`` and ``exp_avg_sq`` of an AdamWSR param state as fp32 (8 bits: decoded)."""
-    from adamw_sr import state_codes
+    from adamw_sr import _state_codes
 
     m, v = state["exp_avg"], state["exp_avg_sq"]
     if m.dtype != torch.uint8:
         return m.float(), v.float()
     out = []
     for code, scale, bits, signed in (
-        (m, state["exp_avg_scale"], state_codes.EXP_AVG_MANTISSA_BITS, True),
-        (v, state["exp_avg_sq_scale"], state_codes.EXP_AVG_SQ_MANTISSA_BITS, False),
+        (m, state["exp_avg_scale"], _state_codes.EXP_AVG_MANTISSA_BITS, True),
+        (v, state["exp_avg_sq_scale"], _state_codes.EXP_AVG_SQ_MANTISSA_BITS, False),
     ):
-        per_element = scale.flatten().to(torch.int64).repeat_interleave(state_codes.QUANT_BLOCK)
-        out.append(state_codes.decode_torch(code.flatten(), per_element[: code.numel()], bits, signed))
+        per_element = scale.flatten().to(torch.int64).repeat_interleave(_state_codes.QUANT_BLOCK)
+        out.append(_state_codes.decode_torch(code.flatten(), per_element[: code.numel()], bits, signed))
     return out[0], out[1]
 
 

@@ -1,6 +1,6 @@
 """Ablation: launch variants of the fused AdamW-SR kernel side by side on the GPU (same bits, other speed).
 
-Every candidate is a ``kernel.LAUNCH_CONFIGS``-style dict (``BLOCK``, ``SUB``, ``num_warps``,
+Every candidate is a ``_kernel.LAUNCH_CONFIGS``-style dict (``BLOCK``, ``SUB``, ``num_warps``,
 ``TILE_2D``, ``PRECOMPUTED``); none may change a result bit, and this script checks it: each
 candidate runs one step from the same saved state and its params, ``exp_avg`` and ``exp_avg_sq``
 must equal candidate A's (the original kernel's layout) bit for bit; A itself is checked against the
@@ -16,7 +16,7 @@ Reading the table: ``x floor`` is time / floor (target <= 1.10 on the 602 M set,
 set); ``regs`` is registers per thread (65536 / (regs * 32 * warps) programs fit on an SM);
 ``bits`` must say ``same`` for every row (anything else is a bug: report it). The line ``best`` names
 the fastest candidate on the 602 M set among those with the same bits; paste its config into
-``LAUNCH_CONFIGS["cuda"]`` in ``torch-ext/adamw_sr/kernel.py`` to adopt it.
+``LAUNCH_CONFIGS["cuda"]`` in ``torch-ext/adamw_sr/_kernel.py`` to adopt it.
 """
 
 from __future__ import annotations
@@ -128,14 +128,14 @@ class FlatSet:
 
 
 def launcher(fs: FlatSet, config: dict):
-    from adamw_sr import launch
+    from adamw_sr import _launch
 
     v = fs.views
-    plan = launch.LaunchPlan(v["p"], v["g"], v["m"], v["v"], [], fs.segments, fs.flat["p"].device, config)
+    plan = _launch.LaunchPlan(v["p"], v["g"], v["m"], v["v"], [], fs.segments, fs.flat["p"].device, config)
     roles = (v["p"], v["g"], v["m"], v["v"], v["v"])
 
     def run():
-        return launch.launch_fused_step(
+        return _launch.launch_fused_step(
             plan, roles, fs.steps, fs.hyper, seed=SEED, amsgrad=False, maximize=False,
             param_bf16=True, stochastic=True,
         )  # fmt: skip
@@ -265,7 +265,7 @@ def _check_states_reference(params, saved, out, state_dtype) -> str:
 def run_states_case(name, shapes, state_dtype, bandwidth, candidates) -> dict:
     """The bf16- or 8-bit-moment kernel under each candidate config: one step from the same state
     (bits compared with S0's; S0's compared with reference.py on a few small tensors), then timed."""
-    from adamw_sr import AdamWSR, kernel, launch
+    from adamw_sr import AdamWSR, _kernel, _launch
     from bench_adamw import _params
 
     params = _params(shapes, torch.bfloat16, torch.bfloat16)
@@ -280,7 +280,7 @@ def run_states_case(name, shapes, state_dtype, bandwidth, candidates) -> dict:
     hyper = torch.tensor([LR, *BETAS, EPS, WD], dtype=torch.float64, device=DEVICE)
     n = sum(p.numel() for p in params)
     floor_ms = STATE_BYTES[state_dtype] * n / bandwidth * 1e3
-    state_format = {"bfloat16": kernel.FORMAT_BF16, "8bit": kernel.FORMAT_8BIT}[state_dtype]
+    state_format = {"bfloat16": _kernel.FORMAT_BF16, "8bit": _kernel.FORMAT_8BIT}[state_dtype]
     bases = _default_bases(params, state_dtype)  # the optimizer's global indices
     segments = torch.tensor(
         [(i, 0, p.numel(), b) for i, (p, b) in enumerate(zip(params, bases, strict=True))]
@@ -293,13 +293,13 @@ def run_states_case(name, shapes, state_dtype, bandwidth, candidates) -> dict:
 
     rows, ref_out, cpu_check = {}, None, "not run"
     for cand, (_, config) in candidates.items():
-        plan = launch.LaunchPlan(
+        plan = _launch.LaunchPlan(
             params, grads, tensors["m"], tensors["v"], [], segments, params[0].device, config,
             state_format=state_format, exp_avg_scales=scales[0], exp_avg_sq_scales=scales[1],
         )  # fmt: skip
 
         def run(plan=plan):
-            return launch.launch_fused_step(
+            return _launch.launch_fused_step(
                 plan, roles, steps, hyper, seed=SEED, amsgrad=False, maximize=False, param_bf16=True,
                 stochastic=True, scales=scales,
             )  # fmt: skip
@@ -329,7 +329,7 @@ def run_states_case(name, shapes, state_dtype, bandwidth, candidates) -> dict:
 def states_main(args) -> None:
     """``--states``: the bf16 and 8-bit moment kernels' candidates side by side (602M set and,
     unless ``--no-small``, the 2,000 small tensors)."""
-    from adamw_sr import kernel
+    from adamw_sr import _kernel
     from bench_adamw import copy_bandwidth, llama_shapes, many_small_shapes
 
     start = time.time()
@@ -367,7 +367,7 @@ def states_main(args) -> None:
         best = min(valid, key=lambda k: c["rows"][k]["ms"])
         key = {"bfloat16": "cuda-bf16", "8bit": "cuda-8bit"}[c["state_dtype"]]
         lines.append(f"best on 602M {c['state_dtype']}: {best} {STATE_CANDIDATES[best][1]} "
-                     f"(committed {key}: {kernel.LAUNCH_CONFIGS[key]})")  # fmt: skip
+                     f"(committed {key}: {_kernel.LAUNCH_CONFIGS[key]})")  # fmt: skip
     lines.append(f"runtime {time.time() - start:.0f} s")
     text = "\n".join(lines)
     print(text)
@@ -382,7 +382,7 @@ def states_main(args) -> None:
 
 
 def main(argv=None) -> None:
-    from adamw_sr import kernel
+    from adamw_sr import _kernel
     from bench_adamw import copy_bandwidth, llama_shapes, many_small_shapes
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -419,7 +419,7 @@ def main(argv=None) -> None:
         f"Copy bandwidth {bandwidth / 1e12:.2f} TB/s; floor = 22 B/param / bandwidth: "
         + ", ".join(f"{c['case']} {c['floor_ms']:.3f} ms" for c in cases)
         + f". CPU reference check of A: {', '.join(c['cpu_reference'] for c in cases)}. "
-        f"Committed default: {kernel.LAUNCH_CONFIGS['cuda']}",
+        f"Committed default: {_kernel.LAUNCH_CONFIGS['cuda']}",
         "",
         "| cand | what | 602M ms | x floor | 2000small ms | x floor | regs | bits |",
         "|---|---|---|---|---|---|---|---|",

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path[:0] = [str(ROOT / "packages/adamw-sr/torch-ext"), str(ROOT / "shared/det-core")]
 
 import triton  # noqa: E402
-from adamw_sr import kernel, launch  # noqa: E402
+from adamw_sr import _kernel, _launch  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -56,11 +56,11 @@ def _ptxas() -> Path | None:
 def compile_variant(param: str, grad: str, meta: dict) -> str:
     """The PTX of ``adamw_sr_kernel`` for ``param``/``grad`` dtypes (``"bf16"``/``"fp32"``) and ``meta``;
     with a ``STATE`` in ``meta``, of ``adamw_sr_states_kernel`` (bf16 or 8-bit moments)."""
-    fn = kernel.adamw_sr_kernel
+    fn = _kernel.adamw_sr_kernel
     types = dict(POINTER_TYPES, param_ptr="*" + param, grad_ptr="*" + grad, **SCALAR_TYPES)
     if "STATE" in meta:
-        fn = kernel.adamw_sr_states_kernel
-        moment = "*bf16" if meta["STATE"] == kernel.FORMAT_BF16 else "*u8"
+        fn = _kernel.adamw_sr_states_kernel
+        moment = "*bf16" if meta["STATE"] == _kernel.FORMAT_BF16 else "*u8"
         types.update(
             exp_avg_ptr=moment, exp_avg_sq_ptr=moment, max_exp_avg_sq_ptr=moment, exp_avg_scale_ptr="*u8",
             exp_avg_sq_scale_ptr="*u8", state_stream="i32",
@@ -68,8 +68,8 @@ def compile_variant(param: str, grad: str, meta: dict) -> str:
     sig = {n: "constexpr" if n.isupper() else types[n] for n in fn.arg_names}
     constexprs = {(fn.arg_names.index(k),): v for k, v in meta.items() if k in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n.endswith("_ptr")}
-    options = dict(num_warps=meta.get("num_warps", kernel.LAUNCH_CONFIGS["cuda"]["num_warps"]),
-                   **launch.exactness_options())  # fmt: skip
+    options = dict(num_warps=meta.get("num_warps", _kernel.LAUNCH_CONFIGS["cuda"]["num_warps"]),
+                   **_launch.exactness_options())  # fmt: skip
     if meta.get("maxnreg"):
         options["maxnreg"] = meta["maxnreg"]
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
@@ -78,16 +78,16 @@ def compile_variant(param: str, grad: str, meta: dict) -> str:
 
 def state_config(state: int) -> dict:
     """The committed CUDA launch config of the bf16- or 8-bit-moment kernel."""
-    return kernel.LAUNCH_CONFIGS[{kernel.FORMAT_BF16: "cuda-bf16", kernel.FORMAT_8BIT: "cuda-8bit"}[state]]
+    return _kernel.LAUNCH_CONFIGS[{_kernel.FORMAT_BF16: "cuda-bf16", _kernel.FORMAT_8BIT: "cuda-8bit"}[state]]
 
 
 def compile_scalars() -> str:
-    """The PTX of ``step_scalars_kernel`` as ``launch.launch_fused_step`` launches it."""
+    """The PTX of ``step_scalars_kernel`` as ``_launch.launch_fused_step`` launches it."""
     sig = dict(
         steps_ptr="*fp32", hyper_ptr="*fp64", scalars_ptr="*fp32", num_tensors="i32", BLOCK_T="constexpr"
     )
-    src = ASTSource(fn=kernel.step_scalars_kernel, signature=sig, constexprs={(4,): kernel.SCALARS_BLOCK})
-    options = dict(num_warps=4, **launch.exactness_options())
+    src = ASTSource(fn=_kernel.step_scalars_kernel, signature=sig, constexprs={(4,): _kernel.SCALARS_BLOCK})
+    options = dict(num_warps=4, **_launch.exactness_options())
     return triton.compile(src, target=TARGET, options=options).asm["ptx"]
 
 
@@ -95,7 +95,7 @@ def ptx_code(ptx: str) -> str:
     """The PTX's instructions: without ``.param`` declarations, source-line records (``.loc``, the
     debug sections and their ``$L__tmpN`` labels) and comments, and with the kernel's name (in its
     ``.entry`` line and its parameter names) replaced by ``KERNEL``, so that a line moved in
-    kernel.py, a body moved into an inlined helper, a renamed kernel or an appended argument does
+    _kernel.py, a body moved into an inlined helper, a renamed kernel or an appended argument does
     not show as a change."""
     ptx = ptx.split(".section\t.debug")[0].split(".section .debug")[0]
     entry = re.search(r"\.entry\s+(\w+)\s*\(", ptx)
@@ -133,7 +133,7 @@ def registers(ptx: str) -> str:
 
 
 def variants():
-    config = kernel.LAUNCH_CONFIGS["cuda"]
+    config = _kernel.LAUNCH_CONFIGS["cuda"]
     base = dict(
         BLOCK=config["BLOCK"], SUB=config["SUB"], TILE_2D=config["TILE_2D"], PRECOMPUTED=config["PRECOMPUTED"]
     )
@@ -162,14 +162,14 @@ def state_variants():
     """The bf16- and 8-bit-moment kernels (``adamw_sr_states_kernel``, each with its committed CUDA
     config), without AMP; AMP variants ``unscale1-skip1`` of the stochastic ones."""
     for (state, label), param, amsgrad, state_sr, aligned, amp in itertools.product(
-        ((kernel.FORMAT_BF16, "bf16"), (kernel.FORMAT_8BIT, "8bit")),
+        ((_kernel.FORMAT_BF16, "bf16"), (_kernel.FORMAT_8BIT, "8bit")),
         ("bf16", "fp32"),
         (False, True),
         (True, False),
         (True, False),
         (False, True),
     ):
-        if (amsgrad and state == kernel.FORMAT_8BIT) or (amp and not state_sr):
+        if (amsgrad and state == _kernel.FORMAT_8BIT) or (amp and not state_sr):
             continue  # no amsgrad with 8 bits
         config = state_config(state)
         base = dict(
@@ -195,10 +195,10 @@ def main() -> int:
     parser.add_argument("--no-amp", action="store_true", help="only the variants without AMP")
     parser.add_argument("--no-states", action="store_true", help="only the fp32-moment kernel's variants")
     args = parser.parse_args()
-    has_amp = "UNSCALE" in kernel.adamw_sr_kernel.arg_names
+    has_amp = "UNSCALE" in _kernel.adamw_sr_kernel.arg_names
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
-    has_states = hasattr(kernel, "adamw_sr_states_kernel")
+    has_states = hasattr(_kernel, "adamw_sr_states_kernel")
     todo = itertools.chain(variants(), () if args.no_states or not has_states else state_variants())
     for name, param, grad, meta in todo:
         if (meta["UNSCALE"] or meta["SKIP_ON_INF"]) and (args.no_amp or not has_amp):

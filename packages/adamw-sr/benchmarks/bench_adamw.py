@@ -96,7 +96,7 @@ def _release():
 
 def time_ours(shapes, state_dtype="float32") -> dict:
     from adamw_sr import AdamWSR
-    from adamw_sr import launch as asr_launch
+    from adamw_sr import _launch as asr_launch
     from adamw_sr.functional import PLAN_CACHE
 
     params = _params(shapes, torch.bfloat16, torch.bfloat16)

@@ -1,6 +1,6 @@
 """GPU check of the bf16 / 8-bit state kernels' launch configs against the CPU reference.
 
-For each candidate config (``kernel.LAUNCH_CONFIGS`` entry shape), three steps on sizes whose tails cut
+For each candidate config (``_kernel.LAUNCH_CONFIGS`` entry shape), three steps on sizes whose tails cut
 an 8-bit block and a masked sub-tile, compared bitwise with ``adamw_sr_step_reference``; the step is
 run twice to tell a wrong result from a run-to-run one. Prints one line per (format, config).
 
@@ -10,7 +10,7 @@ run twice to tell a wrong result from a run-to-run one. Prints one line per (for
 from __future__ import annotations
 
 import torch
-from adamw_sr import AdamWSR, adamw_sr_step_reference, default_base_indices, kernel, states
+from adamw_sr import AdamWSR, _kernel, _states, adamw_sr_step_reference, default_base_indices
 from adamw_sr.functional import PLAN_CACHE
 
 SHAPES = [(1_000_003,), (333,), (323,), (1024, 512), (2048 + 256 + 67,)]
@@ -48,12 +48,12 @@ def _reference(state_dtype: str) -> tuple[list[torch.Tensor], list[dict]]:
     params = [
         torch.randn(s, generator=torch.Generator().manual_seed(i)).bfloat16() for i, s in enumerate(SHAPES)
     ]
-    dtype = states.moment_dtype(state_dtype)
+    dtype = _states.moment_dtype(state_dtype)
     sts = []
     for p in params:
         st = {"exp_avg": torch.zeros(p.shape, dtype=dtype), "exp_avg_sq": torch.zeros(p.shape, dtype=dtype)}
         if state_dtype == "8bit":
-            shape = states.scale_shape(tuple(p.shape))
+            shape = _states.scale_shape(tuple(p.shape))
             st["exp_avg_scale"] = torch.zeros(shape, dtype=torch.uint8)
             st["exp_avg_sq_scale"] = torch.zeros(shape, dtype=torch.uint8)
         sts.append(st)
@@ -87,9 +87,9 @@ def _differ(a: list[torch.Tensor], b: list[torch.Tensor]) -> str:
 def main() -> None:
     for fmt, key in (("8bit", "cuda-8bit"), ("bfloat16", "cuda-bf16")):
         ref_p, ref_s = _reference(fmt)
-        shipped = dict(kernel.LAUNCH_CONFIGS[key])
+        shipped = dict(_kernel.LAUNCH_CONFIGS[key])
         for name, cfg in CANDIDATES.items():
-            kernel.LAUNCH_CONFIGS[key] = dict(cfg or shipped)
+            _kernel.LAUNCH_CONFIGS[key] = dict(cfg or shipped)
             PLAN_CACHE.clear()
             p1, s1 = _run(fmt, "cuda")
             p2, s2 = _run(fmt, "cuda")
@@ -98,7 +98,7 @@ def main() -> None:
                 line.append(f"{k} {_differ([s[k] for s in s1], [s[k] for s in ref_s])}")
             line.append(f"repeat {_differ(p1, p2)}")
             print(" | ".join(line), flush=True)
-        kernel.LAUNCH_CONFIGS[key] = shipped
+        _kernel.LAUNCH_CONFIGS[key] = shipped
         PLAN_CACHE.clear()
 
 

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import aot_compile_check as aot  # sets up the paths and drops TRITON_INTERPRET
 import triton
+from adamw_sr import _kernel  # noqa: E402 (aot_compile_check set up the paths)
 from triton.compiler import ASTSource
 
-kernel = aot.kernel
 FP32_SCALARS = {
     "step_size", "bias_correction2_sqrt", "lr_decay", "beta1_f", "one_minus_beta1", "beta2_f",
     "one_minus_beta2", "eps_f", "inv_scale",
@@ -40,13 +40,13 @@ FP32_SCALARS = {
 
 
 def _wrapper():
-    """A jit kernel that calls ``kernel._step_tile`` once, with all its arguments as its own."""
-    names = list(inspect.signature(kernel._step_tile.fn).parameters)
+    """A jit kernel that calls ``_kernel._step_tile`` once, with all its arguments as its own."""
+    names = list(inspect.signature(_kernel._step_tile.fn).parameters)
     params = [n + ": tl.constexpr" if n.isupper() else n for n in names]
     source = (
-        "import triton\nimport triton.language as tl\nfrom adamw_sr import kernel\n\n\n"
+        "import triton\nimport triton.language as tl\nfrom adamw_sr import _kernel\n\n\n"
         f"@triton.jit\ndef tile_wrapper({', '.join(params)}):\n"
-        f"    kernel._step_tile({', '.join(names)})\n"
+        f"    _kernel._step_tile({', '.join(names)})\n"
     )
     folder = tempfile.mkdtemp()
     Path(folder, "adamw_sr_tile_wrapper.py").write_text(source)
@@ -57,7 +57,7 @@ def _wrapper():
 
 
 def _types(fn, param: str, meta: dict) -> dict:
-    moment = {kernel.FORMAT_BF16: "*bf16", kernel.FORMAT_8BIT: "*u8"}.get(meta["STATE"], "*fp32")
+    moment = {_kernel.FORMAT_BF16: "*bf16", _kernel.FORMAT_8BIT: "*u8"}.get(meta["STATE"], "*fp32")
     pointers = dict(param_ptr="*" + param, grad_ptr="*" + param, exp_avg_ptr=moment, exp_avg_sq_ptr=moment,
                     max_exp_avg_sq_ptr=moment)  # fmt: skip
     types = {}
@@ -75,10 +75,10 @@ def _types(fn, param: str, meta: dict) -> dict:
 
 def compile_tile(fn, param: str, meta: dict) -> str:
     """The PTX of one unmasked tile of the variant ``meta``."""
-    meta = dict({"STATE": kernel.FORMAT_FP32, "STATE_STOCHASTIC": False}, **meta, MASKED=False)
+    meta = dict({"STATE": _kernel.FORMAT_FP32, "STATE_STOCHASTIC": False}, **meta, MASKED=False)
     constexprs = {(fn.arg_names.index(k),): v for k, v in meta.items() if k in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n.endswith("_ptr")}
-    options = dict(num_warps=meta.get("num_warps", kernel.LAUNCH_CONFIGS["cuda"]["num_warps"]),
+    options = dict(num_warps=meta.get("num_warps", _kernel.LAUNCH_CONFIGS["cuda"]["num_warps"]),
                    **aot.launch.exactness_options())  # fmt: skip
     src = ASTSource(fn=fn, signature=_types(fn, param, meta), constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=aot.TARGET, options=options).asm["ptx"]
@@ -122,7 +122,7 @@ def main() -> int:
     parser.add_argument("pattern", nargs="?", default="", help="regex over the variant names (default: all)")
     args = parser.parse_args()
     fn = _wrapper()
-    config = kernel.LAUNCH_CONFIGS["cuda"]
+    config = _kernel.LAUNCH_CONFIGS["cuda"]
     for name, param, _, meta in (*aot.variants(), *aot.state_variants()):
         if not re.search(args.pattern, name):
             continue

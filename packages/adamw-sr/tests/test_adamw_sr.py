@@ -88,10 +88,10 @@ def test_kernel_equals_reference_bitwise(param_dtype, amsgrad, maximize, stochas
     ],
 )
 def test_kernel_variants_equal_reference(config, amsgrad, monkeypatch):
-    from adamw_sr import kernel
+    from adamw_sr import _kernel
     from adamw_sr.functional import PLAN_CACHE
 
-    monkeypatch.setitem(kernel.LAUNCH_CONFIGS, "interpreter", config)
+    monkeypatch.setitem(_kernel.LAUNCH_CONFIGS, "interpreter", config)
     PLAN_CACHE.clear()
     shapes = [(7,), (100,), (3, 33), (130,)]
     bases = [0, 8, 2**33 + 1, 10**12 + 7]  # last two unaligned: leading lanes masked

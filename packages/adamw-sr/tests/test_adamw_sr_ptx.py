@@ -19,9 +19,9 @@ import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from adamw_sr import kernel, launch
-config = kernel.LAUNCH_CONFIGS["cuda"]
-options = dict(num_warps=config["num_warps"], **launch.exactness_options())
+from adamw_sr import _kernel, _launch
+config = _kernel.LAUNCH_CONFIGS["cuda"]
+options = dict(num_warps=config["num_warps"], **_launch.exactness_options())
 target = GPUTarget("cuda", 90, 32)
 pointers = dict(param="{param}", grad="bf16", exp_avg="fp32", exp_avg_sq="fp32", max_exp_avg_sq="fp32",
                 tensor_table="i64", chunk_table="i64", steps="fp32", hyper="fp64", scalars="fp32")
@@ -34,13 +34,13 @@ constexprs = {{"AMSGRAD": {amsgrad}, "MAXIMIZE": False, "PARAM_BF16": {bf16}, "S
               "ALIGNED": True, "BLOCK": config["BLOCK"], "SUB": config["SUB"], "TILE_2D": config["TILE_2D"],
               "PRECOMPUTED": {precomputed}, "UNSCALE": {amp}, "SKIP_ON_INF": {amp}}}
 attrs = {{(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig) if name.endswith("_ptr")}}
-ptx = triton.compile(ASTSource(kernel.adamw_sr_kernel, sig, constexprs=constexprs, attrs=attrs),
+ptx = triton.compile(ASTSource(_kernel.adamw_sr_kernel, sig, constexprs=constexprs, attrs=attrs),
                      target=target, options=options).asm["ptx"]
 ssig = dict(steps_ptr="*fp32", hyper_ptr="*fp64", scalars_ptr="*fp32", num_tensors="i32",
             BLOCK_T="constexpr")
-sconst = {{"BLOCK_T": kernel.SCALARS_BLOCK}}
-soptions = dict(num_warps=4, **launch.exactness_options())
-sptx = triton.compile(ASTSource(kernel.step_scalars_kernel, ssig, constexprs=sconst), target=target,
+sconst = {{"BLOCK_T": _kernel.SCALARS_BLOCK}}
+soptions = dict(num_warps=4, **_launch.exactness_options())
+sptx = triton.compile(ASTSource(_kernel.step_scalars_kernel, ssig, constexprs=sconst), target=target,
                       options=soptions).asm["ptx"]
 count = lambda s, text=ptx: text.count(s)
 print(json.dumps({{"fma32": count("fma.rn.f32"), "ftz": count(".ftz"), "div_rn": count("div.rn.f32"),

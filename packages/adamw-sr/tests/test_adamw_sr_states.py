@@ -18,8 +18,8 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from adamw_sr import AdamWSR, adamw_sr_step, adamw_sr_step_reference, default_base_indices, states
-from adamw_sr import state_codes as codes
+from adamw_sr import AdamWSR, _states, adamw_sr_step, adamw_sr_step_reference, default_base_indices
+from adamw_sr import _state_codes as codes
 from adamw_sr.reference import _decode
 from det_core import rng
 from det_core import sr as det_sr
@@ -31,12 +31,12 @@ FORMATS = [torch.bfloat16, "8bit"]
 
 def _ref_state(p: torch.Tensor, state_dtype, amsgrad: bool = False) -> dict:
     """Zero reference moments (and 8-bit scales) for ``p`` in the format of ``state_dtype``."""
-    dtype = states.moment_dtype(states.canonical_state_dtype(state_dtype, "test"))
+    dtype = _states.moment_dtype(_states.canonical_state_dtype(state_dtype, "test"))
     out = {"m": torch.zeros(p.shape, dtype=dtype), "v": torch.zeros(p.shape, dtype=dtype), "vm": None}
     if amsgrad:
         out["vm"] = torch.zeros(p.shape, dtype=dtype)
     if state_dtype == "8bit":
-        shape = states.scale_shape(tuple(p.shape))
+        shape = _states.scale_shape(tuple(p.shape))
         out["ms"], out["vs"] = torch.zeros(shape, dtype=torch.uint8), torch.zeros(shape, dtype=torch.uint8)
     return out
 
@@ -105,7 +105,7 @@ def test_kernel_equals_reference_bitwise(state_dtype, rounding, param_dtype, ams
         assert_bitwise_equal(p, r, f"param {i}")
         _assert_state_equal(opt.state[p], st, f"param {i}")
     big = opt.state[params[3]]
-    assert big["exp_avg"].dtype == states.moment_dtype(states.canonical_state_dtype(state_dtype, "t"))
+    assert big["exp_avg"].dtype == _states.moment_dtype(_states.canonical_state_dtype(state_dtype, "t"))
     assert len(big["exp_avg"].unique()) > 100 and len(big["exp_avg_sq"].unique()) > 100  # real codes
     if state_dtype == "8bit":
         assert len(big["exp_avg_sq_scale"].unique()) > 10  # scales follow the blocks' magnitudes
@@ -123,10 +123,10 @@ def test_kernel_equals_reference_bitwise(state_dtype, rounding, param_dtype, ams
     ],
 )
 def test_kernel_variants_equal_reference(config, state_dtype, monkeypatch):
-    from adamw_sr import kernel
+    from adamw_sr import _kernel
     from adamw_sr.functional import PLAN_CACHE
 
-    monkeypatch.setitem(kernel.LAUNCH_CONFIGS, "interpreter", config)
+    monkeypatch.setitem(_kernel.LAUNCH_CONFIGS, "interpreter", config)
     PLAN_CACHE.clear()
     shapes = [(7,), (100,), (3, 33), (130,)]
     # bf16: unaligned bases (masked leading lanes); 8-bit: bases on blocks, beyond 2**32
@@ -158,13 +158,13 @@ def test_kernel_variants_equal_reference(config, state_dtype, monkeypatch):
 # GPU (test_adamw_sr_states_gpu.py, benchmarks/check_state_configs.py).
 @pytest.mark.parametrize("entry", ["cuda-8bit", "cuda-bf16"])
 def test_gpu_table_entries_through_the_interpreter_equal_reference(entry, monkeypatch):
-    from adamw_sr import kernel
+    from adamw_sr import _kernel
     from adamw_sr.functional import PLAN_CACHE
 
-    config = kernel.LAUNCH_CONFIGS[entry]
+    config = _kernel.LAUNCH_CONFIGS[entry]
     state_dtype = "8bit" if entry == "cuda-8bit" else torch.bfloat16
     edge = config["EDGE_SUB"]
-    monkeypatch.setitem(kernel.LAUNCH_CONFIGS, "interpreter", config)
+    monkeypatch.setitem(_kernel.LAUNCH_CONFIGS, "interpreter", config)
     PLAN_CACHE.clear()
     sub, window = config["SUB"], config["BLOCK"]
     # tails after a full window and tile: one full masked sub-tile, then one cut inside a block
@@ -418,7 +418,7 @@ def test_shards_with_base_index_equal_whole(state_dtype, numel, base, splits):
     for g in grads:
         whole.grad = g
         opt.step()
-    keys = ["exp_avg", "exp_avg_sq"] + (list(states.SCALE_KEYS) if state_dtype == "8bit" else [])
+    keys = ["exp_avg", "exp_avg_sq"] + (list(_states.SCALE_KEYS) if state_dtype == "8bit" else [])
     for bounds in splits:
         shards = [full[a:b].clone() for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         group = {"params": shards, "base_index": [base + a for a in bounds[:-1]]}
@@ -566,12 +566,12 @@ def test_state_dict_round_trip_keeps_dtypes_and_bits(state_dtype):
     p.grad = torch.randn(4, 64).to(torch.bfloat16)
     opt.step()
     sd = opt.state_dict()
-    assert sd["param_groups"][0]["state_dtype"] == states.canonical_state_dtype(state_dtype, "t")
+    assert sd["param_groups"][0]["state_dtype"] == _states.canonical_state_dtype(state_dtype, "t")
     q = p.clone()
     opt2 = AdamWSR([q], state_dtype=state_dtype)
     opt2.load_state_dict(sd)
     keys = set(opt.state[p]) - {"step"}
-    assert keys == ({"exp_avg", "exp_avg_sq"} | (set(states.SCALE_KEYS) if state_dtype == "8bit" else set()))
+    assert keys == ({"exp_avg", "exp_avg_sq"} | (set(_states.SCALE_KEYS) if state_dtype == "8bit" else set()))
     for k in keys:
         assert opt2.state[q][k].dtype == opt.state[p][k].dtype  # torch's own load would cast them
         assert_bitwise_equal(opt2.state[q][k], opt.state[p][k], k)
@@ -716,26 +716,26 @@ import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from adamw_sr import kernel, launch
-fn = kernel.adamw_sr_states_kernel
-config = kernel.LAUNCH_CONFIGS["cuda"]
+from adamw_sr import _kernel, _launch
+fn = _kernel.adamw_sr_states_kernel
+config = _kernel.LAUNCH_CONFIGS["cuda"]
 types = dict(param_ptr="*bf16", grad_ptr="*bf16", steps_ptr="*fp32", hyper_ptr="*fp64", scalars_ptr="*fp32",
              tensor_table_ptr="*i64", chunk_table_ptr="*i64", grad_scale_ptr="*fp32", found_inf_ptr="*fp32",
              seed_lo="i64", seed_hi="i64", rng_stream="i32", state_stream="i32")
 out = {{}}
-for state, moment, scale in ((kernel.FORMAT_BF16, "*bf16", "*bf16"), (kernel.FORMAT_8BIT, "*u8", "*u8")):
+for state, moment, scale in ((_kernel.FORMAT_BF16, "*bf16", "*bf16"), (_kernel.FORMAT_8BIT, "*u8", "*u8")):
     t = dict(types, exp_avg_ptr=moment, exp_avg_sq_ptr=moment, max_exp_avg_sq_ptr=moment,
              exp_avg_scale_ptr=scale, exp_avg_sq_scale_ptr=scale)
     sig = {{n: "constexpr" if n.isupper() else t[n] for n in fn.arg_names}}
     meta = dict(AMSGRAD=False, MAXIMIZE=False, PARAM_BF16=True, STOCHASTIC=True, ALIGNED=True,
                 BLOCK=config["BLOCK"], SUB=config["SUB"], TILE_2D=True, PRECOMPUTED=True, UNSCALE=False,
                 SKIP_ON_INF=False, STATE=state, STATE_STOCHASTIC=True,
-                EDGE_SUB=kernel.LAUNCH_CONFIGS["cuda-bf16"]["EDGE_SUB"])
+                EDGE_SUB=_kernel.LAUNCH_CONFIGS["cuda-bf16"]["EDGE_SUB"])
     attrs = {{(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n.endswith("_ptr")}}
     src = ASTSource(fn=fn, signature=sig, constexprs={{(fn.arg_names.index(k),): v for k, v in meta.items()}},
                     attrs=attrs)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                         options=dict(num_warps=config["num_warps"], **launch.exactness_options())).asm["ptx"]
+    options = dict(num_warps=config["num_warps"], **_launch.exactness_options())
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
     out[state] = {{k: ptx.count(k) for k in ("fma.rn.f32", ".ftz", ".approx", "div.full", "div.rn.f32",
                                             "sqrt.rn.f32")}}
 print(json.dumps(out))

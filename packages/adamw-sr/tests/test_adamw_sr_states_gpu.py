@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from adamw_sr import AdamWSR, adamw_sr_step_reference, default_base_indices, states
+from adamw_sr import AdamWSR, _states, adamw_sr_step_reference, default_base_indices
 from det_core.testing import assert_bitwise_equal, digest
 
 pytestmark = pytest.mark.gpu
@@ -32,12 +32,12 @@ def _grads(shapes, step, dtype, device):
 
 
 def _ref_state(shape, state_dtype: str, amsgrad: bool) -> dict:
-    dtype = states.moment_dtype(state_dtype)
+    dtype = _states.moment_dtype(state_dtype)
     out = {"m": torch.zeros(shape, dtype=dtype), "v": torch.zeros(shape, dtype=dtype), "vm": None}
     if amsgrad:
         out["vm"] = torch.zeros(shape, dtype=dtype)
     if state_dtype == "8bit":
-        scale = states.scale_shape(tuple(shape))
+        scale = _states.scale_shape(tuple(shape))
         out["ms"], out["vs"] = torch.zeros(scale, dtype=torch.uint8), torch.zeros(scale, dtype=torch.uint8)
     return out
 
@@ -84,7 +84,7 @@ def test_cuda_states_equal_cpu_reference_bitwise(state_dtype, rounding, param_dt
                 state_rounding=rounding, exp_avg_scale=st.get("ms"), exp_avg_sq_scale=st.get("vs"),
                 grad_scale=scale if amp else None,
             )  # fmt: skip
-    keys = ["exp_avg", "exp_avg_sq"] + (list(states.SCALE_KEYS) if state_dtype == "8bit" else [])
+    keys = ["exp_avg", "exp_avg_sq"] + (list(_states.SCALE_KEYS) if state_dtype == "8bit" else [])
     ref_keys = {"exp_avg": "m", "exp_avg_sq": "v", "exp_avg_scale": "ms", "exp_avg_sq_scale": "vs"}
     gpu = {"params": params, **{k: [opt.state[p][k] for p in params] for k in keys}}
     cpu = {"params": refs, **{k: [st[ref_keys[k]] for st in ref_states] for k in keys}}

@@ -1,4 +1,4 @@
-"""CPU tests of the eager step's recorded launches (``adamw_sr.step_cache``): a steady-state step
+"""CPU tests of the eager step's recorded launches (``adamw_sr._step_cache``): a steady-state step
 skips the full checks and gives the reference's bits; anything that changed (gradients elsewhere in
 memory, a param without gradient, a param's storage, a replaced state tensor or step counter, a
 loaded state) is noticed and stepped correctly; bad input met after recorded steps still raises and

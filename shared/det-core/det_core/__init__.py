@@ -7,6 +7,7 @@
 * ``det_core.launch``  kernel launches with less host time (``launch``, ``BoundLaunch``, ...)
 * ``det_core.interpreter_mode`` GPU or the Triton interpreter (``interpreter_active``)
 * ``det_core.interpreter`` host-independent arithmetic for the Triton interpreter (CPU path)
+* ``det_core.module_paths`` old module paths of a package kept importing (``keep_module_paths``)
 * ``det_core.testing`` the determinism-test harness and pytest plugin (dev only, not vendored)
 
 The runtime modules use only the standard library, torch, triton and relative imports (numpy only
@@ -20,7 +21,7 @@ import importlib
 
 __version__ = "1.0.0"
 
-__all__ = ["launch", "reduce", "rng", "runtime", "sr"]
+__all__ = ["launch", "module_paths", "reduce", "rng", "runtime", "sr"]
 
 
 def __getattr__(name: str):

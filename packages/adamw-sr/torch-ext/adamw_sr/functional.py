@@ -5,8 +5,8 @@ and ``torch.library`` custom ops (opaque to ``torch.compile``).
 One front door (class -> functional -> backend): ``AdamWSR.step`` (validated param groups and
 state, both its full and its recorded eager path) and ``adamw_sr_step`` (validated arguments) each
 build a ``StepLaunch`` and call ``fused_step``, which runs it through a custom op (under a
-compiler or a dispatch mode) or straight through ``_launch`` -> ``launch.launch_fused_step`` ->
-``kernel``. ``AdamWSR``'s recorded launches (``step_cache.LaunchSet``) are caches that
+compiler or a dispatch mode) or straight through its ``_launch()`` -> ``_launch.launch_fused_step`` ->
+``_kernel``. ``AdamWSR``'s recorded launches (``_step_cache.LaunchSet``) are caches that
 ``fused_step`` reads (the plan, the written tensors), not another way to the kernel.
 
 Reading order: ``StepLaunch`` (one launch's tensors and options), the plan cache, the custom ops,
@@ -24,10 +24,10 @@ from det_core import rng, runtime
 from det_core.launch import PlanCache
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from . import kernel, state_codes, states
-from .checks import SUPPORTED_GRAD_DTYPES, SUPPORTED_PARAM_DTYPES, amp_scalar, check_hyperparameters
+from . import _kernel, _state_codes, _states
+from ._checks import SUPPORTED_GRAD_DTYPES, SUPPORTED_PARAM_DTYPES, amp_scalar, check_hyperparameters
+from ._launch import LaunchPlan, launch_fused_step, to_device_async
 from .indices import BASE_INDEX_ALIGNMENT, PLAIN_TENSOR_TYPES, default_base_indices, first_overlap
-from .launch import LaunchPlan, launch_fused_step, to_device_async
 
 __all__ = [
     "MAX_STEP",
@@ -94,8 +94,8 @@ class StepLaunch:
 
     @property
     def state_format(self) -> int:
-        """The moments' format (``kernel.FORMAT_*``), from their dtype: fp32, bf16 or uint8 (8 bits)."""
-        return states.format_of_moments(self.exp_avgs[0].dtype)
+        """The moments' format (``_kernel.FORMAT_*``), from their dtype: fp32, bf16 or uint8 (8 bits)."""
+        return _states.format_of_moments(self.exp_avgs[0].dtype)
 
     def op_args(self) -> tuple:
         """The custom ops' arguments in schema order (``_fused_step_op_body`` spells each one out)."""
@@ -238,7 +238,7 @@ def fused_step(launch: StepLaunch, record=None) -> LaunchPlan | None:
 
     Args:
         launch: the launch (see ``StepLaunch``).
-        record: ``AdamWSR``'s recorded launch of these tensors (``step_cache.LaunchSet``; its
+        record: ``AdamWSR``'s recorded launch of these tensors (``_step_cache.LaunchSet``; its
             caller checked that it still holds, in plain eager mode): its plan for the gradients'
             addresses and its list of written tensors are used instead of building them.
 
@@ -255,7 +255,7 @@ def fused_step(launch: StepLaunch, record=None) -> LaunchPlan | None:
         or _get_current_dispatch_mode() is not None
         or type(launch.params[0]) not in PLAIN_TENSOR_TYPES
     ):
-        fp32 = launch.state_format == kernel.FORMAT_FP32
+        fp32 = launch.state_format == _kernel.FORMAT_FP32
         _OPS["states" if not fp32 else "fp32_amp" if amp else "fp32"](*launch.op_args())
         return None
     else:
@@ -314,7 +314,7 @@ def adamw_sr_step(
         grads: contiguous tensors of the params' shapes, all fp32 or all bf16.
         exp_avgs, exp_avg_sqs: contiguous tensors of the params' shapes, all of one dtype, which is
             the state format (``AdamWSR``'s ``state_dtype``): fp32, bf16 (rounded per
-            ``state_rounding``) or uint8 (8-bit codes, ``state_codes``; then ``exp_avg_scales`` and
+            ``state_rounding``) or uint8 (8-bit codes, ``_state_codes``; then ``exp_avg_scales`` and
             ``exp_avg_sq_scales`` are required and no amsgrad); updated in place.
         max_exp_avg_sqs: as above when ``amsgrad``, else ``None`` or ``[]``.
         steps: fp32 tensor ``[len(params)]`` on the params' device: each tensor's step number
@@ -349,7 +349,7 @@ def adamw_sr_step(
             high half ``exp_avg_sq``) or
             ``"nearest"``. No effect on fp32 moments.
         exp_avg_scales, exp_avg_sq_scales: 8-bit moments: contiguous uint8 tensors, one per param,
-            of ``ceil(numel / 32)`` block scales (``states.scale_shape``); updated in place. With
+            of ``ceil(numel / 32)`` block scales (``_states.scale_shape``); updated in place. With
             8-bit moments every segment (every param with ``base_indices``) must start on a
             multiple of 32 in the global and the local index; the default ``base_indices`` then
             start every param on a multiple of 32.
@@ -376,12 +376,12 @@ def adamw_sr_step(
 
     Method: AdamW (Loshchilov & Hutter, ICLR 2019); stochastic rounding (Gupta et al., ICML 2015);
     8-bit states: block-wise quantization (Dettmers et al., ICLR 2022) with power-of-two block
-    scales (OCP Microscaling formats), see ``state_codes``.
+    scales (OCP Microscaling formats), see ``_state_codes``.
     """
     max_exp_avg_sqs = list(max_exp_avg_sqs or [])
     seed = rng.as_seed(seed, "adamw_sr_step")
     check_hyperparameters(lr, (beta1, beta2), eps, weight_decay, "adamw_sr_step")
-    state_rounding = states.check_state_rounding(state_rounding, "adamw_sr_step")
+    state_rounding = _states.check_state_rounding(state_rounding, "adamw_sr_step")
     n = len(params)
     lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
     if amsgrad:
@@ -389,7 +389,7 @@ def adamw_sr_step(
     moment_dtype = exp_avgs[0].dtype if n and len(exp_avgs) else torch.float32
     quantized = moment_dtype == torch.uint8
     if quantized:
-        states.check_combination(states.EIGHT_BIT, amsgrad, "adamw_sr_step")
+        _states.check_combination(_states.EIGHT_BIT, amsgrad, "adamw_sr_step")
         lists["exp_avg_scales"] = list(exp_avg_scales or [])
         lists["exp_avg_sq_scales"] = list(exp_avg_sq_scales or [])
     for name, values in lists.items():
@@ -417,7 +417,7 @@ def adamw_sr_step(
         for name, values in lists.items():
             t = values[i]
             scale = name.endswith("_scales")
-            want = states.scale_shape(tuple(p.shape)) if scale else tuple(p.shape)
+            want = _states.scale_shape(tuple(p.shape)) if scale else tuple(p.shape)
             if tuple(t.shape) != want:
                 raise ValueError(f"adamw_sr_step: {name}[{i}] has shape {tuple(t.shape)}, expected {want}")
             want_dtype = torch.uint8 if scale else moment_dtype
@@ -443,7 +443,7 @@ def adamw_sr_step(
     found_inf = amp_scalar(found_inf, "found_inf", device, "adamw_sr_step")
     if segments is None:
         if base_indices is None:
-            align = state_codes.QUANT_BLOCK if quantized else BASE_INDEX_ALIGNMENT
+            align = _state_codes.QUANT_BLOCK if quantized else BASE_INDEX_ALIGNMENT
             base_indices = default_base_indices((p.numel() for p in params), [align] * n)
         base_indices = list(base_indices)
         if len(base_indices) != n:
@@ -476,7 +476,7 @@ def adamw_sr_step(
     if quantized:
         for i, p in enumerate(params):
             rows = segments[segments[:, 0] == i, 1:].tolist()
-            states.check_8bit_segments(rows, tuple(p.shape), "adamw_sr_step")
+            _states.check_8bit_segments(rows, tuple(p.shape), "adamw_sr_step")
     hyper = hyper_tensor(lr, (beta1, beta2), eps, weight_decay, device)
     fused_step(
         StepLaunch(

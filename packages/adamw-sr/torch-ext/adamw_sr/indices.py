@@ -15,7 +15,7 @@ import math
 import torch
 from det_core import runtime
 
-from . import state_codes, states
+from . import _state_codes, _states
 
 __all__ = [
     "BASE_INDEX_ALIGNMENT",
@@ -37,7 +37,7 @@ BASE_INDEX_ALIGNMENT = 8
 def default_base_indices(numels, alignments=None) -> list[int]:
     """The default global index of each parameter's first element: the running element offset over
     the parameters in order, each rounded up to a multiple of its alignment (``BASE_INDEX_ALIGNMENT``,
-    8; a param with 8-bit states starts on a block of ``state_codes.QUANT_BLOCK``, 32).
+    8; a param with 8-bit states starts on a block of ``_state_codes.QUANT_BLOCK``, 32).
 
     Args:
         numels: iterable of element counts (global counts for DTensors).
@@ -90,7 +90,7 @@ def param_starts(groups: list[dict]) -> list[tuple[torch.Tensor, int, bool]]:
     **Determinism:** a pure function of the groups' element counts, formats and base indices.
     """
     params = [p for g in groups for p in g["params"]]
-    aligns = [states.base_index_alignment(g["state_dtype"]) for g in groups for _ in g["params"]]
+    aligns = [_states.base_index_alignment(g["state_dtype"]) for g in groups for _ in g["params"]]
     defaults = default_base_indices((p.numel() for p in params), aligns)
     explicit = [b for g in groups for b in (g.get("base_index") or [None] * len(g["params"]))]
     return [
@@ -255,7 +255,7 @@ def _boxes(global_shape: tuple, mesh_shape: tuple, placements) -> dict:
 
 def check_8bit_layout(param: torch.Tensor, base_index: int, runs: list) -> None:
     """8-bit states: every run of every rank's shard starts on a block, and every rank's scale
-    shard (``states.scale_shape`` with the param's placements) holds exactly its blocks.
+    shard (``_states.scale_shape`` with the param's placements) holds exactly its blocks.
 
     Checked for all ranks of a DTensor's mesh from the placement alone (no communication), so
     every rank refuses the same params: a step never updates some ranks' shards and not others'.
@@ -266,7 +266,7 @@ def check_8bit_layout(param: torch.Tensor, base_index: int, runs: list) -> None:
         runs: this rank's ``local_segments(param, base_index)``.
 
     Raises:
-        ValueError: a run off the block grid (``states.check_8bit_segments``, naming the block size),
+        ValueError: a run off the block grid (``_states.check_8bit_segments``, naming the block size),
             or scales that the placement shards differently from the blocks (a sharded param whose
             last dimension is not a multiple of 32, on some meshes), naming the fix.
 
@@ -277,13 +277,13 @@ def check_8bit_layout(param: torch.Tensor, base_index: int, runs: list) -> None:
     """
     shape = tuple(param.shape)
     if not is_dtensor(param):
-        states.check_8bit_segments(runs, shape, "AdamWSR.step")
+        _states.check_8bit_segments(runs, shape, "AdamWSR.step")
         return
     from torch.distributed.tensor import Shard
 
-    block = state_codes.QUANT_BLOCK
+    block = _state_codes.QUANT_BLOCK
     mesh_shape = tuple(param.device_mesh.shape)
-    scale = states.scale_shape(shape)
+    scale = _states.scale_shape(shape)
     mismatch = ValueError(
         f"AdamWSR.step: state_dtype='8bit': the block scales (shape {scale}) of a param of shape "
         f"{shape} with placements {tuple(param.placements)} do not shard like its blocks of {block} "
@@ -295,7 +295,7 @@ def check_8bit_layout(param: torch.Tensor, base_index: int, runs: list) -> None:
     scale_boxes = _boxes(scale, mesh_shape, param.placements)
     for coord, box in _boxes(shape, mesh_shape, param.placements).items():
         rank_runs = _box_runs(shape, *box, base_index)
-        states.check_8bit_segments(rank_runs, shape, f"AdamWSR.step (the shard at mesh coordinate {coord})")
+        _states.check_8bit_segments(rank_runs, shape, f"AdamWSR.step (the shard at mesh coordinate {coord})")
         want = [(lo // block, runtime.cdiv(n, block), (g - base_index) // block) for lo, n, g in rank_runs]
         if _merged(_box_runs(scale, *scale_boxes[coord], 0)) != _merged(want):
             raise mismatch

@@ -1,11 +1,11 @@
 """``AdamWSR``: a drop-in ``torch.optim.AdamW`` whose whole step is one fused Triton kernel per
 (param dtype, grad dtype) group, with stochastic rounding of bf16 weights keyed by global element index,
-and moments stored in fp32, bf16 or 8 bits (``state_dtype``; formats in ``states``, ``state_codes``).
+and moments stored in fp32, bf16 or 8 bits (``state_dtype``; formats in ``_states``, ``_state_codes``).
 
 The class validates its param groups, keeps the state and builds each step's launches, which it
 runs through the functional step ``functional.fused_step`` (the one way to the kernel, also behind
-``adamw_sr_step``, re-exported here), on both its full and its recorded (``step_cache``) path; the
-global element index is ``indices``, the host launch code ``launch``, the kernels ``kernel``.
+``adamw_sr_step``, re-exported here), on both its full and its recorded (``_step_cache``) path; the
+global element index is ``indices``, the host launch code ``_launch``, the kernels ``_kernel``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ import torch
 from det_core import rng, runtime
 from det_core.launch import PlanCache
 
-from . import states
-from .checks import amp_scalar, check_grads, check_hyperparameters, param_problem
+from . import _states
+from ._checks import amp_scalar, check_grads, check_hyperparameters, param_problem
+from ._launch import LaunchPlan, to_device_async
+from ._step_cache import GroupLaunches, LaunchSet, grad_mask, pack_steps, packed_steps
 from .functional import StepLaunch, adamw_sr_step, dispatch_mode_active, fused_step, hyper_tensor
 from .indices import (
     PLAIN_TENSOR_TYPES,
@@ -27,8 +29,6 @@ from .indices import (
     local_tensor,
     param_starts,
 )
-from .launch import LaunchPlan, to_device_async
-from .step_cache import GroupLaunches, LaunchSet, grad_mask, pack_steps, packed_steps
 
 __all__ = ["AdamWSR", "adamw_sr_step", "default_base_indices", "local_segments"]
 
@@ -68,7 +68,7 @@ class AdamWSR(torch.optim.Optimizer):
             (round to nearest). Has no effect on fp32 params.
         state_dtype: how ``exp_avg`` and ``exp_avg_sq`` are stored (a group may give its own):
             ``torch.float32`` (default: unrounded, 8 bytes/param), ``torch.bfloat16`` (4 bytes/param)
-            or ``"8bit"`` (block-quantized codes, ``adamw_sr.state_codes``: 1 byte each plus one
+            or ``"8bit"`` (block-quantized codes, ``adamw_sr._state_codes``: 1 byte each plus one
             scale byte per block of 32 elements, 2.0625 bytes/param). The moments are updated in
             fp32 and the step uses those values; only the stored copies are rounded, with 16 bits
             each of one Philox word per element on det-core's ``STREAM_STATE_SR``. With
@@ -159,9 +159,9 @@ class AdamWSR(torch.optim.Optimizer):
         seed = rng.as_seed(seed, "AdamWSR")
         if stochastic_rounding not in (None, True, False):
             raise ValueError(f"stochastic_rounding must be None, True or False, got {stochastic_rounding!r}")
-        state_dtype = states.canonical_state_dtype(state_dtype, "AdamWSR")
-        state_rounding = states.check_state_rounding(state_rounding, "AdamWSR")
-        states.check_combination(state_dtype, amsgrad, "AdamWSR")
+        state_dtype = _states.canonical_state_dtype(state_dtype, "AdamWSR")
+        state_rounding = _states.check_state_rounding(state_rounding, "AdamWSR")
+        _states.check_combination(state_dtype, amsgrad, "AdamWSR")
         if isinstance(params, torch.nn.Module):
             raise TypeError(
                 f"AdamWSR: params must be an iterable of tensors or param-group dicts, got the module "
@@ -244,9 +244,9 @@ class AdamWSR(torch.optim.Optimizer):
             raise
         try:
             group["seed"] = rng.as_seed(group["seed"], "AdamWSR")
-            group["state_dtype"] = states.canonical_state_dtype(group["state_dtype"], "AdamWSR")
-            group["state_rounding"] = states.check_state_rounding(group["state_rounding"], "AdamWSR")
-            states.check_combination(group["state_dtype"], group["amsgrad"], "AdamWSR")
+            group["state_dtype"] = _states.canonical_state_dtype(group["state_dtype"], "AdamWSR")
+            group["state_rounding"] = _states.check_state_rounding(group["state_rounding"], "AdamWSR")
+            _states.check_combination(group["state_dtype"], group["amsgrad"], "AdamWSR")
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
@@ -301,7 +301,7 @@ class AdamWSR(torch.optim.Optimizer):
             self._base_index_cache.update((id(p), start) for p, start, _ in param_starts(self.param_groups))
         return self._base_index_cache
 
-    def _segments(self, ps: list, base: dict[int, int], state_dtype: str = states.FLOAT32) -> torch.Tensor:
+    def _segments(self, ps: list, base: dict[int, int], state_dtype: str = _states.FLOAT32) -> torch.Tensor:
         """``(slot, local_start, length, global_start)`` rows of one launch (cached per param list).
 
         Raises:
@@ -313,7 +313,7 @@ class AdamWSR(torch.optim.Optimizer):
             rows = []
             for slot, p in enumerate(ps):
                 runs = local_segments(p, base[id(p)])
-                if state_dtype == states.EIGHT_BIT:
+                if state_dtype == _states.EIGHT_BIT:
                     check_8bit_layout(p, base[id(p)], runs)
                 rows.extend((slot, *seg) for seg in runs)
             segments = self._segments_cache.put(key, torch.tensor(rows, dtype=torch.int64).reshape(-1, 4))
@@ -354,8 +354,8 @@ class AdamWSR(torch.optim.Optimizer):
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         for pid, (p, group) in zip(saved_ids, order, strict=True):
             if pid in saved:
-                fp32 = group["state_dtype"] == states.FLOAT32
-                for key in (*_STATE_KEYS, *states.SCALE_KEYS):
+                fp32 = group["state_dtype"] == _states.FLOAT32
+                for key in (*_STATE_KEYS, *_states.SCALE_KEYS):
                     value = saved[pid].get(key)
                     if value is None:
                         continue
@@ -377,9 +377,9 @@ class AdamWSR(torch.optim.Optimizer):
         if len(saved_groups) != len(self.param_groups):
             return  # torch's own load names this mismatch
         for i, (mine, theirs) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
-            raw = theirs.get("state_dtype", states.FLOAT32)
+            raw = theirs.get("state_dtype", _states.FLOAT32)
             try:
-                saved_dtype = states.canonical_state_dtype(raw, "AdamWSR.load_state_dict")
+                saved_dtype = _states.canonical_state_dtype(raw, "AdamWSR.load_state_dict")
             except ValueError as e:
                 raise ValueError(f"param group {i} of the checkpoint: {e}") from None
             if saved_dtype != mine["state_dtype"]:
@@ -389,27 +389,27 @@ class AdamWSR(torch.optim.Optimizer):
                     "moments are not converted between formats: build the optimizer with "
                     f"state_dtype={saved_dtype!r} to resume this checkpoint"
                 )
-            want = states.moment_dtype(saved_dtype)
+            want = _states.moment_dtype(saved_dtype)
             for pid in theirs.get("params", []):
                 state = state_dict["state"].get(pid) or {}
-                keys = (*_STATE_KEYS, *(states.SCALE_KEYS if saved_dtype == states.EIGHT_BIT else ()))
+                keys = (*_STATE_KEYS, *(_states.SCALE_KEYS if saved_dtype == _states.EIGHT_BIT else ()))
                 for key in keys:
                     value = state.get(key)
                     if value is None:
-                        if key in states.SCALE_KEYS and state.get("exp_avg") is not None:
+                        if key in _states.SCALE_KEYS and state.get("exp_avg") is not None:
                             raise ValueError(
                                 f"AdamWSR.load_state_dict: the 8-bit state of param {pid} (group {i}) "
                                 f"lacks '{key}'"
                             )
                         continue
                     ok = value.is_floating_point() if want == torch.float32 and key in _STATE_KEYS else (
-                        value.dtype == (torch.uint8 if key in states.SCALE_KEYS else want)
+                        value.dtype == (torch.uint8 if key in _states.SCALE_KEYS else want)
                     )  # fmt: skip
                     if not ok:
                         raise ValueError(
                             f"AdamWSR.load_state_dict: state '{key}' of param {pid} (group {i}, "
                             f"state_dtype={saved_dtype!r}) has dtype {value.dtype}; that format stores "
-                            f"{torch.uint8 if key in states.SCALE_KEYS else want}"
+                            f"{torch.uint8 if key in _states.SCALE_KEYS else want}"
                         )
         # the checkpoint's base_index replaces each group's: its ranges must be disjoint too
         loaded = [
@@ -445,7 +445,7 @@ class AdamWSR(torch.optim.Optimizer):
             group.setdefault("seed", self.defaults.get("seed", 0) if hasattr(self, "defaults") else 0)
             group.setdefault("stochastic_rounding", None)
             group.setdefault("base_index", None)
-            group.setdefault("state_dtype", states.FLOAT32)  # a checkpoint without it has float moments
+            group.setdefault("state_dtype", _states.FLOAT32)  # a checkpoint without it has float moments
             group.setdefault("state_rounding", "stochastic")
 
     # ----------------------------------------------------------------- step
@@ -476,7 +476,7 @@ class AdamWSR(torch.optim.Optimizer):
         Host work: in eager mode a group's first step (and any step after its params, gradients'
         dtypes / shapes / devices / layouts, states or shaping options changed) takes the full
         path and records its launches; later steps re-check that record in C-level passes and
-        launch with it (``step_cache``; the launch still goes through ``fused_step``, which reuses
+        launch with it (``_step_cache``; the launch still goes through ``fused_step``, which reuses
         the record's plan), with the same bits. The step counters of one launch are
         then 0-dim views of one fp32 buffer (``state["step"]`` stays a 0-dim fp32 tensor).
 
@@ -506,13 +506,12 @@ class AdamWSR(torch.optim.Optimizer):
                 # param_groups are user-editable (schedulers write lr): re-check the values the
                 # kernel reads before any state (the step counters) changes. Not while tracing:
                 # the compiled step guards on these values, checked by the eager calls before it.
-                group["seed"] = rng.as_seed(group["seed"], "AdamWSR.step")
-                check_hyperparameters(
-                    group["lr"], group["betas"], group["eps"], group["weight_decay"], "AdamWSR.step"
-                )
-                group["state_dtype"] = states.canonical_state_dtype(group["state_dtype"], "AdamWSR.step")
-                group["state_rounding"] = states.check_state_rounding(group["state_rounding"], "AdamWSR.step")
-                states.check_combination(group["state_dtype"], group["amsgrad"], "AdamWSR.step")
+                where = "AdamWSR.step"
+                group["seed"] = rng.as_seed(group["seed"], where)
+                check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"], where)
+                group["state_dtype"] = _states.canonical_state_dtype(group["state_dtype"], where)
+                group["state_rounding"] = _states.check_state_rounding(group["state_rounding"], where)
+                _states.check_combination(group["state_dtype"], group["amsgrad"], where)
         if not compiling:
             # a group's state_dtype edited since the last step: indices (8-bit params start on a
             # block) and launch segments are rebuilt, and existing states are checked against it
@@ -527,7 +526,7 @@ class AdamWSR(torch.optim.Optimizer):
                 for p in group["params"]:
                     if self.state.get(p):
                         # a loaded state must hold its format's tensors at the param's shape and a step
-                        states.check_state(p, self.state[p], group["state_dtype"], group["amsgrad"])
+                        _states.check_state(p, self.state[p], group["state_dtype"], group["amsgrad"])
         # set by torch.amp.GradScaler.step for the length of this call (None: not under a GradScaler,
         # or grad_scale None when the gradients were unscaled already)
         amp = (getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
@@ -602,9 +601,9 @@ class AdamWSR(torch.optim.Optimizer):
             if len(state) == 0:
                 step_device = device if capturable or found_inf is not None else torch.device("cpu")
                 state["step"] = torch.tensor(0.0, dtype=torch.float32, device=step_device)
-                state.update(states.new_state(p, state_dtype, dtensor=is_dtensor(p)))
+                state.update(_states.new_state(p, state_dtype, dtensor=is_dtensor(p)))
             if amsgrad and "max_exp_avg_sq" not in state:
-                state["max_exp_avg_sq"] = states.zero_moment(p, state_dtype)
+                state["max_exp_avg_sq"] = _states.zero_moment(p, state_dtype)
         if found_inf is not None:
             # a skipped step leaves the counts as they are, decided on the device: the counts move
             # there (once; torch's fused AdamW keeps them there too) and advance after the launch
@@ -620,8 +619,8 @@ class AdamWSR(torch.optim.Optimizer):
             group["lr"], group["betas"], group["eps"], group["weight_decay"], device, self._hyper_cache
         )
         roles = ("exp_avg", "exp_avg_sq", *(("max_exp_avg_sq",) if amsgrad else ()))
-        if state_dtype == states.EIGHT_BIT:
-            roles += states.SCALE_KEYS
+        if state_dtype == _states.EIGHT_BIT:
+            roles += _states.SCALE_KEYS
         position = {id(p): i for i, p in enumerate(group["params"])} if record else {}
         sets = []
         for ps, segments in launches:
@@ -631,7 +630,7 @@ class AdamWSR(torch.optim.Optimizer):
                 counts = pack_steps(ps_states)
             else:
                 counts = None if torch.compiler.is_compiling() else packed_steps(ps_states)
-            moments = tuple(_state_list(ps_states, key, roles) for key in (*_STATE_KEYS, *states.SCALE_KEYS))
+            moments = tuple(_state_list(ps_states, key, roles) for key in (*_STATE_KEYS, *_states.SCALE_KEYS))
             launch, plan = _launch_step(
                 group, [local_tensor(p) for p in ps], [local_tensor(p.grad) for p in ps], moments, segments,
                 (counts, [s["step"] for s in ps_states]), device, hyper, grad_scale, found_inf,

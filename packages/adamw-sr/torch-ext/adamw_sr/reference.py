@@ -16,7 +16,7 @@ import math
 import torch
 from det_core import rng, sr
 
-from . import state_codes
+from . import _state_codes
 
 
 def pow_by_squaring(base: float, exponent: int) -> float:
@@ -137,7 +137,7 @@ def adamw_sr_step_reference(
         grad: fp32 or bf16 tensor of ``param``'s shape.
         exp_avg, exp_avg_sq: the moments, of ``param``'s shape, updated in place; their dtype is the
             state format (``AdamWSR``'s ``state_dtype``): fp32 (stored unrounded), bf16 (rounded per
-            ``state_rounding``) or uint8 (8-bit codes, ``state_codes``; then ``exp_avg_scale`` and
+            ``state_rounding``) or uint8 (8-bit codes, ``_state_codes``; then ``exp_avg_scale`` and
             ``exp_avg_sq_scale`` are required).
         max_exp_avg_sq: the ``exp_avg_sq`` dtype (fp32 or bf16) when ``amsgrad``; updated in place.
             With bf16 moments it is the running maximum of the stored (rounded) ``exp_avg_sq``.
@@ -163,7 +163,7 @@ def adamw_sr_step_reference(
             ``exp_avg_sq``) or
             ``"nearest"`` (nearest-even).
         exp_avg_scale, exp_avg_sq_scale: 8-bit moments: uint8 tensors of
-            ``state_codes.QUANT_BLOCK``-element block scales, one per block of ``param``'s flat
+            ``_state_codes.QUANT_BLOCK``-element block scales, one per block of ``param``'s flat
             elements (``ceil(numel / 32)`` of them, any shape); updated in place. ``base_index`` must
             be a multiple of 32 (blocks follow the global index); ``global_index`` is not accepted.
 
@@ -206,8 +206,8 @@ def adamw_sr_step_reference(
     p = param.to(torch.float32)
     p = p - p * s["lr_decay"]  # not p * (1 - lr * wd): see the kernel
     if quantized:
-        m_old = _decode(exp_avg, exp_avg_scale, state_codes.EXP_AVG_MANTISSA_BITS, True)
-        v_old = _decode(exp_avg_sq, exp_avg_sq_scale, state_codes.EXP_AVG_SQ_MANTISSA_BITS, False)
+        m_old = _decode(exp_avg, exp_avg_scale, _state_codes.EXP_AVG_MANTISSA_BITS, True)
+        v_old = _decode(exp_avg_sq, exp_avg_sq_scale, _state_codes.EXP_AVG_SQ_MANTISSA_BITS, False)
     else:
         m_old, v_old = exp_avg.to(torch.float32), exp_avg_sq.to(torch.float32)
     m = s["beta1"] * m_old + s["one_minus_beta1"] * g
@@ -231,7 +231,7 @@ def adamw_sr_step_reference(
     denom = sqrt_rn_torch(v_hat) / s["bias_correction2_sqrt"] + s["eps"]
     p = p - s["step_size"] * (m / denom)
     if quantized:
-        m_bits, v_bits = state_codes.EXP_AVG_MANTISSA_BITS, state_codes.EXP_AVG_SQ_MANTISSA_BITS
+        m_bits, v_bits = _state_codes.EXP_AVG_MANTISSA_BITS, _state_codes.EXP_AVG_SQ_MANTISSA_BITS
         for x, code, scale, shift, bits, signed in (
             (m, exp_avg, exp_avg_scale, 0, m_bits, True),
             (v, exp_avg_sq, exp_avg_sq_scale, 16, v_bits, False),
@@ -261,7 +261,7 @@ def _round_bf16(x, rbits) -> torch.Tensor:
 
 
 def _check_quantized(param, exp_avg_scale, exp_avg_sq_scale, amsgrad, base_index, global_index) -> None:
-    block = state_codes.QUANT_BLOCK
+    block = _state_codes.QUANT_BLOCK
     if amsgrad:
         raise ValueError("amsgrad is not supported with 8-bit (uint8) moments")
     if global_index is not None:
@@ -286,15 +286,15 @@ def _check_quantized(param, exp_avg_scale, exp_avg_sq_scale, amsgrad, base_index
 def _decode(code: torch.Tensor, scale: torch.Tensor, mantissa_bits: int, signed: bool) -> torch.Tensor:
     """fp32 moments from uint8 codes and their per-block scales (flat blocks of QUANT_BLOCK)."""
     n = code.numel()
-    per_element = scale.flatten().to(torch.int64).repeat_interleave(state_codes.QUANT_BLOCK)[:n]
-    return state_codes.decode_torch(code.flatten(), per_element, mantissa_bits, signed).view(code.shape)
+    per_element = scale.flatten().to(torch.int64).repeat_interleave(_state_codes.QUANT_BLOCK)[:n]
+    return _state_codes.decode_torch(code.flatten(), per_element, mantissa_bits, signed).view(code.shape)
 
 
 def _encode(x, code, scale, rbits, mantissa_bits: int, signed: bool) -> None:
     """Write ``x``'s codes and block scales into ``code`` and ``scale`` (in place)."""
-    scales = state_codes.block_scales_torch(x)
-    per_element = scales.repeat_interleave(state_codes.QUANT_BLOCK)[: x.numel()]
+    scales = _state_codes.block_scales_torch(x)
+    per_element = scales.repeat_interleave(_state_codes.QUANT_BLOCK)[: x.numel()]
     flat_bits = None if rbits is None else rbits.flatten()
-    codes = state_codes.encode_torch(x.flatten(), per_element, flat_bits, mantissa_bits, signed)
+    codes = _state_codes.encode_torch(x.flatten(), per_element, flat_bits, mantissa_bits, signed)
     code.copy_(codes.view(code.shape))
     scale.copy_(scales.to(torch.uint8).view(scale.shape))

@@ -6,10 +6,10 @@ and data-parallel ranks. See docs/det-train.md for exactly what is and is not gu
 """
 
 import importlib
-import importlib.abc
-import importlib.util
 import sys
 import types
+
+from det_core.module_paths import keep_module_paths
 
 __version__ = "1.0.0"
 
@@ -17,7 +17,7 @@ __version__ = "1.0.0"
 # accumulator and its canonical reduction order), parallel/ (TP linears, DP reduction) and
 # integrations/ (convert, transformers' loss, the ``kernels`` layers, aten routing). The keys are the
 # flat layout's module names: ``det_train.grad_accum`` still imports, as the very module object
-# ``det_train.accum.grad_accum`` (``_MovedModules``).
+# ``det_train.accum.grad_accum`` (``keep_module_paths``, below).
 _MODULES = {
     "matmul": "ops.matmul",
     "linear": "ops.linear",
@@ -100,28 +100,6 @@ def __getattr__(name: str):
     return value if name == module and not hasattr(value, name) else getattr(value, name)
 
 
-class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Imports ``det_train.<module>`` of the flat layout (``det_train.grad_accum``, ``det_train.configs``,
-    ...) as the module it now is (``det_train.accum.grad_accum``): one module object under both
-    names, so a monkeypatched global or an ``isinstance`` check sees one module, and nothing is
-    imported before it is asked for.
-
-    Placed after the path finders: it only answers names that no file of the package bears.
-    """
-
-    def find_spec(self, fullname, path=None, target=None):
-        package, _, name = fullname.rpartition(".")
-        if package != __name__ or name not in _MODULES:
-            return None
-        return importlib.util.spec_from_loader(fullname, self)
-
-    def create_module(self, spec):
-        module = importlib.import_module(f".{_MODULES[spec.name.rpartition('.')[2]]}", __name__)
-        spec.loader_state = module.__spec__  # the import system sets __spec__ to this alias spec
-        return module
-
-    def exec_module(self, module):
-        module.__spec__ = module.__spec__.loader_state  # the module's own spec back; nothing to run
-
-
-sys.meta_path.append(_MovedModules())
+# det_train.<module> of the flat layout (det_train.grad_accum, det_train.configs, ...) imports as the
+# module it now is (det_train.accum.grad_accum): one module object under both names
+keep_module_paths(__name__, _MODULES)

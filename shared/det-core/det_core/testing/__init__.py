@@ -14,10 +14,12 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+
+from ._nested import hex_bits, nested_leaves
 
 __all__ = [
     "assert_bitwise_equal",
@@ -57,10 +59,6 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(int_dtype)
 
 
-def _hex(value: int, nbytes: int) -> str:
-    return f"0x{value & ((1 << (8 * nbytes)) - 1):0{2 * nbytes}x}"
-
-
 def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, name: str = "tensor") -> None:
     """Assert two tensors have the same dtype, shape and bits (NaN payloads and -0 included).
 
@@ -83,24 +81,11 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, name: str
         )
         av = actual.detach().cpu().flatten()[flat].item()
         ev = expected.detach().cpu().flatten()[flat].item()
-        nb = actual.element_size()
+        ab, eb = (hex_bits(int(x.flatten()[flat]), actual.element_size()) for x in (a, e))
         raise AssertionError(
             f"{name}: {count} of {actual.numel()} elements differ; first at index {index}: "
-            f"{av!r} ({_hex(int(a.flatten()[flat]), nb)}) != {ev!r} ({_hex(int(e.flatten()[flat]), nb)})"
+            f"{av!r} ({ab}) != {ev!r} ({eb})"
         )
-
-
-def _digest_items(obj, prefix: str = "") -> Iterable[tuple[str, torch.Tensor | str]]:
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, Mapping):
-        for key in sorted(obj, key=str):
-            yield from _digest_items(obj[key], f"{prefix}/{key}")
-    elif isinstance(obj, (list, tuple)):
-        for i, item in enumerate(obj):
-            yield from _digest_items(item, f"{prefix}/{i}")
-    else:
-        yield prefix, repr(obj)
 
 
 def digest(obj) -> str:
@@ -110,7 +95,7 @@ def digest(obj) -> str:
     bitwise-equal contents. Non-tensor leaves are hashed by ``repr``.
     """
     h = hashlib.sha256()
-    for name, item in _digest_items(obj):
+    for name, item in nested_leaves(obj):
         h.update(name.encode())
         if isinstance(item, torch.Tensor):
             t = item.detach().contiguous().cpu()
@@ -137,7 +122,7 @@ def assert_run_to_run(fn: Callable[[], object], repeats: int = 3, name: str = "o
 
 
 def _compare_nested(actual, expected, name: str) -> None:
-    for (ka, a), (_, e) in zip(_digest_items(actual), _digest_items(expected), strict=False):
+    for (ka, a), (_, e) in zip(nested_leaves(actual), nested_leaves(expected), strict=False):
         if isinstance(a, torch.Tensor):
             assert_bitwise_equal(a, e, f"{name}{ka}")
 

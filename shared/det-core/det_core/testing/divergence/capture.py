@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from .. import _digest_items
+from .._nested import nested_leaves
 from .report import _where
 
 
@@ -101,7 +101,7 @@ class _Run:
         if module is self.model and not self.stack:
             self.micro_batches += 1
             self.uses.clear()
-            first = next((t for _, t in _digest_items(tuple(args)) if isinstance(t, torch.Tensor)), None)
+            first = next((t for _, t in nested_leaves(tuple(args)) if isinstance(t, torch.Tensor)), None)
             self.sizes.append(
                 first.shape[self.batch_dim] if first is not None and first.dim() > self.batch_dim else None
             )
@@ -109,7 +109,7 @@ class _Run:
         call = self.uses.get(name, 0)
         self.uses[name] = call + 1
         self.stack.append((id(module), name, call))
-        for path, t in _digest_items(tuple(args)):
+        for path, t in nested_leaves(tuple(args)):
             if isinstance(t, torch.Tensor):
                 key = (name, call, path)
                 self.inputs.setdefault(key, _Stream(keep=False)).add(
@@ -124,7 +124,7 @@ class _Run:
         else:
             return  # a call that began before the hooks were installed
         keep = self.keep(name)
-        for path, t in _digest_items(output):
+        for path, t in nested_leaves(output):
             if isinstance(t, torch.Tensor):
                 key = (name, call, path)
                 stream = self.outputs.get(key)

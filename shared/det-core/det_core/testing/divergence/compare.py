@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import _hex, bits
+from .. import bits
+from .._nested import hex_bits
 from .capture import _Run, _Stream
 from .report import Difference, _where
 
@@ -86,8 +87,8 @@ def _first_element(a: torch.Tensor, b: torch.Tensor) -> dict:
         index=index,
         value_a=a.flatten()[flat].item(),
         value_b=b.flatten()[flat].item(),
-        bits_a=_hex(int(ba[flat]), nbytes),
-        bits_b=_hex(int(bb[flat]), nbytes),
+        bits_a=hex_bits(int(ba[flat]), nbytes),
+        bits_b=hex_bits(int(bb[flat]), nbytes),
     )
 
 

@@ -2,7 +2,7 @@
 
 This module holds the ``@triton.jit`` code and the tables it reads (launch configs, table
 columns, moment formats); the host side that builds the tables and launches the kernels is
-``launch``.
+``_launch``.
 
 Layout of a launch (all tensors on one device, one param dtype and one grad dtype):
 
@@ -20,7 +20,7 @@ Layout of a launch (all tensors on one device, one param dtype and one grad dtyp
   kernel first turns them into a per-tensor table of fp32 scalars (``scalars``, ``[T, 9]``), so the
   fp64 work runs once per tensor instead of once per program.
 * Moments (``state_dtype``): fp32 in ``adamw_sr_kernel``; bf16, or 8-bit codes with a scale byte per
-  block of 32 global indices (``state_codes``), in ``adamw_sr_states_kernel``. Both run one program
+  block of 32 global indices (``_state_codes``), in ``adamw_sr_states_kernel``. Both run one program
   body (``_step_program``, the format a constexpr ``STATE``), so the fp32 kernel compiles as before.
   The moments are decoded to fp32, updated, used by the step, and rounded once into their format
   (stochastically, or to nearest): one Philox call per 4 elements under det-core's
@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 from det_core import rng, sr
 
-from . import state_codes
+from . import _state_codes as state_codes  # the name the kernels' source reads
 
 # Fixed launch configs, keyed by where the kernel runs. The step is elementwise and its random
 # bits are keyed by global element index, so NO entry changes any result bit (the ablation
@@ -269,8 +269,8 @@ def adamw_sr_kernel(
     row per program (module docstring); ``steps`` fp32 ``[T]``; ``hyper`` fp64 ``[5]`` (lr, beta1,
     beta2, eps, weight_decay); ``scalars`` fp32 ``[T, SCALAR_TABLE_COLUMNS]``, written by
     ``step_scalars_kernel`` when ``PRECOMPUTED``; ``grad_scale`` / ``found_inf`` fp32 ``[1]``, read
-    only with ``UNSCALE`` / ``SKIP_ON_INF``. Checks nothing: launched by ``launch.launch_fused_step``
-    (with ``launch.exactness_options``) after the host has validated every tensor.
+    only with ``UNSCALE`` / ``SKIP_ON_INF``. Checks nothing: launched by ``_launch.launch_fused_step``
+    (with ``_launch.exactness_options``) after the host has validated every tensor.
 
     **Determinism:** each element's result is a pure function of its inputs, the hyperparameters,
     its tensor's step, the Philox key ``(seed, step, rng_stream)`` and its global index (never of
@@ -348,7 +348,7 @@ def adamw_sr_states_kernel(
 
     Method: AdamW (Loshchilov & Hutter, ICLR 2019); 8-bit states: block-wise quantization
     (Dettmers et al., ICLR 2022) with power-of-two block scales (OCP Microscaling), see
-    ``state_codes``.
+    ``_state_codes``.
     """
     _step_program(
         param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,

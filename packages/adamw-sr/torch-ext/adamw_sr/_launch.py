@@ -1,10 +1,10 @@
-"""Host side of the fused step: the launch tables of ``kernel`` and the launch itself.
+"""Host side of the fused step: the launch tables of ``_kernel`` and the launch itself.
 
 Reading order: the exactness options and the fixed launch config, the chunk table (BLOCK-element
 windows 4-aligned in the global index), the tensor table of a role (element offsets from its
 lowest-address tensor), ``LaunchPlan`` (a launch's device tables, cached by the caller while the
 tensors' addresses stay the same) and ``launch_fused_step``. The table layouts are described in
-``kernel``'s module docstring; nothing here changes a result bit (``launch_config``'s entries
+``_kernel``'s module docstring; nothing here changes a result bit (``launch_config``'s entries
 only change which thread computes what).
 """
 
@@ -14,8 +14,8 @@ import torch
 from det_core import rng, runtime
 from det_core.launch import PlanCache, launch
 
-from . import kernel, state_codes
-from .kernel import (
+from . import _kernel, _state_codes
+from ._kernel import (
     CHUNK_TABLE_COLUMNS,
     FORMAT_8BIT,
     FORMAT_BF16,
@@ -64,16 +64,16 @@ _STATE_CONFIG_KEYS = {FORMAT_BF16: "cuda-bf16", FORMAT_8BIT: "cuda-8bit"}
 
 
 def launch_config(device: torch.device, state_format: int = FORMAT_FP32) -> dict:
-    """The fixed launch config for ``device`` and the moments' format (``kernel.FORMAT_*``): a dict
+    """The fixed launch config for ``device`` and the moments' format (``_kernel.FORMAT_*``): a dict
     ``BLOCK``, ``SUB``, ``num_warps``, ``TILE_2D``, ``PRECOMPUTED``, and for the bf16 / 8-bit kernel on
-    CUDA ``EDGE_SUB`` (optional ``maxnreg``); see ``kernel.LAUNCH_CONFIGS``.
+    CUDA ``EDGE_SUB`` (optional ``maxnreg``); see ``_kernel.LAUNCH_CONFIGS``.
 
     **Determinism:** a fixed table keyed by the device type and the moments' format, no autotuning;
     no entry changes a result bit.
     """
     if device.type != "cuda":
-        return kernel.LAUNCH_CONFIGS["interpreter"]
-    return kernel.LAUNCH_CONFIGS[_STATE_CONFIG_KEYS.get(state_format, "cuda")]
+        return _kernel.LAUNCH_CONFIGS["interpreter"]
+    return _kernel.LAUNCH_CONFIGS[_STATE_CONFIG_KEYS.get(state_format, "cuda")]
 
 
 def build_chunk_table(segments: torch.Tensor, block: int) -> torch.Tensor:
@@ -165,12 +165,12 @@ class LaunchPlan:
 
     Holds no reference to the tensors (a cached plan must not keep freed gradients alive): only
     which position of each role has the lowest address, which the launch uses as the base pointer.
-    ``config`` overrides the entry of ``kernel.LAUNCH_CONFIGS`` (benchmarks compare variants; no
+    ``config`` overrides the entry of ``_kernel.LAUNCH_CONFIGS`` (benchmarks compare variants; no
     variant changes a result bit).
 
     Args: the role lists of ``launch_fused_step`` (contiguous tensors, one per param); ``segments``
     int64 CPU ``[S, 4]`` (slot, local start, length, global start); ``device``; ``state_format``
-    (``kernel.FORMAT_*``) and, for 8 bits, the uint8 scale tensors.
+    (``_kernel.FORMAT_*``) and, for 8 bits, the uint8 scale tensors.
 
     Raises:
         ValueError: a ``config`` whose ``BLOCK`` is not a multiple of ``SUB``, ``SUB`` not of 8 and
@@ -200,10 +200,10 @@ class LaunchPlan:
         if state_format == FORMAT_FP32 and self.edge_sub != sub:
             raise ValueError(f"adamw_sr: launch config {self.config}: EDGE_SUB is for bf16 / 8-bit moments")
         # with 8-bit moments every tile starts on a block (segments start on one): whole blocks per tile
-        if state_format == FORMAT_8BIT and self.edge_sub % state_codes.QUANT_BLOCK:
+        if state_format == FORMAT_8BIT and self.edge_sub % _state_codes.QUANT_BLOCK:
             raise ValueError(
                 f"adamw_sr: launch config {self.config}: with 8-bit states SUB and EDGE_SUB must be "
-                f"multiples of the block size {state_codes.QUANT_BLOCK}"
+                f"multiples of the block size {_state_codes.QUANT_BLOCK}"
             )
         self.num_warps = self.config["num_warps"]
         roles = [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs or exp_avg_sqs]
@@ -261,7 +261,7 @@ def launch_fused_step(
     Returns: Triton's handle of the step kernel (benchmarks read its register count), or ``None``
     when there is nothing to do.
 
-    **Determinism:** the kernels' (``kernel.adamw_sr_kernel``): each element's bits are a pure
+    **Determinism:** the kernels' (``_kernel.adamw_sr_kernel``): each element's bits are a pure
     function of its inputs, the hyperparameters, ``(seed, step)`` and its global index.
     """
     if plan.num_chunks == 0:
@@ -271,7 +271,7 @@ def launch_fused_step(
     config = plan.config
     if config["PRECOMPUTED"]:
         launch(
-            kernel.step_scalars_kernel,
+            _kernel.step_scalars_kernel,
             (runtime.cdiv(plan.num_tensors, SCALARS_BLOCK),),
             steps,
             hyper,
@@ -303,7 +303,7 @@ def launch_fused_step(
     )
     if plan.state_format == FORMAT_FP32:
         return launch(
-            kernel.adamw_sr_kernel, (plan.num_chunks,), p, g, m, v, vmax, *tables,
+            _kernel.adamw_sr_kernel, (plan.num_chunks,), p, g, m, v, vmax, *tables,
             seed_lo, seed_hi, rng.STREAM_PARAM_SR, *amp, **meta,
         )  # fmt: skip
     ms, vs = m, v  # unread pointers with bf16 moments
@@ -312,7 +312,7 @@ def launch_fused_step(
     if "maxnreg" in config:
         meta["maxnreg"] = config["maxnreg"]
     return launch(
-        kernel.adamw_sr_states_kernel, (plan.num_chunks,), p, g, m, v, vmax, ms, vs, *tables,
+        _kernel.adamw_sr_states_kernel, (plan.num_chunks,), p, g, m, v, vmax, ms, vs, *tables,
         seed_lo, seed_hi, rng.STREAM_PARAM_SR, rng.STREAM_STATE_SR, *amp,
         STATE=plan.state_format, STATE_STOCHASTIC=state_stochastic, EDGE_SUB=plan.edge_sub, **meta,
     )  # fmt: skip

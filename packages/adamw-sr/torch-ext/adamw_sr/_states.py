@@ -4,13 +4,13 @@
 |---|---|---|
 | ``torch.float32`` (``"float32"``, the default) | fp32, unrounded | |
 | ``torch.bfloat16`` (``"bfloat16"``) | bf16, rounded per ``state_rounding`` | |
-| ``"8bit"`` | uint8 codes (``state_codes``) | ``exp_avg_scale``, ``exp_avg_sq_scale``: uint8, one per block |
+| ``"8bit"`` | uint8 codes (``_state_codes``) | ``exp_avg_scale``, ``exp_avg_sq_scale``: uint8 per block |
 
 A param group stores the name as a string (``torch.distributed.checkpoint`` and
 ``torch.load(weights_only=True)`` take plain values); ``torch.float32`` and ``"float32"`` are the same.
 
 The moments are always updated in fp32 (decoded first when stored in bf16 or 8 bits); the step uses
-those fp32 values, and only the stored copies are rounded. See ``state_codes`` for the 8-bit format
+those fp32 values, and only the stored copies are rounded. See ``_state_codes`` for the 8-bit format
 and docs/adamw-sr.md for bytes per parameter.
 """
 
@@ -21,7 +21,7 @@ import math
 import torch
 from det_core import runtime
 
-from . import kernel, state_codes
+from . import _kernel, _state_codes
 
 FLOAT32, BFLOAT16, EIGHT_BIT = "float32", "bfloat16", "8bit"
 # the supported values (as stored in a param group), in the order error messages list them
@@ -30,11 +30,11 @@ STATE_ROUNDINGS = ("stochastic", "nearest")
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 SCALE_KEYS = ("exp_avg_scale", "exp_avg_sq_scale")
 _MOMENT_DTYPES = {FLOAT32: torch.float32, BFLOAT16: torch.bfloat16, EIGHT_BIT: torch.uint8}
-_FORMATS = {FLOAT32: kernel.FORMAT_FP32, BFLOAT16: kernel.FORMAT_BF16, EIGHT_BIT: kernel.FORMAT_8BIT}
+_FORMATS = {FLOAT32: _kernel.FORMAT_FP32, BFLOAT16: _kernel.FORMAT_BF16, EIGHT_BIT: _kernel.FORMAT_8BIT}
 _ALIASES = {torch.float32: FLOAT32, torch.bfloat16: BFLOAT16}
 _SUPPORTED_TEXT = (
     "torch.float32 (the default; or 'float32'), torch.bfloat16 (or 'bfloat16') or '8bit' "
-    "(block-quantized, see adamw_sr.state_codes)"
+    "(block-quantized, see docs/adamw-sr.md)"
 )
 
 
@@ -82,15 +82,15 @@ def check_combination(state_dtype, amsgrad: bool, op: str) -> None:
 
 
 def state_format(state_dtype) -> int:
-    """The kernels' number of a canonical ``state_dtype`` (``kernel.FORMAT_*``). **Determinism:** a table."""
+    """The kernels' number of a canonical ``state_dtype`` (``_kernel.FORMAT_*``). **Determinism:** a table."""
     return _FORMATS[state_dtype]
 
 
 def format_of_moments(dtype: torch.dtype) -> int:
     """The kernels' number of the format whose moments have ``dtype`` (fp32, bf16 or uint8).
     **Determinism:** a table."""
-    return {torch.float32: kernel.FORMAT_FP32, torch.bfloat16: kernel.FORMAT_BF16}.get(
-        dtype, kernel.FORMAT_8BIT
+    return {torch.float32: _kernel.FORMAT_FP32, torch.bfloat16: _kernel.FORMAT_BF16}.get(
+        dtype, _kernel.FORMAT_8BIT
     )
 
 
@@ -103,7 +103,7 @@ def moment_dtype(state_dtype) -> torch.dtype:
 def base_index_alignment(state_dtype) -> int:
     """The alignment of a param's default global start index: a block (32) for 8 bits, else 8.
     **Determinism:** a table (``optimizer.default_base_indices`` uses it)."""
-    return state_codes.QUANT_BLOCK if state_dtype == EIGHT_BIT else 8
+    return _state_codes.QUANT_BLOCK if state_dtype == EIGHT_BIT else 8
 
 
 def scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -115,7 +115,7 @@ def scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
 
     **Determinism:** a pure function of the (global) shape: every rank derives the same.
     """
-    block = state_codes.QUANT_BLOCK
+    block = _state_codes.QUANT_BLOCK
     if len(shape) >= 2 and shape[-1] % block == 0:
         return (*shape[:-1], shape[-1] // block)
     return (runtime.cdiv(math.prod(shape), block),)
@@ -198,7 +198,7 @@ def check_8bit_segments(segments, shape: tuple[int, ...], op: str) -> None:
 
     **Determinism:** a pure function of the runs: every rank checking the same runs decides the same.
     """
-    block = state_codes.QUANT_BLOCK
+    block = _state_codes.QUANT_BLOCK
     for local_start, length, global_start in segments:
         if global_start % block or local_start % block:
             raise ValueError(

@@ -26,9 +26,9 @@ import operator
 
 import torch
 
+from ._launch import LaunchPlan
 from .functional import StepLaunch, get_plan
 from .indices import PLAIN_TENSOR_TYPES
-from .launch import LaunchPlan
 
 __all__ = ["GroupLaunches", "LaunchSet", "grad_mask", "pack_steps"]
 
