@@ -13,8 +13,9 @@ micro-batch completes the leaf, or until ``reduce`` when the leaf ends the globa
 then summed from all its rows by the same kernel as an aligned one, so any micro-batch sizes give
 the bits of one batch.
 
-Interface: ``deposit_rows`` (any micro-batch boundaries; used by the linear, RMSNorm and embedding
-backward passes) and ``leaf_span`` + ``deposit`` / ``deposit_partial`` (leaf-aligned micro-batches).
+Interface: ``deposit_rows`` (any micro-batch boundaries; det_train's deposit ops reach it through
+``deposit.rows``, which also maps the op's tensor to its parameter, ``tracked``, and runs the open
+leaf's copies, ``flush``) and ``leaf_span`` + ``deposit`` / ``deposit_partial`` (leaf-aligned micro-batches).
 The checks at reduce time and the cross-rank reduction are in ``_reduce.py``.
 """
 
