@@ -285,9 +285,7 @@ def layer_norm_backward_deposit_op(
         weight,
         (dy2, x2, mean, rstd),
         functools.partial(_dweight_leaves, weight, sub, rows),
-        whole=functools.partial(
-            chunk_subtrees, partial, sub // rows, leaf // sub, weight.shape
-        ),  # whole leaves
+        whole=functools.partial(chunk_subtrees, partial, sub // rows, leaf // sub, weight.shape),
     )
     ticket.add_(1)
     return dx

@@ -235,9 +235,7 @@ def rms_norm_backward_deposit_op(
         (dy2, x2, rstd),
         functools.partial(_dweight_leaves, weight, sub, rows, offset),
         fold=_dweight_fold(weight, leaf, sub, rows, offset, dy2, partial),
-        whole=functools.partial(
-            chunk_subtrees, partial, sub // rows, leaf // sub, weight.shape
-        ),  # whole leaves
+        whole=functools.partial(chunk_subtrees, partial, sub // rows, leaf // sub, weight.shape),
     )
     ticket.add_(1)
     return dx
