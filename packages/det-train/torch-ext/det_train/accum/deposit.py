@@ -26,7 +26,7 @@ import torch
 from det_core.reduce import TreePartial
 
 from ._open_leaf import LeafFold
-from .grad_accum import DEFAULT_LEAF_TOKENS, CanonicalGradAccumulator, current_accumulator
+from .grad_accum import DEFAULT_LEAF_TOKENS, current_accumulator
 
 __all__ = ["LeafSums", "accumulation", "leaf_tokens", "rows", "ticket"]
 
@@ -73,16 +73,13 @@ def accumulation() -> tuple[int, bool]:
     return acc.leaf_tokens, True
 
 
-def _active(op: str) -> CanonicalGradAccumulator:
-    """The accumulator a deposit op deposits into, at run time (RuntimeError outside every micro-batch)."""
-    acc = current_accumulator()
-    if acc is None:
-        raise RuntimeError(
-            f"{op}: the forward ran inside a CanonicalGradAccumulator micro_batch (its weight gradients "
-            "go to the accumulator) but the backward runs outside every micro_batch: run forward and "
-            "backward inside the same `with acc.micro_batch(...)`"
-        )
-    return acc
+def _outside(op: str) -> RuntimeError:
+    """The error of a deposit op whose backward runs outside every micro-batch."""
+    return RuntimeError(
+        f"{op}: the forward ran inside a CanonicalGradAccumulator micro_batch (its weight gradients "
+        "go to the accumulator) but the backward runs outside every micro_batch: run forward and "
+        "backward inside the same `with acc.micro_batch(...)`"
+    )
 
 
 def leaf_tokens(op: str) -> int:
@@ -98,7 +95,10 @@ def leaf_tokens(op: str) -> int:
 
     **Determinism:** a lookup; the leaf size is part of the canonical order the op sums in.
     """
-    return _active(op).leaf_tokens
+    acc = current_accumulator()
+    if acc is None:
+        raise _outside(op)
+    return acc.leaf_tokens
 
 
 def rows(
@@ -143,7 +143,9 @@ def rows(
     leaf's rows are copied before the op returns: a compiled graph may reuse an input's memory as
     soon as the op that read it returns (Inductor's buffer reuse).
     """
-    acc = _active(op)
+    acc = current_accumulator()  # a deposit op's one lookup of it
+    if acc is None:
+        raise _outside(op)
     param = acc.tracked(tensor)
     leaf = acc.leaf_tokens
     if whole is not None:
