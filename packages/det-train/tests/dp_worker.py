@@ -175,11 +175,11 @@ def case_fsdp_accum(rank, world):
 def _ddp_hook_case(rank, world, n_leaves):
     import det_train
     import det_train.accum._leaf_sums as leaf_sums
-    import det_train.ops._library as library
+    import det_train.accum.deposit as deposit
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     leaf_sums.DEFAULT_LEAF_TOKENS = LEAF  # the ops' plain-backward leaf size, small for the test
-    library.DEFAULT_LEAF_TOKENS = LEAF  # what accumulation() gives the ops outside a micro-batch
+    deposit.DEFAULT_LEAF_TOKENS = LEAF  # what accumulation() gives the ops outside a micro-batch
     tokens = n_leaves * LEAF
     ids, targets = _lm_batch(tokens)
     model = TinyLM(torch.float32).to(DEVICE)

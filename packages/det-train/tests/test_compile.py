@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from det_core.testing import assert_bitwise_equal, contiguous_splits
 from det_train import CanonicalGradAccumulator, layers
-from det_train.ops._library import NAMESPACE, deposit_ticket
+from det_train.accum import deposit
+from det_train.ops._library import NAMESPACE
 from torch._dynamo.testing import CompileCounterWithBackend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -78,7 +79,7 @@ def _opcheck_cases():
         rstd = _op("rms_norm")(x2, nw, 1e-6, 16, 0.0, None, 8192, False)[1]
         _, mean, lrstd = _op("layer_norm")(x2, nw, nw.new_ones(16), 1e-5, 16, None, 8192, False, False)
         lse, count = _op("cross_entropy")(logits, targets, -100, "mean", None)[1:]
-    ticket = deposit_ticket()
+    ticket = deposit.ticket()
     cases = [
         ("matmul", (_randn(3, 4, 16), _randn(16, 5)), False),
         ("matmul_partial", (_randn(3, 64), _randn(64, 5), None, None, False), False),

@@ -25,6 +25,7 @@ __all__ = [
     "SUB_LEAF_TOKENS",
     "SubLeafFold",
     "cast_out",
+    "chunk_subtrees",
     "coarsen",
     "dyadic_nodes",
     "finish_param_grad",
@@ -399,17 +400,19 @@ def leaf_subtrees(sub_sums: torch.Tensor, first_leaf: int, shape: torch.Size, ra
     return coarsen(partial, ratio)
 
 
-def finish_param_grad(acc, param: torch.Tensor, first_leaf: int, sub_sums: torch.Tensor, ratio: int = 1):
-    """Deposit the canonical subtrees of ``sub_sums`` (n_sub, *param.shape) fp32 (``ratio`` sub-leaves
-    per leaf) into ``acc``, or finish the tree over them. ``sub_sums`` is overwritten (the tree runs
-    in place on the GPU).
+def chunk_subtrees(
+    chunk_sums: torch.Tensor, chunks_per_sub: int, ratio: int, shape: torch.Size, first_leaf: int
+) -> TreePartial:
+    """The maximal aligned subtrees over global leaves ``first_leaf ...`` of fp32 chunk sums
+    ``chunk_sums`` (n_chunks, ...; ``chunks_per_sub`` chunks per sub-leaf, ``ratio`` sub-leaves per
+    leaf), as a ``TreePartial`` of nodes of ``shape``: a norm weight's leaf sums (``fold_chunks``,
+    then ``leaf_subtrees``), what its deposit of whole leaves hands the accumulator."""
+    return leaf_subtrees(fold_chunks(chunk_sums, chunks_per_sub), first_leaf, shape, ratio)
 
-    Returns None when deposited (the autograd gradient of ``param``), else the gradient in
-    ``param.dtype``: the canonical tree over the sub-leaves, which is the tree over the leaves of
-    the trees inside them.
-    """
-    if acc is not None:
-        acc.deposit_partial(param, leaf_subtrees(sub_sums, first_leaf, param.shape, ratio))
-        return None
+
+def finish_param_grad(param: torch.Tensor, sub_sums: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``param`` in ``param.dtype``: the canonical tree over the fp32 sub-leaf sums
+    ``sub_sums`` (n_sub, *param.shape), which is the tree over the leaves of the trees inside them.
+    ``sub_sums`` is overwritten (the tree runs in place on the GPU)."""
     flat = sub_sums if sub_sums.dim() == 2 else sub_sums.reshape(sub_sums.shape[0], -1)
     return tree_in_place(flat, 0, param.dtype).view(param.shape)

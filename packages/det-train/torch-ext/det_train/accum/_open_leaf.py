@@ -73,7 +73,7 @@ class OpenLeaf:
     """The rows a parameter's unfinished leaf has received so far, copied into buffers that grow by
     doubling up to one leaf (each row is copied at most twice, however many micro-batches the leaf
     is split into; the buffers hold at most 2x the rows received, and never more than a leaf).
-    The copies are queued on the accumulator (``_pending``) and run together."""
+    The copies are queued on the accumulator (``pending_copies``) and run together."""
 
     __slots__ = ("start", "filled", "buffers", "leaf_tokens", "leaf_partial")
 
@@ -89,14 +89,14 @@ class OpenLeaf:
     def append(self, rows: tuple, leaf_partial: LeafPartial, acc) -> None:
         n = int(rows[0].shape[0])
         if self.filled + n > self.buffers[0].shape[0]:
-            acc._flush()  # the old buffers' rows are complete before they are copied on
+            acc.flush()  # the old buffers' rows are complete before they are copied on
             size = min(self.leaf_tokens, max(2 * self.buffers[0].shape[0], self.filled + n))
             grown = tuple(b.new_empty((size, *b.shape[1:])) for b in self.buffers)
-            acc._pending.extend(
+            acc.pending_copies.extend(
                 (new[: self.filled], old[: self.filled]) for new, old in zip(grown, self.buffers, strict=True)
             )
             self.buffers = grown
-        acc._pending.extend(
+        acc.pending_copies.extend(
             (buffer[self.filled : self.filled + n], r) for buffer, r in zip(self.buffers, rows, strict=True)
         )
         self.filled += n

@@ -19,8 +19,9 @@ An op's rows may be tokens x a row group (``rows_per_token``): a per-head q/k no
 row boundary that is a multiple of ``H``: an open leaf carries whole tokens' rows, and the leaf's sum
 has the bits of one batch.
 
-Interface: ``deposit_rows`` (any micro-batch boundaries; used by the linear, RMSNorm and embedding
-backward passes) and ``leaf_span`` + ``deposit`` / ``deposit_partial`` (leaf-aligned micro-batches).
+Interface: ``deposit_rows`` (any micro-batch boundaries; det_train's deposit ops reach it through
+``deposit.rows``, which also maps the op's tensor to its parameter, ``tracked``, and runs the open
+leaf's copies, ``flush``) and ``leaf_span`` + ``deposit`` / ``deposit_partial`` (leaf-aligned micro-batches).
 The checks at reduce time and the cross-rank reduction are in ``_reduce.py``.
 """
 
@@ -63,6 +64,10 @@ def current_accumulator() -> CanonicalGradAccumulator | None:
     of returning a gradient, which is what makes their weight gradients micro-batch invariant.
     """
     return _ACTIVE[-1] if _ACTIVE else None
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
 
 
 class CanonicalGradAccumulator:
@@ -149,9 +154,10 @@ class CanonicalGradAccumulator:
         self._open_ends: set[int] = set()  # tokens where micro-batches ended inside a leaf
         self._max_end = 0  # the last token + 1 any deposit covered
         self._carry: dict[tuple[int, int, int], OpenLeaf] = {}  # (param index, use, leaf) -> its rows
-        # (destination, source) row copies into open leaves, run as one _foreach_copy_ per micro-batch
-        # (one launch, not one per row tensor and parameter) or before a leaf's rows are read
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # (destination, source) row copies into open leaves, queued by ``OpenLeaf`` and run by ``flush``
+        # as one _foreach_copy_ (one launch, not one per row tensor and parameter): at the end of the
+        # micro-batch, before a leaf's rows are read, or before a deposit op returns
+        self.pending_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._fsdp: dict[int, object] = {}  # param index -> FSDP2 FSDPParam (see track_fsdp)
         self._shapes: dict[int, torch.Size] = {}  # param index -> full (unsharded) gradient shape
         # The undo log of the active micro-batch: what its deposits changed, saved before the first
@@ -165,6 +171,7 @@ class CanonicalGradAccumulator:
         # its layout); the active micro-batch's entries wait in _new_groups until it succeeds
         self._groups: dict[tuple[int, int], int] = {}
         self._new_groups: dict[tuple[int, int], int] = {}
+        self._by_storage: dict[tuple, torch.Tensor] = {}  # tracked tensors by memory (``tracked``)
 
     def track_fsdp(self, module: torch.nn.Module) -> CanonicalGradAccumulator:
         """Accept deposits for FSDP2's unsharded parameters of ``module`` (``fully_shard``).
@@ -245,11 +252,11 @@ class CanonicalGradAccumulator:
         try:
             yield self
         except BaseException:
-            self._pending = []
+            self.pending_copies = []
             self._undo(spans, max_end)  # a micro-batch that raises leaves no deposit: run it again
             raise
         else:
-            self._flush()  # the micro-batch's tensors can go: their open-leaf rows are copied
+            self.flush()  # the micro-batch's tensors can go: their open-leaf rows are copied
             self._groups.update(self._new_groups)
             if self._tokens is not None:  # ops deposited: the leaf it continued is no longer open here
                 self._open_ends.discard(token_offset)
@@ -308,6 +315,26 @@ class CanonicalGradAccumulator:
         if self._token_offset is None:
             raise RuntimeError("no micro_batch is active on this accumulator")
         return self._token_offset
+
+    def tracked(self, t: torch.Tensor) -> torch.Tensor:
+        """The tracked parameter that ``t`` is, or aliases exactly (same storage, offset, shape,
+        strides, dtype and device), else ``t`` itself (a deposit for it then raises "does not track").
+
+        A compiled backward hands an op the tensor AOTAutograd saved, which need not be the Parameter
+        object this accumulator keys on; the same memory is the same parameter. FSDP2's unsharded
+        parameters (``track_fsdp``) are matched the same way.
+
+        **Determinism:** a lookup; it only chooses which parameter's tree a deposit joins.
+        """
+        if id(t) in self._index:  # eager: the Parameter itself
+            return t
+        key = _storage_key(t)
+        hit = self._by_storage.get(key)
+        if hit is not None and _storage_key(hit) == key:
+            return hit
+        fsdp = (getattr(fp, "_unsharded_param", None) for fp in self._fsdp.values())
+        self._by_storage = {_storage_key(p): p for p in (*self._params, *(u for u in fsdp if u is not None))}
+        return self._by_storage.get(key, t)
 
     def leaf_span(
         self, num_tokens: int, param: torch.Tensor | None = None, op: str | None = None
@@ -470,7 +497,7 @@ class CanonicalGradAccumulator:
                 open_leaf.append(head, leaf_partial, self)
                 if not done:  # still open: this micro-batch ended inside it
                     return
-                self._flush()
+                self.flush()
                 self._merge(slot, leaf_partial(offset // leaf, open_leaf.rows()))
             self._set_carry(key, None)
             if pos == n:  # this micro-batch ended with the leaf it continued
@@ -544,11 +571,18 @@ class CanonicalGradAccumulator:
             "shape, position_ids=torch.arange(T).expand(B, T))"
         )
 
-    def _flush(self) -> None:
-        """Run the pending open-leaf row copies (one multi-tensor copy where torch has one)."""
-        if self._pending:
-            dst, src = zip(*self._pending, strict=True)
-            self._pending = []
+    def flush(self) -> None:
+        """Run the queued open-leaf row copies now (one multi-tensor copy where torch has one).
+
+        ``deposit_rows`` queues the copies of an open leaf's rows and the micro-batch runs them when
+        it ends; a deposit op whose inputs a compiled graph may reuse as soon as it returns
+        (Inductor's buffer reuse) calls this before it returns (``deposit.rows`` does). Raises nothing.
+
+        **Determinism:** copies only; no value changes.
+        """
+        if self.pending_copies:
+            dst, src = zip(*self.pending_copies, strict=True)
+            self.pending_copies = []
             with torch.no_grad():  # the views were made in the backward; the copy is not a graph op
                 foreach_copy(list(dst), list(src))
 

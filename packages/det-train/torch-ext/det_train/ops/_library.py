@@ -1,44 +1,19 @@
-"""What every det_train ``torch.library`` custom op shares: its namespace, the accumulator state an op
-reads at trace time, and the deposit ticket that orders the accumulator's deposits in a compiled graph.
+"""What every det_train ``torch.library`` custom op shares: its namespace and the ``Op`` that registers it.
 
 Every public op of det_train is a ``torch.library`` operator (``det_train::linear``,
 ``det_train::rms_norm``, ...) with a fake (meta) implementation and, where it has a backward, a
 registered autograd formula whose backward ops are operators too (``Op``). The eager public functions call
 the ops, so eager and ``torch.compile`` run one code path; the ops are opaque to Inductor, which
-therefore cannot rewrite their reductions.
-
-The accumulator under ``torch.compile``. Whether a backward deposits into the active
-``CanonicalGradAccumulator`` or returns an autograd gradient is a property of the traced graph, so
-it is decided in the forward (``accumulation()``: Dynamo guards the active accumulator's presence
-and ``leaf_tokens``, not the micro-batch's token offset, so micro-batches do not recompile). The
-deposit itself is an opaque op (``det_train::linear_deposit_weight``, ...) whose implementation runs
-at every call of the compiled backward and does the accumulator's bookkeeping there (it reads the
-micro-batch's token offset then); it declares the deposit ticket (``deposit_ticket()``, one int64
-counter) mutated, which keeps it in the graph (functionalization drops an op that returns nothing
-and mutates nothing) and orders all deposits of a graph in autograd's order (each reads the
-ticket the previous one wrote), the order in which uses of a tied parameter are numbered.
+therefore cannot rewrite their reductions. How a backward's parameter gradient reaches the
+accumulator (the deposit ops, their ticket, the forward's choice) is ``accum/deposit.py``.
 """
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from det_core.runtime import check_no_functorch_autodiff, plain_eager
 
-from ..accum.grad_accum import DEFAULT_LEAF_TOKENS, CanonicalGradAccumulator, current_accumulator
-
-__all__ = [
-    "NAMESPACE",
-    "Op",
-    "accumulation",
-    "active_accumulator",
-    "deposit_ticket",
-    "finish_deposit",
-    "op_name",
-    "plain_eager",
-    "tracked_parameter",
-]
+__all__ = ["NAMESPACE", "Op", "op_name", "plain_eager"]
 
 
 def _namespace(package: str) -> str:
@@ -175,121 +150,3 @@ class Op:
             cls.__name__ = cls.__qualname__ = f"{self.name}_{cls.__name__.strip('_').lower()}"
         self.function = _Function
         self.apply = _apply.__get__(None, _Function)
-
-
-# One int64 counter for every deposit op: each op adds 1 (its value counts deposits made through the
-# ops, nothing reads it). What matters is that it is a tensor every deposit op declares mutated.
-_DEPOSIT_TICKET = torch.zeros((), dtype=torch.int64)
-
-
-def deposit_ticket() -> torch.Tensor:
-    """The tensor the deposit ops declare mutated (a CPU int64 counter of deposits).
-
-    Returns:
-        The process-wide 0-d int64 ticket. Passed to a forward op, it reaches that op's backward,
-        whose deposit op adds 1 to it. Raises nothing.
-
-    **Determinism:** the ticket carries no value into any result; it only makes the deposits of a
-    compiled graph one chain (each deposit op reads what the previous one wrote), so Inductor keeps
-    them, in the order autograd traced them.
-    """
-    return _DEPOSIT_TICKET
-
-
-def accumulation() -> tuple[int, bool]:
-    """``(leaf_tokens, active)`` of the current micro-batch, read when the forward runs (or is traced).
-
-    Returns:
-        The active ``CanonicalGradAccumulator``'s ``leaf_tokens`` and True inside its
-        ``micro_batch``; ``(DEFAULT_LEAF_TOKENS, False)`` outside every micro-batch. Raises nothing.
-
-    Under ``torch.compile`` Dynamo guards on what this reads (whether an accumulator is active and
-    its ``leaf_tokens``), so entering another micro-batch of the same accumulator reuses the graph,
-    and a graph traced outside a micro-batch is not reused inside one (or the other way round).
-
-    **Determinism:** a lookup; it selects between the deposit and the plain gradient, which is
-    what makes the weight gradients micro-batch invariant under an accumulator.
-    """
-    acc = current_accumulator()
-    if acc is None:
-        return DEFAULT_LEAF_TOKENS, False
-    return acc.leaf_tokens, True
-
-
-def active_accumulator(op: str) -> CanonicalGradAccumulator:
-    """The accumulator a deposit op deposits into, at run time (inside the op's implementation).
-
-    Args:
-        op: the public name of the op, for the message.
-
-    Returns:
-        The active ``CanonicalGradAccumulator``.
-
-    Raises:
-        RuntimeError: no micro-batch is active: the forward ran inside ``acc.micro_batch(...)``
-            (so its backward deposits) but the backward runs outside it. Run both inside.
-
-    **Determinism:** a lookup; the deposit that follows keeps the canonical order.
-    """
-    acc = current_accumulator()
-    if acc is None:
-        raise RuntimeError(
-            f"{op}: the forward ran inside a CanonicalGradAccumulator micro_batch (its weight gradients "
-            "go to the accumulator) but the backward runs outside every micro_batch: run forward and "
-            "backward inside the same `with acc.micro_batch(...)`"
-        )
-    return acc
-
-
-# accumulator -> {(data_ptr, shape, stride, dtype, device): parameter} for tensors that alias a tracked
-# parameter without being the Parameter object itself (what a compiled backward may hand an op)
-_BY_STORAGE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _storage_key(t: torch.Tensor) -> tuple:
-    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
-
-
-def tracked_parameter(acc: CanonicalGradAccumulator, t: torch.Tensor) -> torch.Tensor:
-    """The parameter of ``acc`` that ``t`` is, or aliases exactly (same storage, offset, shape, strides).
-
-    A compiled backward passes the op the tensor AOTAutograd saved, which need not be the Parameter
-    object the accumulator tracks (its identity is the accumulator's key). Same data pointer,
-    shape, strides, dtype and device is the same tensor's memory, so it is that parameter.
-    FSDP2's unsharded parameters (``track_fsdp``) are matched the same way.
-
-    Args:
-        acc: the accumulator of the micro-batch.
-        t: the weight or bias tensor the op received.
-
-    Returns:
-        The tracked tensor (a Parameter, or FSDP2's unsharded parameter), or ``t`` itself when no
-        tracked tensor matches (the accumulator then raises its "does not track" ``ValueError``).
-
-    **Determinism:** a lookup; it only chooses which parameter's tree a deposit joins.
-    """
-    if id(t) in acc._index:  # eager: the Parameter itself (an id-keyed lookup, as the accumulator's)
-        return t
-    key = _storage_key(t)
-    cache = _BY_STORAGE.get(acc)
-    hit = None if cache is None else cache.get(key)
-    if hit is not None and _storage_key(hit) == key:
-        return hit
-    candidates = list(acc._params)
-    candidates += [u for fp in acc._fsdp.values() if (u := getattr(fp, "_unsharded_param", None)) is not None]
-    cache = {_storage_key(p): p for p in candidates}
-    _BY_STORAGE[acc] = cache
-    return cache.get(key, t)
-
-
-def finish_deposit(acc: CanonicalGradAccumulator) -> None:
-    """Run the accumulator's queued open-leaf row copies now, before the deposit op returns.
-
-    The accumulator queues the copies of an open leaf's rows and runs them at the end of the
-    micro-batch; a compiled graph may reuse the memory of an op's inputs as soon as the op returns
-    (Inductor's buffer reuse), so a deposit op copies before it returns. Same values, one copy
-    launch per op instead of one per micro-batch, and only for micro-batches that end inside a leaf.
-
-    **Determinism:** copies only; no value changes.
-    """
-    acc._flush()

@@ -33,15 +33,9 @@ from det_core.launch import launch
 from det_core.reduce import TreePartial, num_leaves
 from det_core.runtime import as_index, check_kernel_device
 
+from ..accum import deposit
 from ..accum._leaf_sums import cast_out, coarsen, dyadic_nodes, sub_leaf_tokens, tree_combine
-from ._library import (
-    Op,
-    accumulation,
-    active_accumulator,
-    deposit_ticket,
-    finish_deposit,
-    tracked_parameter,
-)
+from ._library import Op
 
 __all__ = ["Embedding", "embedding"]
 
@@ -305,14 +299,9 @@ def embedding_deposit_op(
     """The ``det_train::embedding_deposit`` op: deposit the weight gradient of this micro-batch's
     rows into the active accumulator at run time (rows of a leaf split between micro-batches are
     carried to the one completing it)."""
-    acc = active_accumulator("det_train.embedding")
     v, d = weight.shape
-    leaf = acc.leaf_tokens
-    sub = sub_leaf_tokens(leaf)
     flat, dy2 = _grad_rows(ids, dy, d, padding_idx)
-    leaves = functools.partial(_leaf_tables, v, sub, leaf // sub)
-    acc.deposit_rows(tracked_parameter(acc, weight), (flat, dy2), leaves, op="det_train.embedding")
-    finish_deposit(acc)
+    deposit.rows("det_train.embedding", weight, (flat, dy2), functools.partial(_leaf_tables, v))
     ticket.add_(1)
 
 
@@ -321,9 +310,11 @@ def _(ids, dy, weight, padding_idx, ticket):
     return None
 
 
-def _leaf_tables(v: int, sub: int, ratio: int, first_leaf: int, rows: tuple) -> TreePartial:
+def _leaf_tables(v: int, leaf: int, first_leaf: int, rows: tuple) -> TreePartial:
     """The accumulator's leaf-sum function of the embedding table: rows ``(ids, dy)`` of whole leaves
-    (``ratio`` sub-leaves of ``sub`` tokens each), as subtrees over leaves."""
+    of ``leaf`` tokens (each ``ratio`` sub-leaves of ``sub`` tokens), as subtrees over leaves."""
+    sub = sub_leaf_tokens(leaf)
+    ratio = leaf // sub
     return coarsen(_weight_grad(rows[0], rows[1], v, sub, first_leaf * ratio, None, node_tables=True), ratio)
 
 
@@ -389,11 +380,11 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None =
                 f"embedding: padding_idx {padding_idx} must lie in [-{weight.shape[0]}, {weight.shape[0]})"
             )
         padding_idx %= weight.shape[0]
-    leaf, active = accumulation()
-    deposit = active and weight.is_leaf and ids.numel() > 0
-    ticket = deposit_ticket() if deposit else None
+    leaf, active = deposit.accumulation()
+    deposits = active and weight.is_leaf and ids.numel() > 0
+    ticket = deposit.ticket() if deposits else None
     # the id range check runs in the op (a device value: read when the op runs, also compiled)
-    return embedding_op(ids.to(torch.int64), weight, padding_idx, ticket, leaf, deposit)
+    return embedding_op(ids.to(torch.int64), weight, padding_idx, ticket, leaf, deposits)
 
 
 class Embedding(torch.nn.Embedding):

@@ -31,15 +31,9 @@ from det_core.launch import BoundLaunch, PlanCache
 from det_core.reduce import TreePartial
 from det_core.runtime import check_kernel_device
 
-from ..accum._leaf_sums import cast_out, finish_param_grad, fold_chunks, leaf_subtrees, sub_leaf_tokens
-from ._library import (
-    Op,
-    accumulation,
-    active_accumulator,
-    deposit_ticket,
-    finish_deposit,
-    tracked_parameter,
-)
+from ..accum import deposit
+from ..accum._leaf_sums import cast_out, chunk_subtrees, finish_param_grad, fold_chunks, sub_leaf_tokens
+from ._library import Op
 from ._norm_tiles import chunk_grads, chunk_tile, forward_rows, row_block, row_sum
 from ._rms_norm_kernels import MAX_D, MAX_ROWS_PER_CHUNK, num_warps_for
 from .linear import GradPlan, bias_grad_op, deposit_bias_op
@@ -262,7 +256,7 @@ def layer_norm_backward_op(
     dx, partial = _backward(dy2, x2, weight, mean, rstd, rows)
     if not want_dw:
         return dx, dx.new_empty((0,))
-    return dx, finish_param_grad(None, weight, 0, fold_chunks(partial, sub // rows))
+    return dx, finish_param_grad(weight, fold_chunks(partial, sub // rows))
 
 
 @layer_norm_backward_op.register_fake
@@ -282,19 +276,17 @@ def layer_norm_backward_deposit_op(
 ) -> torch.Tensor:
     """The ``det_train::layer_norm_backward_deposit`` op: dX, with dweight deposited into the active
     accumulator at run time (as RMSNorm's weight)."""
-    acc = active_accumulator("det_train.layer_norm")
-    leaf = acc.leaf_tokens
+    leaf = deposit.leaf_tokens("det_train.layer_norm")
     sub, rows = _layout(leaf)
     dx, partial = _backward(dy2, x2, weight, mean, rstd, rows)
-    param = tracked_parameter(acc, weight)
-    m = x2.shape[0]
-    if acc.token_offset % leaf == 0 and m % leaf == 0:  # whole leaves: this pass's chunk sums
-        first_leaf, _ = acc.leaf_span(m, param, "det_train.layer_norm")
-        finish_param_grad(acc, param, first_leaf, fold_chunks(partial, sub // rows), leaf // sub)
-    else:  # rows of a leaf split between micro-batches: the accumulator sums each leaf from all its rows
-        leaves = functools.partial(_dweight_leaves, param, leaf, sub, rows)
-        acc.deposit_rows(param, (dy2, x2, mean, rstd), leaves, op="det_train.layer_norm")
-        finish_deposit(acc)
+    # whole leaves: this pass's chunk sums; an open leaf: its rows, summed with the rest of the leaf
+    deposit.rows(
+        "det_train.layer_norm",
+        weight,
+        (dy2, x2, mean, rstd),
+        functools.partial(_dweight_leaves, weight, sub, rows),
+        whole=functools.partial(chunk_subtrees, partial, sub // rows, leaf // sub, weight.shape),
+    )
     ticket.add_(1)
     return dx
 
@@ -326,12 +318,12 @@ def _backward(dy2, x2, weight, mean, rstd, rows: int) -> tuple[torch.Tensor, tor
     return dx, partial
 
 
-def _dweight_leaves(weight, leaf: int, sub: int, rows: int, first_leaf: int, leaf_rows: tuple) -> TreePartial:
+def _dweight_leaves(weight, sub: int, rows: int, leaf: int, first_leaf: int, leaf_rows: tuple) -> TreePartial:
     """The accumulator's leaf-sum function of the LayerNorm weight: rows ``(dy, x, mean, rstd)`` of
     whole leaves, through the backward kernel (its dX is discarded), so the bits of an aligned call."""
     dy2, x2, mean, rstd = leaf_rows
     _, partial = _backward(dy2, x2, weight, mean, rstd, rows)
-    return leaf_subtrees(fold_chunks(partial, sub // rows), first_leaf, weight.shape, leaf // sub)
+    return chunk_subtrees(partial, sub // rows, leaf // sub, weight.shape, first_leaf)
 
 
 def _check_eps(eps, op: str) -> float:
@@ -425,11 +417,11 @@ def layer_norm(
             )
     check_kernel_device(x, *(t for t in (weight, bias) if t is not None), op="layer_norm")
     eps = _check_eps(eps, "layer_norm")
-    leaf, active = accumulation()
+    leaf, active = deposit.accumulation()
     tokens = x.numel() > 0
     dep_w = active and tokens and weight is not None and weight.is_leaf
     dep_b = active and tokens and bias is not None and bias.is_leaf
-    ticket = deposit_ticket() if dep_w or dep_b else None
+    ticket = deposit.ticket() if dep_w or dep_b else None
     return layer_norm_op(x, weight, bias, eps, d, ticket, leaf, dep_w, dep_b)[0]
 
 

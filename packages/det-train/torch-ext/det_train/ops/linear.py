@@ -12,7 +12,6 @@ summed over tokens in the canonical order (fp32 leaf sums combined by det_core's
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import torch
@@ -20,15 +19,9 @@ from det_core import runtime
 from det_core.launch import PlanCache
 from det_core.reduce import TreePartial, num_leaves
 
+from ..accum import deposit
 from ._leaf_fold import weight_grad_fold
-from ._library import (
-    Op,
-    accumulation,
-    active_accumulator,
-    deposit_ticket,
-    finish_deposit,
-    tracked_parameter,
-)
+from ._library import Op
 from .configs import weight_grad_config
 from .matmul import check_bias, launch_linear, matmul_rows
 from .weight_grad import bias_grad_partial, weight_grad_partial
@@ -72,12 +65,12 @@ def plan_grads(tokens: int, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     **Determinism:** a pure function of the active accumulator (or its absence) and the tensors'
     leaf status; the token offset is read later, by the deposit ops at run time.
     """
-    leaf, active = accumulation()
+    leaf, active = deposit.accumulation()
     if not (active and tokens):
         return grad_plan(leaf, False, False, None)
     dep_w = weight.is_leaf
     dep_b = bias is not None and bias.is_leaf
-    return grad_plan(leaf, dep_w, dep_b, deposit_ticket() if dep_w or dep_b else None)
+    return grad_plan(leaf, dep_w, dep_b, deposit.ticket() if dep_w or dep_b else None)
 
 
 _GRAD_PLANS = PlanCache()
@@ -89,7 +82,7 @@ def grad_plan(leaf_tokens: int, weight: bool, bias: bool, ticket: torch.Tensor |
     ``torch.compile`` a new one (Dynamo traces the constructor, not a cache it would guard on).
 
     **Determinism:** a frozen value object: the cached one equals the one it replaces."""
-    if torch.compiler.is_compiling() or (ticket is not None and ticket is not deposit_ticket()):
+    if torch.compiler.is_compiling() or (ticket is not None and ticket is not deposit.ticket()):
         return GradPlan(leaf_tokens, weight, bias, ticket)
     key = (leaf_tokens, weight, bias, ticket is not None)
     plan = _GRAD_PLANS.get(key)
@@ -188,13 +181,10 @@ def _(dy, leaf_tokens, dtype):
 @Op("linear_deposit_weight", ("ticket",))
 def deposit_weight_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, ticket: torch.Tensor) -> None:
     """The ``det_train::linear_deposit_weight`` op: deposit dW = dY^T X of this micro-batch's rows
-    into the active accumulator (``deposit_rows`` with the resumable fold), at run time."""
-    acc = active_accumulator("det_train.linear")
+    into the active accumulator (with the resumable fold), at run time."""
     step = weight_grad_config(dy.dtype, dy.shape[1], x.shape[1]).block_t
-    fold = (step, _weight_fold)  # an open leaf's fp32 fold is carried to the micro-batch completing it
-    leaves = functools.partial(_weight_leaves, acc.leaf_tokens)
-    acc.deposit_rows(tracked_parameter(acc, weight), (dy, x), leaves, fold, op="det_train.linear")
-    finish_deposit(acc)
+    # whole leaves: the dW kernel's leaf sums; an open leaf: its fp32 fold, continued by the next micro-batch
+    deposit.rows("det_train.linear", weight, (dy, x), _weight_leaves, fold=(step, _weight_fold))
     ticket.add_(1)
 
 
@@ -207,10 +197,7 @@ def _(dy, x, weight, ticket):
 def deposit_bias_op(dy: torch.Tensor, bias: torch.Tensor, ticket: torch.Tensor) -> None:
     """The ``det_train::linear_deposit_bias`` op: deposit db = the sum of ``dy``'s rows into the
     active accumulator, at run time."""
-    acc = active_accumulator("det_train.linear")
-    bias = tracked_parameter(acc, bias)
-    acc.deposit_rows(bias, (dy,), functools.partial(_bias_leaves, acc.leaf_tokens), op="det_train.linear")
-    finish_deposit(acc)
+    deposit.rows("det_train.linear", bias, (dy,), _bias_leaves)
     ticket.add_(1)
 
 

@@ -33,15 +33,9 @@ from det_core import runtime
 from det_core.launch import BoundLaunch, PlanCache
 from det_core.runtime import check_kernel_device
 
-from ..accum._leaf_sums import SubLeafFold, finish_param_grad, fold_chunks, leaf_subtrees, sub_leaf_tokens
-from ._library import (
-    Op,
-    accumulation,
-    active_accumulator,
-    deposit_ticket,
-    finish_deposit,
-    tracked_parameter,
-)
+from ..accum import deposit
+from ..accum._leaf_sums import SubLeafFold, chunk_subtrees, finish_param_grad, fold_chunks, sub_leaf_tokens
+from ._library import Op
 from ._norm_tiles import chunk_tile, forward_rows
 from ._rms_norm_kernels import (
     BWD_PREFETCH,
@@ -218,7 +212,7 @@ def rms_norm_backward_op(
     dx, partial = _backward(dy2, x2, weight, rstd, rows, offset)
     if not want_dw:
         return dx, dx.new_empty((0,))
-    return dx, finish_param_grad(None, weight, 0, fold_chunks(partial, sub // rows))
+    return dx, finish_param_grad(weight, fold_chunks(partial, sub // rows))
 
 
 @rms_norm_backward_op.register_fake
@@ -241,21 +235,19 @@ def rms_norm_backward_deposit_op(
     accumulator at run time (whole leaves: this pass's chunk sums; rows of a leaf split between
     micro-batches: carried, and summed from all its rows by the same kernel). ``rows_per_token``
     ``g``: the rows are tokens x ``g`` (a leaf is ``leaf_tokens * g`` rows)."""
-    acc = active_accumulator("det_train.rms_norm")
-    group = rows_per_token
-    leaf = acc.leaf_tokens * group  # in rows
+    leaf = deposit.leaf_tokens("det_train.rms_norm") * rows_per_token  # in rows
     sub, rows = _layout(leaf)
     dx, partial = _backward(dy2, x2, weight, rstd, rows, offset)
-    param = tracked_parameter(acc, weight)
-    m = x2.shape[0]
-    if acc.token_offset * group % leaf == 0 and m % leaf == 0:  # whole leaves: this pass's chunk sums
-        first_leaf, _ = acc.leaf_span(m // group, param, "det_train.rms_norm")
-        finish_param_grad(acc, param, first_leaf, fold_chunks(partial, sub // rows), leaf // sub)
-    else:
-        leaves = functools.partial(_dweight_leaves, param, leaf, sub, rows, offset)
-        fold = _dweight_fold(param, leaf, sub, rows, offset, dy2, partial)  # an open leaf: its folds
-        acc.deposit_rows(param, (dy2, x2, rstd), leaves, fold, op="det_train.rms_norm", rows_per_token=group)
-        finish_deposit(acc)
+    # whole leaves: this pass's chunk sums; an open leaf: carried as its sub-leaf folds
+    deposit.rows(
+        "det_train.rms_norm",
+        weight,
+        (dy2, x2, rstd),
+        functools.partial(_dweight_leaves, weight, sub, rows, offset),
+        fold=_dweight_fold(weight, leaf, sub, rows, offset, dy2, partial),
+        whole=functools.partial(chunk_subtrees, partial, sub // rows, leaf // sub, weight.shape),
+        rows_per_token=rows_per_token,
+    )
     ticket.add_(1)
     return dx
 
@@ -292,12 +284,12 @@ def _backward(dy2, x2, weight, rstd, rows: int, offset: float = 0.0) -> tuple[to
     return dx, partial
 
 
-def _dweight_leaves(weight, leaf: int, sub: int, rows: int, offset: float, first_leaf: int, leaf_rows: tuple):
+def _dweight_leaves(weight, sub: int, rows: int, offset: float, leaf: int, first_leaf: int, leaf_rows: tuple):
     """The accumulator's leaf-sum function of the RMSNorm weight: rows ``(dy, x, rstd)`` of whole
     leaves, through the backward kernel (its dX is discarded), so the bits of an aligned call."""
     dy2, x2, rstd = leaf_rows
     _, partial = _backward(dy2, x2, weight, rstd, rows, offset)
-    return leaf_subtrees(fold_chunks(partial, sub // rows), first_leaf, weight.shape, leaf // sub)
+    return chunk_subtrees(partial, sub // rows, leaf // sub, weight.shape, first_leaf)
 
 
 def _dweight_fold(weight, leaf: int, sub: int, rows: int, offset: float, dy2, chunk_sums) -> tuple:
@@ -396,10 +388,10 @@ def rms_norm(
         if key is not None:
             _CHECKED.put(key, checked)
     d, eps, offset = checked
-    leaf, active = accumulation()
-    deposit = active and weight is not None and weight.is_leaf and x.numel() > 0
-    ticket = deposit_ticket() if deposit else None
-    return rms_norm_op(x, weight, eps, d, offset, ticket, leaf, deposit, int(rows_per_token))[0]
+    leaf, active = deposit.accumulation()
+    deposits = active and weight is not None and weight.is_leaf and x.numel() > 0
+    ticket = deposit.ticket() if deposits else None
+    return rms_norm_op(x, weight, eps, d, offset, ticket, leaf, deposits, int(rows_per_token))[0]
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

@@ -1,0 +1,161 @@
+"""The route of a parameter gradient from an op's backward into the active ``CanonicalGradAccumulator``.
+
+A deposit op (``det_train::linear_deposit_weight``, ``rms_norm_backward_deposit``, ...) hands its
+per-token inputs to the gradient to ``rows``, in one call at the place where the gradient leaves the op:
+``rows`` finds the active accumulator, maps the op's tensor to the parameter it tracks, deposits the rows
+(``CanonicalGradAccumulator.deposit_rows``, or ``deposit_partial`` of the op's own subtrees for a call
+of whole leaves) and copies an open leaf's rows before the op returns.
+
+The forward's half: whether a backward deposits or returns an autograd gradient is a property of the
+traced graph, so it is decided when the forward runs (``accumulation()``: Dynamo guards the active
+accumulator's presence and ``leaf_tokens``, not the micro-batch's token offset, so micro-batches do
+not recompile). The deposit itself is an opaque op whose implementation runs at every call of the
+compiled backward and does the accumulator's bookkeeping there (it reads the micro-batch's token
+offset then); it declares the deposit ticket (``ticket()``, one int64 counter) mutated, which keeps it
+in the graph (functionalization drops an op that returns nothing and mutates nothing) and orders all
+deposits of a graph in autograd's order (each reads the ticket the previous one wrote), the order in
+which uses of a tied parameter are numbered.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from det_core.reduce import TreePartial
+
+from ._open_leaf import LeafFold
+from .grad_accum import DEFAULT_LEAF_TOKENS, current_accumulator
+
+__all__ = ["LeafSums", "accumulation", "leaf_tokens", "rows", "ticket"]
+
+# An op's leaf-sum function: (leaf_tokens, global index of the first leaf, rows of whole leaves) ->
+# partial tree of the leaf sums over those rows (only the last leaf of the global batch may be short).
+LeafSums = Callable[[int, int, tuple], TreePartial]
+
+# One int64 counter for every deposit op: each op adds 1 (its value counts deposits made through the
+# ops, nothing reads it). What matters is that it is a tensor every deposit op declares mutated.
+_TICKET = torch.zeros((), dtype=torch.int64)
+
+
+def ticket() -> torch.Tensor:
+    """The tensor the deposit ops declare mutated (a CPU int64 counter of deposits).
+
+    Returns:
+        The process-wide 0-d int64 ticket. Passed to a forward op, it reaches that op's backward,
+        whose deposit op adds 1 to it. Raises nothing.
+
+    **Determinism:** the ticket carries no value into any result; it only makes the deposits of a
+    compiled graph one chain (each deposit op reads what the previous one wrote), so Inductor keeps
+    them, in the order autograd traced them.
+    """
+    return _TICKET
+
+
+def accumulation() -> tuple[int, bool]:
+    """``(leaf_tokens, active)`` of the current micro-batch, read when the forward runs (or is traced).
+
+    Returns:
+        The active ``CanonicalGradAccumulator``'s ``leaf_tokens`` and True inside its
+        ``micro_batch``; ``(DEFAULT_LEAF_TOKENS, False)`` outside every micro-batch. Raises nothing.
+
+    Under ``torch.compile`` Dynamo guards on what this reads (whether an accumulator is active and
+    its ``leaf_tokens``), so entering another micro-batch of the same accumulator reuses the graph,
+    and a graph traced outside a micro-batch is not reused inside one (or the other way round).
+
+    **Determinism:** a lookup; it selects between the deposit and the plain gradient, which is
+    what makes the weight gradients micro-batch invariant under an accumulator.
+    """
+    acc = current_accumulator()
+    if acc is None:
+        return DEFAULT_LEAF_TOKENS, False
+    return acc.leaf_tokens, True
+
+
+def _outside(op: str) -> RuntimeError:
+    """The error of a deposit op whose backward runs outside every micro-batch."""
+    return RuntimeError(
+        f"{op}: the forward ran inside a CanonicalGradAccumulator micro_batch (its weight gradients "
+        "go to the accumulator) but the backward runs outside every micro_batch: run forward and "
+        "backward inside the same `with acc.micro_batch(...)`"
+    )
+
+
+def leaf_tokens(op: str) -> int:
+    """The active accumulator's ``leaf_tokens``, for a deposit op whose kernel layout depends on the
+    leaf (the norms' sub-leaves) and which must choose it before it calls ``rows``.
+
+    Args:
+        op: the public name of the op (``"det_train.rms_norm"``), for the message.
+
+    Raises:
+        RuntimeError: no micro-batch is active: the forward ran inside ``acc.micro_batch(...)`` (so
+            its backward deposits) but the backward runs outside it. Run both inside.
+
+    **Determinism:** a lookup; the leaf size is part of the canonical order the op sums in.
+    """
+    acc = current_accumulator()
+    if acc is None:
+        raise _outside(op)
+    return acc.leaf_tokens
+
+
+def rows(
+    op: str,
+    tensor: torch.Tensor,
+    rows: tuple,
+    leaves: LeafSums,
+    fold: LeafFold | None = None,
+    whole: Callable[[int], TreePartial] | None = None,
+    rows_per_token: int = 1,
+) -> None:
+    """Deposit the gradient of the parameter ``tensor`` is, over this micro-batch's rows, into the
+    active accumulator: the one call through which a deposit op's gradient reaches it.
+
+    Args:
+        op: the public name of the op (``"det_train.linear"``), for errors.
+        tensor: the parameter as the op received it: the tracked Parameter, FSDP2's unsharded
+            parameter, or (in a compiled backward) a tensor aliasing one exactly (same storage,
+            offset, shape, strides, dtype and device).
+        rows: the op's per-token inputs to the gradient, tensors whose dim 0 is this micro-batch's
+            tokens in order (e.g. ``(dy, x)`` of a Linear weight), all of one length.
+        leaves: ``leaves(leaf_tokens, first_leaf, leaf_rows)`` -> ``TreePartial`` of the leaf sums
+            over rows of whole leaves starting at global leaf ``first_leaf`` (only the last leaf
+            of the global batch may be short); called now for this call's whole leaves, later
+            (next micro-batch or ``reduce``) for a leaf it leaves open when ``fold`` is None.
+        fold: the op's resumable leaf fold (``CanonicalGradAccumulator.deposit_rows``): a leaf
+            this call leaves open is carried as its fp32 fold instead of its rows.
+        whole: ``whole(first_leaf)`` -> ``TreePartial`` of this call's rows that the op already
+            computed (the norms' chunk sums of the dX pass), used instead of ``leaves`` when the
+            call is whole leaves that start on a leaf boundary.
+
+    Returns None: the op returns no autograd gradient for the parameter.
+
+    Raises:
+        RuntimeError: no micro-batch is active (the backward runs outside the forward's
+            ``micro_batch``).
+        ValueError: what ``deposit_rows`` raises (an untracked parameter, rows of another length
+            than another op of this micro-batch saw, an open leaf the parameter did not continue).
+
+    **Determinism:** the rows land in the leaves of their global token indices, summed by the op's
+    fixed leaf order (whole leaves now, an open leaf once complete, from all its rows or its
+    carried fold), so ``p.grad`` after ``reduce`` has the bits of one unsplit batch. The open
+    leaf's rows are copied before the op returns: a compiled graph may reuse an input's memory as
+    soon as the op that read it returns (Inductor's buffer reuse).
+    """
+    acc = current_accumulator()  # a deposit op's one lookup of it
+    if acc is None:
+        raise _outside(op)
+    param = acc.tracked(tensor)
+    leaf = acc.leaf_tokens
+    if whole is not None:
+        n = rows[0].shape[0]
+        # whole leaves: the op's own subtrees
+        if acc.token_offset % leaf == 0 and n % (leaf * rows_per_token) == 0:
+            first_leaf, _ = acc.leaf_span(n // rows_per_token, param, op)
+            acc.deposit_partial(param, whole(first_leaf))
+            return
+    leaves = functools.partial(leaves, leaf * rows_per_token)
+    acc.deposit_rows(param, rows, leaves, fold, op=op, rows_per_token=rows_per_token)
+    acc.flush()
