@@ -13,16 +13,12 @@ micro-batch completes the leaf, or until ``reduce`` when the leaf ends the globa
 then summed from all its rows by the same kernel as an aligned one, so any micro-batch sizes give
 the bits of one batch.
 
-An op's rows may be tokens x a row group (``rows_per_token``): a per-head q/k norm over
-``(B, T, H, D)`` sees ``H`` rows per token, token-major (heads inner). Its leaves are still
-``leaf_tokens`` tokens (``leaf_tokens * H`` rows) and a micro-batch boundary, always at a token, is a
-row boundary that is a multiple of ``H``: an open leaf carries whole tokens' rows, and the leaf's sum
-has the bits of one batch.
+An op's rows may be tokens x a row group (``rows_per_token``, a per-head q/k norm's heads, token-major):
+leaves stay ``leaf_tokens`` tokens and micro-batch boundaries tokens, so the sums have one batch's bits.
 
-Interface: ``deposit_rows`` (any micro-batch boundaries; det_train's deposit ops reach it through
-``deposit.rows``, which also maps the op's tensor to its parameter, ``tracked``, and runs the open
-leaf's copies, ``flush``) and ``leaf_span`` + ``deposit`` / ``deposit_partial`` (leaf-aligned micro-batches).
-The checks at reduce time and the cross-rank reduction are in ``_reduce.py``.
+Interface: ``deposit_rows`` (any micro-batch boundaries; the ops reach it through ``deposit.rows``)
+and ``leaf_span`` + ``deposit`` / ``deposit_partial`` (leaf-aligned micro-batches). The checks at
+reduce time and the cross-rank reduction are in ``_reduce.py``, the error messages in ``_messages.py``.
 """
 
 from __future__ import annotations
@@ -35,6 +31,7 @@ from det_core.reduce import TreePartial, num_leaves
 from det_core.runtime import as_index
 
 from . import _reduce, dp_reduce
+from ._messages import token_mismatch, who
 from ._open_leaf import LeafFold, LeafPartial, OpenFold, OpenLeaf, foreach_copy, token_rows
 
 __all__ = ["DEFAULT_LEAF_TOKENS", "CanonicalGradAccumulator", "current_accumulator"]
@@ -449,7 +446,7 @@ class CanonicalGradAccumulator:
         if group != 1:  # tokens x group rows: dim 0 becomes tokens (views), the op's functions see rows
             if isinstance(group, bool) or not isinstance(group, int) or group < 1 or n % group:
                 raise ValueError(
-                    f"{self._who(param, op)} has {n} rows in this micro-batch, not a multiple of its "
+                    f"{who(self, param, op)} has {n} rows in this micro-batch, not a multiple of its "
                     f"rows_per_token {group!r} (a positive int; its rows are tokens x {group!r}): pass the "
                     "op an input whose rows are whole tokens (e.g. a per-head norm's (B, T, H, D), H heads)"
                 )
@@ -462,7 +459,7 @@ class CanonicalGradAccumulator:
         known = self._new_groups.get(slot, self._groups.get(slot, group))
         if known != group:
             raise ValueError(
-                f"{self._who(param, op)} (use {slot[1]}) gave {group} rows per token, but {known} in an "
+                f"{who(self, param, op)} (use {slot[1]}) gave {group} rows per token, but {known} in an "
                 "earlier call: a parameter's rows per token (a per-head norm's heads) must not change "
                 "between the micro-batches of a step"
             )
@@ -537,39 +534,10 @@ class CanonicalGradAccumulator:
         if self._tokens is None:
             self._tokens, self._tokens_by = n, (param, op)
         elif n != self._tokens:
-            raise ValueError(self._token_mismatch(n, param, op))
+            raise ValueError(token_mismatch(self, n, param, op))
         end = self._token_offset + n
         if end > self._max_end:
             self._max_end = end
-
-    def _who(self, param: torch.Tensor | None, op: str | None) -> str:
-        index = None if param is None else self._index.get(id(param))
-        if index is None and param is not None:  # FSDP2: the unsharded parameter of a tracked one
-            index = next(
-                (i for i, f in self._fsdp.items() if getattr(f, "_unsharded_param", None) is param), None
-            )
-        name = (
-            "a parameter"
-            if param is None
-            else "an untracked parameter"
-            if index is None
-            else self._names[index]
-        )
-        return f"{name} ({op or 'an op'})"
-
-    def _token_mismatch(self, n: int, param: torch.Tensor | None, op: str | None) -> str:
-        """The error of an op that saw ``n`` tokens where the micro-batch's first op saw others."""
-        return (
-            f"{self._who(param, op)} saw {n} tokens (rows) in this micro-batch, but "
-            f"{self._who(*self._tokens_by)} saw {self._tokens}: every canonical-order op of a micro-batch "
-            "must see all its tokens, one row per token (or rows_per_token rows). An op that sees more "
-            "rows than tokens runs per attention head (a q/k norm over (B, T, H, D) not told its heads: "
-            "det_train.convert makes q/k norms per-head, det_train.RMSNorm(..., heads=H); "
-            "det_train.rms_norm takes rows_per_token=H); one that "
-            "sees fewer is given indices broadcast over the batch (GPT-2's learned position embedding "
-            "looked up with (1, T) position ids when none are passed: pass position_ids of the batch's "
-            "shape, position_ids=torch.arange(T).expand(B, T))"
-        )
 
     def flush(self) -> None:
         """Run the queued open-leaf row copies now (one multi-tensor copy where torch has one).

@@ -1,0 +1,35 @@
+"""The accumulator's error messages that name a parameter and its op (kept out of grad_accum.py,
+which holds the bookkeeping); plain functions of the accumulator's state."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["token_mismatch", "who"]
+
+
+def who(acc, param: torch.Tensor | None, op: str | None) -> str:
+    """``"<parameter name> (<op>)"`` of a deposit: the tracked name of ``param`` (FSDP2's unsharded
+    parameter named as its sharded one), else "an untracked parameter" / "a parameter"."""
+    index = None if param is None else acc._index.get(id(param))
+    if index is None and param is not None:  # FSDP2: the unsharded parameter of a tracked one
+        index = next((i for i, f in acc._fsdp.items() if getattr(f, "_unsharded_param", None) is param), None)
+    if param is None:
+        return f"a parameter ({op or 'an op'})"
+    name = "an untracked parameter" if index is None else acc._names[index]
+    return f"{name} ({op or 'an op'})"
+
+
+def token_mismatch(acc, n: int, param: torch.Tensor | None, op: str | None) -> str:
+    """The error of an op that saw ``n`` tokens where the micro-batch's first op saw others."""
+    return (
+        f"{who(acc, param, op)} saw {n} tokens (rows) in this micro-batch, but "
+        f"{who(acc, *acc._tokens_by)} saw {acc._tokens}: every canonical-order op of a micro-batch "
+        "must see all its tokens, one row per token (or rows_per_token rows). An op that sees more "
+        "rows than tokens runs per attention head (a q/k norm over (B, T, H, D) not told its heads: "
+        "det_train.convert makes q/k norms per-head, det_train.RMSNorm(..., heads=H); "
+        "det_train.rms_norm takes rows_per_token=H); one that sees fewer is given indices broadcast "
+        "over the batch (a learned position embedding looked up with (1, T) position ids: pass "
+        "position_ids of the batch's shape, position_ids=torch.arange(T).expand(B, T); "
+        "det_train.convert does it for GPT-2-style models)"
+    )
