@@ -3,14 +3,12 @@ and the launch names it still resolves after their move to det_core.launch."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
 import triton
 from det_core import runtime
+from det_core.testing import run_in_fresh_process
 
 
 @pytest.mark.parametrize("value", [7, np.int64(7), np.uint8(7), torch.tensor(7)])
@@ -78,5 +76,4 @@ def test_either_module_imports_first_in_a_fresh_process(first):
         f"{first}\nimport det_core.launch as l, det_core.runtime as r\n"
         "assert r.launch is l.launch and r.BoundLaunch is l.BoundLaunch\nprint('ok')"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+    assert run_in_fresh_process(code, cold_triton_cache=False, timeout=120) == "ok"
