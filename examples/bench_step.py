@@ -1,60 +1,36 @@
 """Benchmark (GPU): one training step of the main job's GPT, deterministic vs torch's fastest parts.
 
     python examples/bench_step.py --out docs/benchmarks
-    python examples/bench_step.py --no-graph        # eager rows only (the earlier two-row table)
+    python examples/bench_step.py --no-graph        # eager rows only
     python examples/bench_step.py --compile --out docs/benchmarks   # torch.compile table
 
-Both models have the same architecture, shapes and bf16 weights (the "gpu" preset of
-train_gpt.py, ~100 M params, sequence 1024):
-
-* **det**: det_train (Linear, RMSNorm, Embedding, cross-entropy), det_attn attention, the
-  canonical-order gradient accumulator, AdamWSR with stochastic rounding: bitwise reproducible
-  under any batch decomposition.
-* **torch**: ``nn.Linear`` (cuBLAS), SDPA with the cuDNN backend (flash if cuDNN is refused),
-  ``nn.RMSNorm``, ``nn.Embedding``, ``F.cross_entropy``, fused ``torch.optim.AdamW``: not
-  deterministic (atomics in attention backward, cuBLAS algorithm choice per shape).
+Both models have the same architecture, shapes and bf16 weights (train_gpt.py's "gpu" preset, ~100 M
+params, sequence 1024). **det**: det_train's layers, det_attn attention, the canonical-order
+gradient accumulator, AdamWSR with stochastic rounding (bitwise reproducible under any batch
+decomposition). **torch**: ``nn.Linear`` (cuBLAS), SDPA (cuDNN, else flash), ``nn.RMSNorm``,
+``nn.Embedding``, ``F.cross_entropy``, fused ``torch.optim.AdamW`` (not deterministic).
 
 A step is forward + backward over the global batch (in ``--micro-batches`` micro-batches) plus the
-optimizer step. Each implementation is timed three ways:
-
-* **eager**: the step's Python runs every time (det launches ~600 Triton kernels per step, so it
-  is bound by the host's launch rate; torch eager partly so too).
-* **eager, backward on the calling thread**: the same, with every ``backward()`` run under
-  ``torch.autograd.set_multithreading_enabled(False)``. By default autograd runs a CUDA
-  backward in a device thread of its own; in one probe a backward written in Python (det's
-  autograd Functions, which launch Triton kernels) cost several times the host time there
-  (det_attn forward+backward at B4 H32 T1024: 1.24 ms vs 0.44 ms of host time per call, H200
-  machine, torch 2.11), in later runs the two modes swapped places: host-bound timings on these
-  machines moved by up to 1.6x between runs. Both implementations are timed this way too.
-* **CUDA graph** (``--graph``, the default): the whole step (forward and backward of every
-  micro-batch, ``acc.reduce``, ``opt.step``, ``zero_grad``) captured once in one
-  ``torch.cuda.CUDAGraph`` and replayed, the "whole-network capture" recipe of the PyTorch docs
-  (https://pytorch.org/docs/stable/notes/cuda.html#whole-network-capture): static input tensors
-  (the batch is copied into them before each replay, inside the timed call), warm-up steps on a
-  side stream before capture, optimizers built with ``capturable=True`` (step counts on the
-  device), a constant learning rate. The det graph also copies the gradients written by
-  ``acc.reduce`` into static buffers before ``AdamWSR.step`` (one multi-tensor copy, included in
-  the time): AdamWSR's launch tables are keyed by the gradients' addresses and cannot be built
-  during capture, and ``reduce`` allocates new gradients, whose addresses in the graph's memory
-  pool differ from the warm-up's.
+optimizer step, timed three ways: **eager** (the step's Python every time: host-bound at many
+micro-batches); **eager, backward on the calling thread** (every ``backward()`` under
+``torch.autograd.set_multithreading_enabled(False)``: a Python backward's host time differs between
+autograd's device thread and the caller's, and which is faster moved between runs); **CUDA graph**
+(``--graph``, the default: the whole step, ``acc.reduce``, ``opt.step`` and ``zero_grad`` included,
+captured once and replayed, PyTorch's "whole-network capture" recipe: static inputs copied in
+before each replay, warm-up on a side stream, ``capturable=True`` optimizers, a constant learning
+rate; the det graph also copies ``acc.reduce``'s gradients into static buffers before
+``AdamWSR.step``, whose launch tables are keyed by the gradients' addresses).
 
 ``--counts 2,4,8,16,32`` times the eager and CUDA-graph rows at each micro-batch count of the same
-global batch (one table, with each step's peak memory; ``--model 0.4b --batch 16`` for the 0.4 B
-width).
+global batch, with each step's peak memory (``--model 0.4b --batch 16`` for the 0.4 B width).
+``--compile`` times the det step with its model under ``torch.compile`` (Inductor, fullgraph; the
+det ops are opaque custom ops; ``acc.micro_batch``, ``backward``, ``acc.reduce`` and the optimizer
+stay eager), the eager det step and torch's compiled step at each of ``--compile-micro-batches``,
+then checks that the compiled det model gives the eager det model's bits (2 steps, every weight).
 
-``--compile`` times a different table instead, at each of ``--compile-micro-batches`` (2, 4, 8,
-16, 32 by default): the det step with its model under ``torch.compile`` (Inductor, fullgraph: the
-det-train / det-attn ops are opaque custom ops inside the graph; ``acc.micro_batch``, ``backward``,
-``acc.reduce`` and the optimizer step stay eager), the eager det step, and torch's step with its
-model under ``torch.compile`` (its own kernels: Inductor, SDPA, cuBLAS), same batch and
-micro-batch counts. Compilation runs in warm-up steps before the timing. It then checks that the
-compiled det model gives the eager det model's bits: 2 steps each from the same initial weights
-and batch, every weight compared (written under the table).
-
-Timed with ``triton.testing.do_bench`` (median, all in this process, side by side). A graph
-whose capture fails is reported in its row ("capture failed: <type>: <msg>", the traceback is
-printed above the table); the other rows are still measured. Target: det step time <= 1.2x the
-torch step. Writes ``DIR/main-job_train_step.md`` and ``.json``.
+Timed with ``triton.testing.do_bench`` (median, side by side in this process). A graph whose capture
+fails is reported in its row and the other rows are still measured. Writes
+``DIR/main-job_train_step.md`` and ``.json``; targets and numbers are on the benchmarks page.
 """
 
 from __future__ import annotations
