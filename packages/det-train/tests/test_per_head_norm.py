@@ -221,6 +221,7 @@ def test_gemma3_with_sliding_window_layers_is_refused_up_front():
         reason
     )
     assert "layer_types=['full_attention'] * num_hidden_layers" in reason
+    assert "use_sliding_window" not in reason  # Gemma 3's config has no such switch: only layer_types
     assert type(model.model.layers[0].self_attn.q_norm) is not det_train.RMSNorm  # nothing changed
 
 

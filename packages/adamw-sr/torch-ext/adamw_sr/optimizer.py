@@ -252,6 +252,7 @@ class AdamWSR(torch.optim.Optimizer):
             raise
         base = group.get("base_index")
         if base is not None:
+            given = base
             if isinstance(base, int):
                 base = group["base_index"] = [base]
             if len(base) != len(group["params"]) or not all(
@@ -260,7 +261,7 @@ class AdamWSR(torch.optim.Optimizer):
                 self.param_groups.pop()
                 raise ValueError(
                     f"AdamWSR: base_index must list one non-negative int (or None) per param, "
-                    f"got {base!r} for {len(group['params'])} params"
+                    f"got {given!r} for {len(group['params'])} params"
                 )
         try:
             check_disjoint_indices(self.param_groups, "AdamWSR")

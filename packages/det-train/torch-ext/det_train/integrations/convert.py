@@ -465,6 +465,14 @@ def _attention_problem(module: nn.Module, seen: set) -> str | None:
     )
 
 
+def _init_args(config) -> set[str]:
+    """The keyword arguments ``config``'s class takes (a remedy names only what the class knows)."""
+    try:
+        return set(inspect.signature(type(config).__init__).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
 def _det_attn_lacks(config) -> str | None:
     """What a transformers ``config`` asks of attention that det_attn has not: sliding-window layers
     (``layer_types`` with ``"sliding_attention"`` and a ``sliding_window``: Gemma 3's 5 local : 1
@@ -475,7 +483,8 @@ def _det_attn_lacks(config) -> str | None:
         return (
             f"sliding-window attention (config.layer_types has 'sliding_attention' layers, sliding_window="
             f"{window}) is not supported by det_attn: build the model with full attention in every layer "
-            "(layer_types=['full_attention'] * num_hidden_layers, or use_sliding_window=False)"
+            "(layer_types=['full_attention'] * num_hidden_layers"
+            + (", or use_sliding_window=False)" if "use_sliding_window" in _init_args(config) else ")")
         )
     softcap = getattr(config, "attn_logit_softcapping", None)
     if softcap is not None:
