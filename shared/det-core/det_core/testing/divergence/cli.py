@@ -77,11 +77,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m det_core.testing.divergence",
         description="Run one training step under two decompositions (or twice under one) and name the "
         "first module output and the first gradient whose bits differ.",
+        epilog="A split is whatever STEP reads to decompose its batch (a Python literal, else a string), "
+        "e.g. "
+        "--split-a 1 --split-b 4 for 1 vs 4 micro-batches, or --split-a '[8]' --split-b '[3, 5]' for "
+        "micro-batch sizes. STEP(model, split) builds its batch itself and must use the split. "
+        "Exit status: 0 no divergence, 1 divergence, 2 bad arguments or a run that raised.",
     )
     parser.add_argument("model", metavar="MODEL", help="module:function returning a fresh, seeded model")
     parser.add_argument("step", metavar="STEP", help="module:function step(model, split): one training step")
     parser.add_argument(
-        "--split-a", required=True, type=_split, help="first decomposition (a Python literal)"
+        "--split-a",
+        required=True,
+        type=_split,
+        help="first decomposition, passed to STEP as split: a Python literal (1, 4, '[3, 5]'), else a string",
     )
     parser.add_argument("--split-b", type=_split, default=None, help="second one; omitted: run-to-run")
     parser.add_argument("--batch-dim", type=int, default=0, help="batch dim of module outputs (default 0)")
