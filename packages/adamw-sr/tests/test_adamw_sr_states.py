@@ -114,6 +114,36 @@ def test_kernel_equals_reference_bitwise(state_dtype, rounding, param_dtype, ams
 # Launch variants (tile shape, tiles per window, masked sub-tiles, scalars precomputed or per program,
 # warps) only change which thread computes what: each must give the reference's bits, also with bf16
 # and 8-bit moments.
+def _config_equals_reference(config, state_dtype, shapes, bases, seed, monkeypatch, wide=None) -> None:
+    """Two AdamWSR steps through the interpreter under launch ``config`` equal the reference, bitwise
+    (params and every state tensor); ``wide``: the index of a param whose gradients span 1e-8..1e2."""
+    from adamw_sr import _kernel
+    from adamw_sr.functional import PLAN_CACHE
+
+    monkeypatch.setitem(_kernel.LAUNCH_CONFIGS, "interpreter", config)
+    PLAN_CACHE.clear()
+    params = [
+        torch.randn(s, generator=torch.Generator().manual_seed(i)).bfloat16() for i, s in enumerate(shapes)
+    ]
+    refs = [p.clone() for p in params]
+    group = {"params": params, "base_index": bases}
+    opt = AdamWSR([group], lr=3e-2, weight_decay=0.1, seed=seed, state_dtype=state_dtype)
+    ref_states = [_ref_state(p, state_dtype) for p in refs]
+    for step in range(1, 3):
+        grads = _grads(shapes, step, torch.bfloat16)
+        if wide is not None:
+            grads[wide] = (grads[wide].float() * torch.logspace(-8, 2, grads[wide].numel())).bfloat16()
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        opt.step()
+        for r, g, st, b in zip(refs, grads, ref_states, bases, strict=True):
+            _ref_step(r, g, st, step=step, lr=3e-2, weight_decay=0.1, seed=seed, base_index=b)
+    PLAN_CACHE.clear()
+    for i, (p, r, st) in enumerate(zip(params, refs, ref_states, strict=True)):
+        assert_bitwise_equal(p, r, f"param {i}")
+        _assert_state_equal(opt.state[p], st, f"param {i}")
+
+
 @pytest.mark.parametrize(
     "config,state_dtype",
     [
@@ -123,33 +153,10 @@ def test_kernel_equals_reference_bitwise(state_dtype, rounding, param_dtype, ams
     ],
 )
 def test_kernel_variants_equal_reference(config, state_dtype, monkeypatch):
-    from adamw_sr import _kernel
-    from adamw_sr.functional import PLAN_CACHE
-
-    monkeypatch.setitem(_kernel.LAUNCH_CONFIGS, "interpreter", config)
-    PLAN_CACHE.clear()
     shapes = [(7,), (100,), (3, 33), (130,)]
     # bf16: unaligned bases (masked leading lanes); 8-bit: bases on blocks, beyond 2**32
     bases = [0, 8, 2**33 + 1, 10**12 + 7] if state_dtype == torch.bfloat16 else [0, 32, 2**33, 10**12]
-    params = [
-        torch.randn(s, generator=torch.Generator().manual_seed(i)).bfloat16() for i, s in enumerate(shapes)
-    ]
-    refs = [p.clone() for p in params]
-    opt = AdamWSR(
-        [{"params": params, "base_index": bases}], lr=3e-2, weight_decay=0.1, seed=5, state_dtype=state_dtype
-    )
-    ref_states = [_ref_state(p, state_dtype) for p in refs]
-    for step in range(1, 3):
-        grads = _grads(shapes, step, torch.bfloat16)
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
-        opt.step()
-        for r, g, st, b in zip(refs, grads, ref_states, bases, strict=True):
-            _ref_step(r, g, st, step=step, lr=3e-2, weight_decay=0.1, seed=5, base_index=b)
-    PLAN_CACHE.clear()
-    for i, (p, r, st) in enumerate(zip(params, refs, ref_states, strict=True)):
-        assert_bitwise_equal(p, r, f"param {i}")
-        _assert_state_equal(opt.state[p], st, f"param {i}")
+    _config_equals_reference(config, state_dtype, shapes, bases, 5, monkeypatch)
 
 
 # The GPU's own table entries through the interpreter: the tails of these sizes cut a quantisation
@@ -159,14 +166,10 @@ def test_kernel_variants_equal_reference(config, state_dtype, monkeypatch):
 @pytest.mark.parametrize("entry", ["cuda-8bit", "cuda-bf16"])
 def test_gpu_table_entries_through_the_interpreter_equal_reference(entry, monkeypatch):
     from adamw_sr import _kernel
-    from adamw_sr.functional import PLAN_CACHE
 
     config = _kernel.LAUNCH_CONFIGS[entry]
     state_dtype = "8bit" if entry == "cuda-8bit" else torch.bfloat16
-    edge = config["EDGE_SUB"]
-    monkeypatch.setitem(_kernel.LAUNCH_CONFIGS, "interpreter", config)
-    PLAN_CACHE.clear()
-    sub, window = config["SUB"], config["BLOCK"]
+    edge, sub, window = config["EDGE_SUB"], config["SUB"], config["BLOCK"]
     # tails after a full window and tile: one full masked sub-tile, then one cut inside a block
     tails = [edge + 3, edge + BLOCK + 5, sub - 1]
     shapes = [(window + sub + t,) for t in tails] + [(7, 13)]
@@ -174,26 +177,7 @@ def test_gpu_table_entries_through_the_interpreter_equal_reference(entry, monkey
         tail = n % sub
         assert tail > edge and tail % BLOCK and tail % edge  # a full and a cut sub-tile, a cut block
     bases = [0, 2**33, 10**12, 2**40] if state_dtype == "8bit" else [0, 2**33 + 1, 10**12 + 7, 2**40 + 3]
-    params = [
-        torch.randn(s, generator=torch.Generator().manual_seed(i)).bfloat16() for i, s in enumerate(shapes)
-    ]
-    refs = [p.clone() for p in params]
-    opt = AdamWSR(
-        [{"params": params, "base_index": bases}], lr=3e-2, weight_decay=0.1, seed=11, state_dtype=state_dtype
-    )
-    ref_states = [_ref_state(p, state_dtype) for p in refs]
-    for step in range(1, 3):
-        grads = _grads(shapes, step, torch.bfloat16)
-        grads[1] = (grads[1].float() * torch.logspace(-8, 2, grads[1].numel())).bfloat16()
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
-        opt.step()
-        for r, g, st, b in zip(refs, grads, ref_states, bases, strict=True):
-            _ref_step(r, g, st, step=step, lr=3e-2, weight_decay=0.1, seed=11, base_index=b)
-    PLAN_CACHE.clear()
-    for i, (p, r, st) in enumerate(zip(params, refs, ref_states, strict=True)):
-        assert_bitwise_equal(p, r, f"param {i}")
-        _assert_state_equal(opt.state[p], st, f"param {i}")
+    _config_equals_reference(config, state_dtype, shapes, bases, 11, monkeypatch, wide=1)
 
 
 # --------------------------------------------------------------------------- the 8-bit codes

@@ -66,7 +66,7 @@ def first_overlap(ranges) -> tuple[int, int] | None:
             ``[start, start + length)`` (a param's base index and its global element count).
 
     Returns: the positions ``(i, j)``, ``i < j``, of two overlapping ranges (the pair met first in
-    the order of ``start``), or ``None``. Empty ranges overlap nothing.
+    the order of ``start``), or ``None``. Empty ranges overlap nothing. Raises nothing.
 
     **Determinism:** a pure function of the ranges. Two params whose ranges overlap would draw the
     same stochastic-rounding bits at their shared indices: ``AdamWSR`` refuses them with this.
@@ -85,7 +85,7 @@ def param_starts(groups: list[dict]) -> list[tuple[torch.Tensor, int, bool]]:
     every param of ``groups`` (``AdamWSR``'s param-group dicts: ``params``, ``state_dtype``, optional
     ``base_index``) in order: the running default offsets (``default_base_indices``, each param
     aligned for its group's ``state_dtype``; a DTensor counts its global elements), overridden by
-    ``base_index`` entries that are not ``None``.
+    ``base_index`` entries that are not ``None``. Raises nothing for groups ``AdamWSR`` accepted.
 
     **Determinism:** a pure function of the groups' element counts, formats and base indices.
     """

@@ -406,7 +406,10 @@ def chunk_subtrees(
     """The maximal aligned subtrees over global leaves ``first_leaf ...`` of fp32 chunk sums
     ``chunk_sums`` (n_chunks, ...; ``chunks_per_sub`` chunks per sub-leaf, ``ratio`` sub-leaves per
     leaf), as a ``TreePartial`` of nodes of ``shape``: a norm weight's leaf sums (``fold_chunks``,
-    then ``leaf_subtrees``), what its deposit of whole leaves hands the accumulator."""
+    then ``leaf_subtrees``), what its deposit of whole leaves hands the accumulator. Raises nothing.
+
+    **Determinism:** chunks folded in order inside a sub-leaf, then the fixed tree by global leaf
+    index: the bits of the same leaves summed by one batch."""
     return leaf_subtrees(fold_chunks(chunk_sums, chunks_per_sub), first_leaf, shape, ratio)
 
 
