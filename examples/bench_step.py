@@ -86,6 +86,9 @@ def make_step(
     """
     model = tg.build_model(cfg, device)
     run = model if compile_options is None else torch.compile(model, **compile_options)
+    # CUDA-graph trees (mode="reduce-overhead") need a new "step" before each micro-batch's forward:
+    # the previous micro-batch's outputs (loss, saved activations) are dead by then
+    mark_step = (compile_options or {}).get("mode") in ("reduce-overhead", "max-autotune")
     # capturable (step counts on the device) is for CUDA: both optimizers refuse it for CPU params
     opt = tg.build_optimizer(cfg, model, capturable=graph and torch.device(device).type == "cuda")
     acc = None
@@ -104,6 +107,8 @@ def make_step(
     def step():
         for m in range(micro_batches):
             xs, ys = x[m * per : (m + 1) * per], y[m * per : (m + 1) * per]
+            if mark_step:
+                torch.compiler.cudagraph_mark_step_begin()
             if acc is None:
                 run(xs, ys, num_global_tokens=n_tokens)[1].backward()
             else:
@@ -296,7 +301,10 @@ def _time_step(name: str, cfg: tg.TrainConfig, mode: str, args, backend) -> dict
 
 
 def _compile_options(args) -> dict:
-    return dict(fullgraph=not args.allow_graph_breaks, dynamic=False)
+    options = dict(fullgraph=not args.allow_graph_breaks, dynamic=False)
+    if args.compile_mode != "default":
+        options["mode"] = args.compile_mode
+    return options
 
 
 def _inductor_casts(args, cfg: tg.TrainConfig):
@@ -379,6 +387,7 @@ def compile_main(args, det_cfg, torch_cfg, n_params: int, backend) -> int:
         f"GPT train step under torch.compile, {n_params / 1e6:.0f} M params "
         f"({det_cfg.n_layer} layers, d_model {det_cfg.d_model}), bf16 weights, batch {args.batch} x "
         f"{det_cfg.seq_len} tokens, {torch.cuda.get_device_name()}, torch {torch.__version__}"
+        + (f", mode={args.compile_mode!r}" if args.compile_mode != "default" else "")
     )
     lines = [
         f"**{title}**",
@@ -413,6 +422,7 @@ def compile_main(args, det_cfg, torch_cfg, n_params: int, backend) -> int:
         f"Compiled det vs eager det, weights after 2 steps at {counts[0]} micro-batches: {bits}.",
         "",
         "torch.compile: the model's forward and backward compiled (Inductor, "
+        f"mode={args.compile_mode!r}, graph_partition={torch._inductor.config.graph_partition}, "
         f"fullgraph={not args.allow_graph_breaks}, dynamic=False, det with "
         f"emulate_precision_casts={args.emulate_precision_casts}; compilation in "
         f"{args.compile_warmup} warm-up steps, not timed); micro-batch loop, backward() calls, "
@@ -423,7 +433,9 @@ def compile_main(args, det_cfg, torch_cfg, n_params: int, backend) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "main-job_train_step_compile.md").write_text(table + "\n")
+        mode = "" if args.compile_mode == "default" else f"_{args.compile_mode}"
+        stem = f"main-job_train_step_compile{mode}"
+        (out / f"{stem}.md").write_text(table + "\n")
         meta = {
             "title": title,
             "rows": rows,
@@ -436,7 +448,7 @@ def compile_main(args, det_cfg, torch_cfg, n_params: int, backend) -> int:
             "compile": _compile_options(args),
             "do_bench_ms": {"warmup": args.warmup_ms, "rep": args.rep_ms},
         }
-        (out / "main-job_train_step_compile.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+        (out / f"{stem}.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
     return 0
 
 
@@ -577,6 +589,13 @@ def main(argv=None) -> int:
         "--compile-micro-batches", default="2,4,8,16,32", help="micro-batch counts of the --compile table"
     )
     p.add_argument("--compile-warmup", type=int, default=3, help="untimed steps before timing (compilation)")
+    p.add_argument(
+        "--compile-mode",
+        default="default",
+        choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+        help="--compile: torch.compile's mode for both models (reduce-overhead: CUDA-graph trees, "
+        "cudagraph_mark_step_begin() before each micro-batch)",
+    )
     p.add_argument(
         "--bits-check",
         action=argparse.BooleanOptionalAction,

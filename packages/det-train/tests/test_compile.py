@@ -547,6 +547,40 @@ def test_gpu_main_job_step_with_inductor_gives_the_eager_bits():
     assert differs is None, f"compiled weight {differs} differs from eager after 2 steps"
 
 
+@pytest.mark.gpu
+def test_gpu_main_job_step_with_reduce_overhead_gives_the_eager_bits():
+    """``torch.compile(mode="reduce-overhead")`` (CUDA-graph trees, ``cudagraph_mark_step_begin``
+    before each micro-batch) on the main job's GPT (2 layers, 2 micro-batches cutting a leaf):
+    the deposit ops run eagerly between the graph partitions, and the weights after 2 steps
+    (AdamWSR) equal eager's bit for bit."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+    from examples import bench_step
+
+    cfg = bench_step.tg.make_config("gpu", n_layer=2, batch_seqs=6, micro_batch_seqs=3, leaf_tokens=2048)
+    options = dict(fullgraph=True, dynamic=False, mode="reduce-overhead")
+    with torch._inductor.config.patch(emulate_precision_casts=True, graph_partition=True):
+        differs = bench_step.compiled_matches_eager(cfg, 2, "cuda", options)
+    assert differs is None, f"reduce-overhead weight {differs} differs from eager after 2 steps"
+
+
+def test_deposit_ops_are_tagged_cudagraph_unsafe_and_the_others_are_not():
+    """The ops that do the accumulator's bookkeeping at run time (every op mutating the deposit
+    ticket) carry ``torch.Tag.cudagraph_unsafe``, so CUDA-graph trees run them between graph
+    partitions; every other det_train op may be captured."""
+    import det_train.ops.embedding  # noqa: F401  (registers its ops)
+    import det_train.ops.layer_norm  # noqa: F401
+    import det_train.ops.linear  # noqa: F401
+    import det_train.ops.rms_norm  # noqa: F401
+    from det_train.ops._library import NAMESPACE
+
+    namespace = getattr(torch.ops, NAMESPACE)
+    deposits = {"linear_deposit_weight", "linear_deposit_bias", "rms_norm_backward_deposit",
+                "embedding_deposit", "layer_norm_backward_deposit"}  # fmt: skip
+    for name in (*deposits, "linear", "linear_weight_grad", "rms_norm", "embedding"):
+        tagged = torch.Tag.cudagraph_unsafe in getattr(namespace, name).default.tags
+        assert tagged == (name in deposits), f"{name}: cudagraph_unsafe tag {tagged}"
+
+
 # ----------------------------------------------------------------------------- torch.func
 def test_functorch_autodiff_transforms_raise_and_vmap_equals_the_loop():
     """torch.func.grad / vjp / jvp / jacfwd and forward_ad dual tensors through det ops raise (a jvp

@@ -39,6 +39,7 @@ _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")  # held for the process: dro
 _BELOW_AUTOGRAD = torch._C._AutoDispatchBelowAutograd
 _any_requires_grad = torch._C._any_requires_grad
 _FORWARD_AD = torch.autograd.forward_ad
+_CUDAGRAPH_UNSAFE = getattr(torch.Tag, "cudagraph_unsafe", None)  # torch >= 2.8
 
 
 class Op:
@@ -54,7 +55,9 @@ class Op:
     (``torch.ops.<namespace>.<name>``) whenever something traces it (Dynamo, AOTAutograd, fake
     tensors, opcheck, functorch transforms, a tensor subclass); in plain eager execution it runs
     the implementation directly, through a Function built from the same ``setup_context`` and
-    backward when the op has a backward.
+    backward when the op has a backward. The deposit ops (those that mutate the deposit ticket)
+    are tagged ``torch.Tag.cudagraph_unsafe``: under ``torch.compile(mode="reduce-overhead")``
+    Inductor's graph partitions run them eagerly between the CUDA graphs of the rest.
 
     Why ``torch.library.Library`` and not ``torch.library.custom_op`` (as det-attn's operators):
     custom_op's per-call Python wrappers (a Dynamo-disable frame, the schema's aliasing and
@@ -70,6 +73,10 @@ class Op:
     def __init__(self, name: str, mutates_args: tuple[str, ...] = ()) -> None:
         self.name = name
         self.mutates_args = mutates_args
+        # an op that mutates the deposit ticket does the accumulator's bookkeeping in Python at
+        # every call: no CUDA graph may capture it (torch.compile's mode="reduce-overhead" runs it
+        # between graph partitions, eagerly)
+        self.tags = (_CUDAGRAPH_UNSAFE,) if "ticket" in mutates_args and _CUDAGRAPH_UNSAFE else ()
         self.impl = None
         self.overload = None  # torch.ops.<namespace>.<name>.default
         self.function = None
@@ -80,7 +87,8 @@ class Op:
         if self.overload is None:  # used as the decorator of the implementation
             (impl,) = args
             self.impl = impl
-            _LIB.define(self.name + torch.library.infer_schema(impl, mutates_args=self.mutates_args))
+            schema = torch.library.infer_schema(impl, mutates_args=self.mutates_args)
+            _LIB.define(self.name + schema, tags=self.tags)
             _LIB.impl(self.name, impl, "CompositeExplicitAutograd")
             self.overload = getattr(getattr(torch.ops, NAMESPACE), self.name).default
             self.__doc__ = impl.__doc__
