@@ -86,8 +86,9 @@ def make_step(
     """
     model = tg.build_model(cfg, device)
     run = model if compile_options is None else torch.compile(model, **compile_options)
-    # CUDA-graph trees (mode="reduce-overhead") need a new "step" before each micro-batch's forward:
-    # the previous micro-batch's outputs (loss, saved activations) are dead by then
+    # CUDA-graph trees (mode="reduce-overhead") start a generation once per training step: marked
+    # per micro-batch, torch's model fails (the backward's gradient outputs, accumulated into
+    # p.grad across micro-batches, are overwritten by the next micro-batch's replay)
     mark_step = (compile_options or {}).get("mode") in ("reduce-overhead", "max-autotune")
     # capturable (step counts on the device) is for CUDA: both optimizers refuse it for CPU params
     opt = tg.build_optimizer(cfg, model, capturable=graph and torch.device(device).type == "cuda")
@@ -105,10 +106,10 @@ def make_step(
     grad_buffers = [torch.empty_like(p) for p in params] if graph and acc is not None else None
 
     def step():
+        if mark_step:
+            torch.compiler.cudagraph_mark_step_begin()
         for m in range(micro_batches):
             xs, ys = x[m * per : (m + 1) * per], y[m * per : (m + 1) * per]
-            if mark_step:
-                torch.compiler.cudagraph_mark_step_begin()
             if acc is None:
                 run(xs, ys, num_global_tokens=n_tokens)[1].backward()
             else:
@@ -594,7 +595,7 @@ def main(argv=None) -> int:
         default="default",
         choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
         help="--compile: torch.compile's mode for both models (reduce-overhead: CUDA-graph trees, "
-        "cudagraph_mark_step_begin() before each micro-batch)",
+        "cudagraph_mark_step_begin() before each step)",
     )
     p.add_argument(
         "--bits-check",
