@@ -548,6 +548,7 @@ def test_gpu_main_job_step_with_inductor_gives_the_eager_bits():
 
 
 @pytest.mark.gpu
+@pytest.mark.slow  # a known failure compiling ~45 s of GPU time: run with --run-slow when the arena lands
 @pytest.mark.xfail(
     strict=True,
     reason="CUDA-graph trees refuse the det step (torch 2.11: 'These storage data ptrs are not allocated "
