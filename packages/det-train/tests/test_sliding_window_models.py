@@ -1,7 +1,7 @@
 """transformers families with sliding-window layers and attention logit soft-capping on det_attn:
-Mistral (a window in every layer), Gemma 2 (local and global layers, soft-capping, Gemma's
-``query_pre_attn_scalar`` scale), Gemma 3 text (local and global layers via ``layer_types``) and
-Qwen2 with ``use_sliding_window``. Each converts with ``det_train.convert``; its logits match
+Mistral (a window in every layer), Gemma 2 (a local layer with soft-capping and Gemma's
+``query_pre_attn_scalar`` scale), Gemma 3 text (a local layer via ``layer_types``) and Qwen2 with
+``use_sliding_window`` (layers from ``max_window_layers`` on), one layer each. Each converts with ``det_train.convert``; its logits match
 transformers' eager attention on the same weights (so the window, the soft-cap and the scale reach
 the kernels with transformers' meaning); one batch and three micro-batches cut inside leaves give
 bitwise the same gradient for every parameter. What det_attn still lacks (a bidirectional sliding
@@ -26,7 +26,7 @@ def _config(kind, attn, plain=False):
         vocab_size=64,
         hidden_size=64,
         intermediate_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=64,
@@ -34,7 +34,7 @@ def _config(kind, attn, plain=False):
         sliding_window=None if plain and kind == "mistral" else WINDOW,
         attn_implementation=attn,
     )
-    layers = ["full_attention"] * 2 if plain else ["sliding_attention", "full_attention"]
+    layers = ["full_attention" if plain else "sliding_attention"]  # one layer, its type from layer_types
     if kind == "mistral":
         return transformers.MistralConfig(**common)
     if kind == "gemma2":  # scale query_pre_attn_scalar**-0.5 = 1/16, not head_dim**-0.5
@@ -43,7 +43,7 @@ def _config(kind, attn, plain=False):
     if kind == "gemma3":
         return transformers.Gemma3TextConfig(layer_types=layers, **common)
     # Qwen2: layers from max_window_layers on slide
-    return transformers.Qwen2Config(use_sliding_window=not plain, max_window_layers=1, **common)
+    return transformers.Qwen2Config(use_sliding_window=not plain, max_window_layers=0, **common)
 
 
 _CLASSES = {
