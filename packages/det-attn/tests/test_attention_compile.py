@@ -94,7 +94,9 @@ def test_backward_operator_checks_direct_callers():
 
 def test_window_and_softcap_operators_pass_opcheck_and_compile_to_eagers_bits():
     # the options' tail (window, softcap): operators checked, then a compiled padded and packed call
-    q, k, v = _leaves(_randn(1, 21, 2, D, seed=40), _randn(1, 21, 1, D, seed=41), _randn(1, 21, 1, D, seed=42))
+    q, k, v = _leaves(
+        _randn(1, 21, 2, D, seed=40), _randn(1, 21, 1, D, seed=41), _randn(1, 21, 1, D, seed=42)
+    )
     options = (True, None, 0.0, 0, 0, 0, 5, 2.0)
     assert set(torch.library.opcheck(_ops.attention_forward, (q, k, v, *options))) == ALL_CHECKS
     with torch.no_grad():
@@ -115,7 +117,9 @@ def test_window_and_softcap_operators_pass_opcheck_and_compile_to_eagers_bits():
         return o.detach(), p.detach(), *(t.grad for t in leaves)
 
     counter = _compile_counter()
-    for i, (a, b) in enumerate(zip(fwd_bwd(torch.compile(f, fullgraph=True, backend=counter)), fwd_bwd(f))):
+    for i, (a, b) in enumerate(
+        zip(fwd_bwd(torch.compile(f, fullgraph=True, backend=counter)), fwd_bwd(f), strict=True)
+    ):
         assert_bitwise_equal(a, b, f"output {i}")
     assert counter.frame_count == 1
 

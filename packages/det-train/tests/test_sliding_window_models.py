@@ -1,12 +1,11 @@
-"""transformers families with sliding-window layers and attention logit soft-capping on det_attn:
-Mistral (a window in every layer), Gemma 2 (a local layer with soft-capping and Gemma's
-``query_pre_attn_scalar`` scale), Gemma 3 text (a local layer via ``layer_types``) and Qwen2 with
-``use_sliding_window`` (layers from ``max_window_layers`` on), one layer each. Each converts with ``det_train.convert``; its logits match
-transformers' eager attention on the same weights (so the window, the soft-cap and the scale reach
-the kernels with transformers' meaning); one batch and three micro-batches cut inside leaves give
-bitwise the same gradient for every parameter. What det_attn still lacks (a bidirectional sliding
-window) is refused up front. Tiny models from config objects (no download), CPU through the Triton
-interpreter."""
+"""transformers families with sliding-window layers and attention logit soft-capping on det_attn: Mistral (a
+window in every layer), Gemma 2 (a local layer with soft-capping and Gemma's ``query_pre_attn_scalar``
+scale), Gemma 3 text (a local layer via ``layer_types``) and Qwen2 with ``use_sliding_window`` (layers
+from ``max_window_layers`` on), one layer each. Each converts with ``det_train.convert``; its logits match
+transformers' eager attention on the same weights (so the window, the soft-cap and the scale reach the
+kernels with transformers' meaning); one batch and three micro-batches cut inside leaves give bitwise the
+same gradient for every parameter. What det_attn still lacks (a bidirectional sliding window) is refused
+up front. Tiny models from config objects (no download), CPU through the Triton interpreter."""
 
 import det_train
 import pytest
@@ -91,7 +90,9 @@ def test_sliding_window_family_matches_eager_and_splits_bitwise(kind):
         got = model(input_ids=ids).logits.float()
         full = _model(kind, attn="eager", plain=True)(input_ids=ids).logits.float()  # far from both
     err, change = (got - want).abs().max().item(), (full - want).abs().max().item()
-    assert err < 0.1 * change, f"{kind}: det_attn vs eager {err:.3g}, window/soft-cap changes logits by {change:.3g}"
+    assert err < 0.1 * change, (
+        f"{kind}: det_attn vs eager {err:.3g}, window/soft-cap changes logits by {change:.3g}"
+    )
 
     det_train.convert(model)
     whole = _grads(model, ids, [(0, 3)], leaf=4)
@@ -111,6 +112,8 @@ def test_bidirectional_sliding_window_is_refused_up_front():
         det_train.convert(model)
     ((name, cls, reason),) = info.value.problems
     assert (name, cls) == ("", "Gemma3ForCausalLM")
-    assert reason.startswith("bidirectional sliding-window attention (config.use_bidirectional_attention=True")
+    assert reason.startswith(
+        "bidirectional sliding-window attention (config.use_bidirectional_attention=True"
+    )
     assert "use_bidirectional_attention=False" in reason
     assert type(model.model.layers[0].self_attn.q_norm) is not det_train.RMSNorm  # nothing changed

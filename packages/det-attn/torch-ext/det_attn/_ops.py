@@ -48,7 +48,9 @@ _CU = "Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max
 # is specialized), last and defaulted
 _MASKING = "int? window=None, float? softcap=None"
 SCHEMAS = {
-    "attention_forward": f"(Tensor q, Tensor k, Tensor v, {_OPTIONS}, {_MASKING}) -> (Tensor out, Tensor lse2)",
+    "attention_forward": (
+        f"(Tensor q, Tensor k, Tensor v, {_OPTIONS}, {_MASKING}) -> (Tensor out, Tensor lse2)"
+    ),
     "attention_backward": (
         f"(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse2, {_OPTIONS}, {_MASKING}) "
         "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)"
@@ -195,7 +197,9 @@ def _packed_plan(
             _PACKED_OP,
         )[:4]
         win, cap = _checks.check_window_softcap(window, softcap, causal, _PACKED_OP)
-        plan = _plans.packed_plan(q, k, v, key, batch, max_q, max_k, causal, scale, dropout_p != 0.0, win, cap)
+        plan = _plans.packed_plan(
+            q, k, v, key, batch, max_q, max_k, causal, scale, dropout_p != 0.0, win, cap
+        )
     return plan
 
 

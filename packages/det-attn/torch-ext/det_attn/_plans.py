@@ -153,7 +153,9 @@ def packed_signature(
 ):  # fmt: skip
     """The cache key of an ``attention_varlen_forward`` / ``_backward`` operator call (``_ops``;
     ``n_cu``: the number of ``cu_seqlens`` entries)."""
-    return _signature(q, k, v, n_cu, max_seqlen_q, max_seqlen_k, causal, softmax_scale, dropout, window, softcap)
+    return _signature(
+        q, k, v, n_cu, max_seqlen_q, max_seqlen_k, causal, softmax_scale, dropout, window, softcap
+    )
 
 
 def cached(key) -> Plan | None:
