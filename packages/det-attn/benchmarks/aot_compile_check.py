@@ -17,6 +17,10 @@ runs, use Triton 3.6 (the wheel extracted at /tmp/tri36):
 line numbers are not code, and they move whenever code moves between files) and adds per entry the
 sha256 of its PTX and of its SASS (``cuobjdump -sass`` of the cubin, bundled with Triton): a
 refactor that must keep the kernels' bits compares these before and after.
+
+``--masking`` adds the sliding-window and soft-cap specializations (``WINDOW`` 4096 with
+``SOFTCAP`` 50, and each alone; causal, forward, dK/dV and dQ, padded and packed, no dropout):
+entries of their own, so the default entries (and their digests) are the switches' off state.
 """
 
 from __future__ import annotations
@@ -86,14 +90,15 @@ def _sass_digest(cubin: bytes) -> str:
     return hashlib.sha256(sass.encode()).hexdigest()[:16]
 
 
-def _plan(cfg, head_dim: int, causal: bool, dropout: bool, packed: bool):
+def _plan(cfg, head_dim: int, causal: bool, dropout: bool, packed: bool, window=0, softcap=0.0):
     """The launcher's plan at B, H, T with ``cfg`` in the table (padded batch, or ``packed``)."""
     q = torch.empty((B * T, H, head_dim), dtype=torch.bfloat16, device="meta")
     dense = None if packed else (B, T, T)
     saved = _configs.GPU_CONFIGS[head_dim]
     _configs.GPU_CONFIGS[head_dim] = cfg
     try:
-        return _plans.build(q, q, dense, B, T, T, 1.0 / math.sqrt(head_dim), causal, dropout)
+        scale = 1.0 / math.sqrt(head_dim)
+        return _plans.build(q, q, dense, B, T, T, scale, causal, dropout, False, window, softcap)
     finally:
         _configs.GPU_CONFIGS[head_dim] = saved
 
@@ -189,6 +194,19 @@ def compile_entry(label: str, fn, values: list, meta: dict, tma: bool, digest: b
     return status
 
 
+def _masking_entries() -> list:
+    """(label, plan, kernel, dropout, packed) of the window / soft-cap specializations."""
+    entries = []
+    for head_dim, table in sorted(_configs.GPU_CONFIGS.items(), reverse=True):
+        for window, softcap in ((4096, 50.0), (4096, 0.0), (0, 50.0)):
+            for packed in (False, True):
+                plan = _plan(table, head_dim, True, False, packed, window, softcap)
+                for kernel in ("fwd", "dkdv", "dq"):
+                    label = f"D{head_dim} causal window={window} softcap={softcap:g} {kernel}"
+                    entries.append((label + (" packed" if packed else ""), plan, kernel, False, packed))
+    return entries
+
+
 def _entries() -> list:
     """(label, plan, kernel, dropout, packed) of every entry: per head dim, causal or not and
     dropout or not, the table's forward, preprocess, dK/dV and dQ on a padded batch, the same
@@ -224,12 +242,15 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--ptx-digest", action="store_true", help="compile without line info; print PTX and SASS sha256"
     )
+    parser.add_argument(
+        "--masking", action="store_true", help="also the sliding-window and soft-cap specializations"
+    )
     args = parser.parse_args(argv)
     if args.ptx_digest:
         os.environ["TRITON_DISABLE_LINE_INFO"] = "1"  # read at compile time; part of the cache key
     print(f"Triton {triton.__version__}, target sm_90a" + (", no line info" if args.ptx_digest else ""))
     bad = []
-    for label, plan, kernel, dropout, packed in _entries():
+    for label, plan, kernel, dropout, packed in _entries() + (_masking_entries() if args.masking else []):
         if args.only and args.only not in label:
             continue
         fn, values, meta, tma = _launch_args(kernel, plan, dropout, packed)

@@ -25,8 +25,16 @@ Also reports whether the compiled run gives the eager bits (attention: o, dq, dk
 dx and the weight gradients; the block's matmuls are Inductor's choice). Writes
 ``OUT/det-attn_compile.md`` and ``.json``.
 
+``--window`` times instead sliding-window attention (causal, B4 H32 T8192 D128; windows 1024 and
+4096, and 4096 with Gemma 2's logit soft-cap 50) against torch SDPA given the sliding-window mask
+explicitly (cuDNN and efficient backends, where they accept a mask; SDPA has no soft-cap, so that
+row has det_attn alone), with det_attn's plain causal attention as the no-window cost. TFLOP/s
+count the scores inside the window only (``4 * B * H * D * sum_i min(i + 1, window)`` forward).
+Writes ``OUT/det-attn_window.md`` and ``.json``.
+
     python packages/det-attn/benchmarks/bench_attention.py --out bench-results [--sweep]
     python packages/det-attn/benchmarks/bench_attention.py --out bench-results --compile
+    python packages/det-attn/benchmarks/bench_attention.py --out bench-results --window
 """
 
 from __future__ import annotations
@@ -135,13 +143,21 @@ def _measure_method(fn, layout, b, h, t, d) -> tuple:
 def measure(shape) -> list[dict]:
     b, h, t, d, causal = shape
     fwd_flops = 4.0 * b * h * t * t * d * (0.5 if causal else 1.0)
+    return _measure_rows(
+        f"B{b} H{h} T{t} D{d}{' causal' if causal else ''}", _methods(causal), shape, fwd_flops
+    )
+
+
+def _measure_rows(label: str, methods: dict, shape: tuple, fwd_flops: float) -> list[dict]:
+    """One row per method of ``methods`` (name -> (layout, fn)) at ``shape`` ``(B, H, T, D, ...)``."""
+    b, h, t, d = shape[:4]
     rows = []
-    for name, (layout, fn) in _methods(causal).items():
+    for name, (layout, fn) in methods.items():
         fwd, both, one_thread, repeat = _measure_method(fn, layout, b, h, t, d)
         torch.cuda.empty_cache()
         rows.append(
             {
-                "shape": f"B{b} H{h} T{t} D{d}{' causal' if causal else ''}",
+                "shape": label,
                 "method": name,
                 "fwd_ms": fwd,
                 "fwd_tflops": _tflops(fwd_flops, fwd),
@@ -158,7 +174,8 @@ def measure(shape) -> list[dict]:
 def _ratio(rows, method, peer, key):
     ours = next(r[key] for r in rows if r["method"] == method)
     theirs = next(r[key] for r in rows if r["method"] == peer)
-    return ours / theirs if ours and theirs else None
+    ok = isinstance(ours, float) and isinstance(theirs, float) and theirs  # not an error text
+    return ours / theirs if ok else None
 
 
 def _fmt(x, digits=1):
@@ -202,6 +219,87 @@ def table(all_rows: list[dict]) -> str:
             _ratio(rows, "det_attn", "sdpa efficient", "fwdbwd_1t_tflops"),
         ]
         lines.append(f"| {shape} | " + " | ".join(_fmt(x, 2) for x in ratios) + " |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- sliding window
+
+# (B, H, T, D, window, softcap), causal
+WINDOW_SHAPES = [
+    (4, 32, 8192, 128, 1024, None),
+    (4, 32, 8192, 128, 4096, None),
+    (4, 32, 8192, 128, 4096, 50.0),
+]
+MASK_PEERS = {"sdpa cuDNN, mask": "CUDNN_ATTENTION", "sdpa efficient, mask": "EFFICIENT_ATTENTION"}
+
+
+def window_keys(t: int, window: int) -> int:
+    """Scores inside a causal sliding window over ``t`` tokens: ``sum_i min(i + 1, window)``."""
+    w = min(window, t)
+    return w * (w + 1) // 2 + (t - w) * w
+
+
+def sliding_window_mask(t: int, window: int, device="cuda") -> torch.Tensor:
+    """The ``(t, t)`` boolean mask (True: attend) of det_attn's ``window`` with ``causal=True``:
+    key ``j`` visible to query ``i`` iff ``i - window < j <= i`` (transformers' sliding window)."""
+    i = torch.arange(t, device=device)
+    return (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+
+
+def _window_methods(t: int, window: int, softcap: float | None) -> dict:
+    """name -> (layout, fn(q, k, v)) for one sliding-window row."""
+    from det_attn import attention
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    methods = {
+        "det_attn": ("bthd", lambda q, k, v: attention(q, k, v, causal=True, window=window, softcap=softcap)),
+        "det_attn causal, no window": ("bthd", lambda q, k, v: attention(q, k, v, causal=True)),
+    }
+    if softcap is None:  # SDPA has no soft-cap
+        mask = sliding_window_mask(t, window)
+        for name, backend in MASK_PEERS.items():
+            backend = getattr(SDPBackend, backend)
+
+            def run(q, k, v, backend=backend):
+                with sdpa_kernel(backend):
+                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+            methods[name] = ("bhtd", run)
+    return methods
+
+
+def window_rows() -> list[dict]:
+    rows = []
+    for shape in WINDOW_SHAPES:
+        b, h, t, d, window, softcap = shape
+        label = f"B{b} H{h} T{t} D{d} causal window {window}" + (f" softcap {softcap:g}" if softcap else "")
+        fwd_flops = 4.0 * b * h * d * window_keys(t, window)
+        rows += _measure_rows(label, _window_methods(t, window, softcap), shape, fwd_flops)
+    return rows
+
+
+def window_table(all_rows: list[dict]) -> str:
+    """The rows (TFLOP/s over the window's scores; the no-window row's too, so its TFLOP/s are not
+    its own rate) and det_attn's time against each other method of its shape."""
+    lines = [
+        "| shape (bf16) | method | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s "
+        "| grads bitwise on repeat |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    for r in all_rows:
+        lines.append(
+            f"| {r['shape']} | {r['method']} | {_fmt(r['fwd_ms'], 3)} | {_fmt(r['fwd_tflops'])} | "
+            f"{_fmt(r['fwdbwd_ms'], 3)} | {_fmt(r['fwdbwd_tflops'])} | {_fmt(r['bitwise_repeat'])} |"
+        )
+    lines += ["", "| shape | other method | fwd: its ms / det_attn's | fwd+bwd: its ms / det_attn's |"]
+    lines.append("|---|---|---:|---:|")
+    for shape in dict.fromkeys(r["shape"] for r in all_rows):
+        rows = [r for r in all_rows if r["shape"] == shape]
+        for r in rows:
+            if r["method"] != "det_attn":
+                fwd = _ratio(rows, r["method"], "det_attn", "fwd_ms")
+                both = _ratio(rows, r["method"], "det_attn", "fwdbwd_ms")
+                lines.append(f"| {shape} | {r['method']} | {_fmt(fwd, 2)} | {_fmt(both, 2)} |")
     return "\n".join(lines)
 
 
@@ -370,11 +468,23 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep", action="store_true", help="also time candidate kernel configs")
     parser.add_argument("--compile", action="store_true", help="only: eager vs torch.compile (Inductor)")
     parser.add_argument("--compile-mode", default=None, help="torch.compile mode for --compile")
+    parser.add_argument(
+        "--window", action="store_true", help="only: sliding window (and soft-cap) vs SDPA with a mask"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_attention: needs a CUDA GPU", file=sys.stderr)
         return 1
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.window:
+        rows = window_rows()
+        text = "## det-attn: sliding window, bf16, " + torch.cuda.get_device_name() + "\n\n"
+        text += window_table(rows)
+        text += f"\n\ntorch {torch.__version__}, triton {__import__('triton').__version__}"
+        print(text)
+        (args.out / "det-attn_window.md").write_text(text + "\n")
+        (args.out / "det-attn_window.json").write_text(json.dumps({"rows": rows}, indent=2, default=str))
+        return 0
     if args.compile:
         rows = compile_rows(args.compile_mode)
         text = "## det-attn under torch.compile, " + torch.cuda.get_device_name() + "\n\n"

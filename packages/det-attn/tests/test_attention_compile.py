@@ -92,6 +92,38 @@ def test_backward_operator_checks_direct_callers():
         _ops.attention_backward(out, q, k, v, out, lse2.double(), *options)
 
 
+def test_window_and_softcap_operators_pass_opcheck_and_compile_to_eagers_bits():
+    # the options' tail (window, softcap): operators checked, then a compiled padded and packed call
+    q, k, v = _leaves(
+        _randn(1, 21, 2, D, seed=40), _randn(1, 21, 1, D, seed=41), _randn(1, 21, 1, D, seed=42)
+    )
+    options = (True, None, 0.0, 0, 0, 0, 5, 2.0)
+    assert set(torch.library.opcheck(_ops.attention_forward, (q, k, v, *options))) == ALL_CHECKS
+    with torch.no_grad():
+        out, lse2 = _ops.attention_forward(q, k, v, *options)
+    args = (_randn(*out.shape, seed=43), q.detach(), k.detach(), v.detach(), out, lse2, *options)
+    assert set(torch.library.opcheck(_ops.attention_backward, args)) == ALL_CHECKS
+    cu = torch.tensor([0, 8, 21], dtype=torch.int32)
+
+    def f(q, k, v):
+        o = attention(q, k, v, causal=True, window=5, softcap=2.0)
+        p = attention_varlen(q[0], k[0], v[0], cu, cu, 13, 13, causal=True, window=3, softcap=1.5)
+        return o, p
+
+    def fwd_bwd(run):
+        leaves = _leaves(q, k, v)
+        o, p = run(*leaves)
+        (o.float().sum() + (p.float() * 2).sum()).backward()
+        return o.detach(), p.detach(), *(t.grad for t in leaves)
+
+    counter = _compile_counter()
+    for i, (a, b) in enumerate(
+        zip(fwd_bwd(torch.compile(f, fullgraph=True, backend=counter)), fwd_bwd(f), strict=True)
+    ):
+        assert_bitwise_equal(a, b, f"output {i}")
+    assert counter.frame_count == 1
+
+
 # --------------------------------------------------------------------------- compiled == eager
 
 

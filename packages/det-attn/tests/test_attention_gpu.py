@@ -349,6 +349,78 @@ def test_gqa_fp16_and_cross_attention_match_reference():
                 assert (a.double() - r).abs().max().item() <= tol * r.abs().max().item(), f"{dtype} {name}"
 
 
+# (B, T_q, T_k, H_q, H_kv, D, causal, window, softcap): a window under one tile, one across many,
+# cross lengths (bottom-right), soft-cap alone (not causal), both (Gemma 2's 4096 window scaled
+# down, its soft-cap 50)
+WINDOW_CASES = [
+    (2, 1537, 1537, 16, 4, 128, True, 64, None),
+    (2, 2048, 2048, 8, 8, 64, True, 1000, 50.0),
+    (1, 700, 1300, 16, 2, 128, True, 300, 30.0),
+    (2, 1024, 1024, 8, 2, 128, False, None, 20.0),
+]
+
+
+@pytest.mark.parametrize(
+    "case", WINDOW_CASES, ids=lambda c: "T{}/{}D{}w{}cap{}".format(c[1], c[2], c[5], *c[7:])
+)
+def test_window_and_softcap_match_reference_and_repeat_bitwise(case):
+    batch, t_q, t_k, h_q, h_kv, d, causal, window, softcap = case
+    q, k, v = _qkv(batch, t_q, t_k, h_q, h_kv, d, seed=900)
+    q = (q.float() * 4).to(q.dtype)  # scores of tens of units: the soft-cap bends them
+    do = _randn(batch, t_q, h_q, d, seed=901)
+    kw = dict(causal=causal, window=window, softcap=softcap)
+    got = _fwd_bwd(attention, q, k, v, do, **kw)
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ro, rlse = attention_reference(qr, kr, vr, **kw)
+    ro.backward(do.double())
+    for name, a, r in zip(
+        ("o", "dq", "dk", "dv"), (got[0], *got[2:]), (ro, qr.grad, kr.grad, vr.grad), strict=True
+    ):
+        assert (a.double() - r).abs().max().item() <= 2**-5 * r.abs().max().item(), f"{case} {name}"
+    assert (got[1].double() - rlse).abs().max().item() < 1e-4
+    for r in range(10):
+        again = _fwd_bwd(attention, q, k, v, do, **kw)
+        for name, g, f in zip(NAMES, again, got, strict=True):
+            if not _same_bits(g, f):
+                assert_bitwise_equal(g, f, f"{name} repeat {r}")
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_window_softcap_sequence_alone_equals_batched_and_packed(d):
+    kw = dict(causal=True, window=257, softcap=50.0)
+    lens = [1, 700, 129, 1537]
+    parts = [(*_qkv(1, n, n, 8, 2, d, seed=910 + n), _randn(1, n, 8, d, seed=920 + n)) for n in lens]
+    alone = [_fwd_bwd(attention, *p, **kw) for p in parts]
+    packed = [torch.cat([p[j][0] for p in parts]) for j in range(4)]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    o, lse, dq, dk, dv = _fwd_bwd(
+        attention_varlen, *packed[:3], packed[3], cu, cu, max(lens), max(lens), **kw
+    )
+    for i, n in enumerate(lens):
+        rows = slice(int(cu[i]), int(cu[i + 1]))
+        for name, g, a in zip(
+            NAMES, (o[rows], lse[:, rows], dq[rows], dk[rows], dv[rows]), alone[i], strict=True
+        ):
+            assert_bitwise_equal(g, a[0], f"{name}: packed sequence {i} (T={n})")
+    # the 1537-token sequence at position 2 of a batch of 4
+    q, k, v = _qkv(4, 1537, 1537, 8, 2, d, seed=930)
+    do = _randn(4, 1537, 8, d, seed=931)
+    for full, one in zip((q, k, v, do), parts[3], strict=True):
+        full[2] = one[0]
+    got = _fwd_bwd(attention, q, k, v, do, **kw)
+    for name, g, a in zip(NAMES, got, alone[3], strict=True):
+        assert_bitwise_equal(g[2:3], a, f"{name}: batch of 4, position 2")
+
+
+def test_window_covering_the_sequence_gives_the_causal_bits():
+    q, k, v = _qkv(2, 1537, 1537, 16, 4, 128, seed=940)
+    do = _randn(2, 1537, 16, 128, seed=941)
+    want = _fwd_bwd(attention, q, k, v, do, causal=True)
+    got = _fwd_bwd(attention, q, k, v, do, causal=True, window=4096)
+    for name, g, w in zip(NAMES, got, want, strict=True):
+        assert_bitwise_equal(g, w, f"{name}: window 4096 vs causal")
+
+
 def test_dropout_mask_equals_reference_and_keep_rate():
     batch, t, heads, d, p, seed = 2, 128, 4, 128, 0.15, 1  # seed 1: Triton specialises ints equal to 1
     q = torch.zeros(batch, t, heads, d, dtype=torch.bfloat16, device="cuda")

@@ -159,7 +159,7 @@ def _model(kind, heads, kv_heads, *, hidden=64, layers=1, seq=4, device="cpu", f
     )
     if kind == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
-    else:  # Gemma 3 with full attention in every layer (det_attn has no sliding window)
+    else:  # Gemma 3 with full attention in every layer (sliding layers: test_sliding_window_models.py)
         config = transformers.Gemma3TextConfig(layer_types=["full_attention"] * layers, **common)
         model = transformers.Gemma3ForCausalLM(config)
     return det_train.convert(model.to(device=device, dtype=torch.bfloat16))
@@ -196,33 +196,6 @@ def test_converted_per_head_norms_split_bitwise(kind):
     for name, grad in whole.items():
         assert grad is not None and grad.abs().sum() > 0, name
         assert_bitwise_equal(split[name], grad, f"{kind} {name}: 1 vs 3 micro-batches")
-
-
-def test_gemma3_with_sliding_window_layers_is_refused_up_front():
-    det_attn = pytest.importorskip("det_attn")
-    det_attn.register_transformers_attention()
-    config = transformers.Gemma3TextConfig(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        max_position_embeddings=4,
-        attn_implementation="det_attn",
-    )
-    model = transformers.Gemma3ForCausalLM(config)
-    with pytest.raises(det_train.ConversionError) as info:
-        det_train.convert(model)
-    ((name, cls, reason),) = info.value.problems
-    assert (name, cls) == ("", "Gemma3ForCausalLM")
-    assert reason.startswith("sliding-window attention (config.layer_types has 'sliding_attention' layers"), (
-        reason
-    )
-    assert "layer_types=['full_attention'] * num_hidden_layers" in reason
-    assert "use_sliding_window" not in reason  # Gemma 3's config has no such switch: only layer_types
-    assert type(model.model.layers[0].self_attn.q_norm) is not det_train.RMSNorm  # nothing changed
 
 
 @pytest.mark.gpu

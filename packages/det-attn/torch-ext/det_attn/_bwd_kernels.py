@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._tiles import dropout_keep, program_tile, seq_span, to_out
+from ._tiles import LOG2E, dropout_keep, program_tile, seq_span, tanh, to_out
 
 
 @triton.jit
@@ -79,6 +79,8 @@ def _dkdv_inner(
     DROPOUT: tl.constexpr,
     UPCAST: tl.constexpr,
     DTYPE: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     offs_m0 = tl.arange(0, BLOCK_M)
     for start in range(start_m, end_m, BLOCK_M):
@@ -99,11 +101,17 @@ def _dkdv_inner(
         if UPCAST:
             qT = qT.to(tl.float32)
             do = do.to(tl.float32)
-        pT = tl.math.exp2(tl.fma(tl.dot(k, qT), qk_scale, -lse2[None, :]))  # [BLOCK_N, BLOCK_M]
+        if SOFTCAP > 0:  # as the forward: t = tanh(x / softcap), qk_scale = scale / softcap
+            tT = tanh(tl.dot(k, qT) * qk_scale)
+            pT = tl.math.exp2(tl.fma(tT, SOFTCAP * LOG2E, -lse2[None, :]))
+        else:
+            pT = tl.math.exp2(tl.fma(tl.dot(k, qT), qk_scale, -lse2[None, :]))  # [BLOCK_N, BLOCK_M]
         if MASKED:
             visible = offs_m[None, :] < q_len
             if CAUSAL:
                 visible = visible & (offs_n[:, None] <= offs_m[None, :] + diag)
+            if WINDOW > 0:
+                visible = visible & (offs_n[:, None] > offs_m[None, :] + diag - WINDOW)
             pT = tl.where(visible, pT, 0.0)
         dpT = tl.dot(v, tl.trans(do))
         if DROPOUT:
@@ -117,6 +125,8 @@ def _dkdv_inner(
         else:
             dv = tl.dot(pdT.to(DTYPE), do, dv)
         dsT = pT * (dpT - delta[None, :])
+        if SOFTCAP > 0:  # d(softcap * tanh(x / softcap)) / dx
+            dsT = dsT * (1.0 - tT * tT)
         if UPCAST:
             dk = tl.dot(dsT, tl.trans(qT), dk)
         else:
@@ -169,6 +179,8 @@ def attn_bwd_dkdv_kernel(
     DROPOUT: tl.constexpr,
     UPCAST: tl.constexpr,
     DENSE: tl.constexpr,
+    WINDOW: tl.constexpr = 0,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     # One program owns KV block `tile` of KV head `kv_head`: it sums over the query heads of the
     # group (ascending) and, for each, over the query blocks (ascending). No atomics.
@@ -203,6 +215,14 @@ def attn_bwd_dkdv_kernel(
     diag_end = tl.minimum(full_begin, q_len)
     full_end = (q_len // BLOCK_M) * BLOCK_M
     tail_begin = tl.maximum(full_begin, full_end)
+    end = q_len
+    if WINDOW > 0:
+        # queries from start_n + BLOCK_N - 1 - diag + WINDOW on see no key of this block (skipped);
+        # a query block sees every key of it only if its last query sees key start_n
+        end = tl.minimum(q_len, tl.maximum(start_n + BLOCK_N - 1 - diag + WINDOW, 0))
+        diag_end = tl.minimum(diag_end, end)
+        full_end = tl.minimum(full_end, (tl.maximum(start_n - diag + WINDOW, 0) // BLOCK_M) * BLOCK_M)
+        tail_begin = tl.maximum(full_begin, full_end)
 
     for g in range(0, group):
         head = kv_head * group + g
@@ -220,11 +240,11 @@ def attn_bwd_dkdv_kernel(
             elif part == 1:
                 lo, hi = full_begin, full_end
             else:
-                lo, hi = tail_begin, q_len
+                lo, hi = tail_begin, end
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, q_base, do_base, lse2_base, delta_base, stride_qt, stride_dot, offs_n, start_n,
                 offs_d, lo, hi, q_len, diag, qk_scale, seed_lo, seed_hi, seq_id, head_id, drop_threshold,
-                drop_scale, BLOCK_M, BLOCK_N, part != 1, CAUSAL, DROPOUT, UPCAST, DTYPE,
+                drop_scale, BLOCK_M, BLOCK_N, part != 1, CAUSAL, DROPOUT, UPCAST, DTYPE, WINDOW, SOFTCAP,
             )  # fmt: skip
     dk = dk * sm_scale
     out_off = (k_start + offs_n[:, None].to(tl.int64)) * stride_dkt + kv_head * stride_dkh + offs_d[None, :]
@@ -261,6 +281,8 @@ def _dq_inner(
     DROPOUT: tl.constexpr,
     UPCAST: tl.constexpr,
     DTYPE: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     offs_n0 = tl.arange(0, BLOCK_N)
     for start in range(start_n, end_n, BLOCK_N):
@@ -276,17 +298,25 @@ def _dq_inner(
         if UPCAST:
             kT = kT.to(tl.float32)
             vT = vT.to(tl.float32)
-        p = tl.math.exp2(tl.fma(tl.dot(q, kT), qk_scale, -lse2[:, None]))  # explicit fma, as forward
+        if SOFTCAP > 0:  # as the forward: t = tanh(x / softcap), qk_scale = scale / softcap
+            t = tanh(tl.dot(q, kT) * qk_scale)
+            p = tl.math.exp2(tl.fma(t, SOFTCAP * LOG2E, -lse2[:, None]))
+        else:
+            p = tl.math.exp2(tl.fma(tl.dot(q, kT), qk_scale, -lse2[:, None]))  # explicit fma, as forward
         if MASKED:
             visible = offs_n[None, :] < k_len
             if CAUSAL:
                 visible = visible & (offs_n[None, :] <= offs_m[:, None] + diag)
+            if WINDOW > 0:
+                visible = visible & (offs_n[None, :] > offs_m[:, None] + diag - WINDOW)
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, vT)
         if DROPOUT:
             keep = dropout_keep(seed_lo, seed_hi, seq, head, offs_m, start, drop_threshold, BLOCK_N, False)
             dp = tl.where(keep, dp * drop_scale, 0.0)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP > 0:  # d(softcap * tanh(x / softcap)) / dx
+            ds = ds * (1.0 - t * t)
         if UPCAST:
             dq = tl.dot(ds, tl.trans(kT), dq)
         else:
@@ -338,6 +368,8 @@ def attn_bwd_dq_kernel(
     DROPOUT: tl.constexpr,
     UPCAST: tl.constexpr,
     DENSE: tl.constexpr,
+    WINDOW: tl.constexpr = 0,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     # One program owns query block `tile` of one head and loops over KV blocks in ascending order.
     tile, seq, head = program_tile(n_tiles, n_heads, True)
@@ -376,17 +408,27 @@ def attn_bwd_dq_kernel(
         end = tl.minimum(k_len, start_m + BLOCK_M + diag)
     seq_id = seq + seq_offset
     head_id = head + head_offset
+    first = 0
+    if WINDOW > 0:  # as the forward: the window's masked left edge first; earlier blocks skipped
+        lo_w = (tl.maximum(start_m + diag - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N
+        first = tl.cdiv(tl.maximum(start_m + BLOCK_M + diag - WINDOW, 0), BLOCK_N) * BLOCK_N
+        first = tl.minimum(first, full_end)
+        dq = _dq_inner(
+            dq, q, do, lse2, delta, k_base, v_base, stride_kt, offs_m, offs_d, lo_w, first, k_len, diag,
+            qk_scale, seed_lo, seed_hi, seq_id, head_id, drop_threshold, drop_scale, BLOCK_N, True, CAUSAL,
+            DROPOUT, UPCAST, DTYPE, WINDOW, SOFTCAP,
+        )  # fmt: skip
     # the key blocks every row of this tile sees entirely (unmasked), then the rest (diagonal,
     # ragged tail; masked): one call, unrolled into two loops that differ in the range and MASKED
     for part in tl.static_range(2):
         if part == 0:
-            lo, hi = 0, full_end
+            lo, hi = first, full_end
         else:
             lo, hi = full_end, end
         dq = _dq_inner(
             dq, q, do, lse2, delta, k_base, v_base, stride_kt, offs_m, offs_d, lo, hi, k_len, diag, qk_scale,
             seed_lo, seed_hi, seq_id, head_id, drop_threshold, drop_scale, BLOCK_N, part == 1, CAUSAL,
-            DROPOUT, UPCAST, DTYPE,
+            DROPOUT, UPCAST, DTYPE, WINDOW, SOFTCAP,
         )  # fmt: skip
     dq = dq * sm_scale
     tl.store(

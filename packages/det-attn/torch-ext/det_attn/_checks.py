@@ -308,3 +308,40 @@ def check_causal(causal, op: str) -> None:
         raise TypeError(
             f"{op}: causal must be a bool, got {type(causal).__name__} {causal!r}; pass True or False"
         )
+
+
+def check_window_softcap(window, softcap, causal: bool, op: str) -> tuple[int, float]:
+    """``window`` and ``softcap`` as the kernels take them: ``(window, softcap)`` with 0 and 0.0 for
+    none. ``window``: None or an integer >= 1 (int or numpy integer; not a bool or float), causal
+    attention only; one above ``MAX_SEQLEN`` masks nothing that ``MAX_SEQLEN`` does not (no key is
+    that far back), so it is taken as ``MAX_SEQLEN``. ``softcap``: None or a finite positive real
+    number (not a bool, str or tensor)."""
+    if window is not None:
+        window = runtime.as_index(window, "window", op, "; pass the number of keys a query sees, e.g. 4096")
+        if window < 1:
+            raise ValueError(
+                f"{op}: window must be >= 1 (query i sees keys i - window < j <= i), got {window}; "
+                "pass None for no window"
+            )
+        if not causal:
+            raise ValueError(
+                f"{op}: window needs causal=True (a sliding window over the past keys; a window over "
+                "future keys is not implemented)"
+            )
+        window = min(window, MAX_SEQLEN)
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+            raise TypeError(
+                f"{op}: softcap must be a real number or None, got {type(softcap).__name__} {softcap!r}; "
+                "pass a Python float such as 50.0"
+            )
+        try:
+            cap = float(softcap)
+        except OverflowError:
+            cap = math.inf
+        if not math.isfinite(cap) or cap <= 0.0:
+            raise ValueError(
+                f"{op}: softcap must be a finite positive number (None: no soft-capping), got {softcap}"
+            )
+        softcap = cap
+    return window or 0, softcap or 0.0

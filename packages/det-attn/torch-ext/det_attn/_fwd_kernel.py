@@ -18,18 +18,30 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._tiles import dropout_keep, kv_tile, program_tile, seq_span, to_out
+from ._tiles import LOG2E, dropout_keep, kv_tile, program_tile, seq_span, tanh, to_out
 
 
 @triton.jit
 def _softmax_step(
-    s, m_i, l_i, offs_m, offs_n, k_len, diag, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr
+    s,
+    m_i,
+    l_i,
+    offs_m,
+    offs_n,
+    k_len,
+    diag,
+    qk_scale,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     # One online-softmax step on raw scores `s` (the scale is folded into the exp2 argument).
     if MASKED:
         visible = offs_n[None, :] < k_len
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None] + diag)
+        if WINDOW > 0:
+            visible = visible & (offs_n[None, :] > offs_m[:, None] + diag - WINDOW)
         s = tl.where(visible, s, float("-inf"))  # exact: a visible score keeps its bits
     # Masked and unmasked blocks do the same arithmetic on a visible score (no contraction
     # left to the compiler): max(s) * scale == max(s * scale) (rounding is monotone, scale > 0),
@@ -37,8 +49,16 @@ def _softmax_step(
     # was masked for its tile, i.e. not on where the row sits in its tile. A masked score
     # gives fma(-inf, scale, -m) = -inf and exp2 = 0 (m is finite: every row sees key 0).
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    p = tl.math.exp2(tl.fma(s, qk_scale, -m_new[:, None]))
-    alpha = tl.math.exp2(m_i - m_new)
+    if WINDOW > 0 and MASKED:
+        # With a window a row may not have seen any key yet (its window starts past this block):
+        # m = -inf. Subtract 0 then, so that exp2 gives 0 and not NaN; a finite m is unchanged,
+        # so a row's bits still do not depend on whether a block was masked for its tile.
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(tl.fma(s, qk_scale, -m_sub[:, None]))
+        alpha = tl.math.exp2(m_i - m_sub)
+    else:
+        p = tl.math.exp2(tl.fma(s, qk_scale, -m_new[:, None]))
+        alpha = tl.math.exp2(m_i - m_new)
     l_i = tl.fma(l_i, alpha, tl.sum(p, 1))
     return p, m_new, l_i, alpha
 
@@ -59,6 +79,7 @@ def _fwd_inner(
     k_len,
     diag,
     qk_scale,
+    step_scale,
     seed_lo,
     seed_hi,
     seq,
@@ -75,6 +96,8 @@ def _fwd_inner(
     UPCAST: tl.constexpr,
     DTYPE: tl.constexpr,
     TMA: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     # Key blocks start_n, start_n + BLOCK_N, ... < end_n, ascending: S = Q K^T, softmax step, O += P V.
     offs_n0 = tl.arange(0, BLOCK_N)
@@ -88,8 +111,10 @@ def _fwd_inner(
         if UPCAST:
             kT = kT.to(tl.float32)
         s = tl.dot(q, kT)  # raw scores; the scale is folded into the exp2 argument
+        if SOFTCAP > 0:  # t = tanh(x / softcap) (qk_scale = scale / softcap), scaled in the exp2
+            s = tanh(s * qk_scale)
         p, m_i, l_i, alpha = _softmax_step(
-            s, m_i, l_i, offs_m, start + offs_n0, k_len, diag, qk_scale, MASKED, CAUSAL
+            s, m_i, l_i, offs_m, start + offs_n0, k_len, diag, step_scale, MASKED, CAUSAL, WINDOW
         )
         acc = acc * alpha[:, None]
         if DROPOUT:
@@ -144,6 +169,8 @@ def attn_fwd_kernel(
     UPCAST: tl.constexpr,
     DENSE: tl.constexpr,
     TMA: tl.constexpr = False,
+    WINDOW: tl.constexpr = 0,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     tile, seq, head = program_tile(n_tiles, n_heads, True)  # causal: later query tiles are heavier
     q_start, q_len = seq_span(cu_q_ptr, seq, seqlen_q, DENSE)
@@ -191,18 +218,36 @@ def attn_fwd_kernel(
         end = tl.minimum(k_len, start_m + BLOCK_M + diag)
     seq_id = seq + seq_offset
     head_id = head + head_offset
-    # the unmasked key blocks [0, full_end), then the masked ones [full_end, end): one call,
+    step_scale = qk_scale  # the base-2 scale of the (capped) scores in the softmax step
+    if SOFTCAP > 0:
+        step_scale = tl.full([], SOFTCAP * LOG2E, tl.float32)
+    first = 0
+    if WINDOW > 0:
+        # the key blocks from the first row's window start to the first block every row of the
+        # tile sees entirely (masked), ascending; the blocks before them are outside every
+        # row's window: skipped. `first` and what follows as without a window.
+        lo_w = (tl.maximum(start_m + diag - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N
+        first = tl.cdiv(tl.maximum(start_m + BLOCK_M + diag - WINDOW, 0), BLOCK_N) * BLOCK_N
+        first = tl.minimum(first, full_end)
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, k_src, v_src, stride_kt, offs_m, offs_d, lo_w, first, k_len, diag, qk_scale,
+            step_scale, seed_lo, seed_hi, seq, kv_col, seq_id, head_id, drop_threshold, drop_scale,
+            BLOCK_N, HEAD_DIM, True, CAUSAL, DROPOUT, UPCAST, DTYPE, TMA, WINDOW, SOFTCAP,
+        )  # fmt: skip
+    # the unmasked key blocks [first, full_end), then the masked ones [full_end, end): one call,
     # unrolled into two loops that differ only in the range and MASKED
     for part in tl.static_range(2):
         if part == 0:
-            lo, hi = 0, full_end
+            lo, hi = first, full_end
         else:
             lo, hi = full_end, end
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, k_src, v_src, stride_kt, offs_m, offs_d, lo, hi, k_len, diag, qk_scale,
-            seed_lo, seed_hi, seq, kv_col, seq_id, head_id, drop_threshold, drop_scale,
-            BLOCK_N, HEAD_DIM, part == 1, CAUSAL, DROPOUT, UPCAST, DTYPE, TMA,
+            step_scale, seed_lo, seed_hi, seq, kv_col, seq_id, head_id, drop_threshold, drop_scale,
+            BLOCK_N, HEAD_DIM, part == 1, CAUSAL, DROPOUT, UPCAST, DTYPE, TMA, WINDOW, SOFTCAP,
         )  # fmt: skip
+    if WINDOW > 0:  # rows past the sequence end may see no key: keep their (unstored) sums finite
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_i[:, None]
     lse2 = m_i + tl.math.log2(l_i)
     out = to_out(acc, DTYPE, UPCAST)

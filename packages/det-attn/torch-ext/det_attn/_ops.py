@@ -11,7 +11,9 @@ as ``_det_attn_cuda_<hash>``, so that several builds can live in one process):
 (``bool``, ``float?``, ``float``, ``SymInt``). ``out`` and the gradients come in the kernels'
 ``(tokens, H, D)`` layout (a padded batch's ``(B * T, H, D)``; ``attention`` views ``out`` back),
 ``lse2`` is the base-2 log-sum-exp ``(H_q, tokens)`` fp32. ``seed`` is the Philox seed as a signed
-64-bit word (``seed_word``; 0 without dropout).
+64-bit word (``seed_word``; 0 without dropout). Every operator ends with ``int? window=None, float?
+softcap=None`` (sliding window and logit soft-cap, as the public functions take them; after
+``validate`` in the varlen forward), so calls written before they existed keep their meaning.
 
 Each operator has a CPU and a CUDA kernel (the launches of ``_plans``; the launch plan is looked up
 from the arguments, never passed), a fake kernel (output shapes, strides and dtypes from the input
@@ -42,18 +44,24 @@ _OPTIONS = (
     "SymInt head_offset"
 )
 _CU = "Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k"
+# window and softcap are compile-time constants of the kernels: plain int / float (a traced value
+# is specialized), last and defaulted
+_MASKING = "int? window=None, float? softcap=None"
 SCHEMAS = {
-    "attention_forward": f"(Tensor q, Tensor k, Tensor v, {_OPTIONS}) -> (Tensor out, Tensor lse2)",
+    "attention_forward": (
+        f"(Tensor q, Tensor k, Tensor v, {_OPTIONS}, {_MASKING}) -> (Tensor out, Tensor lse2)"
+    ),
     "attention_backward": (
-        f"(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse2, {_OPTIONS}) "
+        f"(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse2, {_OPTIONS}, {_MASKING}) "
         "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)"
     ),
     "attention_varlen_forward": (
-        f"(Tensor q, Tensor k, Tensor v, {_CU}, {_OPTIONS}, bool validate) -> (Tensor out, Tensor lse2)"
+        f"(Tensor q, Tensor k, Tensor v, {_CU}, {_OPTIONS}, bool validate, {_MASKING}) "
+        "-> (Tensor out, Tensor lse2)"
     ),
     "attention_varlen_backward": (
-        f"(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse2, {_CU}, {_OPTIONS}) "
-        "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)"
+        f"(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse2, {_CU}, {_OPTIONS}, "
+        f"{_MASKING}) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)"
     ),
 }
 _PADDED_OP = "det_attn.attention"
@@ -84,38 +92,48 @@ def _dropout(plan, dropout_p, seed, sequence_offset, head_offset, heads, batch, 
 # --------------------------------------------------------------------------- padded batch
 
 
-def _padded_plan(q, k, v, causal, softmax_scale, dropout_p, seed, sequence_offset, head_offset):
+def _padded_plan(
+    q, k, v, causal, softmax_scale, dropout_p, seed, sequence_offset, head_offset, window, softcap
+):
     """The plan of a padded call; a signature's first call runs every check of ``attention`` (a
     cached plan is a signature that passed them)."""
-    key = _plans.padded_signature(q, k, v, causal, softmax_scale, dropout_p != 0.0)
+    key = _plans.padded_signature(q, k, v, causal, softmax_scale, dropout_p != 0.0, window, softcap)
     plan = _plans.cached(key)
     if plan is None:
         seed = seed % (1 << 64) if dropout_p > 0.0 else None
         scale = _checks.check_padded(
             q, k, v, causal, softmax_scale, dropout_p, seed, sequence_offset, head_offset, _PADDED_OP
         )[0]
-        plan = _plans.padded_plan(q, k, v, key, causal, scale, dropout_p != 0.0)
+        win, cap = _checks.check_window_softcap(window, softcap, causal, _PADDED_OP)
+        plan = _plans.padded_plan(q, k, v, key, causal, scale, dropout_p != 0.0, win, cap)
     return plan
 
 
-def _forward(q, k, v, causal, softmax_scale, dropout_p, seed, sequence_offset, head_offset):
-    plan = _padded_plan(q, k, v, causal, softmax_scale, dropout_p, seed, sequence_offset, head_offset)
+def _forward(
+    q, k, v, causal, softmax_scale, dropout_p, seed, sequence_offset, head_offset, window=None, softcap=None
+):
+    plan = _padded_plan(
+        q, k, v, causal, softmax_scale, dropout_p, seed, sequence_offset, head_offset, window, softcap
+    )
     drop = _dropout(plan, dropout_p, seed, sequence_offset, head_offset, q.shape[2], q.shape[0], _PADDED_OP)
     q, k, v = _plans.kernel_inputs(q, k, v, plan.dense)
     return _plans.launch_forward(plan, q, k, v, None, None, drop)
 
 
 def _backward(
-    grad_out, q, k, v, out, lse2, causal, softmax_scale, dropout_p, seed, sequence_offset, head_offset
-):
-    plan = _padded_plan(q, k, v, causal, softmax_scale, dropout_p, seed, sequence_offset, head_offset)
+    grad_out, q, k, v, out, lse2, causal, softmax_scale, dropout_p, seed, sequence_offset, head_offset,
+    window=None, softcap=None,
+):  # fmt: skip
+    plan = _padded_plan(
+        q, k, v, causal, softmax_scale, dropout_p, seed, sequence_offset, head_offset, window, softcap
+    )
     drop = _dropout(plan, dropout_p, seed, sequence_offset, head_offset, q.shape[2], q.shape[0], _PADDED_OP)
     q, k, v = _plans.kernel_inputs(q, k, v, plan.dense)
     out, lse2 = _saved_outputs(plan, grad_out, q, out, lse2, _PADDED_OP)
     return _plans.launch_backward(plan, grad_out, q, k, v, out, lse2, None, None, drop)
 
 
-def _forward_fake(q, k, v, causal, softmax_scale, dropout_p, seed, sequence_offset, head_offset):
+def _forward_fake(q, k, v, *options):
     batch, t_q, heads = q.shape[:3]
     q, k, v = _plans.kernel_inputs(q, k, v, (batch, t_q, k.shape[1]))
     return torch.empty_like(q), q.new_empty((heads, batch * t_q), dtype=torch.float32)
@@ -151,12 +169,13 @@ def _saved_outputs(plan, grad_out, q, out, lse2, op):
 
 
 def _packed_plan(
-    q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, dropout_p, seed, seq_off, head_off
-):
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, dropout_p, seed, seq_off, head_off, window,
+    softcap,
+):  # fmt: skip
     """The plan of a packed call; a signature's first call runs the checks of ``attention_varlen``
     that read no ``cu_seqlens`` values (those run where ``validate`` is set, or in the caller)."""
     key = _plans.packed_signature(
-        q, k, v, cu_q.shape[0], max_q, max_k, causal, softmax_scale, dropout_p != 0.0
+        q, k, v, cu_q.shape[0], max_q, max_k, causal, softmax_scale, dropout_p != 0.0, window, softcap
     )
     plan = _plans.cached(key)
     if plan is None:
@@ -177,29 +196,21 @@ def _packed_plan(
             head_off,
             _PACKED_OP,
         )[:4]
-        plan = _plans.packed_plan(q, k, v, key, batch, max_q, max_k, causal, scale, dropout_p != 0.0)
+        win, cap = _checks.check_window_softcap(window, softcap, causal, _PACKED_OP)
+        plan = _plans.packed_plan(
+            q, k, v, key, batch, max_q, max_k, causal, scale, dropout_p != 0.0, win, cap
+        )
     return plan
 
 
 def _varlen_forward(
     q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, dropout_p, seed, sequence_offset, head_offset,
-    validate,
+    validate, window=None, softcap=None,
 ):  # fmt: skip
     plan = _packed_plan(
-        q,
-        k,
-        v,
-        cu_q,
-        cu_k,
-        max_q,
-        max_k,
-        causal,
-        softmax_scale,
-        dropout_p,
-        seed,
-        sequence_offset,
-        head_offset,
-    )
+        q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, dropout_p, seed, sequence_offset,
+        head_offset, window, softcap,
+    )  # fmt: skip
     if validate:  # under torch.compile: the checks that read cu_seqlens run here, at run time
         _checks.check_packed_values(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k, causal, _PACKED_OP)
     drop = _dropout(
@@ -212,23 +223,12 @@ def _varlen_forward(
 
 def _varlen_backward(
     grad_out, q, k, v, out, lse2, cu_q, cu_k, max_q, max_k, causal, softmax_scale, dropout_p, seed,
-    sequence_offset, head_offset,
+    sequence_offset, head_offset, window=None, softcap=None,
 ):  # fmt: skip
     plan = _packed_plan(
-        q,
-        k,
-        v,
-        cu_q,
-        cu_k,
-        max_q,
-        max_k,
-        causal,
-        softmax_scale,
-        dropout_p,
-        seed,
-        sequence_offset,
-        head_offset,
-    )
+        q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, dropout_p, seed, sequence_offset,
+        head_offset, window, softcap,
+    )  # fmt: skip
     drop = _dropout(
         plan, dropout_p, seed, sequence_offset, head_offset, q.shape[1], cu_q.shape[0] - 1, _PACKED_OP
     )
@@ -251,10 +251,13 @@ def _varlen_backward_fake(grad_out, q, k, v, out, lse2, *options):
 # --------------------------------------------------------------------------- autograd
 
 
+_VALIDATE = 8  # index of ``validate`` in the varlen forward's options (after max_seqlen_q / _k)
+
+
 class _AttentionFunction(torch.autograd.Function):
     """The autograd formula of both forward operators: the forward operator below autograd, then the
     backward operator. ``cu_q``, ``cu_k``: None for a padded batch; ``options``: the forward
-    operator's arguments after the tensors (the varlen ``validate`` last)."""
+    operator's arguments after the tensors (the varlen ``validate`` after ``head_offset``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, options):
@@ -267,7 +270,7 @@ class _AttentionFunction(torch.autograd.Function):
                 out, lse2 = (_varlen_forward if direct else attention_varlen_forward)(
                     q, k, v, cu_q, cu_k, *options
                 )
-                options = options[:-1]  # validated once, in the forward
+                options = (*options[:_VALIDATE], *options[_VALIDATE + 1 :])  # validated once, in the forward
         ctx.save_for_backward(q, k, v, out, lse2, cu_q, cu_k)
         ctx.options = options
         ctx.mark_non_differentiable(lse2)

@@ -28,8 +28,9 @@ PLANS = PlanCache()
 NO_DROPOUT = (0, 0, 0, 0, 0, 1.0)
 
 _TENSOR = torch.Tensor
-_PLAIN_SCALES = (type(None), float, int)  # softmax_scale kinds a key may hold as given
+_PLAIN_SCALES = (type(None), float, int)  # softmax_scale (and softcap) kinds a key may hold as given
 _PLAIN_REALS = (float, int)
+_PLAIN_WINDOWS = (type(None), int)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ class Plan:
     scale: float  # softmax_scale as checked
     causal: bool
     dropout: bool
+    window: int  # sliding window (0: none), as checked
+    softcap: float  # logit soft-cap (0.0: none), as checked
     on_cpu: bool  # CPU tensors: valid while the interpreter is on
     lse_shape: tuple  # (heads, total_q)
     fwd: FwdLaunch  # descriptors where fwd_tma, else pointer loads
@@ -90,10 +93,11 @@ def _signature(q, k, v, *rest) -> tuple:
     )  # fmt: skip
 
 
-def _plain(q, k, v, causal, softmax_scale, dropout_p) -> bool:
+def _plain(q, k, v, causal, softmax_scale, dropout_p, window=None, softcap=None) -> bool:
     """Arguments of the kinds a training loop passes (plain tensors, a bool ``causal``, a None,
-    float or int ``softmax_scale`` and a float or int ``dropout_p``): a key may hold them as given.
-    Other kinds (a tensor subclass, a numpy scalar, ...) are checked on every call."""
+    float or int ``softmax_scale`` and ``softcap``, a float or int ``dropout_p``, a None or int
+    ``window``): a key may hold them as given. Other kinds (a tensor subclass, a numpy scalar, ...)
+    are checked on every call."""
     return (
         type(q) is _TENSOR
         and type(k) is _TENSOR
@@ -101,45 +105,57 @@ def _plain(q, k, v, causal, softmax_scale, dropout_p) -> bool:
         and type(causal) is bool
         and type(softmax_scale) in _PLAIN_SCALES
         and type(dropout_p) in _PLAIN_REALS
+        and type(window) in _PLAIN_WINDOWS
+        and type(softcap) in _PLAIN_SCALES
     )
 
 
-def padded_key(q, k, v, causal, softmax_scale, dropout_p) -> tuple | None:
+def padded_key(q, k, v, causal, softmax_scale, dropout_p, window=None, softcap=None) -> tuple | None:
     """The cache key of an ``attention`` call from its arguments as given (before any check), or
     None for other argument kinds (see ``_plain``). The operator finds the same key from its own
-    arguments (``padded_signature``): the public function passes a plain ``softmax_scale`` on as
-    given (None included)."""
-    if not _plain(q, k, v, causal, softmax_scale, dropout_p):
+    arguments (``padded_signature``): the public function passes a plain ``softmax_scale``,
+    ``window`` and ``softcap`` on as given (None included)."""
+    if not _plain(q, k, v, causal, softmax_scale, dropout_p, window, softcap):
         return None
-    return _signature(q, k, v, causal, softmax_scale, dropout_p != 0)
+    return _signature(q, k, v, causal, softmax_scale, dropout_p != 0, window, softcap)
 
 
-def padded_signature(q, k, v, causal: bool, softmax_scale: float | None, dropout: bool) -> tuple:
+def padded_signature(
+    q, k, v, causal: bool, softmax_scale: float | None, dropout: bool, window=None, softcap=None
+) -> tuple:
     """The cache key of an ``attention_forward`` / ``attention_backward`` operator call (``_ops``)."""
-    return _signature(q, k, v, causal, softmax_scale, dropout)
+    return _signature(q, k, v, causal, softmax_scale, dropout, window, softcap)
 
 
-def packed_key(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, softmax_scale, dropout_p):
+def packed_key(
+    q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, softmax_scale, dropout_p, window=None,
+    softcap=None,
+):  # fmt: skip
     """The cache key of an ``attention_varlen`` call from its arguments as given, or None for other
     argument kinds (also: cu_seqlens_q not a plain tensor, a max_seqlen not an int); the same key
     as ``packed_signature`` of the operator call it makes."""
     if not (
-        _plain(q, k, v, causal, softmax_scale, dropout_p)
+        _plain(q, k, v, causal, softmax_scale, dropout_p, window, softcap)
         and type(cu_seqlens_q) is _TENSOR
         and type(max_seqlen_q) is int
         and type(max_seqlen_k) is int
     ):
         return None
     n_cu = cu_seqlens_q.shape[0] if cu_seqlens_q.dim() == 1 else None
-    return _signature(q, k, v, n_cu, max_seqlen_q, max_seqlen_k, causal, softmax_scale, dropout_p != 0)
+    return _signature(
+        q, k, v, n_cu, max_seqlen_q, max_seqlen_k, causal, softmax_scale, dropout_p != 0, window, softcap
+    )
 
 
 def packed_signature(
-    q, k, v, n_cu: int, max_seqlen_q: int, max_seqlen_k: int, causal, softmax_scale, dropout
-):
+    q, k, v, n_cu: int, max_seqlen_q: int, max_seqlen_k: int, causal, softmax_scale, dropout, window=None,
+    softcap=None,
+):  # fmt: skip
     """The cache key of an ``attention_varlen_forward`` / ``_backward`` operator call (``_ops``;
     ``n_cu``: the number of ``cu_seqlens`` entries)."""
-    return _signature(q, k, v, n_cu, max_seqlen_q, max_seqlen_k, causal, softmax_scale, dropout)
+    return _signature(
+        q, k, v, n_cu, max_seqlen_q, max_seqlen_k, causal, softmax_scale, dropout, window, softcap
+    )
 
 
 def cached(key) -> Plan | None:
@@ -154,34 +170,45 @@ def cached(key) -> Plan | None:
     return plan
 
 
-def padded_plan(q, k, v, key, causal: bool, scale: float, dropout: bool) -> Plan:
+def padded_plan(
+    q, k, v, key, causal: bool, scale: float, dropout: bool, window: int = 0, softcap: float = 0.0
+) -> Plan:
     """The plan of an ``attention`` call whose arguments passed every check: q, k, v as given
-    (``(B, T, H, D)``); cached under ``key`` (``padded_key``; None: the key of the checked values)."""
+    (``(B, T, H, D)``); cached under ``key`` (``padded_key``; None: the key of the checked values).
+    ``window`` and ``softcap`` as checked (0: none)."""
     if key is None:
-        key = _signature(q, k, v, causal, scale, dropout)
+        key = _signature(q, k, v, causal, scale, dropout, window or None, softcap or None)
     plan = cached(key)
     if plan is None:
         batch, t_q = q.shape[:2]
         t_k = k.shape[1]
         dense = (batch, t_q, t_k)
         qm, km, _ = kernel_inputs(*(_meta(t) for t in (q, k, v)), dense)
-        plan = PLANS.put(key, build(qm, km, dense, batch, t_q, t_k, scale, causal, dropout, _on_cpu(q)))
+        plan = PLANS.put(
+            key, build(qm, km, dense, batch, t_q, t_k, scale, causal, dropout, _on_cpu(q), window, softcap)
+        )
     return plan
 
 
 def packed_plan(
-    q, k, v, key, batch: int, max_seqlen_q: int, max_seqlen_k: int, causal, scale, dropout
-) -> Plan:
+    q, k, v, key, batch: int, max_seqlen_q: int, max_seqlen_k: int, causal, scale, dropout, window=0,
+    softcap=0.0,
+) -> Plan:  # fmt: skip
     """The plan of an ``attention_varlen`` call whose arguments passed every check (``batch``
-    sequences; the max_seqlen as checked); cached under ``key`` (``packed_key``; None: the key of
-    the checked values)."""
+    sequences; the max_seqlen, window and softcap as checked); cached under ``key``
+    (``packed_key``; None: the key of the checked values)."""
     if key is None:
-        key = _signature(q, k, v, batch + 1, max_seqlen_q, max_seqlen_k, causal, scale, dropout)
+        key = _signature(
+            q, k, v, batch + 1, max_seqlen_q, max_seqlen_k, causal, scale, dropout, window or None,
+            softcap or None,
+        )  # fmt: skip
     plan = cached(key)
     if plan is None:
         qm, km, _ = kernel_inputs(*(_meta(t) for t in (q, k, v)), None)
         max_q, max_k = max(max_seqlen_q, 1), max(max_seqlen_k, 1)
-        plan = PLANS.put(key, build(qm, km, None, batch, max_q, max_k, scale, causal, dropout, _on_cpu(q)))
+        plan = PLANS.put(
+            key, build(qm, km, None, batch, max_q, max_k, scale, causal, dropout, _on_cpu(q), window, softcap)
+        )
     return plan
 
 
@@ -230,10 +257,15 @@ def _grid(n_tiles: int, heads: int, batch: int) -> tuple[int, int]:
     return (n_tiles * heads, batch)
 
 
-def build(q, k, dense, batch, max_q, max_k, scale, causal, dropout, on_cpu=False) -> Plan:
+def build(
+    q, k, dense, batch, max_q, max_k, scale, causal, dropout, on_cpu=False, window=0, softcap=0.0
+) -> Plan:
     """The plan of kernel inputs q, k (``kernel_inputs``; meta tensors will do: only shapes and
     strides are read) under the table's current row; ``dense``: ``(B, T_q, T_k)`` of a padded
-    batch, or None (packed: ``batch`` sequences of at most ``max_q`` / ``max_k`` tokens)."""
+    batch, or None (packed: ``batch`` sequences of at most ``max_q`` / ``max_k`` tokens).
+    ``window`` (0: none) and ``softcap`` (0.0: none) become the kernels' ``WINDOW`` and ``SOFTCAP``
+    constexprs, passed only when set: without them the launches are today's, argument for
+    argument."""
     interp = _configs.INTERPRET
     head_dim = q.shape[2]
     cfg = _configs.config(head_dim)
@@ -241,12 +273,17 @@ def build(q, k, dense, batch, max_q, max_k, scale, causal, dropout, on_cpu=False
     kv_heads = k.shape[1]
     group = heads // kv_heads
     seqlen_q, seqlen_k = (dense[1], dense[2]) if dense is not None else (0, 0)
-    qk_scale = scale * math.log2(math.e)
+    # with a soft-cap the kernels take the tanh argument's scale (see _tiles)
+    qk_scale = scale / softcap if softcap else scale * math.log2(math.e)
     o_strides = torch.empty_like(q, device="meta").stride()  # o, dq = empty_like(q)
     lse_stride = total_q  # lse2, delta: (heads, total_q) contiguous
     do_strides = (heads * head_dim, head_dim)  # dO is made contiguous
     dk_strides = torch.empty_like(k, device="meta").stride()
     common = dict(HEAD_DIM=head_dim, CAUSAL=causal, DROPOUT=dropout, UPCAST=interp, DENSE=dense is not None)
+    if window:
+        common["WINDOW"] = window
+    if softcap:
+        common["SOFTCAP"] = softcap
     n_kv = runtime.cdiv(max_k, cfg.dkdv_block_n)
     n_dq = runtime.cdiv(max_q, cfg.dq_block_m)
     pre_block = 32  # fixed: each row is summed alike wherever it sits in a tile (packing-safe)
@@ -315,6 +352,8 @@ def build(q, k, dense, batch, max_q, max_k, scale, causal, dropout, on_cpu=False
         scale=scale,
         causal=causal,
         dropout=dropout,
+        window=window,
+        softcap=softcap,
         on_cpu=on_cpu,
         lse_shape=(heads, total_q),
         fwd=fwd,

@@ -9,15 +9,26 @@ bits never depend on its batch or packing neighbours.
 
 Softmax bookkeeping is in base 2: ``qk2 = (q . k) * scale * log2(e)``; the saved ``lse2`` is
 ``log2(sum_j 2**qk2_j)`` per row, so the natural LSE is ``lse2 * ln(2)``.
+
+Two constexpr switches of every kernel (off: 0, today's code): ``WINDOW`` (sliding window, causal
+only: query ``i`` sees key ``j`` iff ``i + diag - WINDOW < j <= i + diag``; key blocks wholly
+outside every row's window are skipped, not masked) and ``SOFTCAP`` (logit soft-capping: the
+score ``x = (q . k) * scale`` becomes ``SOFTCAP * tanh(x / SOFTCAP)``; the kernels then get
+``qk_scale = scale / SOFTCAP``, the argument of the tanh, and use ``SOFTCAP * log2(e)`` as the
+base-2 scale of ``t = tanh(...)``: ``qk2 = t * SOFTCAP * log2(e)``, and the backward multiplies
+``dS`` by ``1 - t**2``).
 """
 
 from __future__ import annotations
+
+import math
 
 import triton
 import triton.language as tl
 from det_core import rng
 
 DROPOUT_STREAM: tl.constexpr = tl.constexpr(rng.STREAM_ATTN_DROPOUT)  # the Philox stream word
+LOG2E: tl.constexpr = tl.constexpr(math.log2(math.e))
 
 
 @triton.jit
@@ -128,3 +139,17 @@ def to_out(x, OUT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
             b = b + 0x7FFF + ((b >> 16) & 1)
             y = (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     return y
+
+
+@triton.jit
+def tanh(x):
+    # tanh of fp32 `x` from exp2 (the interpreter has no libdevice), elementwise, so a score's
+    # bits never depend on its neighbours. |x| >= 1/8: (1 - e) / (1 + e) with e = exp(-2|x|), the
+    # sign restored; below, where 1 - e would cancel, the odd Taylor polynomial to x^7 (the next
+    # term is under 2e-9 of x there). Error: a few fp32 ULP.
+    ax = tl.abs(x)
+    e = tl.math.exp2(ax * -2.8853900817779268)  # -2 * log2(e)
+    big = (1.0 - e) / (1.0 + e)
+    x2 = x * x
+    small = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * -0.05396825396825397)))
+    return tl.where(ax < 0.125, small, tl.where(x < 0.0, -big, big))

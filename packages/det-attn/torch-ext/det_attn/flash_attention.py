@@ -32,11 +32,14 @@ def attention(
     return_lse: bool = False,
     sequence_offset: int = 0,
     head_offset: int = 0,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     r"""Deterministic scaled dot-product attention over a padded batch, with autograd.
 
-    Computes ``softmax(q k^T * softmax_scale [+ causal mask]) v`` per sequence and head, with
-    optional dropout on the attention probabilities. The backward pass gives dq, dk, dv.
+    Computes ``softmax(cap(q k^T * softmax_scale) [+ causal / sliding-window mask]) v`` per
+    sequence and head (``cap``: the optional logit soft-cap), with optional dropout on the
+    attention probabilities. The backward pass gives dq, dk, dv.
 
     **Layout: (B, T, H, D)** (flash-attn's, sequence before heads), not torch SDPA's
     ``(B, H, T, D)``. For SDPA-layout tensors pass ``q.transpose(1, 2)`` (likewise k and v; views,
@@ -67,20 +70,35 @@ def attention(
             integer (int or numpy integer; a float is rejected, never truncated).
         head_offset: global index of the first query head in the dropout key (tensor
             parallelism); an integer, as ``sequence_offset``.
+        window: sliding window (Mistral, Gemma 2/3 local layers, Qwen2/3 ``use_sliding_window``),
+            causal only: query ``i`` sees key ``j`` iff ``i + T_k - T_q - window < j <= i + T_k -
+            T_q``, i.e. the ``window`` most recent keys, itself included. This is transformers'
+            ``sliding_window=window`` (``masking_utils.sliding_window_overlay``: ``kv_idx > q_idx -
+            sliding_window``) and flash-attn's ``window_size=(window - 1, 0)``. An integer >= 1
+            (int or numpy integer), None for no window; key blocks outside every query's window
+            are skipped, so the cost scales with the window. Each window size compiles its own
+            kernels (a constexpr).
+        softcap: logit soft-capping (Gemma 2): the scaled score ``x = q k^T * softmax_scale``
+            becomes ``softcap * tanh(x / softcap)`` before the mask and the softmax, in the order
+            of transformers' Gemma 2 ``eager_attention_forward`` (and flash-attn's ``softcap``); the
+            backward includes its derivative. A finite positive real number, None for none. Each
+            value compiles its own kernels (a constexpr).
 
     Returns:
-        ``o`` of shape ``(B, T_q, H_q, D)`` in q's dtype; with ``return_lse``, ``(o, lse)``.
+        ``o`` of shape ``(B, T_q, H_q, D)`` in q's dtype; with ``return_lse``, ``(o, lse)`` (the
+        LSE of the capped, masked scores).
 
     Raises:
         TypeError: a non-tensor input, dtype other than bf16/fp16, or mixed dtypes; ``causal``
             not a bool; ``softmax_scale`` or ``dropout_p`` not a real number (a bool, str or
-            tensor); ``seed``, ``sequence_offset`` or ``head_offset`` not an integer (a bool,
-            float or str).
+            tensor); ``seed``, ``sequence_offset``, ``head_offset`` or ``window`` not an integer (a
+            bool, float or str); ``softcap`` not a real number.
         ValueError: wrong ranks or shapes, head dim not 64 or 128, ``T = 0``, ``T > MAX_SEQLEN``
             (``2**22``), ``H_q`` not a multiple of ``H_kv``, causal with ``T_k < T_q``, a
             ``softmax_scale`` that is not finite and positive,
             ``dropout_p`` outside ``[0, 1)``, a seed outside ``[0, 2**64)`` or missing with
-            dropout, offsets out of range, tensors on different devices.
+            dropout, offsets out of range, tensors on different devices, a ``window`` below 1 or
+            without ``causal``, a ``softcap`` that is not finite and positive.
         RuntimeError: CPU tensors without the Triton interpreter.
 
     **Determinism:** bitwise identical run to run (O, LSE, dq, dk, dv; no atomics: each gradient
@@ -97,7 +115,11 @@ def attention(
     GPU models, Triton versions, or between the GPU and the CPU interpreter (other block sizes).
     Under ``torch.compile`` (``fullgraph=True`` traces it) the same bits as eager: the call is the
     ``det_attn::attention_forward`` / ``attention_backward`` operators, which Inductor calls as
-    extern kernels; the argument checks run at trace time (errors as eager's).
+    extern kernels; the argument checks run at trace time (errors as eager's). ``window`` and
+    ``softcap`` keep all of this: the key blocks a query tile visits are fixed by its position in
+    its sequence (ascending, the ones outside the window skipped), every dK/dV and dQ tile is
+    summed over them in that one order, and without them the kernels are the causal path's own
+    code (constexpr switches; their PTX is unchanged, ``benchmarks/aot_compile_check.py``).
 
     Method: FlashAttention-2 (Dao, 2023, arXiv:2307.08691) after the Triton fused-attention
     tutorial, with atomics-free backward (separate dK/dV and dQ kernels).
@@ -107,15 +129,16 @@ def attention(
     # operator gets softmax_scale as given (its plan key is the same); otherwise every check runs,
     # in order: under torch.compile at trace time, on shapes, dtypes and devices alone
     compiling = torch.compiler.is_compiling()
-    key = None if compiling else _plans.padded_key(q, k, v, causal, softmax_scale, dropout_p)
+    key = None if compiling else _plans.padded_key(q, k, v, causal, softmax_scale, dropout_p, window, softcap)
     if key is None or _plans.cached(key) is None:
         scale, dropout_p, seed, sequence_offset, head_offset = _checks.check_padded(
             q, k, v, causal, softmax_scale, dropout_p, seed, sequence_offset, head_offset, op
         )
+        win, cap = _checks.check_window_softcap(window, softcap, causal, op)
         if key is None:
-            softmax_scale = scale
+            softmax_scale, window, softcap = scale, win or None, cap or None
         if not compiling:  # the plan the operator will look up: checks passed
-            _plans.padded_plan(q, k, v, key, causal, scale, dropout_p > 0.0)
+            _plans.padded_plan(q, k, v, key, causal, scale, dropout_p > 0.0, win, cap)
     else:
         dropout_p, seed, sequence_offset, head_offset = _checks.check_dropout(
             dropout_p, seed, sequence_offset, head_offset, q.shape[2], q.shape[0], op
@@ -123,8 +146,9 @@ def attention(
     # the operator; eager calls its Autograd kernel directly (the same path, one dispatch less)
     forward = _ops.attention_forward if compiling else _ops.padded_autograd
     o, lse2 = forward(
-        q, k, v, causal, softmax_scale, dropout_p, _ops.seed_word(seed), sequence_offset, head_offset
-    )
+        q, k, v, causal, softmax_scale, dropout_p, _ops.seed_word(seed), sequence_offset, head_offset,
+        window, softcap,
+    )  # fmt: skip
     batch, t_q, heads, head_dim = q.shape
     o = o.view(batch, t_q, heads, head_dim)
     if not return_lse:
@@ -148,6 +172,8 @@ def attention_varlen(
     return_lse: bool = False,
     sequence_offset: int = 0,
     head_offset: int = 0,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     r"""Deterministic attention over packed variable-length sequences, with autograd.
 
@@ -163,9 +189,10 @@ def attention_varlen(
         max_seqlen_q: an integer (int, numpy integer; not bool or float) >= the longest query
             sequence (sets the launch grid).
         max_seqlen_k: an integer >= the longest key sequence.
-        causal, softmax_scale, dropout_p, seed, sequence_offset, head_offset: as in ``attention``;
-            the dropout key's sequence index is ``sequence_offset + b`` and query/key positions
-            count from the start of the sequence.
+        causal, softmax_scale, dropout_p, seed, sequence_offset, head_offset, window, softcap: as in
+            ``attention``; the dropout key's sequence index is ``sequence_offset + b``, query/key
+            positions count from the start of the sequence (the window too: it never crosses
+            into a neighbouring sequence).
         return_lse: also return the natural LSE as ``(H_q, total_q)`` fp32.
 
     Returns:
@@ -195,7 +222,7 @@ def attention_varlen(
     # operator checks the values (validate) when it runs.
     compiling = torch.compiler.is_compiling()
     key = None if compiling else _plans.packed_key(
-        q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, softmax_scale, dropout_p
+        q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, softmax_scale, dropout_p, window, softcap
     )  # fmt: skip
     plan = None if key is None else _plans.cached(key)
     if plan is None:
@@ -206,13 +233,17 @@ def attention_varlen(
         softmax_scale, dropout_p, seed, sequence_offset, head_offset, op,
     )  # fmt: skip
     batch, max_seqlen_q, max_seqlen_k, scale, dropout_p, seed, sequence_offset, head_offset = checked
+    win, cap = _checks.check_window_softcap(window, softcap, causal, op)
     if plan is None and not compiling:  # the plan the operator will look up: checks passed
-        _plans.packed_plan(q, k, v, key, batch, max_seqlen_q, max_seqlen_k, causal, scale, dropout_p > 0.0)
+        _plans.packed_plan(
+            q, k, v, key, batch, max_seqlen_q, max_seqlen_k, causal, scale, dropout_p > 0.0, win, cap
+        )
+    if key is None:  # the operator gets the checked values (see attention)
+        softmax_scale, window, softcap = scale, win or None, cap or None
     forward = _ops.attention_varlen_forward if compiling else _ops.packed_autograd  # see attention
     o, lse2 = forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-        softmax_scale if key is not None else scale, dropout_p, _ops.seed_word(seed), sequence_offset,
-        head_offset, compiling,
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, dropout_p,
+        _ops.seed_word(seed), sequence_offset, head_offset, compiling, window, softcap,
     )  # fmt: skip
     if not return_lse:
         return o

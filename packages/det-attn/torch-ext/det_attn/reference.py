@@ -1,4 +1,5 @@
-"""Plain-torch reference attention (fp32 or fp64): dense, causal, GQA, varlen, Philox dropout.
+"""Plain-torch reference attention (fp32 or fp64): dense, causal, sliding window, logit soft-cap,
+GQA, varlen, Philox dropout.
 
 Slow and simple on purpose: tests and benchmarks compare the kernels against it. The dropout
 mask is drawn with det-core's torch Philox reference under the same key as the kernels.
@@ -51,13 +52,18 @@ def attention_reference(
     seed: int | None = None,
     sequence_offset: int = 0,
     head_offset: int = 0,
+    window: int | None = None,
+    softcap: float | None = None,
     dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of ``det_attn.attention`` on ``(B, T, H, D)`` inputs, computed in ``dtype``.
 
     Returns ``(o, lse)``: ``o`` ``(B, T_q, H_q, D)`` in ``dtype`` and the natural LSE
     ``(B, H_q, T_q)``. Differentiable (autograd through plain torch ops). Causal masks are
-    bottom-right aligned like the kernels; dropout uses ``dropout_keep_mask`` (needs ``seed``).
+    bottom-right aligned like the kernels; ``window`` keeps key ``j`` for query ``i`` iff
+    ``i + T_k - T_q - window < j`` (with ``causal``: transformers' ``sliding_window``);
+    ``softcap`` maps the scaled scores ``x`` to ``softcap * tanh(x / softcap)`` before the mask
+    (transformers' Gemma 2 order); dropout uses ``dropout_keep_mask`` (needs ``seed``).
 
     **Determinism:** plain torch on CPU in fp64 is deterministic; on CUDA it follows torch's
     matmul (not guaranteed bitwise). It is an accuracy reference, not a bitwise one.
@@ -71,8 +77,14 @@ def attention_reference(
     kf = k.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)
     vf = v.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)
     scores = (qf @ kf.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    visible = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device)
     if causal:
-        visible = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril(t_k - t_q)
+        visible = visible.tril(t_k - t_q)
+    if window is not None:
+        visible = visible & ~torch.ones_like(visible).tril(t_k - t_q - window)
+    if causal or window is not None:
         scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     p = torch.exp(scores - lse[..., None])

@@ -37,7 +37,9 @@ def det_attn_transformers_forward(
         query: ``(B, H_q, T_q, D)``; key, value: ``(B, H_kv, T_k, D)`` (GQA handled natively).
         attention_mask: must be ``None`` (no padding); pack sequences instead (transformers'
             ``cu_seq_lens_q/k`` and ``max_length_q/k`` keyword arguments, with ``B == 1``).
-        scaling: softmax scale (default ``1 / sqrt(D)``).
+        scaling: softmax scale (default ``1 / sqrt(D)``); the module passes its own (Gemma's
+            ``query_pre_attn_scalar ** -0.5``), given to ``det_attn.attention`` as
+            ``softmax_scale``.
         dropout: attention-dropout probability (transformers' attention modules pass their
             attention-dropout probability in training mode, 0.0 in eval mode); above 0 it needs
             ``det_attn_seed``.
@@ -52,8 +54,12 @@ def det_attn_transformers_forward(
             mask, and a sequence's mask depends on its index in the micro-batch (not global: the
             masks are not micro-batch or data-parallel invariant; call ``det_attn.attention``
             with ``sequence_offset`` where that matters). Also read: ``is_causal``,
-            ``cu_seq_lens_q/k``, ``max_length_q/k``, ``sliding_window`` and ``softcap`` (must be
-            None).
+            ``cu_seq_lens_q/k``, ``max_length_q/k``, ``sliding_window`` (the layer's window, None
+            for a full-attention layer: passed as det_attn's ``window``, which means what
+            transformers' sliding-window mask means, key ``j`` visible to query ``i`` iff
+            ``i - sliding_window < j <= i``; causal layers only) and ``softcap`` (Gemma 2's
+            ``attn_logit_softcapping``: passed as det_attn's ``softcap``, applied after the scale,
+            in the order of transformers' eager attention).
 
     Returns:
         ``(attn_output (B, T_q, H_q, D), None)``: no attention weights.
@@ -62,7 +68,8 @@ def det_attn_transformers_forward(
         TypeError: ``dropout`` not a real number, ``det_attn_seed`` not an integer (a bool, float
             or str), or anything ``det_attn.attention`` rejects as a type.
         ValueError: a query, key or value that is not 4-D (transformers' ``(B, H, T, D)``), a
-            padding mask, sliding window or softcap (not supported), dropout outside
+            padding mask, a sliding window on a non-causal layer (a bidirectional window, as
+            Gemma 3's ``use_bidirectional_attention``: not implemented), dropout outside
             ``[0, 1)`` or without a seed, a seed outside ``[0, 2**64)``, or anything
             ``det_attn.attention`` rejects.
 
@@ -81,9 +88,6 @@ def det_attn_transformers_forward(
                 f"{op}: attention masks (padding) are not supported; pack the sequences instead "
                 "(position_ids / DataCollatorWithFlattening) or use attn_implementation='sdpa'"
             )
-    for name in ("sliding_window", "softcap"):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"{op}: {name} is not supported")
     dropout = as_dropout_p(dropout, "dropout", op)
     seed = kwargs.get("det_attn_seed")
     if seed is not None:
@@ -101,7 +105,21 @@ def det_attn_transformers_forward(
             )
     # transformers' (B, H, T, D) -> det_attn.attention's (B, T, H, D): views, no copy
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    common = dict(causal=causal, softmax_scale=scaling, dropout_p=dropout, seed=seed)
+    window = kwargs.get("sliding_window")
+    if window is not None and not causal:
+        raise ValueError(
+            f"{op}: a sliding window on a non-causal layer (bidirectional window, sliding_window={window}) "
+            "is not supported; use causal layers (e.g. Gemma 3 with use_bidirectional_attention=False) "
+            "or attn_implementation='sdpa'"
+        )
+    common = dict(
+        causal=causal,
+        softmax_scale=scaling,
+        dropout_p=dropout,
+        seed=seed,
+        window=window,
+        softcap=kwargs.get("softcap"),
+    )
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None and cu_k is not None:
         if q.shape[0] != 1:

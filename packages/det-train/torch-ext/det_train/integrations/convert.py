@@ -28,8 +28,10 @@ forms); ``register_conversion`` adds a class of one's own.
 Per-head norms are recognised as a norm child of a module with a ``head_dim`` whose weight has
 ``head_dim`` elements. Refused up front: a per-head norm whose head count cannot be found (no
 sibling projection) or that is not an RMSNorm; a transformers model on det_attn whose config asks
-for what det_attn lacks (sliding-window layers, as Gemma 3's by default; attention logit
-soft-capping), which det_attn would refuse at the first forward.
+for what det_attn lacks (a bidirectional sliding window, Gemma 3's ``use_bidirectional_attention``
+with sliding layers; chunked attention layers), which det_attn would refuse at the first forward.
+Sliding-window layers (Mistral, Gemma 2/3 local layers, Qwen2/3 with ``use_sliding_window``) and
+attention logit soft-capping (Gemma 2) are det_attn's ``window`` and ``softcap``: converted.
 """
 
 from __future__ import annotations
@@ -465,32 +467,28 @@ def _attention_problem(module: nn.Module, seen: set) -> str | None:
     )
 
 
-def _init_args(config) -> set[str]:
-    """The keyword arguments ``config``'s class takes (a remedy names only what the class knows)."""
-    try:
-        return set(inspect.signature(type(config).__init__).parameters)
-    except (TypeError, ValueError):
-        return set()
-
-
 def _det_attn_lacks(config) -> str | None:
-    """What a transformers ``config`` asks of attention that det_attn has not: sliding-window layers
-    (``layer_types`` with ``"sliding_attention"`` and a ``sliding_window``: Gemma 3's 5 local : 1
-    global layers by default, Qwen2/3 with ``use_sliding_window``) or attention logit soft-capping."""
-    layer_types = getattr(config, "layer_types", None) or ()
+    """What a transformers ``config`` asks of attention that det_attn has not: a sliding window
+    over future keys too (sliding layers with ``use_bidirectional_attention``, Gemma 3's encoder
+    use) or chunked attention layers (Llama 4's ``attention_chunk_size``). Causal sliding-window
+    layers (``layer_types`` with ``"sliding_attention"``, Mistral's ``sliding_window``) and
+    attention logit soft-capping (Gemma 2) are det_attn's ``window`` and ``softcap``."""
+    layer_types = tuple(getattr(config, "layer_types", None) or ())
     window = getattr(config, "sliding_window", None)
-    if "sliding_attention" in layer_types and window is not None:
+    sliding = window is not None and ("sliding_attention" in layer_types or not layer_types)
+    if sliding and getattr(config, "use_bidirectional_attention", False):
         return (
-            f"sliding-window attention (config.layer_types has 'sliding_attention' layers, sliding_window="
-            f"{window}) is not supported by det_attn: build the model with full attention in every layer "
-            "(layer_types=['full_attention'] * num_hidden_layers"
-            + (", or use_sliding_window=False)" if "use_sliding_window" in _init_args(config) else ")")
+            f"bidirectional sliding-window attention (config.use_bidirectional_attention=True with "
+            f"sliding_window={window}) is not supported by det_attn (its window covers past keys only): "
+            "build the model with use_bidirectional_attention=False, or with full attention in every layer "
+            "(layer_types=['full_attention'] * num_hidden_layers)"
         )
-    softcap = getattr(config, "attn_logit_softcapping", None)
-    if softcap is not None:
+    chunked = "chunked_attention" in layer_types or getattr(config, "attention_chunk_size", None)
+    if chunked:
         return (
-            f"attention logit soft-capping (config.attn_logit_softcapping={softcap}) is not supported by "
-            "det_attn: build the model with attn_logit_softcapping=None"
+            "chunked attention (config.layer_types has 'chunked_attention' layers or attention_chunk_size "
+            f"is set: {getattr(config, 'attention_chunk_size', None)}) is not supported by det_attn: build "
+            "the model with full attention in those layers (attention_chunk_size=None)"
         )
     return None
 

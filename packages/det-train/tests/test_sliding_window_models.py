@@ -1,0 +1,119 @@
+"""transformers families with sliding-window layers and attention logit soft-capping on det_attn: Mistral (a
+window in every layer), Gemma 2 (a local layer with soft-capping and Gemma's ``query_pre_attn_scalar``
+scale), Gemma 3 text (a local layer via ``layer_types``) and Qwen2 with ``use_sliding_window`` (layers
+from ``max_window_layers`` on), one layer each. Each converts with ``det_train.convert``; its logits match
+transformers' eager attention on the same weights (so the window, the soft-cap and the scale reach the
+kernels with transformers' meaning); one batch and three micro-batches cut inside leaves give bitwise the
+same gradient for every parameter. What det_attn still lacks (a bidirectional sliding window) is refused
+up front. Tiny models from config objects (no download), CPU through the Triton interpreter."""
+
+import det_train
+import pytest
+import torch
+from det_core.testing import assert_bitwise_equal
+from det_train.accum.grad_accum import CanonicalGradAccumulator
+
+transformers = pytest.importorskip("transformers")
+det_attn = pytest.importorskip("det_attn")
+
+SEQ, WINDOW = 6, 3  # sequences longer than the window: the window masks keys
+
+
+def _config(kind, attn, plain=False):
+    """The tiny config of ``kind``; ``plain``: the same without sliding window and soft-cap."""
+    common = dict(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=SEQ,
+        sliding_window=None if plain and kind == "mistral" else WINDOW,
+        attn_implementation=attn,
+    )
+    layers = ["full_attention" if plain else "sliding_attention"]  # one layer, its type from layer_types
+    if kind == "mistral":
+        return transformers.MistralConfig(**common)
+    if kind == "gemma2":  # scale query_pre_attn_scalar**-0.5 = 1/16, not head_dim**-0.5
+        cap = None if plain else 5.0
+        return transformers.Gemma2Config(layer_types=layers, attn_logit_softcapping=cap, **common)
+    if kind == "gemma3":
+        return transformers.Gemma3TextConfig(layer_types=layers, **common)
+    # Qwen2: layers from max_window_layers on slide
+    return transformers.Qwen2Config(use_sliding_window=not plain, max_window_layers=0, **common)
+
+
+_CLASSES = {
+    "mistral": "MistralForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+
+def _model(kind, attn="det_attn", plain=False):
+    """A bf16 model (seed 0: the same weights whatever ``attn`` and ``plain``) of ``kind`` on
+    ``attn``, not converted."""
+    det_attn.register_transformers_attention()
+    torch.manual_seed(0)
+    model = getattr(transformers, _CLASSES[kind])(_config(kind, attn, plain))
+    with torch.no_grad():  # larger q/k weights: scores of a few units, so the soft-cap bends them
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(8.0)
+    return model.to(torch.bfloat16)
+
+
+def _grads(model, ids, splits, leaf):
+    """Every parameter's gradient of the causal-LM loss over ``ids`` cut into ``splits`` ((first
+    sequence, sequences) micro-batches), through the accumulator."""
+    batch, seq = ids.shape
+    acc = CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=leaf)
+    for first, n in splits:
+        x = ids[first : first + n]
+        with acc.micro_batch(token_offset=first * seq):
+            model(input_ids=x, labels=x, num_items_in_batch=batch * (seq - 1)).loss.backward()
+    acc.reduce(total_tokens=batch * seq)
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gemma2", "gemma3", "qwen2"])
+def test_sliding_window_family_matches_eager_and_splits_bitwise(kind):
+    ids = torch.randint(0, 64, (3, SEQ), generator=torch.Generator().manual_seed(1))  # 18 tokens
+    model = _model(kind)
+    with torch.no_grad():
+        want = _model(kind, attn="eager")(input_ids=ids).logits.float()
+        got = model(input_ids=ids).logits.float()
+        full = _model(kind, attn="eager", plain=True)(input_ids=ids).logits.float()  # far from both
+    err, change = (got - want).abs().max().item(), (full - want).abs().max().item()
+    assert err < 0.1 * change, (
+        f"{kind}: det_attn vs eager {err:.3g}, window/soft-cap changes logits by {change:.3g}"
+    )
+
+    det_train.convert(model)
+    whole = _grads(model, ids, [(0, 3)], leaf=4)
+    split = _grads(model, ids, [(0, 1), (1, 1), (2, 1)], leaf=4)  # cuts at tokens 6 and 12: inside leaves
+    assert set(whole) == {name for name, _ in model.named_parameters()}
+    for name, grad in whole.items():
+        assert grad is not None and grad.abs().sum() > 0, name
+        assert_bitwise_equal(split[name], grad, f"{kind} {name}: 1 vs 3 micro-batches")
+
+
+def test_bidirectional_sliding_window_is_refused_up_front():
+    det_attn.register_transformers_attention()
+    config = _config("gemma3", "det_attn")
+    config.use_bidirectional_attention = True
+    model = transformers.Gemma3ForCausalLM(config)
+    with pytest.raises(det_train.ConversionError) as info:
+        det_train.convert(model)
+    ((name, cls, reason),) = info.value.problems
+    assert (name, cls) == ("", "Gemma3ForCausalLM")
+    assert reason.startswith(
+        "bidirectional sliding-window attention (config.use_bidirectional_attention=True"
+    )
+    assert "use_bidirectional_attention=False" in reason
+    assert type(model.model.layers[0].self_attn.q_norm) is not det_train.RMSNorm  # nothing changed
