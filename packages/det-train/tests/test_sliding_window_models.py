@@ -117,3 +117,19 @@ def test_bidirectional_sliding_window_is_refused_up_front():
     )
     assert "use_bidirectional_attention=False" in reason
     assert type(model.model.layers[0].self_attn.q_norm) is not det_train.RMSNorm  # nothing changed
+
+
+def test_head_dim_det_attn_has_no_kernels_for_is_refused_up_front():
+    """Gemma 2 / 3 configs default to head_dim 256: convert names the head dim and det_attn's
+    supported ones before touching a module, not the first forward."""
+    det_attn.register_transformers_attention()
+    config = _config("gemma2", "det_attn")
+    config.head_dim = 256
+    model = transformers.Gemma2ForCausalLM(config)
+    with pytest.raises(det_train.ConversionError) as info:
+        det_train.convert(model)
+    ((name, cls, reason),) = info.value.problems
+    assert (name, cls) == ("", "Gemma2ForCausalLM")
+    assert reason.startswith("head_dim=256 (config.head_dim, or hidden_size / num_attention_heads)")
+    assert "head dims [64, 128]" in reason and "build the model with head_dim in [64, 128]" in reason
+    assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear  # nothing changed

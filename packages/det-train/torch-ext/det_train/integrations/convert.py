@@ -472,7 +472,8 @@ def _det_attn_lacks(config) -> str | None:
     over future keys too (sliding layers with ``use_bidirectional_attention``, Gemma 3's encoder
     use) or chunked attention layers (Llama 4's ``attention_chunk_size``). Causal sliding-window
     layers (``layer_types`` with ``"sliding_attention"``, Mistral's ``sliding_window``) and
-    attention logit soft-capping (Gemma 2) are det_attn's ``window`` and ``softcap``."""
+    attention logit soft-capping (Gemma 2) are det_attn's ``window`` and ``softcap``; a head dim
+    det_attn has no kernels for (Gemma 2 / 3's default 256) is refused here too."""
     layer_types = tuple(getattr(config, "layer_types", None) or ())
     window = getattr(config, "sliding_window", None)
     sliding = window is not None and ("sliding_attention" in layer_types or not layer_types)
@@ -483,6 +484,17 @@ def _det_attn_lacks(config) -> str | None:
             "build the model with use_bidirectional_attention=False, or with full attention in every layer "
             "(layer_types=['full_attention'] * num_hidden_layers)"
         )
+    heads = getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None) or (
+        config.hidden_size // heads if heads and getattr(config, "hidden_size", None) else None
+    )
+    supported = _det_attn_head_dims()
+    if isinstance(head_dim, int) and supported and head_dim not in supported:
+        return (
+            f"head_dim={head_dim} (config.head_dim, or hidden_size / num_attention_heads) is not supported "
+            f"by det_attn (head dims {sorted(supported)}; Gemma 2 / 3 configs default to 256): build the model "
+            f"with head_dim in {sorted(supported)}"
+        )
     chunked = "chunked_attention" in layer_types or getattr(config, "attention_chunk_size", None)
     if chunked:
         return (
@@ -491,6 +503,16 @@ def _det_attn_lacks(config) -> str | None:
             "the model with full attention in those layers (attention_chunk_size=None)"
         )
     return None
+
+
+def _det_attn_head_dims() -> tuple[int, ...]:
+    """det_attn's supported head dims (empty when det_attn is not importable: the attention check
+    then names the implementation instead)."""
+    try:
+        from det_attn.flash_attention import SUPPORTED_HEAD_DIMS
+    except ImportError:
+        return ()
+    return tuple(SUPPORTED_HEAD_DIMS)
 
 
 def _loss_plan(module: nn.Module) -> str | None:
