@@ -492,8 +492,8 @@ def _det_attn_lacks(config) -> str | None:
     if isinstance(head_dim, int) and supported and head_dim not in supported:
         return (
             f"head_dim={head_dim} (config.head_dim, or hidden_size / num_attention_heads) is not supported "
-            f"by det_attn (head dims {sorted(supported)}; Gemma 2 / 3 configs default to 256): build the model "
-            f"with head_dim in {sorted(supported)}"
+            f"by det_attn (head dims {sorted(supported)}; Gemma 2 / 3 configs default to 256): build the "
+            f"model with head_dim in {sorted(supported)}"
         )
     chunked = "chunked_attention" in layer_types or getattr(config, "attention_chunk_size", None)
     if chunked:
