@@ -8,7 +8,7 @@ returns the routing weights ``(T, k)`` in the logits' dtype and the expert indic
 what transformers' ``Qwen3MoeTopKRouter`` computes with ``softmax(logits, dtype=float)``,
 ``torch.topk`` and ``/ sum``.
 
-Why kernels of ours: one program computes one token's row (an fp32 softmax with a fixed reduction
+Why kernels of ours: each token's row is reduced on its own (an fp32 softmax with a fixed reduction
 shape, k rounds of "largest probability, lowest index among equals", the renormalisation summed in
 slot order), so a row's result never depends on the other rows or on their number (torch's reductions
 choose their order by the tensor's shape; ``torch.topk`` does not say which of equal values it
@@ -26,71 +26,88 @@ from det_core.launch import launch
 __all__ = ["moe_router"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# tokens per program: a constant, so a token's reductions have one tile shape whatever T (each row is
+# reduced on its own; the rows of a tile share nothing)
+_ROWS = 16
 
 
 @triton.jit
-def _softmax_row(logits, row, stride, E, BLOCK_E: tl.constexpr):
-    # one token's probabilities in fp32 (masked columns 0) and the column index vector
+def _softmax_rows(logits, first, T, stride, E, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
+    # ROWS tokens' probabilities in fp32 (masked columns 0), each row reduced on its own over the same
+    # (ROWS, BLOCK_E) tile shape whatever T; the row and column index vectors
+    rows = first + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_E)
-    mask = cols < E
-    z = tl.load(logits + row * stride + cols, mask=mask, other=-float("inf")).to(tl.float32)
-    e = tl.where(mask, tl.exp(z - tl.max(z, 0)), 0.0)
-    return e / tl.sum(e, 0), cols, mask
+    mask = (rows[:, None] < T) & (cols[None, :] < E)
+    z = tl.load(logits + rows[:, None] * stride + cols[None, :], mask=mask, other=-float("inf"))
+    z = tl.where(mask, z.to(tl.float32), -float("inf"))
+    m = tl.max(z, 1)
+    m = tl.where(rows < T, m, 0.0)  # padding rows: no inf - inf
+    e = tl.where(mask, tl.exp(z - m[:, None]), 0.0)
+    s = tl.sum(e, 1)
+    return e / tl.where(rows < T, s, 1.0)[:, None], rows, cols, mask
 
 
 @triton.jit
 def _router_fwd_kernel(
-    logits, weights, indices, E, stride_l, K: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    logits, weights, indices, T, E, stride_l, K: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
-    p, cols, mask = _softmax_row(logits, row, stride_l, E, BLOCK_E)
+    first = tl.program_id(0).to(tl.int64) * ROWS
+    p, rows, cols, mask = _softmax_rows(logits, first, T, stride_l, E, ROWS, BLOCK_E)
     avail = tl.where(mask, p, -1.0)  # probabilities are >= 0: -1 marks taken / padding columns
     slots = tl.arange(0, BLOCK_K)
-    top_v = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    top_i = tl.zeros((BLOCK_K,), dtype=tl.int64)
-    total = 0.0
+    top_v = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+    top_i = tl.zeros((ROWS, BLOCK_K), dtype=tl.int64)
+    total = tl.zeros((ROWS,), dtype=tl.float32)
     for j in tl.static_range(K):
-        best = tl.max(avail, 0)
-        pick = tl.min(tl.where(avail == best, cols, BLOCK_E), 0)  # the lowest index among equals
-        top_v = tl.where(slots == j, best, top_v)
-        top_i = tl.where(slots == j, pick.to(tl.int64), top_i)
+        best = tl.max(avail, 1)
+        # the lowest index among equals
+        pick = tl.min(tl.where(avail == best[:, None], cols[None, :], BLOCK_E), 1)
+        top_v = tl.where(slots[None, :] == j, best[:, None], top_v)
+        top_i = tl.where(slots[None, :] == j, pick.to(tl.int64)[:, None], top_i)
         total = total + best  # slot order
-        avail = tl.where(cols == pick, -1.0, avail)
+        avail = tl.where(cols[None, :] == pick[:, None], -1.0, avail)
     if NORM:
-        top_v = top_v / total
-    out = slots < K
-    tl.store(weights + row * K + slots, top_v, mask=out)
-    tl.store(indices + row * K + slots, top_i, mask=out)
+        top_v = top_v / tl.where(rows < T, total, 1.0)[:, None]
+    out = (rows[:, None] < T) & (slots[None, :] < K)
+    at = rows[:, None] * K + slots[None, :]
+    tl.store(weights + at, top_v, mask=out)
+    tl.store(indices + at, top_i, mask=out)
 
 
 @triton.jit
 def _router_bwd_kernel(
-    logits, indices, d_weights, d_logits, E, stride_l, K: tl.constexpr, NORM: tl.constexpr,
-    BLOCK_E: tl.constexpr,
+    logits, indices, d_weights, d_logits, T, E, stride_l, K: tl.constexpr, NORM: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
-    p, cols, mask = _softmax_row(logits, row, stride_l, E, BLOCK_E)
+    first = tl.program_id(0).to(tl.int64) * ROWS
+    p, rows, cols, mask = _softmax_rows(logits, first, T, stride_l, E, ROWS, BLOCK_E)
+    live = rows < T
     # the chosen probabilities, their sum S and sum_j g_j p_j, in slot order (as the forward)
-    total = 0.0
-    dot = 0.0
+    total = tl.zeros((ROWS,), dtype=tl.float32)
+    dot = tl.zeros((ROWS,), dtype=tl.float32)
     for j in tl.static_range(K):
-        pick = tl.load(indices + row * K + j)
-        g = tl.load(d_weights + row * K + j).to(tl.float32)
-        pj = tl.sum(tl.where(cols == pick, p, 0.0), 0)  # exact: one value and zeros
+        pick = tl.load(indices + rows * K + j, mask=live, other=0)
+        g = tl.load(d_weights + rows * K + j, mask=live, other=0.0).to(tl.float32)
+        pj = tl.sum(tl.where(cols[None, :] == pick[:, None], p, 0.0), 1)  # exact: one value and zeros
         total = total + pj
         dot = dot + g * pj
+    total = tl.where(live, total, 1.0)
     # dL/dp_i for a chosen i: g_i / S - (sum_j g_j p_j) / S^2 (renormalised), else g_i; 0 otherwise
-    dp = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    dp = tl.zeros((ROWS, BLOCK_E), dtype=tl.float32)
     for j in tl.static_range(K):
-        pick = tl.load(indices + row * K + j)
-        g = tl.load(d_weights + row * K + j).to(tl.float32)
+        pick = tl.load(indices + rows * K + j, mask=live, other=0)
+        g = tl.load(d_weights + rows * K + j, mask=live, other=0.0).to(tl.float32)
         if NORM:
             g = g / total - dot / (total * total)
-        dp = tl.where(cols == pick, g, dp)
+        dp = tl.where(cols[None, :] == pick[:, None], g[:, None], dp)
     # softmax: dz_i = p_i (dp_i - sum_e dp_e p_e)
-    dz = p * (dp - tl.sum(dp * p, 0))
-    tl.store(d_logits + row * E + cols, dz, mask=mask)
+    dz = p * (dp - tl.sum(dp * p, 1)[:, None])
+    tl.store(d_logits + rows[:, None] * E + cols[None, :], dz, mask=mask)
+
+
+def _grid(t: int) -> tuple[int]:
+    return (runtime.cdiv(t, _ROWS),)
 
 
 def _blocks(e: int, k: int) -> tuple[int, int]:
@@ -106,8 +123,8 @@ class _Router(torch.autograd.Function):
         if t:
             block_e, block_k = _blocks(e, top_k)
             launch(
-                _router_fwd_kernel, (t,), logits, weights, indices, e, logits.stride(0), K=top_k, NORM=norm,
-                BLOCK_E=block_e, BLOCK_K=block_k, num_warps=1,
+                _router_fwd_kernel, _grid(t), logits, weights, indices, t, e, logits.stride(0),
+                K=top_k, NORM=norm, ROWS=_ROWS, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4,
             )  # fmt: skip
         ctx.save_for_backward(logits, indices)
         ctx.top_k, ctx.norm = top_k, norm
@@ -124,8 +141,8 @@ class _Router(torch.autograd.Function):
         if t:
             block_e, _ = _blocks(e, ctx.top_k)
             launch(
-                _router_bwd_kernel, (t,), logits, indices, d_weights.contiguous(), d_logits, e,
-                logits.stride(0), K=ctx.top_k, NORM=ctx.norm, BLOCK_E=block_e, num_warps=1,
+                _router_bwd_kernel, _grid(t), logits, indices, d_weights.contiguous(), d_logits,
+                t, e, logits.stride(0), K=ctx.top_k, NORM=ctx.norm, ROWS=_ROWS, BLOCK_E=block_e, num_warps=4,
             )  # fmt: skip
         return d_logits.to(logits.dtype), None, None
 
@@ -155,8 +172,8 @@ def moe_router(
         ValueError: ``logits`` not 2-D with unit last stride, ``top_k`` out of range.
         RuntimeError: a device the kernels do not run on; a double backward.
 
-    **Determinism:** bitwise run to run and row invariant: one program computes one token's row
-    with a fixed reduction shape (``BLOCK_E``, the next power of two of E), so a token's weights,
+    **Determinism:** bitwise run to run and row invariant: each token's row is reduced on its own
+    over a fixed tile shape (16 rows x ``BLOCK_E``, the next power of two of E), so a token's weights,
     indices and logit gradient depend only on its own logits (and its weights' gradient), never on
     the other tokens or their number. Ties among equal probabilities go to the lower expert index
     (``torch.topk`` promises no order among equal values). A NaN logit gives unspecified routing
