@@ -18,6 +18,8 @@ modules it cannot convert that would break the invariances (unless allowed):
   in the canonical order, each token's heads in order);
 - transformers' ``Conv1D`` (GPT-2) -> ``det_train.Conv1D``;
 - a transformers causal LM's ``loss_function`` -> ``det_train.causal_lm_loss``;
+- Qwen3-MoE's experts and router -> ``integrations/moe.py``'s ``MoeExperts`` / ``MoeTopKRouter`` (other
+  families' MoE layers and the load-balancing auxiliary loss are refused there);
 - a model with a learned position embedding ``wpe`` (GPT-2) gets a forward pre-hook that passes
   ``position_ids`` of the batch's shape when the caller passes none (``_batch_position_ids``).
 
@@ -52,6 +54,7 @@ from ..ops.embedding import Embedding, embedding
 from ..ops.layer_norm import LayerNorm
 from ..ops.linear import Linear
 from ..ops.rms_norm import RMSNorm
+from . import moe
 from .hf_loss import causal_lm_loss
 
 __all__ = ["ConversionError", "ScaledEmbedding", "convert", "register_conversion"]
@@ -229,7 +232,7 @@ def _replacement(module: nn.Module, dropout_advice: str = "") -> nn.Module | str
     cls = type(module)
     if cls in _REGISTRY:
         return _REGISTRY[cls](module)
-    if isinstance(module, _DETERMINISTIC):  # det_train's own (ScaledEmbedding included): converted already
+    if isinstance(module, (*_DETERMINISTIC, *moe.DETERMINISTIC)):  # det_train's own: converted already
         return None
     if "forward" in module.__dict__:
         return (
@@ -237,6 +240,9 @@ def _replacement(module: nn.Module, dropout_advice: str = "") -> nn.Module | str
             "det_train.convert before dispatching, kernelizing or wrapping the model"
         )
     problem = _dtype_problem(module)
+    moe_verdict = moe.replacement(module, _rebuilt)  # Qwen3-MoE's experts and router; other MoE refused
+    if moe_verdict is not None:
+        return problem if problem and not isinstance(moe_verdict, str) else moe_verdict
     if _uses_forward(module, nn.Linear):
         return problem or _rebuilt(module, Linear)
     if _uses_forward(module, nn.Embedding) or (
@@ -638,4 +644,5 @@ def convert(model: nn.Module, *, strict: bool = True, allow: Iterable = ()) -> n
         if _wants_batch_positions(module) and not getattr(module, "_det_train_batch_positions", False):
             module.register_forward_pre_hook(_batch_position_ids, with_kwargs=True)
             module._det_train_batch_positions = True  # a second convert adds no second hook
+    moe.install_hooks(model)  # a converted MoE causal LM refuses output_router_logits=True at call time
     return model

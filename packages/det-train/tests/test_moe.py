@@ -1,0 +1,288 @@
+"""Mixture of experts: ``moe_router`` (fp32 softmax, top-k ties to the lower index), ``moe_experts``
+(batch-invariant expert GEMMs, 3-D expert weight gradients in the canonical token order) and
+``convert`` of a tiny Qwen3-MoE model: one micro-batch and three cut inside leaves give every
+parameter's gradient bitwise, run to run; what ``convert`` refuses. A ``gpu`` test at a modest
+realistic size, 1 vs 4 micro-batches."""
+
+import det_train
+import pytest
+import torch
+from det_core.testing import assert_bitwise_equal
+from det_train.accum.grad_accum import CanonicalGradAccumulator
+from det_train.integrations.moe import MoeExperts, MoeTopKRouter
+from det_train.ops.moe_experts import moe_experts
+from det_train.ops.moe_router import moe_router
+from det_train.reference_moe import moe_experts_reference, router_topk_reference
+
+
+# ---------------------------------------------------------------- router
+def test_router_ties_go_to_the_lower_expert_index():
+    logits = torch.tensor(
+        [
+            [0.0, 0.0, 0.0, 0.0, 0.0, 0.0],  # all tied: experts 0, 1, 2
+            [0.0, 1.0, 0.0, 1.0, 0.0, 1.0],  # three tied maxima: 1, 3, 5
+            [2.0, 0.5, 2.0, 0.5, 2.0, 0.5],  # 0, 2, 4
+            [-1.0, 0.5, 0.5, 3.0, 0.5, 0.5],  # 3, then the tied 0.5s: 1, 2
+        ],
+        dtype=torch.bfloat16,
+    )
+    weights, indices = moe_router(logits, 3, norm_topk_prob=False)
+    assert indices.tolist() == [[0, 1, 2], [1, 3, 5], [0, 2, 4], [3, 1, 2]]
+    ref_weights, ref_indices = router_topk_reference(logits, 3, False)
+    assert torch.equal(indices, ref_indices)
+    assert weights.dtype == torch.bfloat16
+    torch.testing.assert_close(weights, ref_weights.to(torch.bfloat16), rtol=0, atol=0)
+    weights, _ = moe_router(logits, 3, norm_topk_prob=True)
+    assert torch.equal(weights[0], torch.full((3,), 1 / 3).to(torch.bfloat16))
+
+
+def test_router_matches_the_reference_and_its_gradient():
+    torch.manual_seed(0)
+    logits = torch.randn(37, 8, dtype=torch.float32, requires_grad=True)
+    ref_logits = logits.detach().double().requires_grad_()
+    g = torch.randn(37, 2)
+    for norm in (True, False):
+        weights, indices = moe_router(logits, 2, norm_topk_prob=norm)
+        ref_weights, ref_indices = router_topk_reference(ref_logits, 2, norm)
+        assert torch.equal(indices, ref_indices)
+        torch.testing.assert_close(weights.double(), ref_weights, rtol=1e-6, atol=1e-7)
+        (grad,) = torch.autograd.grad((weights * g).sum(), logits)
+        (ref_grad,) = torch.autograd.grad((ref_weights * g.double()).sum(), ref_logits)
+        torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-5, atol=1e-6)
+        assert ref_grad.abs().max() > 0.05
+
+
+def test_router_rows_do_not_depend_on_the_other_rows():
+    torch.manual_seed(1)
+    logits = torch.randn(20, 6, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(20, 2).to(torch.bfloat16)
+    weights, indices = moe_router(logits, 2)
+    (grad,) = torch.autograd.grad(weights, logits, g)
+    part = logits.detach()[7:12].clone().requires_grad_()
+    w2, i2 = moe_router(part, 2)
+    (grad2,) = torch.autograd.grad(w2, part, g[7:12])
+    assert_bitwise_equal(w2, weights[7:12], "weights of rows 7..11 alone")
+    assert torch.equal(i2, indices[7:12])
+    assert_bitwise_equal(grad2, grad[7:12], "logit gradient of rows 7..11 alone")
+
+
+def test_router_refuses_bad_input():
+    with pytest.raises(ValueError, match=r"top_k must be in \[1, 4\]"):
+        moe_router(torch.zeros(3, 4), 5)
+    with pytest.raises(ValueError, match="must be \\(T, E\\)"):
+        moe_router(torch.zeros(3, 4, 2), 1)
+    with pytest.raises(TypeError, match="float32 / bfloat16 / float16"):
+        moe_router(torch.zeros(3, 4, dtype=torch.int32), 1)
+
+
+# ---------------------------------------------------------------- experts
+def _experts_inputs(t=29, hidden=64, inter=32, experts=4, k=2, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, hidden, generator=g).to(dtype)
+    logits = torch.randn(t, experts, generator=g)
+    weights, indices = router_topk_reference(logits, k, True, torch.float32)
+    gate_up = (0.1 * torch.randn(experts, 2 * inter, hidden, generator=g)).to(dtype)
+    down = (0.1 * torch.randn(experts, hidden, inter, generator=g)).to(dtype)
+    return x, indices, weights.to(dtype), gate_up, down
+
+
+def test_experts_match_the_fp64_reference_with_gradients():
+    leaves = [t.requires_grad_() if t.is_floating_point() else t for t in _experts_inputs()]
+    x, indices, weights, gate_up, down = leaves
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
+    out = moe_experts(x, indices, weights, gate_up, down)
+    grads = torch.autograd.grad(out, (x, weights, gate_up, down), dy)
+    ref = moe_experts_reference(x, indices, weights, gate_up, down)
+    ref_grads = torch.autograd.grad(ref, (x, weights, gate_up, down), dy.double())
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+    for name, grad, ref_grad in zip(("x", "weights", "gate_up", "down"), grads, ref_grads, strict=True):
+        assert ref_grad.abs().max() > 0.01, name
+        # fp32 operands, fp32 accumulation (IEEE dots): a few fp32 ULPs of the largest terms
+        close = torch.isclose(grad, ref_grad.to(grad.dtype), rtol=1e-5, atol=1e-5)
+        assert close.all(), f"{name}: {(grad - ref_grad).abs().max()} off"
+
+
+def test_experts_rows_do_not_depend_on_which_tokens_share_an_expert():
+    """Token rows 3..9 alone, and the batch reversed, give the rows and input gradients of the whole
+    batch bitwise (other tokens, other counts per expert, other positions)."""
+    x, indices, weights, gate_up, down = _experts_inputs(dtype=torch.bfloat16)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+
+    def run(rows):
+        xs, ws = x[rows].clone().requires_grad_(), weights[rows].clone().requires_grad_()
+        out = moe_experts(xs, indices[rows], ws, gate_up, down)
+        return (out, *torch.autograd.grad(out, (xs, ws), dy[rows]))
+
+    whole = run(torch.arange(x.shape[0]))
+    for rows in (torch.arange(3, 10), torch.arange(x.shape[0]).flip(0)):
+        for name, got, want in zip(("out", "dx", "dweights"), run(rows), whole, strict=True):
+            assert_bitwise_equal(got, want[rows], f"{name} of rows {rows.tolist()}")
+
+
+def _routed_grads(x, params, cuts):
+    """The gradients of ``params`` (router weight, gate_up_proj, down_proj) of a weighted sum of the
+    router + experts output over ``x``, cut at tokens ``cuts``, through the accumulator (leaves of 24)."""
+    weight = torch.linspace(-1, 1, x.shape[1])
+    named = list(zip(("router", "gate_up", "down"), params, strict=True))
+    acc = CanonicalGradAccumulator(named, leaf_tokens=24)
+    bounds = [0, *cuts, x.shape[0]]
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        with acc.micro_batch(token_offset=lo):
+            xs = x[lo:hi]
+            routing, indices = moe_router(det_train.linear(xs, params[0]), 2)
+            out = moe_experts(xs, indices, routing, *params[1:])
+            (out.float() * weight).sum().backward()
+    acc.reduce(total_tokens=x.shape[0])
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    return grads
+
+
+def test_expert_weight_gradients_split_bitwise_and_run_to_run():
+    """Router + experts, 48 tokens, leaves of 24: one micro-batch; three cut at 16 and 32 (inside
+    leaves); five of uneven sizes; the one micro-batch again: every gradient bitwise equal."""
+    x, _, _, gate_up, down = _experts_inputs(t=48, dtype=torch.bfloat16)
+    router = (0.3 * torch.randn(4, 64, generator=torch.Generator().manual_seed(5))).to(torch.bfloat16)
+    params = [torch.nn.Parameter(p) for p in (router, gate_up, down)]
+    whole = _routed_grads(x, params, [])
+    for cuts in ([16, 32], [5, 6, 30, 47], []):
+        split = _routed_grads(x, params, cuts)
+        for name, got, want in zip(("router", "gate_up", "down"), split, whole, strict=True):
+            assert want.abs().sum() > 0, name
+            assert_bitwise_equal(got, want, f"{name}: cuts {cuts}")
+
+
+def test_experts_refuse_bad_input():
+    x, indices, weights, gate_up, down = _experts_inputs()
+    with pytest.raises(ValueError, match=r"down_proj must be \(E, H, I\)"):
+        moe_experts(x, indices, weights, gate_up, down[:, :, :8])
+    with pytest.raises(TypeError, match="indices must be an int64 tensor"):
+        moe_experts(x, indices.int(), weights, gate_up, down)
+    with pytest.raises(TypeError, match="must have one dtype"):
+        moe_experts(x.bfloat16(), indices, weights, gate_up, down)
+
+
+# ---------------------------------------------------------------- converted Qwen3-MoE
+transformers = pytest.importorskip("transformers")
+
+
+def _config(**kw):
+    det_attn = pytest.importorskip("det_attn")
+    det_attn.register_transformers_attention()
+    common = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=16,
+        attn_implementation="det_attn",
+    )
+    return transformers.Qwen3MoeConfig(**{**common, **kw})
+
+
+def _model(device="cpu", **kw):
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(_config(**kw))
+    return det_train.convert(model.to(device=device, dtype=torch.bfloat16))
+
+
+def _grads(model, ids, splits, leaf):
+    """Every parameter's gradient of the causal-LM loss over ``ids`` cut into ``splits`` ((first
+    sequence, sequences) micro-batches), through the accumulator."""
+    batch, seq = ids.shape
+    acc = CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=leaf)
+    for first, n in splits:
+        x = ids[first : first + n]
+        with acc.micro_batch(token_offset=first * seq):
+            model(input_ids=x, labels=x, num_items_in_batch=batch * (seq - 1)).loss.backward()
+    acc.reduce(total_tokens=batch * seq)
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def test_converted_qwen3_moe_split_bitwise():
+    """2 layers, 4 experts top 2: 3 sequences of 16 tokens in one micro-batch and in three (run to run:
+    ``test_expert_weight_gradients_split_bitwise_and_run_to_run``)."""
+    model = _model()
+    block = model.model.layers[0].mlp
+    assert type(block.experts) is MoeExperts
+    assert type(block.gate) is MoeTopKRouter
+    ids = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(1))  # 48 tokens, 2 leaves
+    whole = _grads(model, ids, [(0, 3)], leaf=24)
+    split = _grads(model, ids, [(0, 1), (1, 1), (2, 1)], leaf=24)  # cuts at 16 and 32: inside leaves
+    assert set(whole) == {name for name, _ in model.named_parameters()}
+    assert whole["model.layers.1.mlp.experts.gate_up_proj"].shape == (4, 64, 64)
+    for name, grad in whole.items():
+        assert grad is not None and grad.abs().sum() > 0, name
+        assert_bitwise_equal(split[name], grad, f"{name}: 1 vs 3 micro-batches")
+
+
+def test_converted_moe_block_rows_are_batch_invariant():
+    block = _model(num_hidden_layers=1).model.layers[0].mlp
+    x = torch.randn(3, 16, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    whole = block(x)
+    assert_bitwise_equal(block(x[1:2, 5:11]), whole[1:2, 5:11], "tokens 5..10 of sequence 1 alone")
+    assert_bitwise_equal(block(x.flip(0)), whole.flip(0), "the sequences reversed")
+
+
+def test_convert_refuses_the_aux_loss_and_other_moe_families():
+    with pytest.raises(det_train.ConversionError) as info:
+        det_train.convert(transformers.Qwen3MoeForCausalLM(_config(output_router_logits=True)))
+    ((name, cls, reason),) = info.value.problems
+    assert (name, cls) == ("", "Qwen3MoeForCausalLM")
+    assert reason.startswith("config.output_router_logits=True adds the load-balancing auxiliary loss")
+    model = _model()
+    ids = torch.zeros(1, 4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="output_router_logits=True asks for the load-balancing"):
+        model(input_ids=ids, output_router_logits=True)
+
+    with pytest.raises(det_train.ConversionError) as info:
+        det_train.convert(transformers.Qwen3MoeForCausalLM(_config(hidden_act="gelu")))
+    assert [(n, r) for n, _, r in info.value.problems] == [
+        (f"model.layers.{i}.mlp.experts", "experts with hidden_act='gelu': moe_experts computes SwiGLU "
+         "(hidden_act='silu') only")
+        for i in range(2)
+    ]  # fmt: skip
+
+    config = transformers.MixtralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, num_local_experts=4, num_experts_per_tok=2,
+        attn_implementation="det_attn",
+    )  # fmt: skip
+    mixtral = transformers.MixtralForCausalLM(config)
+    with pytest.raises(det_train.ConversionError) as info:
+        det_train.convert(mixtral)
+    problems = {n: r for n, _, r in info.value.problems}
+    assert set(problems) == {"model.layers.0.mlp.experts", "model.layers.0.mlp.gate"}
+    for reason in problems.values():
+        assert reason.startswith("a mixture-of-experts layer of a family det_train does not convert")
+        assert "Qwen3MoeExperts, Qwen3MoeTopKRouter" in reason
+    assert type(mixtral.model.layers[0].self_attn.q_proj) is torch.nn.Linear  # nothing changed
+
+
+@pytest.mark.gpu
+def test_gpu_qwen3_moe_split_bitwise_at_a_realistic_size():
+    """Qwen3-MoE, hidden 1024, 4 layers (16 query, 8 KV heads of 64), 16 experts of 512, top 4: 4
+    sequences of 1024 tokens in one micro-batch and in four, leaves of 1536 tokens (cuts inside)."""
+    model = _model(
+        device="cuda", hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512,
+        num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8, num_experts=16,
+        num_experts_per_tok=4, max_position_embeddings=1024, vocab_size=4096,
+    )  # fmt: skip
+    ids = torch.randint(0, 4096, (4, 1024), generator=torch.Generator().manual_seed(1)).cuda()
+    whole = _grads(model, ids, [(0, 4)], leaf=1536)
+    split4 = _grads(model, ids, [(0, 1), (1, 1), (2, 1), (3, 1)], leaf=1536)  # 1024, 3072 inside leaves
+    again = _grads(model, ids, [(0, 4)], leaf=1536)
+    for name, grad in whole.items():
+        assert grad is not None and grad.abs().sum() > 0, name
+        assert_bitwise_equal(split4[name], grad, f"{name}: 1 vs 4 micro-batches")
+        assert_bitwise_equal(again[name], grad, f"{name}: run to run")
