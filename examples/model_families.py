@@ -42,7 +42,8 @@ def build(
     the longest sequence; ``attn``: transformers' ``attn_implementation`` (``"det_attn"`` after
     ``det_attn.register_transformers_attention()``, or ``"sdpa"`` for the unconverted model).
     The caller seeds torch's generator first (the weights come from it). Special token ids are
-    inside the vocabulary; dropout is 0.
+    inside the vocabulary (Phi-3's and OLMo 2's padding id, the last, is their embedding's
+    ``padding_idx``); dropout is 0.
 
     Raises ValueError for an unknown family or a GPT-2 shape it cannot take.
 
@@ -52,7 +53,9 @@ def build(
 
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}: choose one of {', '.join(FAMILIES)}")
-    special = dict(bos_token_id=1, eos_token_id=vocab - 1, pad_token_id=vocab - 1)
+    # Phi-3 and OLMo 2 have a padding token (their embedding's padding_idx), the others none
+    pad = vocab - 1 if family in ("phi3", "olmo2") else None
+    special = dict(bos_token_id=1, eos_token_id=vocab - 1, pad_token_id=pad)
     decoder = dict(
         vocab_size=vocab,
         hidden_size=hidden,
