@@ -1,15 +1,17 @@
-"""Benchmark (GPU): one training step of a transformers Llama, converted by det_train vs as it is.
+"""Benchmark (GPU): one training step of a transformers model, converted by det_train vs as it is.
 
     python examples/bench_transformers.py --out docs/benchmarks
     python examples/bench_transformers.py --layers 4 --micro-batches 1,4
+    python examples/bench_transformers.py --family all --out docs/benchmarks
 
-Both models are the same ``LlamaForCausalLM`` built from one config (no download; by default
-hidden 1024, 8 layers, 16 heads of 64 with 4 KV heads, FFN 2816, vocabulary 32000: ~150 M
-parameters), bf16 weights, sequences of 1024 tokens:
+``--family``: one or more of examples/model_families.py's families (comma-separated, or ``all``;
+default ``llama``). Both models of a family are built from one config (no download; by default
+hidden 1024, 8 layers, 16 heads of 64 with 4 KV heads (GPT-2: 16, no GQA), FFN 2816, vocabulary
+32000: ~150 M parameters for a Llama), bf16 weights, sequences of 1024 tokens:
 
 * **det**: ``attn_implementation="det_attn"``, ``det_train.convert(model)`` (det_train Linear,
-  RMSNorm, Embedding and the causal-LM loss), ``CanonicalGradAccumulator``, ``AdamWSR``: bitwise
-  the same weights for any split of the global batch.
+  RMSNorm / LayerNorm / Conv1D, Embedding and the causal-LM loss), ``CanonicalGradAccumulator``,
+  ``AdamWSR``: bitwise the same weights for any split of the global batch.
 * **torch**: ``attn_implementation="sdpa"`` with the cuDNN backend (flash if cuDNN is refused),
   transformers' own layers and loss (cuBLAS, torch norms), autograd accumulation, fused
   ``torch.optim.AdamW``: not deterministic.
@@ -19,7 +21,7 @@ given ``num_items_in_batch``, the global batch's label count) plus the optimizer
 accumulator's leaf is the default 8192 tokens, halved until a micro-batch is whole leaves (the
 speed guidance of docs/det-train.md; micro-batches that end inside leaves are correct but slower).
 Timed with ``triton.testing.do_bench`` (median ms, both in this process, side by side). Writes
-``DIR/transformers_train_step.md`` and ``.json``.
+``DIR/transformers_train_step.md`` and ``.json`` (one row per family and micro-batch count).
 """
 
 from __future__ import annotations
@@ -31,23 +33,41 @@ from pathlib import Path
 
 import torch
 
+try:  # imported as examples.bench_transformers, or run as a script (examples/ on sys.path)
+    from examples import model_families
+except ModuleNotFoundError:
+    import model_families
 
-def build(args, det: bool, leaf_tokens: int = 8192):
-    import transformers
 
-    config = transformers.LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.ffn,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.hidden // 64,
-        num_key_value_heads=max(1, args.hidden // 256),
-        head_dim=64,
-        max_position_embeddings=args.seq,
-        attn_implementation="det_attn" if det else "sdpa",
-    )
+def families(spec: str) -> list[str]:
+    """The families named by ``--family`` (comma-separated, or ``all``); ValueError for an unknown one."""
+    names = list(model_families.FAMILIES) if spec == "all" else [f.strip() for f in spec.split(",")]
+    unknown = [f for f in names if f not in model_families.FAMILIES]
+    if unknown or not names:
+        raise ValueError(
+            f"--family {spec!r}: unknown {unknown}; choose from {', '.join(model_families.FAMILIES)} or all"
+        )
+    return names
+
+
+def build(args, family: str, det: bool, leaf_tokens: int = 8192):
+    heads = args.hidden // 64
+    kv_heads = heads if family == "gpt2" else max(1, args.hidden // 256)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16)
+    with torch.device("cuda"):
+        model = model_families.build(
+            family,
+            hidden=args.hidden,
+            layers=args.layers,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=64,
+            ffn=args.ffn,
+            vocab=args.vocab,
+            seq=args.seq,
+            attn="det_attn" if det else "sdpa",
+        )
+    model = model.to(dtype=torch.bfloat16)
     if det:
         import adamw_sr
         import det_train
@@ -61,15 +81,15 @@ def build(args, det: bool, leaf_tokens: int = 8192):
     return model, opt, acc
 
 
-def make_step(args, det: bool, micro_batches: int, backend):
-    """A closure running one full training step of the det or the torch model."""
+def make_step(args, family: str, det: bool, micro_batches: int, backend):
+    """A closure running one full training step of ``family``'s det or torch model."""
     from torch.nn.attention import sdpa_kernel
 
     per = args.batch // micro_batches
     leaf = 8192  # the default leaf, halved until micro-batches are whole leaves (the fast path)
     while (per * args.seq) % leaf:
         leaf //= 2
-    model, opt, acc = build(args, det, leaf)
+    model, opt, acc = build(args, family, det, leaf)
     gen = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=gen)
     n_items = args.batch * (args.seq - 1)
@@ -110,6 +130,11 @@ def _sdpa_backend(args):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="folder for transformers_train_step.md/.json")
+    p.add_argument(
+        "--family",
+        default="llama",
+        help=f"comma-separated families, or all ({', '.join(model_families.FAMILIES)}; default llama)",
+    )
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--ffn", type=int, default=2816)
     p.add_argument("--layers", type=int, default=8)
@@ -120,6 +145,10 @@ def main(argv=None) -> int:
     p.add_argument("--warmup-ms", type=float, default=300)
     p.add_argument("--rep-ms", type=float, default=2000)
     args = p.parse_args(argv)
+    try:
+        names = families(args.family)
+    except ValueError as err:
+        p.error(str(err))
     if not torch.cuda.is_available():
         print("bench_transformers: needs a CUDA GPU", file=sys.stderr)
         return 1
@@ -130,34 +159,41 @@ def main(argv=None) -> int:
     det_attn.register_transformers_attention()
     backend = _sdpa_backend(args)
     rows = []
-    for micro in (int(m) for m in args.micro_batches.split(",")):
-        times = {}
-        for name, det in (("det", True), ("torch", False)):
-            step = make_step(args, det, micro, backend)
-            times[name] = triton.testing.do_bench(step, warmup=args.warmup_ms, rep=args.rep_ms)
-            del step
-            torch.cuda.empty_cache()
-        rows.append({"micro_batches": micro, **times, "ratio": times["det"] / times["torch"]})
-        print(f"micro-batches {micro}: det {times['det']:.1f} ms, torch {times['torch']:.1f} ms", flush=True)
+    for family in names:
+        for micro in (int(m) for m in args.micro_batches.split(",")):
+            times = {}
+            for name, det in (("det", True), ("torch", False)):
+                step = make_step(args, family, det, micro, backend)
+                times[name] = triton.testing.do_bench(step, warmup=args.warmup_ms, rep=args.rep_ms)
+                del step
+                torch.cuda.empty_cache()
+            rows.append(
+                {"family": family, "micro_batches": micro, **times, "ratio": times["det"] / times["torch"]}
+            )
+            print(
+                f"{family}, micro-batches {micro}: det {times['det']:.1f} ms, torch {times['torch']:.1f} ms",
+                flush=True,
+            )
     gpu = torch.cuda.get_device_name()
     versions = (
         f"torch {torch.__version__}; triton {triton.__version__}; transformers {transformers.__version__}"
     )
     env = f"{gpu}; {versions}"
     shape = (
-        f"LlamaForCausalLM hidden {args.hidden}, {args.layers} layers, FFN {args.ffn}, vocab {args.vocab}, "
-        f"{args.batch} x {args.seq} tokens per step"
+        f"hidden {args.hidden}, {args.layers} layers, {args.hidden // 64} heads of 64, FFN {args.ffn}, "
+        f"vocab {args.vocab}, {args.batch} x {args.seq} tokens per step"
     )
     lines = [
-        "## transformers Llama train step: det_train.convert + det_attn vs SDPA (" + backend.name + ")",
+        "## transformers train step: det_train.convert + det_attn vs SDPA (" + backend.name + ")",
         "",
         f"{env}. {shape}. Median ms per step (eager), side by side in one process.",
         "",
-        "| micro-batches | det (ms) | torch (ms) | det / torch |",
-        "|---|---|---|---|",
+        "| family | micro-batches | det (ms) | torch (ms) | det / torch |",
+        "|---|---|---|---|---|",
     ]
     lines += [
-        f"| {r['micro_batches']} | {r['det']:.1f} | {r['torch']:.1f} | {r['ratio']:.2f}x |" for r in rows
+        f"| {r['family']} | {r['micro_batches']} | {r['det']:.1f} | {r['torch']:.1f} | {r['ratio']:.2f}x |"
+        for r in rows
     ]
     table = "\n".join(lines) + "\n"
     print(table)
