@@ -65,7 +65,7 @@ def build(args, family: str, det: bool, leaf_tokens: int = 8192):
             ffn=args.ffn,
             vocab=args.vocab,
             seq=args.seq,
-            attn="det_attn" if det else "sdpa",
+            attn="det_attn" if det else model_families.peer_attention(family),
         )
     model = model.to(dtype=torch.bfloat16)
     if det:

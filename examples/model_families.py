@@ -13,12 +13,28 @@ unconverted one (``--family``). What each family brings to the conversion:
   one row per token) and norms after the attention and the MLP (no pre-norms);
 * ``qwen2``: Qwen2's q/k/v biases;
 * ``qwen3``: Qwen3's per-head ``q_norm`` / ``k_norm`` (over head_dim, rows tokens x heads);
-* ``gpt2``: GPT-2's Conv1D, LayerNorm, learned positions and tied head (dropout off).
+* ``gpt2``: GPT-2's Conv1D, LayerNorm, learned positions and tied head (dropout off);
+* ``mistral``: Mistral's sliding-window attention in every layer (a window of a quarter of ``seq``);
+* ``gemma2``: Gemma 2's alternating sliding-window and full layers, attention and final logit
+  soft-capping, ``query_pre_attn_scalar`` scale, ``1 + weight`` norms and scaled embedding;
+* ``gemma3``: Gemma 3's per-head ``q_norm`` / ``k_norm`` and its sliding-window layers (5 of 6).
 """
 
 from __future__ import annotations
 
-FAMILIES = ("llama", "llama3", "smollm", "phi3", "olmo2", "qwen2", "qwen3", "gpt2")
+FAMILIES = (
+    "llama",
+    "llama3",
+    "smollm",
+    "phi3",
+    "olmo2",
+    "qwen2",
+    "qwen3",
+    "gpt2",
+    "mistral",
+    "gemma2",
+    "gemma3",
+)
 
 
 def build(
@@ -91,6 +107,18 @@ def build(
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**decoder))
     if family == "qwen3":
         return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**decoder))
+    window = max(2, seq // 4)  # shorter than the sequences: the window masks keys
+    if family == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=window, **decoder))
+    if family == "gemma2":  # scale query_pre_attn_scalar**-0.5 with 4 * head_dim: not head_dim**-0.5
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        config = transformers.Gemma2Config(
+            sliding_window=window, layer_types=types, attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0, query_pre_attn_scalar=4 * head_dim, **decoder,
+        )  # fmt: skip
+        return transformers.Gemma2ForCausalLM(config)
+    if family == "gemma3":
+        return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(sliding_window=window, **decoder))
     if kv_heads != heads or hidden != heads * head_dim:
         raise ValueError(
             f"gpt2 has no GQA and head_dim = hidden / heads: got hidden {hidden}, {heads} heads of "
@@ -111,3 +139,9 @@ def build(
         eos_token_id=vocab - 1,
     )
     return transformers.GPT2LMHeadModel(config)
+
+
+def peer_attention(family: str) -> str:
+    """The attention an unconverted ``family`` model is compared with: ``"sdpa"``, except Gemma 2,
+    which transformers runs on ``"eager"`` only (its SDPA path refuses attention soft-capping)."""
+    return "eager" if family == "gemma2" else "sdpa"

@@ -1,15 +1,17 @@
 """The model families people train today (examples/model_families.py: Llama 3, SmolLM, Phi-3, OLMo 2,
-Qwen2, Qwen3, GPT-2), each built from its config object, converted by ``det_train.convert`` on
-det_attn: every parameter's gradient is bitwise the same for one micro-batch, for three whose cuts
-fall inside canonical leaves, and in a second run; the converted model's loss matches the
-unconverted one's (SDPA, torch layers) to bf16 rounding.
+Qwen2, Qwen3, GPT-2, Mistral, Gemma 2, Gemma 3), each built from its config object, converted by
+``det_train.convert`` on det_attn: every parameter's gradient is bitwise the same for one
+micro-batch, for three whose cuts fall inside canonical leaves, and in a second run; the converted
+model's loss matches the unconverted one's (SDPA, torch layers) to bf16 rounding.
 
 Tiny sizes through the Triton interpreter on CPU, whose cost grows with the kernel launches: one
 decoder layer (every kind of module a family has), 2 query heads sharing 1 KV head of 64. Qwen2,
-Qwen3 and GPT-2 are ``slow`` here (``--run-slow``): their CPU proofs of the same invariances are
-tests/test_transformers_e2e.py (Qwen2, GPT-2) and packages/det-train/tests/test_per_head_norm.py
-(Qwen3). A ``gpu`` test checks every family at a realistic size (4 layers, 16 / 4 heads, 4 x 1024
-tokens). Plain Llama: tests/test_transformers_e2e.py."""
+Qwen3, GPT-2, Mistral, Gemma 2 and Gemma 3 are ``slow`` here (``--run-slow``): their CPU proofs of
+the same invariances are tests/test_transformers_e2e.py (Qwen2, GPT-2),
+packages/det-train/tests/test_per_head_norm.py (Qwen3) and
+packages/det-train/tests/test_sliding_window_models.py (the sliding-window families). A ``gpu``
+test checks every family at a realistic size (4 layers, 16 / 4 heads, 4 x 1024 tokens). Plain
+Llama: tests/test_transformers_e2e.py."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 import det_attn  # noqa: E402
 import det_train  # noqa: E402
 from det_core.testing import assert_bitwise_equal  # noqa: E402
+from det_train.integrations.convert import ScaledEmbedding  # noqa: E402
 
 from examples import model_families  # noqa: E402
 
@@ -28,8 +31,11 @@ det_attn.register_transformers_attention()
 
 FAMILIES = tuple(f for f in model_families.FAMILIES if f != "llama")  # Llama: test_transformers_e2e.py
 # tested on CPU elsewhere already (see the module docstring): run here with --run-slow
-ELSEWHERE_ON_CPU = ("qwen2", "qwen3", "gpt2")
-DET_LAYERS = (det_train.Linear, det_train.Embedding, det_train.RMSNorm, det_train.LayerNorm, det_train.Conv1D)
+ELSEWHERE_ON_CPU = ("qwen2", "qwen3", "gpt2", "mistral", "gemma2", "gemma3")
+DET_LAYERS = (
+    det_train.Linear, det_train.Embedding, det_train.RMSNorm, det_train.LayerNorm, det_train.Conv1D,
+    ScaledEmbedding,  # Gemma's embedding scaled by sqrt(hidden_size)
+)  # fmt: skip
 
 
 class Size:
@@ -60,13 +66,15 @@ CPU = Size(
 
 
 def make_model(family: str, size: Size, *, convert: bool = True):
-    """A bf16 model of ``family`` (seed 0): converted on det_attn, or as it is on SDPA."""
+    """A bf16 model of ``family`` (seed 0): converted on det_attn, or as it is on SDPA (Gemma 2:
+    eager attention, ``model_families.peer_attention``)."""
     shape = dict(size.model)
     if family == "gpt2":  # no GQA, head_dim = hidden / heads: one head of 64 at the CPU size
         shape.update(heads=shape["hidden"] // 64, kv_heads=shape["hidden"] // 64)
     torch.manual_seed(0)
     with torch.device(size.device):  # initialised where it runs (on a GPU: no host-side init)
-        model = model_families.build(family, seq=size.seq, attn="det_attn" if convert else "sdpa", **shape)
+        attn = "det_attn" if convert else model_families.peer_attention(family)
+        model = model_families.build(family, seq=size.seq, attn=attn, **shape)
     model = model.to(dtype=torch.bfloat16)
     return det_train.convert(model) if convert else model
 
