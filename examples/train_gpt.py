@@ -31,7 +31,7 @@ if not torch.cuda.is_available():
 PRESETS = {
     "cpu": dict(  # every kernel runs through the Triton interpreter: keep it small
         d_model=64, n_layer=2, n_head=1, d_ff=128, seq_len=32,  # det_attn head dims: 64 or 128
-        batch_seqs=8, micro_batch_seqs=8, steps=20, lr=5e-3, warmup_steps=2,
+        batch_seqs=8, micro_batch_seqs=8, steps=10, lr=5e-3, warmup_steps=2,
         leaf_tokens=32, eval_seqs=8, sample_tokens=32,
     ),
     "gpu": dict(
