@@ -59,6 +59,9 @@ def _state_tensors(acc) -> list[torch.Tensor]:
     which would keep the tensors it found alive until the garbage collector runs."""
     found: list[torch.Tensor] = []
     stack = [getattr(acc, name, None) for name in ("_partials", "_carry")]
+    stack += [
+        getattr(acc, name, None) for name in ("_undo_trees", "_undo_carry", "_undo_fills")
+    ]  # (older layout)
     log = getattr(acc, "_log", None)
     if log is not None:
         stack += [log.trees, log.carry, log.fills]
