@@ -103,10 +103,16 @@ class CanonicalGradAccumulator:
     covered: a parameter whose gradient also comes from an op that is not canonical-order aware
     (``reduce`` raises when it finds such a gradient in ``p.grad``).
 
-    Memory: besides the partial trees (fp32 nodes of each parameter's shape), an open leaf holds its
-    rows until it is complete: for a bf16 Linear of ``K`` inputs and ``N`` outputs ``(N + K) * 2``
-    bytes per row, in buffers that grow by doubling (at most twice the rows received, never more
-    than one leaf); nothing when micro-batches are multiples of ``leaf_tokens``.
+    Memory: the partial trees (fp32 nodes of each parameter's shape, ``popcount(i)`` after ``i``
+    leaves) and the open leaf: its fp32 fold, or (ops without a fold) its rows, in buffers that grow
+    by doubling (at most twice the rows received, never more than one leaf). A micro-batch's tree adds
+    write into the sums it made itself, never into what its undo log keeps, so with ``L`` leaves per
+    rank and step a parameter peaks at ``4 * (2 + ceil(log2 L))`` bytes per element while micro-batches
+    cut leaves (the least the canonical tree allows is ``4 * (1 + floor(log2 L))``; the undo log keeps
+    the old fold and the nodes the completed leaf consumed until the micro-batch succeeds); a
+    micro-batch of ``W`` whole leaves adds the op's ``W`` leaf sums while they are combined. One
+    process's ``reduce`` finishes and frees one parameter at a time (docs/det-train.md, "Gradient
+    memory").
 
     A micro-batch whose ``with`` block raises leaves no deposit behind (the accumulator is as
     before it), so it can be run again. A det_train op given a cast or view of a tracked parameter
@@ -615,8 +621,10 @@ class CanonicalGradAccumulator:
         ``p.grad`` is replaced by the result in ``p.dtype`` (an existing all-zero ``p.grad`` is
         fine; a non-zero one raises). Afterwards the accumulator is empty and reusable. A reduce
         that raises (a wrong ``total_tokens``, missing tokens) writes no ``p.grad`` and keeps every
-        deposit and open leaf: add the missing micro-batches or call it again with the right
-        arguments (or build a new accumulator to start over). Under torch.distributed a rank whose own
+        deposit and open leaf (its checks run before anything is written; one process then finishes
+        one parameter at a time, freeing its nodes once its ``p.grad`` is written): add the missing
+        micro-batches or call it again with the right arguments (or build a new accumulator to
+        start over). Under torch.distributed a rank whose own
         checks fail (an open leaf, a stale ``p.grad``) raises its error and every other rank a
         ValueError naming that rank: the checks travel with the first collective, so no rank waits
         in a collective another rank never joins.
