@@ -118,14 +118,19 @@ class AccumulatorMemory(TorchDispatchMode):
 
             @functools.wraps(launch)
             def call(executor, *args, **kwargs):
+                # the interpreter leaves reference cycles (its copy-back closure holds the arguments):
+                # collected after the launch, from the youngest generation, where they stay because no
+                # automatic collection runs during the launch to promote them
+                enabled = gc.isenabled()
+                gc.disable()
                 self._in_kernel += 1
                 try:
                     return launch(executor, *args, **kwargs)
                 finally:
                     self._in_kernel -= 1
-                    gc.collect(
-                        0
-                    )  # the interpreter's reference cycles (its copy-back closure holds the arguments)
+                    gc.collect(0)
+                    if enabled:
+                        gc.enable()
 
             GridExecutor.__call__ = call
         return self

@@ -81,15 +81,32 @@ def expected_peak(bounds: list[int], leaf: int) -> int:
     return peak
 
 
+def _split(micro_batches: int, leaves: int) -> tuple[list[int], int]:
+    """``(bounds, leaf)``: micro-batch boundaries (token offsets) on the fold's steps and the leaf size.
+
+    Fewer micro-batches than leaves + 1: equal micro-batches. Otherwise every leaf boundary lies inside
+    a micro-batch and none holds a whole leaf (each leaf is cut just after its first step, the
+    micro-batch before that cut straddles the boundary), with the fewest steps per leaf that allow it."""
+    if micro_batches <= leaves:
+        leaf = STEP * micro_batches // math.gcd(micro_batches, leaves)
+        return [leaf * leaves * j // micro_batches for j in range(micro_batches + 1)], leaf
+    steps = max(2, -(-(micro_batches + leaves - 1) // leaves))  # per leaf
+    total = steps * leaves
+    cuts = {k * steps + 1 for k in range(leaves)}
+    free = [c for c in range(1, total) if c % steps and c not in cuts]
+    extra = micro_batches - 1 - len(cuts)
+    cuts |= {free[i * len(free) // extra] for i in range(extra)} if extra else set()
+    return [0, *(STEP * c for c in sorted(cuts)), STEP * total], STEP * steps
+
+
 def _step(micro_batches: int, leaves: int) -> tuple[dict, torch.Tensor, list[int], int]:
-    leaf = STEP * micro_batches // math.gcd(micro_batches, leaves)  # boundaries on the fold's steps
-    tokens = leaf * leaves
+    bounds, leaf = _split(micro_batches, leaves)
+    tokens = bounds[-1]
     gen = torch.Generator().manual_seed(leaves)
     weight = torch.nn.Parameter(torch.zeros(D, D, dtype=torch.bfloat16))
     x = (torch.randint(-64, 64, (tokens, D), generator=gen).float() / 32).to(torch.bfloat16)
     dy = (torch.randint(-64, 64, (tokens, D), generator=gen).float() / 32).to(torch.bfloat16)
     acc = det_train.CanonicalGradAccumulator([weight], leaf_tokens=leaf)
-    bounds = [tokens * j // micro_batches for j in range(micro_batches + 1)]
     with AccumulatorMemory(acc) as mem:
         for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
             with acc.micro_batch(token_offset=lo):
@@ -116,8 +133,8 @@ def test_peak_buffers_per_parameter(leaves):
         assert buffers["reduce"] == pc + (pc > 1), (micro_batches, buffers)
         if micro_batches == 1:  # W = L whole leaves at once
             assert rule == (leaves + pc if leaves > 1 else 1)
-        elif leaves % micro_batches and micro_batches > leaves:  # every micro-batch cuts a leaf
-            assert rule == 2 + math.ceil(math.log2(leaves)) if leaves > 1 else rule == 2
+        elif micro_batches > leaves:  # micro-batches that cut leaves, none holding a whole one
+            assert rule == 2 + math.ceil(math.log2(leaves)), (micro_batches, bounds, leaf)
 
 
 def test_bound_without_undo():
