@@ -17,6 +17,8 @@ det_core.reduce; across ranks an owner-computes reduction (``dp_reduce``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from det_core.reduce import TreePartial, num_leaves
@@ -48,8 +50,15 @@ def local_partials(
     ``carry``: ``{(param index, use, leaf): open leaf}``; ``spans``: the ``(token_offset, tokens)``
     of the ops that used ``leaf_span``; ``max_end``: the last token + 1 any deposit covered.
     """
-    local_checks(total_tokens, leaf_tokens=leaf_tokens, names=names, params=params, carry=carry, spans=spans,
-                 max_end=max_end)  # fmt: skip
+    local_checks(
+        total_tokens,
+        leaf_tokens=leaf_tokens,
+        names=names,
+        params=params,
+        carry=carry,
+        spans=spans,
+        max_end=max_end,
+    )
     # the node tensors are shared, merges make new ones
     local = {slot: _copy(tree) for slot, tree in partials.items()}
     for (index, use, leaf), open_leaf in carry.items():  # the short last leaf
@@ -127,7 +136,7 @@ def finish_one_process(
     names: list[str],
     partials: dict[Slot, TreePartial],
     carry: dict[tuple[int, int, int], OpenLeaf | OpenFold],
-    write,
+    write: Callable[[int, torch.Tensor], None],
 ) -> None:
     """One process's reduce after ``local_checks``: check every tree's keys (with the open short last
     leaves), then finish one parameter at a time, ``write(index, fp32 gradient)`` it and drop its

@@ -624,10 +624,9 @@ class CanonicalGradAccumulator:
         deposit and open leaf (its checks run before anything is written; one process then finishes
         one parameter at a time, freeing its nodes once its ``p.grad`` is written): add the missing
         micro-batches or call it again with the right arguments (or build a new accumulator to
-        start over). Under torch.distributed a rank whose own
-        checks fail (an open leaf, a stale ``p.grad``) raises its error and every other rank a
-        ValueError naming that rank: the checks travel with the first collective, so no rank waits
-        in a collective another rank never joins.
+        start over). Under torch.distributed a rank whose own checks fail (an open leaf, a stale
+        ``p.grad``) raises its error and every other rank a ValueError naming that rank: the checks
+        travel with the first collective, so no rank waits in a collective another rank never joins.
         Collectives (``dp_reduce.py``, the fixed-order owner reduction): one ``all_gather_object``
         (node keys and refusals), then per gradient bucket one ``all_to_all_single`` sending every
         node's slice to the rank that owns it (under FSDP2: FSDP2's shard) and, for replicated
