@@ -24,11 +24,14 @@ with the tree fixed by global index, as in DESIGN.md's suggested order.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
 __all__ = ["TreePartial", "canonical_sum", "leaf_sums_reference", "num_leaves"]
+
+# How a tree node is made from its two children: (left, right) -> the bits of left + right.
+Combine = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def num_leaves(length: int, leaf_size: int) -> int:
@@ -86,23 +89,31 @@ class TreePartial:
             self._insert(0, first + offset, value)
         return self
 
-    def add_node(self, level: int, index: int, value: torch.Tensor) -> TreePartial:
+    def add_node(
+        self, level: int, index: int, value: torch.Tensor, combine: Combine | None = None
+    ) -> TreePartial:
         """Insert node ``(level, index)`` (the fp32 sum of leaves ``[index * 2**level, (index + 1) *
         2**level)``), combined with its sibling at once when present: ``merge`` of a one-node partial,
-        without the device move (``value`` must be on this partial's device)."""
-        self._insert(level, index, value)
+        without the device move (``value`` must be on this partial's device).
+
+        ``combine(left, right)``: how a parent is made from its children (default ``left + right``, a
+        new tensor); it must return the bits of ``left + right`` (a caller that owns one child may
+        add into it: fp32 addition is commutative, so ``left.add_(right)`` and
+        ``torch.add(left, right, out=right)`` give them)."""
+        self._insert(level, index, value, combine)
         return self
 
-    def merge(self, other: TreePartial) -> TreePartial:
-        """Absorb another worker's nodes (its tensors are moved to this partial's device)."""
+    def merge(self, other: TreePartial, combine: Combine | None = None) -> TreePartial:
+        """Absorb another worker's nodes (its tensors are moved to this partial's device);
+        ``combine`` as in ``add_node``."""
         device = next(iter(self.nodes.values())).device if self.nodes else None
         for (level, index), value in sorted(other.nodes.items()):
             if device is not None and value.device != device:
                 value = value.to(device)
-            self._insert(level, index, value)
+            self._insert(level, index, value, combine)
         return self
 
-    def _insert(self, level: int, index: int, value: torch.Tensor) -> None:
+    def _insert(self, level: int, index: int, value: torch.Tensor, combine: Combine | None = None) -> None:
         nodes = self.nodes
         if (level, index) in nodes or self._covered(level, index):
             raise ValueError(
@@ -113,7 +124,8 @@ class TreePartial:
         # the parent is new: an ancestor present would have covered this node
         while (sibling := (level, index ^ 1)) in nodes:
             other = nodes.pop(sibling)
-            value = value + other if index % 2 == 0 else other + value
+            left, right = (value, other) if index % 2 == 0 else (other, value)
+            value = left + right if combine is None else combine(left, right)
             level, index = level + 1, index >> 1
         nodes[(level, index)] = value
 
@@ -122,14 +134,21 @@ class TreePartial:
         # scanning them is cheaper than probing every level above)
         return any(lv > level and i == index >> (lv - level) for lv, i in self.nodes)
 
-    def result(self, total_leaves: int) -> torch.Tensor:
+    def result(self, total_leaves: int, consume: bool = False) -> torch.Tensor:
         """Finish the tree for a global axis of ``total_leaves`` leaves and return the root.
 
-        Raises ``ValueError`` if leaves are missing (a worker's partial was not merged).
+        ``consume``: take the nodes out of this partial as they are combined (it is empty after a
+        successful call), so each pair's tensors can be freed as soon as their parent exists: one
+        parent at a time besides the nodes, not every node until the root is done.
+
+        Raises ``ValueError`` if leaves are missing (a worker's partial was not merged); with
+        ``consume``, the partial is then left partly combined (check before, e.g. on a partial of the
+        same keys).
         """
         if total_leaves <= 0:
             raise ValueError("the canonical sum of an empty axis is not defined; handle T = 0 before")
-        nodes = dict(self.nodes)
+        keys = sorted(self.nodes)
+        nodes = self.nodes if consume else dict(self.nodes)
         level = 0
         width = total_leaves  # nodes at this level that cover at least one leaf
         while width > 1:
@@ -143,6 +162,7 @@ class TreePartial:
                         nodes[(level, i)] = left
                         continue
                     nodes[(level + 1, i // 2)] = left + right
+                    del left, right  # (consume: the children go now, not when the root is done)
                 else:  # no right child in the global tree: promote
                     nodes[(level + 1, i // 2)] = left
             level += 1
@@ -151,7 +171,7 @@ class TreePartial:
         if root is None or nodes:
             raise ValueError(
                 f"canonical tree over {total_leaves} leaves is incomplete: partials cover "
-                f"{sorted(self.nodes)}; merge every worker's partial before result()"
+                f"{keys}; merge every worker's partial before result()"
             )
         return root
 

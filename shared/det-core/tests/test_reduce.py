@@ -104,3 +104,28 @@ def test_result_equals_the_level_by_level_tree(parts, n_leaves):
         merged.merge(TreePartial().add_leaves(lo, leaves[lo:hi]))
     assert_bitwise_equal(merged.result(n_leaves), _dense_result(merged.nodes, n_leaves), "sparse walk")
     assert_bitwise_equal(merged.result(n_leaves), canonical_sum(_data(n_leaves * 4, seed=n_leaves), 4), "sum")
+
+
+@pytest.mark.parametrize("n_leaves", [1, 2, 5, 7, 8, 13])
+def test_in_place_combine_and_consuming_result_keep_the_bits(n_leaves):
+    """A ``combine`` that adds into a child (fp32 addition is commutative) and ``result(consume=True)``
+    give the bits of the default new-tensor adds; the consumed partial is empty afterwards."""
+    g = torch.Generator().manual_seed(n_leaves)
+    leaves = torch.randn(n_leaves, 33, generator=g) * torch.logspace(-3, 3, 33)
+    reference = TreePartial().add_leaves(0, leaves).result(n_leaves)
+    seen = []
+
+    def into_right(left, right):
+        seen.append((left, right))
+        return torch.add(left, right, out=right)
+
+    tree = TreePartial()
+    for i in range(n_leaves):
+        tree.add_node(0, i, leaves[i].clone(), into_right)
+    assert len(seen) == n_leaves - bin(n_leaves).count("1")  # one add per combined pair
+    before = sorted(tree.nodes)
+    root = tree.result(n_leaves, consume=True)
+    assert_bitwise_equal(root, reference, "in-place adds, consumed result")
+    assert tree.nodes == {} and len(before) == bin(n_leaves).count("1")
+    with pytest.raises(ValueError, match="incomplete"):
+        TreePartial().add_node(0, 0, leaves[0]).result(max(2, n_leaves), consume=True)

@@ -17,6 +17,8 @@ det_core.reduce; across ranks an owner-computes reduction (``dp_reduce``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from det_core.reduce import TreePartial, num_leaves
@@ -24,9 +26,10 @@ from det_core.reduce import TreePartial, num_leaves
 from . import dp_reduce
 from ._open_leaf import OpenFold, OpenLeaf
 
-__all__ = ["checked_roots", "local_partials", "reduce_across_ranks"]
+__all__ = ["checked_roots", "finish_one_process", "local_checks", "local_partials", "reduce_across_ranks"]
 
 Slot = tuple[int, int]  # (parameter index, use)
+_KEY_ONLY = torch.empty(0)  # the value of a node whose key alone is checked
 
 
 def local_partials(
@@ -47,6 +50,37 @@ def local_partials(
     ``carry``: ``{(param index, use, leaf): open leaf}``; ``spans``: the ``(token_offset, tokens)``
     of the ops that used ``leaf_span``; ``max_end``: the last token + 1 any deposit covered.
     """
+    local_checks(
+        total_tokens,
+        leaf_tokens=leaf_tokens,
+        names=names,
+        params=params,
+        carry=carry,
+        spans=spans,
+        max_end=max_end,
+    )
+    # the node tensors are shared, merges make new ones
+    local = {slot: _copy(tree) for slot, tree in partials.items()}
+    for (index, use, leaf), open_leaf in carry.items():  # the short last leaf
+        tree = local.setdefault((index, use), TreePartial())
+        try:
+            tree.merge(_closed(open_leaf, leaf))
+        except ValueError as err:
+            raise ValueError(f"{names[index]} (use {use}): {err}") from None
+    return local
+
+
+def local_checks(
+    total_tokens: int,
+    *,
+    leaf_tokens: int,
+    names: list[str],
+    params: list[torch.Tensor],
+    carry: dict[tuple[int, int, int], OpenLeaf | OpenFold],
+    spans: list[tuple[int, int]],
+    max_end: int,
+) -> None:
+    """This rank's checks before a reduce (``local_partials``'s arguments); they read no tree."""
     if max_end > total_tokens:
         raise ValueError(
             f"micro-batches on this rank cover tokens up to {max_end}, beyond "
@@ -86,18 +120,62 @@ def local_partials(
                     "before the micro-batches, run each forward and its backward inside the same "
                     "micro_batch, and give det_train ops the Parameter itself for every use"
                 )
-    # the node tensors are shared, merges make new ones
-    local = {slot: _copy(tree) for slot, tree in partials.items()}
-    for (index, use, leaf), open_leaf in carry.items():  # the short last leaf
-        tree = local.setdefault((index, use), TreePartial())
+
+
+def _closed(open_leaf: OpenLeaf | OpenFold, leaf: int) -> TreePartial:
+    """The partial of an open short last leaf (its fold finished, or the leaf sum of its rows)."""
+    if isinstance(open_leaf, OpenFold):
+        return TreePartial().add_node(0, leaf, open_leaf.advance((), True))
+    return open_leaf.leaf_partial(leaf, open_leaf.rows())
+
+
+def finish_one_process(
+    total_tokens: int,
+    *,
+    leaf_tokens: int,
+    names: list[str],
+    partials: dict[Slot, TreePartial],
+    carry: dict[tuple[int, int, int], OpenLeaf | OpenFold],
+    write: Callable[[int, torch.Tensor], None],
+) -> None:
+    """One process's reduce after ``local_checks``: check every tree's keys (with the open short last
+    leaves), then finish one parameter at a time, ``write(index, fp32 gradient)`` it and drop its
+    nodes and open leaves from ``partials`` / ``carry`` before the next parameter.
+
+    Memory: besides the nodes held, one parameter's tree combine at a time (``TreePartial.result``
+    with ``consume``: each pair's tensors go once their parent exists), never a second full-size
+    copy of every gradient. Raises what ``checked_roots`` raises, before anything is written or
+    dropped (a reduce that fails its checks keeps every deposit).
+
+    **Determinism:** the trees ``local_partials`` and ``checked_roots`` finish, the same adds in the
+    same order (uses of a parameter added in use order): the same bits.
+    """
+    keys: dict[Slot, TreePartial] = {}
+    for slot, tree in partials.items():
+        keys[slot] = TreePartial()
+        keys[slot].nodes = dict.fromkeys(tree.nodes, _KEY_ONLY)
+    for index, use, leaf in carry:  # the short last leaf: one node, (0, leaf)
         try:
-            if isinstance(open_leaf, OpenFold):
-                tree.merge(TreePartial().add_node(0, leaf, open_leaf.advance((), True)))
-                continue
-            tree.merge(open_leaf.leaf_partial(leaf, open_leaf.rows()))
+            keys.setdefault((index, use), TreePartial()).add_node(0, leaf, _KEY_ONLY)
         except ValueError as err:
             raise ValueError(f"{names[index]} (use {use}): {err}") from None
-    return local
+    checked_roots(dict(sorted(keys.items())), total_tokens, leaf_tokens=leaf_tokens, names=names)
+    total_leaves = num_leaves(total_tokens, leaf_tokens)
+    leaves_of: dict[Slot, list] = {}
+    for key in carry:
+        leaves_of.setdefault(key[:2], []).append(key)
+    slots = sorted(keys)
+    grad = None
+    for n, (index, use) in enumerate(slots):
+        tree = partials.pop((index, use), None) or TreePartial()
+        for key in leaves_of.get((index, use), ()):
+            tree.merge(_closed(carry.pop(key), key[2]))
+        root = tree.result(total_leaves, consume=True)
+        grad = root if grad is None else grad + root
+        del root
+        if n + 1 == len(slots) or slots[n + 1][0] != index:  # the parameter's last use
+            write(index, grad)
+            grad = None
 
 
 def checked_roots(trees: dict, total_tokens: int, *, leaf_tokens: int, names: list[str]) -> dict:

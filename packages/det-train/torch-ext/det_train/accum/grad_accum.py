@@ -33,6 +33,7 @@ from det_core.runtime import as_index
 from . import _reduce, dp_reduce
 from ._messages import token_mismatch, who
 from ._open_leaf import LeafFold, LeafPartial, OpenFold, OpenLeaf, foreach_copy, token_rows
+from ._undo_log import UndoLog
 
 __all__ = ["DEFAULT_LEAF_TOKENS", "CanonicalGradAccumulator", "current_accumulator"]
 
@@ -47,7 +48,6 @@ DEFAULT_LEAF_TOKENS = 8192
 # The active accumulator. A plain module global, not thread-local: autograd runs CUDA backward
 # functions on its own device threads, which must still see the accumulator of `micro_batch`.
 _ACTIVE: list[CanonicalGradAccumulator] = []
-_ABSENT = object()  # an undo-log entry: the key was not there
 
 
 def current_accumulator() -> CanonicalGradAccumulator | None:
@@ -103,10 +103,16 @@ class CanonicalGradAccumulator:
     covered: a parameter whose gradient also comes from an op that is not canonical-order aware
     (``reduce`` raises when it finds such a gradient in ``p.grad``).
 
-    Memory: besides the partial trees (fp32 nodes of each parameter's shape), an open leaf holds its
-    rows until it is complete: for a bf16 Linear of ``K`` inputs and ``N`` outputs ``(N + K) * 2``
-    bytes per row, in buffers that grow by doubling (at most twice the rows received, never more
-    than one leaf); nothing when micro-batches are multiples of ``leaf_tokens``.
+    Memory: the partial trees (fp32 nodes of each parameter's shape, ``popcount(i)`` after ``i``
+    leaves) and the open leaf: its fp32 fold, or (ops without a fold) its rows, in buffers that grow
+    by doubling (at most twice the rows received, never more than one leaf). A micro-batch's tree adds
+    write into the sums it made itself, never into what its undo log keeps, so with ``L`` leaves per
+    rank and step a parameter peaks at ``4 * (2 + ceil(log2 L))`` bytes per element while micro-batches
+    cut leaves (the least the canonical tree allows is ``4 * (1 + floor(log2 L))``; the undo log keeps
+    the old fold and the nodes the completed leaf consumed until the micro-batch succeeds); a
+    micro-batch of ``W`` whole leaves adds the op's ``W`` leaf sums while they are combined. One
+    process's ``reduce`` finishes and frees one parameter at a time (docs/det-train.md, "Gradient
+    memory").
 
     A micro-batch whose ``with`` block raises leaves no deposit behind (the accumulator is as
     before it), so it can be run again. A det_train op given a cast or view of a tracked parameter
@@ -157,12 +163,9 @@ class CanonicalGradAccumulator:
         self.pending_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._fsdp: dict[int, object] = {}  # param index -> FSDP2 FSDPParam (see track_fsdp)
         self._shapes: dict[int, torch.Size] = {}  # param index -> full (unsharded) gradient shape
-        # The undo log of the active micro-batch: what its deposits changed, saved before the first
-        # change (a tree's nodes, a carry entry, an open leaf's fill), so that one which raises can
-        # be undone; O(1) per deposit, nothing per untouched parameter.
-        self._undo_trees: dict[tuple[int, int], dict | None] = {}
-        self._undo_carry: dict[tuple[int, int, int], object] = {}
-        self._undo_fills: dict[int, tuple] = {}
+        # The undo log of the active micro-batch (what its deposits replaced), so that one which
+        # raises can be undone; its tree adds write only the sums the micro-batch made (_undo_log.py)
+        self._log = UndoLog()
         self._open_leaves: dict[tuple[int, int], set[int]] = {}  # slot -> leaves of its _carry entries
         # slot -> rows per token of its deposit_rows calls (fixed: an open leaf is continued with rows of
         # its layout); the active micro-batch's entries wait in _new_groups until it succeeds
@@ -242,7 +245,7 @@ class CanonicalGradAccumulator:
         self._token_offset = token_offset
         self._tokens = None
         self._uses = {}
-        self._undo_trees, self._undo_carry, self._undo_fills = {}, {}, {}
+        self._log = UndoLog()
         self._new_groups = {}
         spans, max_end = len(self._spans), self._max_end
         _ACTIVE.append(self)
@@ -263,41 +266,24 @@ class CanonicalGradAccumulator:
             _ACTIVE.pop()
             self._token_offset = None
             # the log holds the replaced trees and folds: let them go (memory of one step, not two)
-            self._undo_trees, self._undo_carry, self._undo_fills = {}, {}, {}
+            self._log = UndoLog()
             self._new_groups = {}
 
     def _undo(self, spans: int, max_end: int) -> None:
         """Undo the active micro-batch's deposits (its undo log) and its spans and token range."""
-        for slot, nodes in self._undo_trees.items():
-            if nodes is None:
-                del self._partials[slot]
-            else:
-                self._partials[slot].nodes = nodes
-        log, self._undo_carry = self._undo_carry, {}
-        for key, value in log.items():
-            if value is not _ABSENT or key in self._carry:
-                self._set_carry(key, None if value is _ABSENT else value)
-        for open_leaf, filled, buffers in self._undo_fills.values():  # rows appended since are ignored
-            open_leaf.filled, open_leaf.buffers = filled, buffers
+        self._log.undo(self._partials, self._carry, self._set_carry)
         del self._spans[spans:]
         self._max_end = max_end
 
     def _tree(self, slot: tuple[int, int]) -> TreePartial:
-        """The slot's partial tree (a new one if none), its nodes logged before this micro-batch's
-        first change (trees replace nodes, never write them: a shallow copy restores it)."""
-        tree = self._partials.get(slot)
-        if slot not in self._undo_trees:
-            self._undo_trees[slot] = None if tree is None else dict(tree.nodes)
-        if tree is None:
-            tree = self._partials[slot] = TreePartial()
-        return tree
+        """The slot's partial tree (a new one if none), logged before this micro-batch's first change."""
+        return self._log.tree(self._partials, slot)
 
     def _set_carry(self, key: tuple[int, int, int], value) -> None:
         """``_carry[key] = value`` (None: delete it) and the slot's set of open leaves, the old entry
-        logged for an undo (``_ABSENT``: there was none)."""
+        logged for an undo."""
         carry = self._carry
-        if key not in self._undo_carry:
-            self._undo_carry[key] = carry.get(key, _ABSENT)
+        self._log.log_carry(carry, key)
         if value is None:
             del carry[key]
             self._open_leaves[key[:2]].discard(key[2])
@@ -399,11 +385,13 @@ class CanonicalGradAccumulator:
                 ``t * g + h`` is row ``h`` of token ``t``: a per-head norm's heads).
             leaf_partial: ``leaf_partial(first_leaf, leaf_rows)`` -> ``TreePartial`` of the leaf
                 sums over ``leaf_rows`` (rows of whole leaves starting at global leaf
-                ``first_leaf``; only the last leaf of the global batch may be short). It is called
+                ``first_leaf``; only the last leaf of the global batch may be short), its nodes new
+                tensors, which the accumulator then owns (its tree adds may write them). It is called
                 now for the whole leaves, later (next micro-batch or ``reduce``) for an open leaf.
             fold: the op's resumable leaf fold, ``(step, fold_fn)``: ``fold_fn(leaf_rows, acc)``
-                returns a new fp32 tensor of ``param``'s shape, ``acc`` (the fold of the leaf's
-                earlier tokens, or None) continued over ``leaf_rows`` in steps of ``step`` tokens;
+                returns a new fp32 tensor of ``param``'s shape (the accumulator's then), ``acc``
+                (the fold of the leaf's earlier tokens, or None) continued over ``leaf_rows`` in
+                steps of ``step`` tokens;
                 over a whole leaf from None it equals that leaf's node of ``leaf_partial``. Or
                 ``(step, fold_fn, close_fn)``: the fold's state is any immutable object (e.g. the
                 RMSNorm weight's sub-leaf folds) and ``close_fn(state)`` gives the leaf's fp32
@@ -483,19 +471,21 @@ class CanonicalGradAccumulator:
             if isinstance(open_leaf, OpenFold):
                 advanced = open_leaf.advance(head, done, fold)
                 if not done:  # the leaf stays open: its new state replaces the old (logged) one
-                    if key not in self._undo_carry:
-                        self._undo_carry[key] = open_leaf
+                    self._log.log_carry(self._carry, key)
                     self._carry[key] = advanced
                     return
+                if len(fold or open_leaf.fold) == 2 and advanced is not open_leaf.acc:
+                    self._log.own(advanced)  # fold_fn's new tensor: the leaf's sum may carry up in it
                 self._add_node(slot, offset // leaf, advanced)
+                del advanced  # the tree holds its sum (the leaf's fold is free once added up)
             else:
-                if id(open_leaf) not in self._undo_fills:
-                    self._undo_fills[id(open_leaf)] = (open_leaf, open_leaf.filled, open_leaf.buffers)
+                self._log.log_fill(open_leaf)
                 open_leaf.append(head, leaf_partial, self)
                 if not done:  # still open: this micro-batch ended inside it
                     return
                 self.flush()
-                self._merge(slot, leaf_partial(offset // leaf, open_leaf.rows()))
+                leaf_rows = open_leaf.rows()
+                self._merge(slot, leaf_partial(offset // leaf, leaf_rows), leaf_rows)
             self._set_carry(key, None)
             if pos == n:  # this micro-batch ended with the leaf it continued
                 return
@@ -505,7 +495,7 @@ class CanonicalGradAccumulator:
             self._check_not_open(slot, start, offset + n)
         if full:
             whole = rows if full == n else tuple(r[pos : pos + full] for r in rows)
-            self._merge(slot, leaf_partial(start // leaf, whole))
+            self._merge(slot, leaf_partial(start // leaf, whole), whole)
         if pos + full < n:
             start += full
             tail = rows if pos + full == 0 else tuple(r[pos + full :] for r in rows)
@@ -554,16 +544,30 @@ class CanonicalGradAccumulator:
             with torch.no_grad():  # the views were made in the backward; the copy is not a graph op
                 foreach_copy(list(dst), list(src))
 
-    def _merge(self, slot: tuple[int, int], partial: TreePartial) -> None:
+    def _merge(self, slot: tuple[int, int], partial: TreePartial, rows: tuple | None = None) -> None:
+        """Merge ``partial`` into ``slot``'s tree. ``rows``: the rows a ``leaf_partial`` summed into it:
+        its new nodes are the tree's then (the tree may add into them; never into one that shares memory
+        with the rows) and ``partial`` is emptied. Nodes that are views of a larger buffer (an op's sums
+        of several leaves) are copied out, so that buffer is freed once the tree has combined the rest."""
+        tree = self._tree(slot)
+        own = rows is not None
+        if own:
+            held = {r.untyped_storage().data_ptr() for r in rows}
+            for value in partial.nodes.values():
+                if value.untyped_storage().data_ptr() not in held:
+                    self._log.own(value)
         try:
-            self._tree(slot).merge(partial)
+            tree.merge(partial, self._log.combine)
         except ValueError as err:
             raise ValueError(f"{self._names[slot[0]]} (use {slot[1]}): {err}") from None
+        if own:
+            partial.nodes = {}
+        self._log.compact(tree)
 
     def _add_node(self, slot: tuple[int, int], leaf: int, value: torch.Tensor) -> None:
         """``_merge`` of one finished leaf (a node on this accumulator's device) without a partial."""
         try:
-            self._tree(slot).add_node(0, leaf, value)
+            self._tree(slot).add_node(0, leaf, value, self._log.combine)
         except ValueError as err:
             raise ValueError(f"{self._names[slot[0]]} (use {slot[1]}): {err}") from None
 
@@ -617,11 +621,12 @@ class CanonicalGradAccumulator:
         ``p.grad`` is replaced by the result in ``p.dtype`` (an existing all-zero ``p.grad`` is
         fine; a non-zero one raises). Afterwards the accumulator is empty and reusable. A reduce
         that raises (a wrong ``total_tokens``, missing tokens) writes no ``p.grad`` and keeps every
-        deposit and open leaf: add the missing micro-batches or call it again with the right
-        arguments (or build a new accumulator to start over). Under torch.distributed a rank whose own
-        checks fail (an open leaf, a stale ``p.grad``) raises its error and every other rank a
-        ValueError naming that rank: the checks travel with the first collective, so no rank waits
-        in a collective another rank never joins.
+        deposit and open leaf (its checks run before anything is written; one process then finishes
+        one parameter at a time, freeing its nodes once its ``p.grad`` is written): add the missing
+        micro-batches or call it again with the right arguments (or build a new accumulator to
+        start over). Under torch.distributed a rank whose own checks fail (an open leaf, a stale
+        ``p.grad``) raises its error and every other rank a ValueError naming that rank: the checks
+        travel with the first collective, so no rank waits in a collective another rank never joins.
         Collectives (``dp_reduce.py``, the fixed-order owner reduction): one ``all_gather_object``
         (node keys and refusals), then per gradient bucket one ``all_to_all_single`` sending every
         node's slice to the rank that owns it (under FSDP2: FSDP2's shard) and, for replicated
@@ -647,52 +652,42 @@ class CanonicalGradAccumulator:
         if total_tokens <= 0:
             raise ValueError(f"total_tokens must be a positive int, got {total_tokens!r}")
         names, params, leaf_tokens = self._names, self._params, self.leaf_tokens
+        state = dict(leaf_tokens=leaf_tokens, names=names, carry=self._carry)
+        checks = dict(state, params=params, spans=self._spans, max_end=self._max_end)
+        if dp_reduce.group_size(group) == 1:  # one process: one parameter finished (and freed) at a time
+            _reduce.local_checks(total_tokens, **checks)
+            _reduce.finish_one_process(total_tokens, partials=self._partials, write=self._write_grad, **state)
+            self._clear()
+            return
         try:  # this rank's checks: under data parallelism every rank learns of a refusal (no hang)
-            local = _reduce.local_partials(
-                total_tokens,
-                leaf_tokens=leaf_tokens,
-                names=names,
-                params=params,
-                partials=self._partials,
-                carry=self._carry,
-                spans=self._spans,
-                max_end=self._max_end,
-            )
+            local = _reduce.local_partials(total_tokens, partials=self._partials, **checks)
             refusal = None
         except (ValueError, RuntimeError) as err:
             local, refusal = {}, err
-        if dp_reduce.group_size(group) > 1:  # data parallel: every rank's nodes go to their owners
-            grads = _reduce.reduce_across_ranks(
-                group,
-                local,
-                refusal,
-                total_tokens,
-                leaf_tokens=leaf_tokens,
-                names=names,
-                params=params,
-                fsdp=self._fsdp,
-            )
-            for index, grad in grads.items():
-                p = params[index]
-                p.grad = dp_reduce.fsdp_shard(self._fsdp[index], grad) if index in self._fsdp else grad
-            self._clear()
-            return
-        if refusal is not None:
-            raise refusal
-        grads: dict[int, torch.Tensor] = {}
-        roots = _reduce.checked_roots(
-            dict(sorted(local.items())), total_tokens, leaf_tokens=leaf_tokens, names=names
+        # data parallel: every rank's nodes go to their owners
+        grads = _reduce.reduce_across_ranks(
+            group,
+            local,
+            refusal,
+            total_tokens,
+            leaf_tokens=leaf_tokens,
+            names=names,
+            params=params,
+            fsdp=self._fsdp,
         )
-        for (index, _use), root in roots.items():
-            grads[index] = root if index not in grads else grads[index] + root
         for index, grad in grads.items():
             p = params[index]
-            if index in self._fsdp:
-                p.grad = dp_reduce.fsdp_shard(self._fsdp[index], grad.to(dtype=p.dtype))
-            else:
-                grad = grad.to(device=p.device, dtype=p.dtype)
-                p.grad = grad if grad.shape == p.shape else grad.view(p.shape)
+            p.grad = dp_reduce.fsdp_shard(self._fsdp[index], grad) if index in self._fsdp else grad
         self._clear()
+
+    def _write_grad(self, index: int, grad: torch.Tensor) -> None:
+        """``p.grad`` of tracked parameter ``index`` from its fp32 gradient (an FSDP2 one: its shard)."""
+        p = self._params[index]
+        if index in self._fsdp:
+            p.grad = dp_reduce.fsdp_shard(self._fsdp[index], grad.to(dtype=p.dtype))
+        else:
+            grad = grad.to(device=p.device, dtype=p.dtype)
+            p.grad = grad if grad.shape == p.shape else grad.view(p.shape)
 
     def _clear(self) -> None:
         """Empty after a reduce: no partial tree, span or open leaf."""

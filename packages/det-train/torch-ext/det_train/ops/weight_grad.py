@@ -393,12 +393,18 @@ def weight_grad_partial(
         if plan.fused:
             return out[0]
         # a few fp32 adds in torch (a micro-batch of 16 leaves: one); a tree_in_place launch
-        # instead cost more host time per call than it saved (H200 machine, Triton 3.6)
+        # instead cost more host time per call than it saved (H200 machine, Triton 3.6). In place:
+        # every node is this call's (a slice of its outputs), so no buffer beyond them
         for i, (level, index) in enumerate(run.nodes):
-            partial.add_node(level, index, out[i])
+            partial.add_node(level, index, out[i], _add_into_left)
     if finish_dtype is not None:
         return partial.result(plan.total_leaves).to(finish_dtype)
     return partial
+
+
+def _add_into_left(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """A tree parent ``left + right`` written into ``left`` (the bits of ``left + right``)."""
+    return left.add_(right)
 
 
 class _Run:
