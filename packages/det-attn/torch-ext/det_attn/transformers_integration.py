@@ -11,7 +11,7 @@ import importlib
 import torch
 
 from ._checks import as_dropout_p, as_seed
-from .flash_attention import attention, attention_varlen
+from .flash_attention import SUPPORTED_HEAD_DIMS, attention, attention_varlen  # noqa: F401  (convert reads it)
 
 __all__ = ["det_attn_transformers_forward", "register_transformers_attention"]
 

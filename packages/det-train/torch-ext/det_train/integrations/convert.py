@@ -465,7 +465,7 @@ def _attention_problem(module: nn.Module, seen: set) -> str | None:
     interface = getattr(sys.modules.get("transformers.modeling_utils"), "ALL_ATTENTION_FUNCTIONS", None)
     fn = interface.get(impl) if interface is not None and hasattr(interface, "get") else None
     if getattr(fn, "__name__", None) == _DET_ATTENTION:
-        return _det_attn_lacks(config)
+        return _det_attn_lacks(config, _det_attn_head_dims(fn))
     return (
         f"attention implementation {impl!r} (config._attn_implementation) is not deterministic (its "
         "backward accumulates with atomics, its rows depend on the batch): load the model with "
@@ -473,7 +473,7 @@ def _attention_problem(module: nn.Module, seen: set) -> str | None:
     )
 
 
-def _det_attn_lacks(config) -> str | None:
+def _det_attn_lacks(config, supported: tuple[int, ...] = ()) -> str | None:
     """What a transformers ``config`` asks of attention that det_attn has not: a sliding window
     over future keys too (sliding layers with ``use_bidirectional_attention``, Gemma 3's encoder
     use) or chunked attention layers (Llama 4's ``attention_chunk_size``). Causal sliding-window
@@ -494,7 +494,6 @@ def _det_attn_lacks(config) -> str | None:
     head_dim = getattr(config, "head_dim", None) or (
         config.hidden_size // heads if heads and getattr(config, "hidden_size", None) else None
     )
-    supported = _det_attn_head_dims()
     if isinstance(head_dim, int) and supported and head_dim not in supported:
         return (
             f"head_dim={head_dim} (config.head_dim, or hidden_size / num_attention_heads) is not supported "
@@ -511,14 +510,11 @@ def _det_attn_lacks(config) -> str | None:
     return None
 
 
-def _det_attn_head_dims() -> tuple[int, ...]:
-    """det_attn's supported head dims (empty when det_attn is not importable: the attention check
-    then names the implementation instead)."""
-    try:
-        from det_attn.flash_attention import SUPPORTED_HEAD_DIMS
-    except ImportError:
-        return ()
-    return tuple(SUPPORTED_HEAD_DIMS)
+def _det_attn_head_dims(fn) -> tuple[int, ...]:
+    """The head dims of the det_attn that registered ``fn`` (its transformers attention function),
+    read from the module that defines it: det_train imports no other package (a Hub kernel may
+    not), and a Hub build of det_attn has its own package name."""
+    return tuple(getattr(sys.modules.get(getattr(fn, "__module__", "")), "SUPPORTED_HEAD_DIMS", ()))
 
 
 def _loss_plan(module: nn.Module) -> str | None:
