@@ -7,8 +7,8 @@ limited with ``NPY_DISABLE_CPU_FEATURES`` (AVX2 only, or the SSE baseline only),
 is forced with ``OPENBLAS_CORETYPE`` (Haswell, Prescott) and torch's CPU kernels with
 ``ATEN_CPU_CAPABILITY=avx2``; tests/host_probe.py prints digests of matmul rows (fp32, bf16), a
 Linear's dW and db with a micro-batch cut inside a leaf, attention forward and backward (padded and
-packed), cross-entropy and RMSNorm, and two steps of the main job's tiny preset. Every emulated
-host must print the native host's digests.
+packed), cross-entropy and RMSNorm, and two steps of the main job's tiny preset (at a global batch
+of 4 sequences). Every emulated host must print the native host's digests.
 """
 
 from __future__ import annotations
