@@ -4,6 +4,9 @@
 parameter's gradient bitwise, run to run; what ``convert`` refuses. A ``gpu`` test at a modest
 realistic size, 1 vs 4 micro-batches."""
 
+import sys
+from pathlib import Path
+
 import det_train
 import pytest
 import torch
@@ -13,6 +16,9 @@ from det_train.integrations.moe import MoeExperts, MoeTopKRouter
 from det_train.ops.moe_experts import moe_experts
 from det_train.ops.moe_router import moe_router
 from det_train.reference_moe import moe_experts_reference, router_topk_reference
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _hf_micro_batches import split_grads  # noqa: E402
 
 
 # ---------------------------------------------------------------- router
@@ -194,21 +200,6 @@ def _model(device="cpu", **kw):
     return det_train.convert(model.to(device=device, dtype=torch.bfloat16))
 
 
-def _grads(model, ids, splits, leaf):
-    """Every parameter's gradient of the causal-LM loss over ``ids`` cut into ``splits`` ((first
-    sequence, sequences) micro-batches), through the accumulator."""
-    batch, seq = ids.shape
-    acc = CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=leaf)
-    for first, n in splits:
-        x = ids[first : first + n]
-        with acc.micro_batch(token_offset=first * seq):
-            model(input_ids=x, labels=x, num_items_in_batch=batch * (seq - 1)).loss.backward()
-    acc.reduce(total_tokens=batch * seq)
-    grads = {name: p.grad for name, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return grads
-
-
 def test_converted_qwen3_moe_split_bitwise():
     """2 layers, 4 experts top 2: 3 sequences of 16 tokens in one micro-batch and in three (run to run:
     ``test_expert_weight_gradients_split_bitwise_and_run_to_run``)."""
@@ -217,8 +208,8 @@ def test_converted_qwen3_moe_split_bitwise():
     assert type(block.experts) is MoeExperts
     assert type(block.gate) is MoeTopKRouter
     ids = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(1))  # 48 tokens, 2 leaves
-    whole = _grads(model, ids, [(0, 3)], leaf=24)
-    split = _grads(model, ids, [(0, 1), (1, 1), (2, 1)], leaf=24)  # cuts at 16 and 32: inside leaves
+    whole = split_grads(model, ids, [(0, 3)], leaf=24)
+    split = split_grads(model, ids, [(0, 1), (1, 1), (2, 1)], leaf=24)  # cuts at 16 and 32: inside leaves
     assert set(whole) == {name for name, _ in model.named_parameters()}
     assert whole["model.layers.1.mlp.experts.gate_up_proj"].shape == (4, 64, 64)
     for name, grad in whole.items():
@@ -279,9 +270,9 @@ def test_gpu_qwen3_moe_split_bitwise_at_a_realistic_size():
         num_experts_per_tok=4, max_position_embeddings=1024, vocab_size=4096,
     )  # fmt: skip
     ids = torch.randint(0, 4096, (4, 1024), generator=torch.Generator().manual_seed(1)).cuda()
-    whole = _grads(model, ids, [(0, 4)], leaf=1536)
-    split4 = _grads(model, ids, [(0, 1), (1, 1), (2, 1), (3, 1)], leaf=1536)  # 1024, 3072 inside leaves
-    again = _grads(model, ids, [(0, 4)], leaf=1536)
+    whole = split_grads(model, ids, [(0, 4)], leaf=1536)
+    split4 = split_grads(model, ids, [(0, 1), (1, 1), (2, 1), (3, 1)], leaf=1536)  # 1024, 3072 inside leaves
+    again = split_grads(model, ids, [(0, 4)], leaf=1536)
     for name, grad in whole.items():
         assert grad is not None and grad.abs().sum() > 0, name
         assert_bitwise_equal(split4[name], grad, f"{name}: 1 vs 4 micro-batches")

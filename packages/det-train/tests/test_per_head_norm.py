@@ -6,6 +6,9 @@ Qwen3 (GQA) and Gemma 3 (full attention) models: one batch and three micro-batch
 leaves give bitwise the same gradient for every parameter. CPU through the Triton interpreter; a
 ``gpu`` test at a realistic Qwen3 size."""
 
+import sys
+from pathlib import Path
+
 import det_train
 import pytest
 import torch
@@ -14,6 +17,9 @@ from det_core.testing import assert_bitwise_equal
 from det_train.accum._leaf_sums import sub_leaf_tokens
 from det_train.accum.grad_accum import DEFAULT_LEAF_TOKENS, CanonicalGradAccumulator
 from det_train.ops._rms_norm_kernels import MAX_ROWS_PER_CHUNK
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _hf_micro_batches import split_grads  # noqa: E402
 
 
 def _exact_rows(tokens, heads, d, seed):
@@ -165,21 +171,6 @@ def _model(kind, heads, kv_heads, *, hidden=64, layers=1, seq=4, device="cpu", f
     return det_train.convert(model.to(device=device, dtype=torch.bfloat16))
 
 
-def _grads(model, ids, splits, leaf):
-    """Every parameter's gradient of the causal-LM loss over ``ids`` cut into ``splits`` ((first
-    sequence, sequences) micro-batches), through the accumulator."""
-    batch, seq = ids.shape
-    acc = CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=leaf)
-    for first, n in splits:
-        x = ids[first : first + n]
-        with acc.micro_batch(token_offset=first * seq):
-            model(input_ids=x, labels=x, num_items_in_batch=batch * (seq - 1)).loss.backward()
-    acc.reduce(total_tokens=batch * seq)
-    grads = {name: p.grad for name, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return grads
-
-
 @pytest.mark.parametrize("kind", ["qwen3", "gemma3"])
 def test_converted_per_head_norms_split_bitwise(kind):
     heads, kv_heads = (4, 2) if kind == "qwen3" else (2, 1)
@@ -190,8 +181,10 @@ def test_converted_per_head_norms_split_bitwise(kind):
         kv_heads if kv_heads > 1 else None
     )
     ids = torch.randint(0, 64, (6, 4), generator=torch.Generator().manual_seed(1))  # 24 tokens, 3 leaves
-    whole = _grads(model, ids, [(0, 6)], leaf=8)
-    split = _grads(model, ids, [(0, 1), (1, 2), (3, 3)], leaf=8)  # cuts at tokens 4 and 12: inside leaves
+    whole = split_grads(model, ids, [(0, 6)], leaf=8)
+    split = split_grads(
+        model, ids, [(0, 1), (1, 2), (3, 3)], leaf=8
+    )  # cuts at tokens 4 and 12: inside leaves
     assert set(whole) == {name for name, _ in model.named_parameters()}
     for name, grad in whole.items():
         assert grad is not None and grad.abs().sum() > 0, name
@@ -204,9 +197,11 @@ def test_gpu_qwen3_per_head_norms_split_bitwise_at_a_realistic_size():
     tokens in one micro-batch and in four cut inside leaves of 2048 tokens."""
     model = _model("qwen3", 16, 8, hidden=1024, layers=4, seq=1024, device="cuda", ffn=2048)
     ids = torch.randint(0, 64, (4, 1024), generator=torch.Generator().manual_seed(1)).cuda()
-    whole = _grads(model, ids, [(0, 4)], leaf=2048)
-    split = _grads(model, ids, [(0, 1), (1, 2), (3, 1)], leaf=2048)  # cuts at 1024 and 3072: inside leaves
-    split4 = _grads(model, ids, [(0, 1), (1, 1), (2, 1), (3, 1)], leaf=2048)
+    whole = split_grads(model, ids, [(0, 4)], leaf=2048)
+    split = split_grads(
+        model, ids, [(0, 1), (1, 2), (3, 1)], leaf=2048
+    )  # cuts at 1024 and 3072: inside leaves
+    split4 = split_grads(model, ids, [(0, 1), (1, 1), (2, 1), (3, 1)], leaf=2048)
     for name, grad in whole.items():
         assert grad is not None and grad.abs().sum() > 0, name
         assert_bitwise_equal(split[name], grad, f"{name}: 1 vs 3 micro-batches")

@@ -7,11 +7,16 @@ kernels with transformers' meaning); one batch and three micro-batches cut insid
 same gradient for every parameter. What det_attn still lacks (a bidirectional sliding window) is refused
 up front. Tiny models from config objects (no download), CPU through the Triton interpreter."""
 
+import sys
+from pathlib import Path
+
 import det_train
 import pytest
 import torch
 from det_core.testing import assert_bitwise_equal
-from det_train.accum.grad_accum import CanonicalGradAccumulator
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _hf_micro_batches import split_grads  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 det_attn = pytest.importorskip("det_attn")
@@ -66,21 +71,6 @@ def _model(kind, attn="det_attn", plain=False):
     return model.to(torch.bfloat16)
 
 
-def _grads(model, ids, splits, leaf):
-    """Every parameter's gradient of the causal-LM loss over ``ids`` cut into ``splits`` ((first
-    sequence, sequences) micro-batches), through the accumulator."""
-    batch, seq = ids.shape
-    acc = CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=leaf)
-    for first, n in splits:
-        x = ids[first : first + n]
-        with acc.micro_batch(token_offset=first * seq):
-            model(input_ids=x, labels=x, num_items_in_batch=batch * (seq - 1)).loss.backward()
-    acc.reduce(total_tokens=batch * seq)
-    grads = {name: p.grad for name, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return grads
-
-
 @pytest.mark.parametrize("kind", ["mistral", "gemma2", "gemma3", "qwen2"])
 def test_sliding_window_family_matches_eager_and_splits_bitwise(kind):
     ids = torch.randint(0, 64, (3, SEQ), generator=torch.Generator().manual_seed(1))  # 18 tokens
@@ -95,8 +85,10 @@ def test_sliding_window_family_matches_eager_and_splits_bitwise(kind):
     )
 
     det_train.convert(model)
-    whole = _grads(model, ids, [(0, 3)], leaf=4)
-    split = _grads(model, ids, [(0, 1), (1, 1), (2, 1)], leaf=4)  # cuts at tokens 6 and 12: inside leaves
+    whole = split_grads(model, ids, [(0, 3)], leaf=4)
+    split = split_grads(
+        model, ids, [(0, 1), (1, 1), (2, 1)], leaf=4
+    )  # cuts at tokens 6 and 12: inside leaves
     assert set(whole) == {name for name, _ in model.named_parameters()}
     for name, grad in whole.items():
         assert grad is not None and grad.abs().sum() > 0, name
