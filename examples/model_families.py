@@ -17,7 +17,9 @@ unconverted one (``--family``). What each family brings to the conversion:
 * ``mistral``: Mistral's sliding-window attention in every layer (a window of a quarter of ``seq``);
 * ``gemma2``: Gemma 2's alternating sliding-window and full layers, attention and final logit
   soft-capping, ``query_pre_attn_scalar`` scale, ``1 + weight`` norms and scaled embedding;
-* ``gemma3``: Gemma 3's per-head ``q_norm`` / ``k_norm`` and its sliding-window layers (5 of 6).
+* ``gemma3``: Gemma 3's per-head ``q_norm`` / ``k_norm`` and its sliding-window layers (5 of 6);
+* ``qwen3_moe``: Qwen3-MoE's routed experts (8 experts of width ``ffn // 2``, 2 per token, every
+  layer sparse) behind Qwen3's attention.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ FAMILIES = (
     "mistral",
     "gemma2",
     "gemma3",
+    "qwen3_moe",
 )
 
 
@@ -107,6 +110,11 @@ def build(
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**decoder))
     if family == "qwen3":
         return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**decoder))
+    if family == "qwen3_moe":
+        experts = dict(
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=ffn // 2, norm_topk_prob=True
+        )
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**experts, **decoder))
     window = max(2, seq // 4)  # shorter than the sequences: the window masks keys
     if family == "mistral":
         return transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=window, **decoder))

@@ -1,14 +1,15 @@
 """The model families people train today (examples/model_families.py: Llama 3, SmolLM, Phi-3, OLMo 2,
-Qwen2, Qwen3, GPT-2, Mistral, Gemma 2, Gemma 3), each built from its config object, converted by
+Qwen2, Qwen3, GPT-2, Mistral, Gemma 2, Gemma 3, Qwen3-MoE), each built from its config object, converted by
 ``det_train.convert`` on det_attn: every parameter's gradient is bitwise the same for one
 micro-batch, for three whose cuts fall inside canonical leaves, and in a second run; the converted
 model's loss matches the unconverted one's (SDPA, torch layers) to bf16 rounding.
 
 Tiny sizes through the Triton interpreter on CPU, whose cost grows with the kernel launches: one
 decoder layer (every kind of module a family has), 2 query heads sharing 1 KV head of 64. Qwen2,
-Qwen3, GPT-2, Mistral, Gemma 2 and Gemma 3 are ``slow`` here (``--run-slow``): their CPU proofs of
-the same invariances are tests/test_transformers_e2e.py (Qwen2, GPT-2),
-packages/det-train/tests/test_per_head_norm.py (Qwen3) and
+Qwen3, GPT-2, Mistral, Gemma 2, Gemma 3 and Qwen3-MoE are ``slow`` here (``--run-slow``): their CPU
+proofs of the same invariances are tests/test_transformers_e2e.py (Qwen2, GPT-2),
+packages/det-train/tests/test_per_head_norm.py (Qwen3), packages/det-train/tests/test_moe.py
+(Qwen3-MoE) and
 packages/det-train/tests/test_sliding_window_models.py (the sliding-window families). A ``gpu``
 test checks every family at a realistic size (4 layers, 16 / 4 heads, 4 x 1024 tokens). Plain
 Llama: tests/test_transformers_e2e.py."""
@@ -24,6 +25,7 @@ import det_attn  # noqa: E402
 import det_train  # noqa: E402
 from det_core.testing import assert_bitwise_equal  # noqa: E402
 from det_train.integrations.convert import ScaledEmbedding  # noqa: E402
+from det_train.integrations.moe import MoeExperts, MoeTopKRouter  # noqa: E402
 
 from examples import model_families  # noqa: E402
 
@@ -31,10 +33,11 @@ det_attn.register_transformers_attention()
 
 FAMILIES = tuple(f for f in model_families.FAMILIES if f != "llama")  # Llama: test_transformers_e2e.py
 # tested on CPU elsewhere already (see the module docstring): run here with --run-slow
-ELSEWHERE_ON_CPU = ("qwen2", "qwen3", "gpt2", "mistral", "gemma2", "gemma3")
+ELSEWHERE_ON_CPU = ("qwen2", "qwen3", "gpt2", "mistral", "gemma2", "gemma3", "qwen3_moe")
 DET_LAYERS = (
     det_train.Linear, det_train.Embedding, det_train.RMSNorm, det_train.LayerNorm, det_train.Conv1D,
     ScaledEmbedding,  # Gemma's embedding scaled by sqrt(hidden_size)
+    MoeExperts, MoeTopKRouter,  # Qwen3-MoE's experts and router
 )  # fmt: skip
 
 
