@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: a part of the `gpu` tests, then the benchmarks; logs under $OUT.
 #
-#   bash tools/gpu_session.sh part 1/2      det-core, det-train, det-attn `gpu` tests
-#   bash tools/gpu_session.sh part 2/2      adamw-sr and the end-to-end `gpu` tests
+#   bash tools/gpu_session.sh part 1/3      det-core and det-train `gpu` tests
+#   bash tools/gpu_session.sh part 2/3      det-attn `gpu` tests
+#   bash tools/gpu_session.sh part 3/3      adamw-sr and the end-to-end `gpu` tests (model families)
 #   bash tools/gpu_session.sh [pytest paths or options]     any selection
 #
-# The two parts together are the whole `gpu` suite, each sized to fit one device call (10 minutes)
-# with margin; each prints a one-line summary last. TESTS=0 skips the tests; BENCH=adamw,matmul runs
+# The three parts together are the whole `gpu` suite, each sized to fit one device call (10 minutes)
+# with room for benchmarks after it; each prints a one-line summary last. TESTS=0 skips the tests; BENCH=adamw,matmul runs
 # those benchmarks after them. Carry .whl (wheels) and .peers (peer libraries) where needed.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -19,9 +20,10 @@ label=custom
 if [ "${1:-}" = part ]; then
   label="part $2"
   case "$2" in
-    1/2) set -- shared/det-core packages/det-train packages/det-attn ;;
-    2/2) set -- packages/adamw-sr tests ;;
-    *) echo "gpu_session.sh: unknown part '$2' (use 1/2 or 2/2)" >&2; exit 2 ;;
+    1/3) set -- shared/det-core packages/det-train ;;
+    2/3) set -- packages/det-attn ;;
+    3/3) set -- packages/adamw-sr tests ;;
+    *) echo "gpu_session.sh: unknown part '$2' (use 1/3, 2/3 or 3/3)" >&2; exit 2 ;;
   esac
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader
