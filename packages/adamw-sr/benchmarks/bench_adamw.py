@@ -163,15 +163,44 @@ def time_optimi(shapes) -> float | str:
     return ms
 
 
-def _time_peer(make_optimizer, shapes) -> float | str:
-    """Median step time of a peer optimizer on bf16 params and grads, or why it did not run."""
+PEER_KERNELS: dict[str, str] = {}  # label -> what one step launched (kernels_per_step), for the notes
+
+
+def _time_peer(make_optimizer, shapes, label: str = "") -> float | str:
+    """Median step time of a peer optimizer on bf16 params and grads, or why it did not run; what
+    one warm step launched goes to ``PEER_KERNELS[label]`` (is the peer on its fast path?)."""
     params = _params(shapes, torch.bfloat16, torch.bfloat16)
     try:
         opt = make_optimizer(params)
         opt.step()
-        return bench(opt.step)
+        ms = bench(opt.step)
     except Exception as e:  # a peer's failure is reported, not fatal
         return f"failed: {type(e).__name__}: {e}"[:120]
+    PEER_KERNELS[label] = kernels_per_step(opt.step)
+    return ms
+
+
+def _device_us(event) -> float:
+    """A profiler average's device time in us (``self_cuda_time_total`` in older torch)."""
+    return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+
+
+def kernels_per_step(step, top: int = 4) -> str:
+    """The GPU kernels one call of ``step`` launches (torch.profiler): how many, and the ``top``
+    names by device time with their count and ms; or why the profile failed (never fatal)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        device = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        device.sort(key=lambda e: -_device_us(e))
+        launches = sum(e.count for e in device)
+        names = "; ".join(f"{e.key[:60]} x{e.count} {_device_us(e) / 1e3:.2f} ms" for e in device[:top])
+        return f"{launches} device launches per step: {names}"
+    except Exception as e:  # a diagnostic: report, do not stop the benchmark
+        return f"profile failed: {type(e).__name__}: {e}"[:200]
 
 
 def _bnb_adamw8bit():
@@ -233,8 +262,11 @@ def run_states_case(name: str, shapes, bandwidth: float) -> list[dict]:
             print(f"note: {label} skipped: its package is not installed")
             row(label, PEER_BYTES_MOVED[label], "not installed")
         else:
-            row(label, PEER_BYTES_MOVED[label], _time_peer(make, shapes))
+            row(label, PEER_BYTES_MOVED[label], _time_peer(make, shapes, label))
+            print(f"note: {label}: {PEER_KERNELS.get(label, 'no profile')}")
         _release()
+    for r in rows:
+        r["kernels"] = PEER_KERNELS.get(r["optimizer"], "")
     return rows
 
 
@@ -260,6 +292,7 @@ def states_table(rows: list[dict], bandwidth: float) -> str:
         "Bytes stored per param (weights + optimizer states), bf16 weights: AdamWSR fp32 states 10, bf16 "
         "states 6, 8-bit states 4.0625 (1 + 1 + 2/32 scale bytes); AdamW with an fp32 master copy 14.",
     ]
+    lines += [f"{r['optimizer']}: {r['kernels']}" for r in rows if r.get("kernels")]
     return "\n".join(lines)
 
 
