@@ -295,8 +295,11 @@ class _CompiledLaunch:
             self.function = compiled.function
 
     def __call__(self, grid: tuple, device: int, args):
-        grid_y = grid[1] if len(grid) > 1 else 1
-        grid_z = grid[2] if len(grid) > 2 else 1
+        if len(grid) == 1:  # most launches: one axis
+            grid_y = grid_z = 1
+        else:
+            grid_y = grid[1]
+            grid_z = grid[2] if len(grid) > 2 else 1
         stream = torch._C._cuda_getCurrentRawStream(device)
         compiled = self.compiled
         if self.c_launch is None:  # the call JITFunction.run makes for a compiled kernel
@@ -423,7 +426,7 @@ class BoundLaunch:
     ``kernel[grid]``): the same bits.
     """
 
-    __slots__ = ("kernel", "n_leading", "trailing", "kwargs", "_flags", "_tail", "_entries")
+    __slots__ = ("kernel", "n_leading", "trailing", "kwargs", "_flags", "_rest", "_entries")
 
     _MAX_ENTRIES = 64
     _FIXED_TYPES = (int, float, bool, str, type(None))
@@ -436,7 +439,9 @@ class BoundLaunch:
                     f"got {type(value).__name__}; pass tensors as leading arguments"
                 )
         self.kernel, self.n_leading, self.trailing, self.kwargs = kernel, n_leading, tuple(trailing), kwargs
-        self._flags = self._tail = None  # from the kernel's parameters, at the first direct launch
+        # from the kernel's parameters, at the first direct launch: the leading arguments' flags, and
+        # every argument after them (trailing, then the kernel's tail from kwargs or defaults) as one tuple
+        self._flags = self._rest = None
         self._entries: dict = {}
 
     def __call__(self, grid: tuple, *leading):
@@ -448,23 +453,34 @@ class BoundLaunch:
         device = _cuda_device() if self._entries and _cuda_device else torch.cuda.current_device()
         runtime_knobs = _knobs.runtime
         try:
-            if self._flags is None:
+            flags = self._flags
+            if flags is None:
                 flags, named, _ = _params(kernel)
-                self._tail = _tail(named, self.n_leading + len(self.trailing), self.kwargs)
-                self._flags = flags[: self.n_leading]
-            key = (device, len(grid), _tensors_key(leading, self._flags), runtime_knobs.debug,
+                tail = _tail(named, self.n_leading + len(self.trailing), self.kwargs)
+                self._rest = (*self.trailing, *tail)
+                flags = self._flags = flags[: self.n_leading]
+            key = (device, len(grid), _tensors_key(leading, flags), runtime_knobs.debug,
                    _knobs.compilation.instrumentation_mode)  # fmt: skip
             direct = self._entries.get(key)
         except (_NoKey, TypeError, AttributeError):  # another kind of argument or kernel
             return kernel[grid](*leading, *self.trailing, **self.kwargs)
-        if direct is None or _needs_triton_path(kernel, runtime_knobs):
+        # _needs_triton_path and _hook_set inline (frames less per launch): launch hooks (a HookChain
+        # that holds a callable), pre-run hooks, changed globals
+        enter, leave = runtime_knobs.launch_enter_hook, runtime_knobs.launch_exit_hook
+        if (
+            direct is None
+            or (enter is not None and getattr(enter, "calls", True))
+            or (leave is not None and getattr(leave, "calls", True))
+            or kernel.pre_run_hooks
+            or (kernel.used_global_vals and not _globals_unchanged(kernel))
+        ):
             found = kernel[grid](*leading, *self.trailing, **self.kwargs)  # Triton's path
             if direct is None and hasattr(found, "run"):
                 if len(self._entries) >= self._MAX_ENTRIES:
                     self._entries.clear()
                 self._entries[key] = _CompiledLaunch(found)
             return found
-        return direct(grid, device, (*leading, *self.trailing, *self._tail))
+        return direct(grid, device, (*leading, *self._rest))
 
 
 class DescriptorTemplate:

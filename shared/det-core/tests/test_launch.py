@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import gc
+import types
 import weakref
 
 import det_core.launch as det_launch
@@ -188,6 +189,16 @@ def test_bound_launch_keys_only_its_leading_arguments(direct_launch):
     direct_launch.runtime.launch_enter_hook = lambda meta: None  # a hook: Triton's path again
     bound((1,), y)
     assert len(k.slow) == 4
+    direct_launch.runtime.launch_enter_hook = types.SimpleNamespace(calls=[])  # an empty HookChain
+    bound((1,), y)
+    assert len(k.slow) == 4 and len(k.direct) == 2
+    for hooked in ("exit", "pre_run"):  # the exit hook and a pre-run hook each take Triton's path
+        if hooked == "exit":
+            direct_launch.runtime.launch_exit_hook = types.SimpleNamespace(calls=[print])
+        else:
+            direct_launch.runtime.launch_exit_hook, k.pre_run_hooks = None, [print]
+        bound((1,), y)
+        assert len(k.slow) == (5 if hooked == "exit" else 6) and len(k.direct) == 2
 
 
 def test_bound_launch_is_the_jit_path_off_the_direct_path_and_refuses_tensors(monkeypatch):

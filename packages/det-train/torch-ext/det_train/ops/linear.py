@@ -70,10 +70,11 @@ def plan_grads(tokens: int, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         return grad_plan(leaf, False, False, None)
     dep_w = weight.is_leaf
     dep_b = bias is not None and bias.is_leaf
-    return grad_plan(leaf, dep_w, dep_b, deposit.ticket() if dep_w or dep_b else None)
+    return grad_plan(leaf, dep_w, dep_b, _TICKET if dep_w or dep_b else None)
 
 
 _GRAD_PLANS = PlanCache()
+_TICKET = deposit.ticket()  # one tensor for the process: read once, not a call per plan
 
 
 def grad_plan(leaf_tokens: int, weight: bool, bias: bool, ticket: torch.Tensor | None) -> GradPlan:
@@ -82,7 +83,7 @@ def grad_plan(leaf_tokens: int, weight: bool, bias: bool, ticket: torch.Tensor |
     ``torch.compile`` a new one (Dynamo traces the constructor, not a cache it would guard on).
 
     **Determinism:** a frozen value object: the cached one equals the one it replaces."""
-    if torch.compiler.is_compiling() or (ticket is not None and ticket is not deposit.ticket()):
+    if torch.compiler.is_compiling() or (ticket is not None and ticket is not _TICKET):
         return GradPlan(leaf_tokens, weight, bias, ticket)
     key = (leaf_tokens, weight, bias, ticket is not None)
     plan = _GRAD_PLANS.get(key)
