@@ -1,14 +1,15 @@
 """Plain-torch references for det_train's mixture-of-experts ops (tests import them).
 
 They define the math, not the bits: each computes in ``compute_dtype`` (fp64 for accuracy tests),
-differentiable by torch's autograd; ``router_topk_reference`` also defines the tie order.
+differentiable by torch's autograd; ``router_topk_reference`` also defines the tie order;
+``moe_balance_loss_reference`` defines det_train's sequence-wise load-balancing loss.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["moe_experts_reference", "router_topk_reference"]
+__all__ = ["moe_balance_loss_reference", "moe_experts_reference", "router_topk_reference"]
 
 
 def router_topk_reference(
@@ -46,3 +47,41 @@ def moe_experts_reference(
         a = torch.nn.functional.silu(h[:, :half]) * h[:, half:]
         out = out + wc[:, j : j + 1] * torch.einsum("thi,ti->th", down[e], a)
     return out
+
+
+def moe_balance_loss_reference(
+    router_logits,
+    indices,
+    attention_mask: torch.Tensor | None,
+    tokens: torch.Tensor,
+    total_tokens: int,
+    compute_dtype=torch.float64,
+) -> torch.Tensor:
+    """``(B,)`` in ``compute_dtype``: for each sequence ``s`` (batch row) alone, transformers'
+    ``load_balancing_loss_func`` over the ``L`` layers' ``router_logits`` (each ``(B*T, E)``) with the
+    routing ``indices`` (each ``(B*T, k)``) and ``attention_mask`` ``(B, T)`` (nonzero: counted; None:
+    all): ``E * sum_i f_i P_i``, ``f_i`` the fraction of the sequence's counted (token, layer) pairs
+    routed to expert ``i`` (k per token), ``P_i`` its mean ``softmax`` probability, times
+    ``tokens[s] / total_tokens`` (0 for a sequence without counted tokens). A loop over sequences
+    and plain sums; differentiable in ``router_logits`` (``f`` is a count: no gradient)."""
+    layers, b = len(router_logits), tokens.shape[0]
+    t, e = router_logits[0].shape[0] // b, router_logits[0].shape[1]
+    mask = torch.ones(b, t) if attention_mask is None else (attention_mask != 0).to(compute_dtype)
+    out = []
+    for s in range(b):
+        m = mask[s].to(compute_dtype)
+        n = m.sum() * layers
+        counts = torch.zeros(e, dtype=compute_dtype)
+        probs = torch.zeros(e, dtype=compute_dtype)
+        for logits, index in zip(router_logits, indices, strict=True):
+            rows = slice(s * t, (s + 1) * t)
+            p = torch.softmax(logits[rows].to(compute_dtype), dim=-1)
+            hot = torch.nn.functional.one_hot(index[rows], e).to(compute_dtype).sum(1)
+            counts = counts + (hot * m[:, None]).sum(0)
+            probs = probs + (p * m[:, None]).sum(0)
+        if n == 0:
+            out.append(torch.zeros((), dtype=compute_dtype))
+            continue
+        aux = e * ((counts / n) * (probs / n)).sum()
+        out.append(aux * float(tokens[s]) / float(total_tokens))
+    return torch.stack(out)
