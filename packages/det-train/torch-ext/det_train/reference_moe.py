@@ -52,36 +52,32 @@ def moe_experts_reference(
 def moe_balance_loss_reference(
     router_logits,
     indices,
-    attention_mask: torch.Tensor | None,
+    sequence: torch.Tensor,
     tokens: torch.Tensor,
     total_tokens: int,
     compute_dtype=torch.float64,
 ) -> torch.Tensor:
-    """``(B,)`` in ``compute_dtype``: for each sequence ``s`` (batch row) alone, transformers'
-    ``load_balancing_loss_func`` over the ``L`` layers' ``router_logits`` (each ``(B*T, E)``) with the
-    routing ``indices`` (each ``(B*T, k)``) and ``attention_mask`` ``(B, T)`` (nonzero: counted; None:
-    all): ``E * sum_i f_i P_i``, ``f_i`` the fraction of the sequence's counted (token, layer) pairs
-    routed to expert ``i`` (k per token), ``P_i`` its mean ``softmax`` probability, times
-    ``tokens[s] / total_tokens`` (0 for a sequence without counted tokens). A loop over sequences
-    and plain sums; differentiable in ``router_logits`` (``f`` is a count: no gradient)."""
-    layers, b = len(router_logits), tokens.shape[0]
-    t, e = router_logits[0].shape[0] // b, router_logits[0].shape[1]
-    mask = torch.ones(b, t) if attention_mask is None else (attention_mask != 0).to(compute_dtype)
+    """``(S,)`` in ``compute_dtype``: for each sequence ``s`` alone (the tokens with
+    ``sequence == s``; ``-1``: not counted), transformers' ``load_balancing_loss_func`` over the ``L``
+    layers' ``router_logits`` (each ``(N, E)``) with the routing ``indices`` (each ``(N, k)``):
+    ``E * sum_i f_i P_i``, ``f_i`` the fraction of the sequence's (token, layer) pairs routed to
+    expert ``i`` (k per token), ``P_i`` its mean ``softmax`` probability, times
+    ``tokens[s] / total_tokens`` (0 for a sequence without tokens). A loop over sequences and plain
+    sums; differentiable in ``router_logits`` (``f`` is a count: no gradient)."""
+    layers, e = len(router_logits), router_logits[0].shape[1]
     out = []
-    for s in range(b):
-        m = mask[s].to(compute_dtype)
-        n = m.sum() * layers
-        counts = torch.zeros(e, dtype=compute_dtype)
-        probs = torch.zeros(e, dtype=compute_dtype)
-        for logits, index in zip(router_logits, indices, strict=True):
-            rows = slice(s * t, (s + 1) * t)
-            p = torch.softmax(logits[rows].to(compute_dtype), dim=-1)
-            hot = torch.nn.functional.one_hot(index[rows], e).to(compute_dtype).sum(1)
-            counts = counts + (hot * m[:, None]).sum(0)
-            probs = probs + (p * m[:, None]).sum(0)
+    for s in range(tokens.shape[0]):
+        rows = sequence == s
+        n = int(rows.sum()) * layers
         if n == 0:
             out.append(torch.zeros((), dtype=compute_dtype))
             continue
+        counts = torch.zeros(e, dtype=compute_dtype)
+        probs = torch.zeros(e, dtype=compute_dtype)
+        for logits, index in zip(router_logits, indices, strict=True):
+            p = torch.softmax(logits[rows].to(compute_dtype), dim=-1)
+            counts = counts + torch.nn.functional.one_hot(index[rows], e).to(compute_dtype).sum((0, 1))
+            probs = probs + p.sum(0)
         aux = e * ((counts / n) * (probs / n)).sum()
         out.append(aux * float(tokens[s]) / float(total_tokens))
     return torch.stack(out)
