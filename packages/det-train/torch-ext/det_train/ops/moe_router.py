@@ -202,9 +202,9 @@ def moe_router(
     indices, probabilities and logit gradient depend only on its own logits (and its weights' and
     probabilities' gradients), never on the other tokens or their number. Without
     ``return_probs`` the kernels compile without the probabilities' store and add (constexpr
-    flags): the same bits as before the option existed. Ties among equal probabilities go to the lower expert index
-    (``torch.topk`` promises no order among equal values). A NaN logit gives unspecified routing
-    for its token. Eager only: under ``torch.compile`` the call is a graph break
+    flags): the same bits as before the option existed. Ties among equal probabilities go to the
+    lower expert index (``torch.topk`` promises no order among equal values). A NaN logit gives
+    unspecified routing for its token. Eager only: under ``torch.compile`` the call is a graph break
     (``torch.compiler.disable``). Not equal to transformers' bits (its softmax and sum orders are
     torch's), nor across GPU models / Triton versions (the ``exp`` lowering).
 
