@@ -1,8 +1,9 @@
 """Mixture of experts: ``moe_router`` (fp32 softmax, top-k ties to the lower index), ``moe_experts``
 (batch-invariant expert GEMMs, 3-D expert weight gradients in the canonical token order) and
 ``convert`` of a tiny Qwen3-MoE model: one micro-batch and three cut inside leaves give every
-parameter's gradient bitwise, run to run; what ``convert`` refuses. A ``gpu`` test at a modest
-realistic size, 1 vs 4 micro-batches."""
+parameter's gradient bitwise, run to run, with and without the sequence-wise load-balancing loss
+(``moe_balance_loss``: against its fp64 reference and transformers' loss on one sequence); what
+``convert`` refuses. A ``gpu`` test at a modest realistic size, 1 vs 4 micro-batches."""
 
 import sys
 from pathlib import Path
@@ -13,9 +14,10 @@ import torch
 from det_core.testing import assert_bitwise_equal
 from det_train.accum.grad_accum import CanonicalGradAccumulator
 from det_train.integrations.moe import MoeExperts, MoeTopKRouter
+from det_train.ops.moe_balance_loss import moe_balance_loss
 from det_train.ops.moe_experts import moe_experts
 from det_train.ops.moe_router import moe_router
-from det_train.reference_moe import moe_experts_reference, router_topk_reference
+from det_train.reference_moe import moe_balance_loss_reference, moe_experts_reference, router_topk_reference
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _hf_micro_batches import split_grads  # noqa: E402
@@ -79,6 +81,77 @@ def test_router_refuses_bad_input():
         moe_router(torch.zeros(3, 4, 2), 1)
     with pytest.raises(TypeError, match="float32 / bfloat16 / float16"):
         moe_router(torch.zeros(3, 4, dtype=torch.int32), 1)
+
+
+# ---------------------------------------------------------------- load-balancing loss
+def _balance_inputs(seed=0):
+    """2 layers' logits over 20 tokens, 6 experts: sequences 0 (7 tokens, one masked out: -1), 1
+    (8) and 2 (5), packed in one call in that order."""
+    g = torch.Generator().manual_seed(seed)
+    logits = [torch.randn(20, 6, generator=g) for _ in range(2)]
+    sequence = torch.tensor([0] * 7 + [1] * 8 + [2] * 5)
+    position = torch.cat([torch.arange(7), torch.arange(8), torch.arange(5)])
+    sequence[3] = -1
+    return logits, sequence, position, torch.tensor([6, 7, 4]), 20
+
+
+def _balance_run(logits, sequence, position, tokens, total, dw):
+    """Terms and logit gradients of ``sum(weights * dw) + sum(terms)``: the routing weights' and the
+    probabilities' (dP) gradients through one router backward each."""
+    logits = [x.clone().requires_grad_() for x in logits]
+    routed = [moe_router(x, 2, True, return_probs=True) for x in logits]
+    terms = moe_balance_loss(
+        [r[2] for r in routed], [r[1] for r in routed], sequence, position, tokens, total
+    )
+    loss = terms.sum() + sum((r[0] * d).sum() for r, d in zip(routed, dw, strict=True))
+    return terms, torch.autograd.grad(loss, logits), [r[1] for r in routed]
+
+
+def test_balance_loss_matches_the_fp64_reference_with_gradients():
+    logits, sequence, position, tokens, total = _balance_inputs()
+    dw = [torch.randn(20, 2, generator=torch.Generator().manual_seed(7)) for _ in range(2)]
+    terms, grads, indices = _balance_run(logits, sequence, position, tokens, total, dw)
+    ref_logits = [x.double().requires_grad_() for x in logits]
+    ref_terms = moe_balance_loss_reference(ref_logits, indices, sequence, tokens, total)
+    routed = [router_topk_reference(x, 2, True) for x in ref_logits]
+    assert all(torch.equal(r[1], i) for r, i in zip(routed, indices, strict=True))
+    ref_loss = ref_terms.sum() + sum((r[0] * d.double()).sum() for r, d in zip(routed, dw, strict=True))
+    ref_grads = torch.autograd.grad(ref_loss, ref_logits, retain_graph=True)
+    torch.testing.assert_close(terms.double(), ref_terms, rtol=1e-6, atol=0)
+    assert ref_terms.min() > 0.1
+    aux_only = torch.autograd.grad(ref_terms.sum(), ref_logits)
+    assert min(g.abs().max() for g in aux_only) > 1e-3  # the dP part is a real share of the gradient
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-5, atol=1e-6)
+
+
+def test_balance_loss_of_a_sequence_does_not_depend_on_the_others():
+    """Sequence 1 alone, at offset 0 and without sequences 0 and 2: its term and its tokens' logit
+    gradients bitwise (another position in the call, another number of sequences)."""
+    logits, sequence, position, tokens, total = _balance_inputs()
+    dw = [torch.randn(20, 2, generator=torch.Generator().manual_seed(7)) for _ in range(2)]
+    terms, grads, _ = _balance_run(logits, sequence, position, tokens, total, dw)
+    rows = slice(7, 15)
+    alone = _balance_run(
+        [x[rows] for x in logits], torch.zeros(8, dtype=torch.int64), position[rows], tokens[1:2], total,
+        [d[rows] for d in dw],
+    )  # fmt: skip
+    assert_bitwise_equal(alone[0], terms[1:2], "term of sequence 1 alone")
+    for layer, (got, want) in enumerate(zip(alone[1], grads, strict=True)):
+        assert_bitwise_equal(got, want[rows], f"layer {layer}: logit gradient of sequence 1 alone")
+
+
+def test_router_without_return_probs_is_unchanged_by_a_zero_dp():
+    """The probabilities' path with an all-zero dP and the plain path: the same logit gradient."""
+    torch.manual_seed(2)
+    logits = torch.randn(19, 8, requires_grad=True)
+    g = torch.randn(19, 2)
+    weights, _ = moe_router(logits, 2)
+    (plain,) = torch.autograd.grad(weights, logits, g)
+    weights, _, probs = moe_router(logits, 2, return_probs=True)
+    torch.testing.assert_close(probs, torch.softmax(logits.detach(), -1), rtol=1e-6, atol=1e-7)
+    (with_dp,) = torch.autograd.grad((weights, probs), logits, (g, torch.zeros(19, 8)))
+    assert_bitwise_equal(with_dp, plain, "zero dP")
 
 
 # ---------------------------------------------------------------- experts
@@ -225,17 +298,64 @@ def test_converted_moe_block_rows_are_batch_invariant():
     assert_bitwise_equal(block(x.flip(0)), whole.flip(0), "the sequences reversed")
 
 
-def test_convert_refuses_the_aux_loss_and_other_moe_families():
-    with pytest.raises(det_train.ConversionError) as info:
-        det_train.convert(transformers.Qwen3MoeForCausalLM(_config(output_router_logits=True)))
-    ((name, cls, reason),) = info.value.problems
-    assert (name, cls) == ("", "Qwen3MoeForCausalLM")
-    assert reason.startswith("config.output_router_logits=True adds the load-balancing auxiliary loss")
-    model = _model()
-    ids = torch.zeros(1, 4, dtype=torch.int64)
-    with pytest.raises(ValueError, match="output_router_logits=True asks for the load-balancing"):
-        model(input_ids=ids, output_router_logits=True)
+def test_converted_qwen3_moe_aux_loss_split_bitwise():
+    """The load-balancing loss on (coefficient 0.5): 3 sequences of 8 tokens in one micro-batch, in
+    three (cuts at 8 and 16, inside leaves of 12) and in one again: every gradient bitwise; each
+    sequence's aux term the same bits, so the three calls' aux_loss add up to the whole call's."""
+    model = _model(output_router_logits=True, router_aux_loss_coef=0.5)
+    ids = torch.randint(0, 128, (3, 8), generator=torch.Generator().manual_seed(1))
+    whole_out, split_out = [], []
+    whole = split_grads(model, ids, [(0, 3)], leaf=12, outputs=whole_out)
+    split = split_grads(model, ids, [(0, 1), (1, 1), (2, 1)], leaf=12, outputs=split_out)
+    again = split_grads(model, ids, [(0, 3)], leaf=12)
+    for name, grad in whole.items():
+        assert grad is not None and grad.abs().sum() > 0, name
+        assert_bitwise_equal(split[name], grad, f"{name}: 1 vs 3 micro-batches")
+        assert_bitwise_equal(again[name], grad, f"{name}: run to run")
+    (out,) = whole_out
+    parts = [o.aux_loss for o in split_out]
+    assert_bitwise_equal((parts[0] + parts[1]) + parts[2], out.aux_loss, "aux_loss: 1 vs 3 micro-batches")
+    assert len(out.router_logits) == 2 and out.router_logits[0].shape == (24, 4)
+    # the value is the fp64 reference of the definition on the recorded logits
+    indices = [router_topk_reference(x, 2, True, torch.float32)[1] for x in out.router_logits]
+    sequence = torch.arange(3).repeat_interleave(8)
+    ref = moe_balance_loss_reference(out.router_logits, indices, sequence, torch.tensor([7] * 3), 21)
+    torch.testing.assert_close(out.aux_loss.double(), ref.sum(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(sum(o.loss for o in split_out), out.loss, rtol=1e-6, atol=0)
 
+
+def test_converted_aux_loss_of_one_sequence_is_transformers():
+    """One sequence (num_items_in_batch its predicted tokens): aux_loss is transformers'
+    load_balancing_loss_func on the same router logits, and the loss its cross-entropy plus
+    router_aux_loss_coef times it."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    model = _model(output_router_logits=True, router_aux_loss_coef=0.25)
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = model(input_ids=ids, labels=ids, num_items_in_batch=15)
+        plain = model(input_ids=ids, labels=ids, num_items_in_batch=15, output_router_logits=False)
+        tuple_out = model(ids, labels=ids, num_items_in_batch=15, return_dict=False)
+    hf = load_balancing_loss_func(tuple(x.double() for x in out.router_logits), 4, 2, None)
+    torch.testing.assert_close(out.aux_loss.double(), hf.double(), rtol=1e-6, atol=0)
+    assert plain.aux_loss is None
+    torch.testing.assert_close(out.loss, plain.loss + 0.25 * out.aux_loss, rtol=1e-6, atol=0)
+    assert_bitwise_equal(tuple_out[0], out.loss, "return_dict=False: the loss first")
+    assert_bitwise_equal(tuple_out[1], out.aux_loss, "return_dict=False: then aux_loss")
+
+
+def test_converted_aux_loss_needs_num_items_in_a_micro_batch():
+    model = _model(output_router_logits=True)
+    ids = torch.zeros(1, 4, dtype=torch.int64)
+    acc = CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=24)
+    with (
+        pytest.raises(ValueError, match="the call needs num_items_in_batch"),
+        acc.micro_batch(token_offset=0),
+    ):
+        model(input_ids=ids)  # no labels: no cross-entropy, the aux loss's weights alone
+
+
+def test_convert_refuses_other_moe_families():
     with pytest.raises(det_train.ConversionError) as info:
         det_train.convert(transformers.Qwen3MoeForCausalLM(_config(hidden_act="gelu")))
     assert [(n, r) for n, _, r in info.value.problems] == [

@@ -19,7 +19,8 @@ modules it cannot convert that would break the invariances (unless allowed):
 - transformers' ``Conv1D`` (GPT-2) -> ``det_train.Conv1D``;
 - a transformers causal LM's ``loss_function`` -> ``det_train.causal_lm_loss``;
 - Qwen3-MoE's experts and router -> ``integrations/moe.py``'s ``MoeExperts`` / ``MoeTopKRouter`` (other
-  families' MoE layers and the load-balancing auxiliary loss are refused there);
+  families' MoE layers are refused there), and its load-balancing auxiliary loss -> det_train's
+  sequence-wise one (``integrations/moe_aux_loss.py``);
 - a model with a learned position embedding ``wpe`` (GPT-2) gets a forward pre-hook that passes
   ``position_ids`` of the batch's shape when the caller passes none (``_batch_position_ids``).
 
@@ -640,5 +641,5 @@ def convert(model: nn.Module, *, strict: bool = True, allow: Iterable = ()) -> n
         if _wants_batch_positions(module) and not getattr(module, "_det_train_batch_positions", False):
             module.register_forward_pre_hook(_batch_position_ids, with_kwargs=True)
             module._det_train_batch_positions = True  # a second convert adds no second hook
-    moe.install_hooks(model)  # a converted MoE causal LM refuses output_router_logits=True at call time
+    moe.install_hooks(model)  # a converted MoE causal LM: det_train's sequence-wise aux loss
     return model

@@ -8,11 +8,15 @@ bf16 logits, ``moe_router`` for the fp32 softmax, top-k and renormalisation). Th
 them (``Qwen3MoeSparseMoeBlock``: a reshape, the router, the experts) has no parameters and stays; so do
 the dense ``Qwen3MoeMLP`` layers (``mlp_only_layers``, ``decoder_sparse_step``), whose Linears convert.
 
-Refused (``ConversionError``, naming the module): the load-balancing auxiliary loss
-(``config.output_router_logits=True``; at call time ``output_router_logits=True`` raises), whose
-batch-level product of means (Switch Transformer's) depends on the micro-batch split; experts that are
-not the concatenated, bias-free, SiLU-gated layout; other families' experts and routers (Mixtral,
-OLMoE, Qwen2-MoE's shared experts, ...), named as such.
+The load-balancing auxiliary loss (``output_router_logits=True``, ``router_aux_loss_coef``) is
+det_train's sequence-wise one (``moe_aux_loss``, ``det_train.ops.moe_balance_loss``): transformers'
+batch-level product of means (Switch Transformer's) would make the gradients depend on the
+micro-batch split, so each sequence's loss is taken on its own and weighted by its share of
+``num_items_in_batch``.
+
+Refused (``ConversionError``, naming the module): experts that are not the concatenated, bias-free,
+SiLU-gated layout; other families' experts and routers (Mixtral, OLMoE, Qwen2-MoE's shared experts,
+...), named as such.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from torch import nn
 from ..ops.linear import linear
 from ..ops.moe_experts import moe_experts
 from ..ops.moe_router import moe_router
+from . import moe_aux_loss
 
 __all__ = ["DETERMINISTIC", "MoeExperts", "MoeTopKRouter", "install_hooks", "replacement"]
 
@@ -61,7 +66,9 @@ class MoeTopKRouter(nn.Module):
     The logits are ``det_train.linear(hidden_states, weight)`` in the model's dtype (the GEMM HF's router
     runs in bf16, here batch invariant, fp32 accumulation rounded once); softmax, top-k and the
     renormalisation (``norm_topk_prob``) are fp32 in ``moe_router``, the weights rounded once to the
-    logits' dtype. Raises what ``linear`` and ``moe_router`` raise.
+    logits' dtype. While its causal LM's call asks for the load-balancing loss (``moe_aux_loss``), it
+    also records its logits, fp32 probabilities (``moe_router(..., return_probs=True)``) and experts
+    for that loss. Raises what ``linear`` and ``moe_router`` raise.
 
     **Determinism:** row invariant (a token's routing depends only on its own hidden state); ties among
     equal probabilities go to the lower expert index; the router weight's gradient is ``linear``'s,
@@ -73,7 +80,12 @@ class MoeTopKRouter(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
         logits = linear(hidden_states, self.weight)
-        weights, indices = moe_router(logits, self.top_k, self.norm_topk_prob)
+        record = getattr(self, "_det_train_aux_record", None)  # a list while the aux loss is asked for
+        if record is None:
+            weights, indices = moe_router(logits, self.top_k, self.norm_topk_prob)
+        else:
+            weights, indices, probs = moe_router(logits, self.top_k, self.norm_topk_prob, return_probs=True)
+            record.append((self, logits, probs, indices))
         return logits, weights, indices
 
 
@@ -110,19 +122,6 @@ def _moe_like(module: nn.Module) -> bool:
     return bool(own) and (name.endswith("Router") or name.endswith("TopKRouter") or name.endswith("MoeGate"))
 
 
-def _aux_loss_problem(module: nn.Module) -> str | None:
-    """The load-balancing loss of a transformers MoE causal LM, when its config turns it on."""
-    config = getattr(module, "config", None)
-    if not hasattr(module, "router_aux_loss_coef") or not getattr(config, "output_router_logits", False):
-        return None
-    return (
-        "config.output_router_logits=True adds the load-balancing auxiliary loss (Switch Transformer's "
-        "batch-level product of means: fraction of tokens per expert times mean router probability over "
-        "the micro-batch), which is not split-invariant and is not supported: build the model with "
-        "output_router_logits=False (router_aux_loss_coef then plays no part)"
-    )
-
-
 def replacement(module: nn.Module, rebuilt) -> nn.Module | str | None:
     """``convert``'s MoE rule: the det_train replacement of ``module``, a reason it cannot be converted,
     or None when it is no MoE part (``convert``'s other rules then apply).
@@ -147,33 +146,15 @@ def replacement(module: nn.Module, rebuilt) -> nn.Module | str | None:
             f"a mixture-of-experts layer of a family det_train does not convert ({type(module).__module__}): "
             f"{_SUPPORTED}; register_conversion(...) a det_train equivalent"
         )
-    return _aux_loss_problem(module)
-
-
-def _refuse_router_logits(module: nn.Module, args: tuple, kwargs: dict):
-    """Forward pre-hook of a converted MoE causal LM: a call that asks for the auxiliary loss raises."""
-    asked = kwargs.get("output_router_logits")
-    if asked is None:
-        asked = getattr(module.config, "output_router_logits", False)
-    if asked:
-        raise ValueError(
-            f"{type(module).__name__}: output_router_logits=True asks for the load-balancing auxiliary loss, "
-            "which det_train does not support (its batch-level product of means depends on the micro-batch "
-            "split): call the model with output_router_logits=False and config.output_router_logits=False"
-        )
     return None
 
 
 def install_hooks(model: nn.Module) -> None:
-    """Give every converted MoE causal LM in ``model`` the pre-hook that refuses ``output_router_logits``
-    (once per module). Raises nothing.
+    """Give every converted MoE causal LM in ``model`` det_train's sequence-wise load-balancing loss
+    in place of transformers' (``moe_aux_loss``: hooks that take effect when a call asks for router
+    logits), once per module. Raises nothing.
 
-    **Determinism:** a check at call time; it computes nothing.
+    **Determinism:** as ``det_train.ops.moe_balance_loss``: split-invariant per sequence.
     """
-    has_moe = any(isinstance(m, DETERMINISTIC) for m in model.modules())
-    if not has_moe:
-        return
-    for module in model.modules():
-        if hasattr(module, "router_aux_loss_coef") and not getattr(module, "_det_train_no_aux_loss", False):
-            module.register_forward_pre_hook(_refuse_router_logits, with_kwargs=True)
-            module._det_train_no_aux_loss = True
+    if any(isinstance(m, DETERMINISTIC) for m in model.modules()):
+        moe_aux_loss.install(model, MoeTopKRouter)

@@ -12,7 +12,9 @@ Why kernels of ours: each token's row is reduced on its own (an fp32 softmax wit
 shape, k rounds of "largest probability, lowest index among equals", the renormalisation summed in
 slot order), so a row's result never depends on the other rows or on their number (torch's reductions
 choose their order by the tensor's shape; ``torch.topk`` does not say which of equal values it
-returns). The backward recomputes the probabilities from the saved logits.
+returns). The backward recomputes the probabilities from the saved logits. With ``return_probs``
+the forward also stores every expert's fp32 probability, and the backward takes their gradient
+(``dP``, from the load-balancing loss) into the same row kernel.
 """
 
 from __future__ import annotations
@@ -49,11 +51,13 @@ def _softmax_rows(logits, first, T, stride, E, ROWS: tl.constexpr, BLOCK_E: tl.c
 
 @triton.jit
 def _router_fwd_kernel(
-    logits, weights, indices, T, E, stride_l, K: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    logits, weights, indices, probs, T, E, stride_l, K: tl.constexpr, NORM: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, STORE_P: tl.constexpr,
 ):  # fmt: skip
     first = tl.program_id(0).to(tl.int64) * ROWS
     p, rows, cols, mask = _softmax_rows(logits, first, T, stride_l, E, ROWS, BLOCK_E)
+    if STORE_P:  # the fp32 probabilities, for a loss on them (the load-balancing loss)
+        tl.store(probs + rows[:, None] * E + cols[None, :], p, mask=mask)
     avail = tl.where(mask, p, -1.0)  # probabilities are >= 0: -1 marks taken / padding columns
     slots = tl.arange(0, BLOCK_K)
     top_v = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
@@ -77,8 +81,8 @@ def _router_fwd_kernel(
 
 @triton.jit
 def _router_bwd_kernel(
-    logits, indices, d_weights, d_logits, T, E, stride_l, K: tl.constexpr, NORM: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
+    logits, indices, d_weights, d_probs, d_logits, T, E, stride_l, K: tl.constexpr, NORM: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_E: tl.constexpr, HAS_DP: tl.constexpr,
 ):  # fmt: skip
     first = tl.program_id(0).to(tl.int64) * ROWS
     p, rows, cols, mask = _softmax_rows(logits, first, T, stride_l, E, ROWS, BLOCK_E)
@@ -101,6 +105,8 @@ def _router_bwd_kernel(
         if NORM:
             g = g / total - dot / (total * total)
         dp = tl.where(cols[None, :] == pick[:, None], g[:, None], dp)
+    if HAS_DP:  # the probabilities' own gradient (a loss on them), added once in fp32
+        dp = dp + tl.load(d_probs + rows[:, None] * E + cols[None, :], mask=mask, other=0.0)
     # softmax: dz_i = p_i (dp_i - sum_e dp_e p_e)
     dz = p * (dp - tl.sum(dp * p, 1)[:, None])
     tl.store(d_logits + rows[:, None] * E + cols[None, :], dz, mask=mask)
@@ -116,41 +122,53 @@ def _blocks(e: int, k: int) -> tuple[int, int]:
 
 class _Router(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, top_k: int, norm: bool):
+    def forward(ctx, logits: torch.Tensor, top_k: int, norm: bool, return_probs: bool):
         t, e = logits.shape
         weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
         indices = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
+        probs = torch.empty((t, e) if return_probs else (0,), dtype=torch.float32, device=logits.device)
         if t:
             block_e, block_k = _blocks(e, top_k)
             launch(
-                _router_fwd_kernel, _grid(t), logits, weights, indices, t, e, logits.stride(0),
-                K=top_k, NORM=norm, ROWS=_ROWS, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4,
+                _router_fwd_kernel, _grid(t), logits, weights, indices, probs if return_probs else weights,
+                t, e, logits.stride(0), K=top_k, NORM=norm, ROWS=_ROWS, BLOCK_E=block_e, BLOCK_K=block_k,
+                STORE_P=return_probs, num_warps=4,
             )  # fmt: skip
         ctx.save_for_backward(logits, indices)
-        ctx.top_k, ctx.norm = top_k, norm
+        ctx.top_k, ctx.norm, ctx.return_probs = top_k, norm, return_probs
         ctx.mark_non_differentiable(indices)
         # one rounding (nearest even, torch's cast on every device) from fp32, as HF's .to(logits.dtype)
-        return weights.to(logits.dtype), indices
+        if not return_probs:
+            return weights.to(logits.dtype), indices
+        # a gradient that never came is None (not zeros): no d_probs leaves the kernel's no-probs path
+        ctx.set_materialize_grads(False)
+        return weights.to(logits.dtype), indices, probs
 
     @staticmethod
-    def backward(ctx, d_weights: torch.Tensor, _d_indices):
+    def backward(ctx, d_weights: torch.Tensor | None, _d_indices, d_probs: torch.Tensor | None = None):
         runtime.check_first_order("det_train.moe_router")
         logits, indices = ctx.saved_tensors
         t, e = logits.shape
+        if d_weights is None:  # only with return_probs (no materialised zeros): weights unused
+            d_weights = torch.zeros((t, ctx.top_k), dtype=torch.float32, device=logits.device)
+        has_dp = d_probs is not None
+        if has_dp:
+            d_probs = d_probs.to(torch.float32).contiguous()
         d_logits = torch.empty((t, e), dtype=torch.float32, device=logits.device)
         if t:
             block_e, _ = _blocks(e, ctx.top_k)
             launch(
-                _router_bwd_kernel, _grid(t), logits, indices, d_weights.contiguous(), d_logits,
-                t, e, logits.stride(0), K=ctx.top_k, NORM=ctx.norm, ROWS=_ROWS, BLOCK_E=block_e, num_warps=4,
+                _router_bwd_kernel, _grid(t), logits, indices, d_weights.contiguous(),
+                d_probs if has_dp else d_logits, d_logits, t, e, logits.stride(0), K=ctx.top_k,
+                NORM=ctx.norm, ROWS=_ROWS, BLOCK_E=block_e, HAS_DP=has_dp, num_warps=4,
             )  # fmt: skip
-        return d_logits.to(logits.dtype), None, None
+        return d_logits.to(logits.dtype), None, None, None
 
 
 @torch.compiler.disable
 def moe_router(
-    logits: torch.Tensor, top_k: int, norm_topk_prob: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
+    logits: torch.Tensor, top_k: int, norm_topk_prob: bool = True, return_probs: bool = False
+) -> tuple[torch.Tensor, ...]:
     """A top-k router's routing weights and expert indices from its logits, row by row.
 
     Args:
@@ -159,25 +177,34 @@ def moe_router(
         top_k: experts per token, ``1 <= top_k <= E``.
         norm_topk_prob: divide the k chosen probabilities by their sum (transformers'
             ``config.norm_topk_prob``); else they are the softmax probabilities themselves.
+        return_probs: also return the fp32 probabilities of every expert (the load-balancing
+            loss's ``P``, ``det_train.ops.moe_balance_loss``).
 
     Returns:
         ``(weights (T, top_k) in logits.dtype, indices (T, top_k) int64)``: per token, in slot
         order, the experts of the largest probabilities ``p = softmax(fp32(logits))`` (ties: the
         lower expert index first) and their weights, computed in fp32 and rounded once. The weights
         are differentiable (the indices are not): the gradient flows through the renormalisation
-        and the softmax to the logits (fp32, rounded once to the logits' dtype).
+        and the softmax to the logits (fp32, rounded once to the logits' dtype). With
+        ``return_probs``, a third output ``probs (T, E)`` float32, ``softmax(fp32(logits))`` as the
+        kernel computed it, differentiable: its gradient (the "dP" of a loss on the probabilities)
+        is added in fp32 to the chosen weights' ``dL/dp`` in the same row kernel, before the
+        softmax's backward, so a token's logit gradient stays a function of its own row.
 
     Raises:
-        TypeError: ``logits`` not a tensor of a supported dtype, ``top_k`` not an int.
+        TypeError: ``logits`` not a tensor of a supported dtype, ``top_k`` not an int,
+            ``return_probs`` not a bool.
         ValueError: ``logits`` not 2-D with unit last stride, ``top_k`` out of range.
         RuntimeError: a device the kernels do not run on; a double backward.
 
     **Determinism:** bitwise run to run and row invariant: each token's row is reduced on its own
     over a fixed tile shape (16 rows x ``BLOCK_E``, the next power of two of E), so a token's weights,
-    indices and logit gradient depend only on its own logits (and its weights' gradient), never on
-    the other tokens or their number. Ties among equal probabilities go to the lower expert index
-    (``torch.topk`` promises no order among equal values). A NaN logit gives unspecified routing
-    for its token. Eager only: under ``torch.compile`` the call is a graph break
+    indices, probabilities and logit gradient depend only on its own logits (and its weights' and
+    probabilities' gradients), never on the other tokens or their number. Without
+    ``return_probs`` the kernels compile without the probabilities' store and add (constexpr
+    flags): the same bits as before the option existed. Ties among equal probabilities go to the
+    lower expert index (``torch.topk`` promises no order among equal values). A NaN logit gives
+    unspecified routing for its token. Eager only: under ``torch.compile`` the call is a graph break
     (``torch.compiler.disable``). Not equal to transformers' bits (its softmax and sum orders are
     torch's), nor across GPU models / Triton versions (the ``exp`` lowering).
 
@@ -197,7 +224,9 @@ def moe_router(
         )
     if isinstance(top_k, bool) or not isinstance(top_k, int):
         raise TypeError(f"moe_router: top_k must be an int, got {type(top_k).__name__}")
+    if not isinstance(return_probs, bool):
+        raise TypeError(f"moe_router: return_probs must be a bool, got {type(return_probs).__name__}")
     if not 1 <= top_k <= logits.shape[1]:
         raise ValueError(f"moe_router: top_k must be in [1, {logits.shape[1]}] (the experts), got {top_k}")
     runtime.check_kernel_device(logits, op="moe_router")
-    return _Router.apply(logits, top_k, bool(norm_topk_prob))
+    return _Router.apply(logits, top_k, bool(norm_topk_prob), return_probs)
