@@ -381,19 +381,29 @@ def test_convert_refuses_other_moe_families():
 
 
 @pytest.mark.gpu
-def test_gpu_qwen3_moe_split_bitwise_at_a_realistic_size():
+@pytest.mark.parametrize("aux_loss", [False, True], ids=["no-aux", "aux-loss"])
+def test_gpu_qwen3_moe_split_bitwise_at_a_realistic_size(aux_loss):
     """Qwen3-MoE, hidden 1024, 4 layers (16 query, 8 KV heads of 64), 16 experts of 512, top 4: 4
-    sequences of 1024 tokens in one micro-batch and in four, leaves of 1536 tokens (cuts inside)."""
+    sequences of 1024 tokens in one micro-batch and in four, leaves of 1536 tokens (cuts inside);
+    without and with the sequence-wise load-balancing loss (coefficient 0.01)."""
     model = _model(
         device="cuda", hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512,
         num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8, num_experts=16,
         num_experts_per_tok=4, max_position_embeddings=1024, vocab_size=4096,
+        output_router_logits=aux_loss, router_aux_loss_coef=0.01,
     )  # fmt: skip
     ids = torch.randint(0, 4096, (4, 1024), generator=torch.Generator().manual_seed(1)).cuda()
-    whole = split_grads(model, ids, [(0, 4)], leaf=1536)
-    split4 = split_grads(model, ids, [(0, 1), (1, 1), (2, 1), (3, 1)], leaf=1536)  # 1024, 3072 inside leaves
+    whole_out, split_out = [], []
+    whole = split_grads(model, ids, [(0, 4)], leaf=1536, outputs=whole_out)
+    splits = [(0, 1), (1, 1), (2, 1), (3, 1)]  # cuts at 1024 and 3072: inside leaves
+    split4 = split_grads(model, ids, splits, leaf=1536, outputs=split_out)
     again = split_grads(model, ids, [(0, 4)], leaf=1536)
     for name, grad in whole.items():
         assert grad is not None and grad.abs().sum() > 0, name
         assert_bitwise_equal(split4[name], grad, f"{name}: 1 vs 4 micro-batches")
         assert_bitwise_equal(again[name], grad, f"{name}: run to run")
+    if aux_loss:  # each sequence's term has the same bits in any split
+        parts = [o.aux_loss for o in split_out]
+        summed = ((parts[0] + parts[1]) + parts[2]) + parts[3]
+        assert float(whole_out[0].aux_loss) > 0
+        assert_bitwise_equal(summed, whole_out[0].aux_loss, "aux_loss: 1 vs 4 micro-batches")
