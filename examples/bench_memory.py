@@ -140,32 +140,31 @@ def model_rows(
     """The rows of one model: per micro-batch count dividing the batch, torch then the two det setups.
 
     ``torch_context`` (a no-argument callable giving a context manager) surrounds torch's rows (the
-    benchmark's SDPA backend). Everything of a row is freed before the next (its step, ``gc``,
-    ``empty_cache``); ``allocated_before_gib`` shows what was still allocated when a row started.
+    benchmark's SDPA backend). Each row starts after ``gc.collect()`` and ``empty_cache()``: the
+    previous row's step is gone; ``allocated_before_gib`` shows what was still allocated then.
     """
+    setups = ((TORCH, torch_cfg, None), (DET_FP32, det_cfg, None), (DET_BF16, det_cfg, torch.bfloat16))
     rows = []
     for mb in counts:
         if det_cfg.batch_seqs % mb:
             print(f"{model}: {mb} micro-batches skipped (batch of {det_cfg.batch_seqs})", flush=True)
             continue
-        setups = ((TORCH, torch_cfg, None), (DET_FP32, det_cfg, None), (DET_BF16, det_cfg, torch.bfloat16))
         group = []
         for name, cfg, state_dtype in setups:
             cfg = dataclasses.replace(cfg, micro_batch_seqs=cfg.batch_seqs // mb)
-            before = meter.allocated() / GIB
-            context = (
-                torch_context() if torch_context and cfg.kernels == "torch" else contextlib.nullcontext()
-            )
-            with context:
-                row = measure_row(cfg, mb, state_dtype, device, meter)
-            gc.collect()  # the step, its model and optimizer went with measure_row's frame
+            gc.collect()  # the previous row's step (model, optimizer, accumulator) went with its frame
             meter.empty_cache()
-            group.append({"model": model, "micro_batches": mb, "optimizer": name, **row})
-            group[-1]["allocated_before_gib"] = before
+            row = {"model": model, "micro_batches": mb, "optimizer": name}
+            row["allocated_before_gib"] = meter.allocated() / GIB
+            use_torch_context = torch_context is not None and cfg.kernels == "torch"
+            with torch_context() if use_torch_context else contextlib.nullcontext():
+                row.update(measure_row(cfg, mb, state_dtype, device, meter))
             print(f"{model}, {mb} micro-batches, {name}: {row}", flush=True)
-        ref = group[0]["peak_gib"]
+            group.append(row)
         for row in group:
-            row["peak_over_torch"] = None if row["optimizer"] == TORCH else row["peak_gib"] / ref
+            row["peak_over_torch"] = (
+                None if row["optimizer"] == TORCH else row["peak_gib"] / group[0]["peak_gib"]
+            )
         rows += group
     return rows
 
