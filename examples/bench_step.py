@@ -22,11 +22,14 @@ rate; the det graph also copies ``acc.reduce``'s gradients into static buffers b
 ``AdamWSR.step``, whose launch tables are keyed by the gradients' addresses).
 
 ``--counts 2,4,8,16,32`` times the eager and CUDA-graph rows at each micro-batch count of the same
-global batch, with each step's peak memory (``--model 0.4b --batch 16`` for the 0.4 B width).
+global batch, with each step's peak memory (``--model 0.4b --batch 16`` for the 0.4 B width), and
+the eager step's host time and kernel launches (examples/step_costs.py; measured on new steps once
+every timed row is done, so that nothing is timed or captured after the profiler ran).
 ``--compile`` times the det step with its model under ``torch.compile`` (Inductor, fullgraph; the
 det ops are opaque custom ops; ``acc.micro_batch``, ``backward``, ``acc.reduce`` and the optimizer
 stay eager), the eager det step and torch's compiled step at each of ``--compile-micro-batches``,
-then checks that the compiled det model gives the eager det model's bits (2 steps, every weight).
+then checks that the compiled det model gives the eager det model's bits (2 steps, every weight);
+its rows also give host time and launches per step. examples/bench_memory.py: the step's memory.
 
 Timed with ``triton.testing.do_bench`` (median, side by side in this process). A graph whose capture
 fails is reported in its row and the other rows are still measured. Writes

@@ -92,8 +92,9 @@ def kernel_launches(fn: Callable[[], None], device_type: str = "cuda") -> int:
 
     cuda = device_type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     sync()
-    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+    with profile(activities=activities) as prof:
         fn()
         sync()
     with tempfile.TemporaryDirectory() as tmp:
