@@ -108,4 +108,4 @@ def kernel_launches(fn: Callable[[], None], device_type: str = "cuda") -> int:
 
 def count_kernels(trace: dict) -> int:
     """The kernel events (category ``"kernel"``, one per launch) of a chrome trace's ``traceEvents``."""
-    return sum(1 for event in trace.get("traceEvents", []) if event.get("cat") == "kernel")
+    return sum(1 for event in trace.get("traceEvents", []) if str(event.get("cat", "")).lower() == "kernel")
