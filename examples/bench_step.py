@@ -22,11 +22,14 @@ rate; the det graph also copies ``acc.reduce``'s gradients into static buffers b
 ``AdamWSR.step``, whose launch tables are keyed by the gradients' addresses).
 
 ``--counts 2,4,8,16,32`` times the eager and CUDA-graph rows at each micro-batch count of the same
-global batch, with each step's peak memory (``--model 0.4b --batch 16`` for the 0.4 B width).
+global batch, with each step's peak memory (``--model 0.4b --batch 16`` for the 0.4 B width), and
+the eager step's host time and kernel launches (examples/step_costs.py; measured on new steps once
+every timed row is done, so that nothing is timed or captured after the profiler ran).
 ``--compile`` times the det step with its model under ``torch.compile`` (Inductor, fullgraph; the
 det ops are opaque custom ops; ``acc.micro_batch``, ``backward``, ``acc.reduce`` and the optimizer
 stay eager), the eager det step and torch's compiled step at each of ``--compile-micro-batches``,
-then checks that the compiled det model gives the eager det model's bits (2 steps, every weight).
+then checks that the compiled det model gives the eager det model's bits (2 steps, every weight);
+its rows also give host time and launches per step. examples/bench_memory.py: the step's memory.
 
 Timed with ``triton.testing.do_bench`` (median, side by side in this process). A graph whose capture
 fails is reported in its row and the other rows are still measured. Writes
@@ -49,6 +52,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_gpt as tg  # noqa: E402  (the package sources come from PYTHONPATH: nox -s bench)
+from step_costs import HOST_NOTE, host_ms, kernel_launches, profile_step  # noqa: E402
 
 EAGER, EAGER_1T, GRAPH = "eager", "eager, backward on the calling thread", "CUDA graph"
 # --model: shape overrides of the gpu preset (0.4b: 411 M params, SwiGLU width 2.75 x d_model)
@@ -66,6 +70,7 @@ class Step:
     x: torch.Tensor  # the batch the step reads (static inputs of a captured step)
     y: torch.Tensor
     model: torch.nn.Module
+    opt: torch.optim.Optimizer
 
 
 def make_step(
@@ -75,6 +80,8 @@ def make_step(
     *,
     graph: bool = False,
     compile_options: dict | None = None,
+    state_dtype: torch.dtype | None = None,
+    probe: Callable[[str], None] | None = None,
 ) -> Step:
     """A closure running one full training step of ``cfg`` (det or torch), and its tokens per step.
 
@@ -83,7 +90,16 @@ def make_step(
     (keyed by tensor addresses) are valid during capture. Gradient values are unchanged.
     ``compile_options`` (``torch.compile`` keyword arguments) runs the model's forward (and so its
     backward) compiled; the accumulator's micro-batches, ``reduce`` and the optimizer stay eager.
+    ``state_dtype`` stores AdamWSR's moments in that dtype (its param groups' ``state_dtype``;
+    default: the optimizer's fp32). ``probe`` is called on the host at the step's points (memory
+    readings, examples/bench_memory.py): ``"start"`` (``p.grad`` None), ``"backward"`` (after the last
+    micro-batch's backward), ``"reduced"`` (det: after ``acc.reduce``), ``"end"`` (after ``zero_grad``).
+
+    Raises:
+        ValueError: ``state_dtype`` with the torch optimizer (its states take the params' dtype).
     """
+    if state_dtype is not None and cfg.optimizer != "adamw_sr":
+        raise ValueError(f"state_dtype is AdamWSR's option; cfg.optimizer is {cfg.optimizer!r}")
     model = tg.build_model(cfg, device)
     run = model if compile_options is None else torch.compile(model, **compile_options)
     # CUDA-graph trees (mode="reduce-overhead") start a generation once per training step: marked
@@ -92,6 +108,9 @@ def make_step(
     mark_step = (compile_options or {}).get("mode") in ("reduce-overhead", "max-autotune")
     # capturable (step counts on the device) is for CUDA: both optimizers refuse it for CPU params
     opt = tg.build_optimizer(cfg, model, capturable=graph and torch.device(device).type == "cuda")
+    if state_dtype is not None:  # AdamWSR reads its groups' values at each step
+        for group in opt.param_groups:
+            group["state_dtype"] = state_dtype
     acc = None
     if cfg.kernels == "det":
         import det_train
@@ -104,10 +123,12 @@ def make_step(
     n_tokens = cfg.batch_seqs * cfg.seq_len
     params = list(model.parameters())
     grad_buffers = [torch.empty_like(p) for p in params] if graph and acc is not None else None
+    note = probe or (lambda point: None)
 
     def step():
         if mark_step:
             torch.compiler.cudagraph_mark_step_begin()
+        note("start")
         for m in range(micro_batches):
             xs, ys = x[m * per : (m + 1) * per], y[m * per : (m + 1) * per]
             if acc is None:
@@ -115,16 +136,19 @@ def make_step(
             else:
                 with acc.micro_batch(token_offset=m * per * cfg.seq_len):
                     run(xs, ys, num_global_tokens=n_tokens)[1].backward()
+        note("backward")
         if acc is not None:
             acc.reduce(total_tokens=n_tokens)
+            note("reduced")
             if grad_buffers is not None:
                 torch._foreach_copy_(grad_buffers, [p.grad for p in params])
                 for p, g in zip(params, grad_buffers, strict=True):
                     p.grad = g
         opt.step()
         opt.zero_grad(set_to_none=True)
+        note("end")
 
-    return Step(step, n_tokens, x, y, model)
+    return Step(step, n_tokens, x, y, model, opt)
 
 
 class GraphStepError(RuntimeError):
@@ -217,46 +241,30 @@ def _sdpa_backend():
     raise RuntimeError("neither the cuDNN nor the flash SDPA backend runs on this GPU")
 
 
-def profile_step(step, steps: int = 3, top: int = 30) -> str:
-    """Host wall time per step against device busy time, and the ops with the most device time."""
-    import time
+def _cost_or_none(cost: Callable, fn: Callable[[], None], where: str):
+    """``cost(fn)``, or None when it fails (printed: a missing cost must not lose the timed row)."""
+    try:
+        return cost(fn)
+    except Exception as exc:  # a benchmark: report the failure, keep the other numbers
+        print(f"## {cost.__name__}, {where}: {_describe(exc)}", flush=True)
+        return None
 
-    from torch.profiler import ProfilerActivity, profile
 
-    step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    host_ms = (time.perf_counter() - t0) / steps * 1e3  # python returns before the GPU finishes...
-    torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - t0) / steps * 1e3  # ...so launch-bound when host_ms ~ wall_ms
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    events = prof.key_averages()
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-    device_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
-    import cProfile
-    import io
-    import pstats
+def eager_cost(cfg: tg.TrainConfig, micro_batches: int, backend, cost: Callable, warmup: int = 3):
+    """``cost(step)`` (``host_ms`` or ``kernel_launches``) of a new eager step of ``cfg`` after
+    ``warmup`` steps, or None when it fails (printed: a missing cost must not lose the timed rows)."""
+    from torch.nn.attention import sdpa_kernel
 
-    host = cProfile.Profile()
-    host.enable()
-    for _ in range(steps):
-        step()
-    host.disable()
-    torch.cuda.synchronize()
-    text = io.StringIO()
-    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(35)
-    table = events.table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=60)
-    by_cpu = events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60)
-    return (
-        f"host {host_ms:.1f} ms/step to enqueue, wall {wall_ms:.1f} ms/step, "
-        f"device busy {device_ms:.1f} ms/step (sum of kernel times)\n{table}\n{by_cpu}\n"
-        f"python functions by own time ({steps} steps):\n{text.getvalue()}"
-    )
+    where = f"{cfg.kernels}, {micro_batches} micro-batches"
+    try:
+        with sdpa_kernel([backend]) if cfg.kernels == "torch" else contextlib.nullcontext():
+            s = make_step(cfg, micro_batches, torch.device("cuda"))
+            for _ in range(warmup):
+                s.run()
+            return cost(s.run)
+    except Exception as exc:  # a benchmark: report the failure, keep the other numbers
+        print(f"## {cost.__name__}, {where}: {_describe(exc)}", flush=True)
+        return None
 
 
 def measure(name: str, cfg: tg.TrainConfig, mode: str, args, backend) -> dict:
@@ -308,6 +316,11 @@ def _compile_options(args) -> dict:
     return options
 
 
+def _graph_trees(args) -> bool:
+    """Whether ``--compile-mode`` runs the compiled steps as CUDA-graph trees."""
+    return args.compile_mode in ("reduce-overhead", "max-autotune")
+
+
 def _inductor_casts(args, cfg: tg.TrainConfig):
     """Inductor rounds the bf16 intermediates of the det model's torch ops (residual adds, SiLU,
     products) as eager does (``emulate_precision_casts``), unless ``--no-emulate-precision-casts``;
@@ -325,7 +338,9 @@ def _time_compiled(name: str, cfg: tg.TrainConfig, micro_batches: int, compiled:
 
     mode = f"{COMPILED if compiled else EAGER}, {micro_batches} micro-batches"
     row = {"impl": name, "mode": mode, "micro_batches": micro_batches, "compiled": compiled}
-    row.update(ms_per_step=None, tokens_per_s=None, error=None, graph_breaks=None)
+    row.update(
+        ms_per_step=None, tokens_per_s=None, error=None, graph_breaks=None, host_ms=None, launches=None
+    )
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     try:
@@ -339,6 +354,9 @@ def _time_compiled(name: str, cfg: tg.TrainConfig, micro_batches: int, compiled:
                 ms = triton.testing.do_bench(
                     s.run, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median"
                 )
+                row["host_ms"] = _cost_or_none(host_ms, s.run, f"{name}, {mode}")
+                if not _graph_trees(args):  # CUDA-graph trees: a profiled replay of an earlier capture
+                    row["launches"] = _cost_or_none(kernel_launches, s.run, f"{name}, {mode}")
         row.update(ms_per_step=ms, tokens_per_s=s.n_tokens / ms * 1e3)
         if compiled:
             row["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
@@ -393,18 +411,24 @@ def compile_main(args, det_cfg, torch_cfg, n_params: int, backend) -> int:
     lines = [
         f"**{title}**",
         "",
-        "| implementation | mode | ms / step | tokens / s | time vs torch compiled (same micro-batches) |",
-        "|---|---|---|---|---|",
+        "| implementation | mode | ms / step | tokens / s | time vs torch compiled (same micro-batches) "
+        "| host ms / step | launches / step |",
+        "|---|---|---|---|---|---|---|",
     ]
     ref = {r["micro_batches"]: r["ms_per_step"] for r in rows if r["impl"] == torch_name}
     for r in rows:
         if r["error"] is not None:
-            lines.append(f"| {r['impl']} | {r['mode']} | {_cell(r['error'])} | - | - |")
+            lines.append(f"| {r['impl']} | {r['mode']} | {_cell(r['error'])} | - | - | - | - |")
             continue
         base = ref.get(r["micro_batches"])
         vs = f"{r['ms_per_step'] / base:.2f}x" if base else "-"
         mode = r["mode"] + (f" ({r['graph_breaks']} graph breaks)" if r["graph_breaks"] else "")
-        lines.append(f"| {r['impl']} | {mode} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {vs} |")
+        host = "-" if r["host_ms"] is None else f"{r['host_ms']:.1f}"
+        launches = "-" if r["launches"] is None else f"{r['launches']:,}"
+        lines.append(
+            f"| {r['impl']} | {mode} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {vs} "
+            f"| {host} | {launches} |"
+        )
     lines.append("")
     try:
         if not args.bits_check:
@@ -428,6 +452,15 @@ def compile_main(args, det_cfg, torch_cfg, n_params: int, backend) -> int:
         f"emulate_precision_casts={args.emulate_precision_casts}; compilation in "
         f"{args.compile_warmup} warm-up steps, not timed); micro-batch loop, backward() calls, "
         "gradient reduction and optimizer step eager.",
+        "",
+        HOST_NOTE.replace("one eager step", "one step")
+        + " Both measured in each row after its timing"
+        + (
+            "; launches not counted under CUDA-graph trees (a profiled replay of graphs captured "
+            "before the profiler ran)."
+            if _graph_trees(args)
+            else "."
+        ),
     ]
     table = "\n".join(lines)
     print(table)
@@ -458,7 +491,7 @@ def counts_main(args, det_cfg, torch_cfg, n_params: int, backend) -> int:
     counts = [int(c) for c in args.counts.split(",")]
     det_name, torch_name = "det (ours)", f"torch ({backend.name}, cuBLAS, fused AdamW)"
     modes = [EAGER, GRAPH] if args.graph else [EAGER]
-    table_rows, raw = [], []
+    table_rows = []
     for mb in counts:
         if args.batch % mb:
             raise SystemExit(f"--batch {args.batch} is not a multiple of the micro-batch count {mb}")
@@ -469,10 +502,21 @@ def counts_main(args, det_cfg, torch_cfg, n_params: int, backend) -> int:
         for mode in modes:  # torch first in each mode: a det capture that fails cannot disturb it
             for name in (torch_name, det_name):
                 got[(name, mode)] = row = measure(name, cfgs[name], mode, args, backend)
-                raw.append({**row, "micro_batches": mb})
                 where = f"{mb} micro-batches, {name}, {mode}"
                 print(f"{where}: {row['ms_per_step']} ms, peak {row.get('peak_gib')} GiB", flush=True)
-        table_rows.append((mb, got))
+        table_rows.append((mb, got, cfgs))
+    # host times, then launches, on new eager steps after every timed row and capture: nothing is
+    # timed or captured after the profiler (CUPTI) has run in this process
+    for key, cost in (("host_ms", host_ms), ("launches", kernel_launches)):
+        for mb, got, cfgs in table_rows:
+            for name in (torch_name, det_name):
+                got[(name, EAGER)][key] = value = eager_cost(cfgs[name], mb, backend, cost)
+                torch.cuda.empty_cache()
+                print(f"{mb} micro-batches, {name}: {key} {value}", flush=True)
+    names = (torch_name, det_name)
+    raw = [
+        {**got[(n, mode)], "micro_batches": mb} for mb, got, _ in table_rows for mode in modes for n in names
+    ]
 
     def ms(row):
         return "-" if row["ms_per_step"] is None else f"{row['ms_per_step']:.1f}"
@@ -492,10 +536,10 @@ def counts_main(args, det_cfg, torch_cfg, n_params: int, backend) -> int:
     if args.graph:
         head += " det graph ms | torch graph ms | det / torch graph |"
         rule += "---|---|---|"
-    head += " det peak GiB | torch peak GiB |"
-    rule += "---|---|"
+    head += " det peak GiB | torch peak GiB | det host ms | torch host ms | det launches | torch launches |"
+    rule += "---|---|---|---|---|---|"
     lines = [f"**{title}**", "", head, rule]
-    for mb, got in table_rows:
+    for mb, got, _ in table_rows:
         cells = [str(mb)]
         for mode in modes:
             r = ratio(got, mode)
@@ -504,21 +548,27 @@ def counts_main(args, det_cfg, torch_cfg, n_params: int, backend) -> int:
                 ms(got[(torch_name, mode)]),
                 "-" if r is None else f"{r:.2f}x",
             ]
-        for name in (det_name, torch_name):
-            peak = got[(name, EAGER)].get("peak_gib")
-            cells.append("-" if peak is None else f"{peak:.2f}")
+        for key, form in (("peak_gib", "{:.2f}"), ("host_ms", "{:.1f}"), ("launches", "{:,}")):
+            for name in (det_name, torch_name):
+                value = got[(name, EAGER)].get(key)
+                cells.append("-" if value is None else form.format(value))
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
         f"Targets (gradient-accumulation issue): det / torch <= {args.target_eager}x eager and <= "
         f"{args.target_graph}x in a CUDA graph at every count. Peak: torch.cuda.max_memory_allocated over "
         "one eager step after the timing (weights, optimizer state, gradients and activations).",
+        HOST_NOTE + " Both on new eager steps (after 3 warm-up steps) once every timed row is done.",
     ]
-    failed = [f"{mb}: {mode}" for mb, got in table_rows for mode in modes if ratio(got, mode) is None]
-    met = [ratio(got, EAGER) <= args.target_eager for _, got in table_rows if ratio(got, EAGER) is not None]
+    failed = [f"{mb}: {mode}" for mb, got, _ in table_rows for mode in modes if ratio(got, mode) is None]
+    met = [
+        ratio(got, EAGER) <= args.target_eager for _, got, _ in table_rows if ratio(got, EAGER) is not None
+    ]
     if args.graph:
         met += [
-            ratio(got, GRAPH) <= args.target_graph for _, got in table_rows if ratio(got, GRAPH) is not None
+            ratio(got, GRAPH) <= args.target_graph
+            for _, got, _ in table_rows
+            if ratio(got, GRAPH) is not None
         ]
     lines.append(
         f"Targets met: {sum(met)} of {len(met)} ratios" + (f"; rows failed: {failed}" if failed else "")
