@@ -63,7 +63,7 @@ def compile_variant(param: str, grad: str, meta: dict) -> str:
         moment = "*bf16" if meta["STATE"] == _kernel.FORMAT_BF16 else "*u8"
         types.update(
             exp_avg_ptr=moment, exp_avg_sq_ptr=moment, max_exp_avg_sq_ptr=moment, exp_avg_scale_ptr="*u8",
-            exp_avg_sq_scale_ptr="*u8", state_stream="i32",
+            exp_avg_sq_scale_ptr="*u8",
         )  # fmt: skip
     sig = {n: "constexpr" if n.isupper() else types[n] for n in fn.arg_names}
     constexprs = {(fn.arg_names.index(k),): v for k, v in meta.items() if k in fn.arg_names}

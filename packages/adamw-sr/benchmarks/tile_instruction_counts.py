@@ -79,7 +79,7 @@ def compile_tile(fn, param: str, meta: dict) -> str:
     constexprs = {(fn.arg_names.index(k),): v for k, v in meta.items() if k in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n.endswith("_ptr")}
     options = dict(num_warps=meta.get("num_warps", _kernel.LAUNCH_CONFIGS["cuda"]["num_warps"]),
-                   **aot.launch.exactness_options())  # fmt: skip
+                   **aot._launch.exactness_options())  # fmt: skip
     src = ASTSource(fn=fn, signature=_types(fn, param, meta), constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=aot.TARGET, options=options).asm["ptx"]
 

@@ -292,10 +292,11 @@ def test_sr_write_back_of_the_moments_is_unbiased(state_dtype, big, keys):
 
 
 @pytest.mark.parametrize("state_dtype", FORMATS)
-def test_sr_bits_of_the_moments_come_from_one_state_stream_word(state_dtype):
-    # one step from zero state: both moments are rounded with one Philox word per element of the state
-    # stream (det-core's STREAM_STATE_SR) at the global index: exp_avg with its low 16 bits, exp_avg_sq
-    # with its high 16; not with the parameter's stream, not with the halves swapped
+def test_sr_bits_of_the_moments_come_from_the_high_half_of_the_param_word(state_dtype):
+    # one step from zero state: both moments are rounded with 8 random bits each from the high half of
+    # the param stream's Philox word at the global index (det-core's STREAM_PARAM_SR, whose low half
+    # rounds a bf16 param): exp_avg bits 16-23, exp_avg_sq bits 24-31, each over a constant half of
+    # its last place; not the retired STREAM_STATE_SR word, not with the bytes swapped
     n = 4096
     grads = torch.full((n,), 1.2345)
     grads[::BLOCK] *= 3.0  # 8 bits: each block's scale from its first element, the others in a lower binade
@@ -306,26 +307,29 @@ def test_sr_bits_of_the_moments_come_from_one_state_stream_word(state_dtype):
     got = opt.state[p]
     exact = _one_step(torch.float32, grads)  # the fp32 moments the step rounds
     idx = torch.arange(n)
+    assert codes.STATE_SR_BITS == 8 and codes.STATE_SR_RULE_VERSION == 2
 
     def stored(stream, swap=False):
         word = rng.random_bits_torch(11, 1, stream, idx)
-        halves = {"exp_avg": word & 0xFFFF, "exp_avg_sq": word >> 16}
+        operands = {"exp_avg": ((word >> 16) & 0xFF) << 8 | 0x80, "exp_avg_sq": (word >> 24) << 8 | 0x80}
+        for key, shift in (("exp_avg", codes.EXP_AVG_SR_SHIFT), ("exp_avg_sq", codes.EXP_AVG_SQ_SR_SHIFT)):
+            assert torch.equal(codes.state_rounding_bits_torch(word, shift), operands[key])
         if swap:
-            halves = {"exp_avg": halves["exp_avg_sq"], "exp_avg_sq": halves["exp_avg"]}
+            operands = {"exp_avg": operands["exp_avg_sq"], "exp_avg_sq": operands["exp_avg"]}
         if state_dtype != "8bit":
-            return {k: det_sr.stochastic_round_bf16_torch(exact[k], halves[k]) for k in halves}
+            return {k: det_sr.stochastic_round_bf16_torch(exact[k], operands[k]) for k in operands}
         out = {}
         for key, bits, signed in (("exp_avg", 3, True), ("exp_avg_sq", 4, False)):
             scale = codes.block_scales_torch(exact[key])
             per_element = scale.repeat_interleave(BLOCK)[:n]
-            out[key] = codes.encode_torch(exact[key], per_element, halves[key], bits, signed)
+            out[key] = codes.encode_torch(exact[key], per_element, operands[key], bits, signed)
             out[key + "_scale"] = scale.to(torch.uint8)
         return out
 
-    want = stored(rng.STREAM_STATE_SR)
+    want = stored(rng.STREAM_PARAM_SR)
     for key, value in want.items():
         assert_bitwise_equal(got[key].flatten(), value, key)
-    for other in (stored(rng.STREAM_PARAM_SR), stored(rng.STREAM_STATE_SR, swap=True)):
+    for other in (stored(rng.STREAM_STATE_SR), stored(rng.STREAM_PARAM_SR, swap=True)):
         for key in ("exp_avg", "exp_avg_sq"):
             assert not torch.equal(got[key].flatten(), other[key]), key
 
@@ -502,7 +506,7 @@ fn = _kernel.adamw_sr_states_kernel
 config = _kernel.LAUNCH_CONFIGS["cuda"]
 types = dict(param_ptr="*bf16", grad_ptr="*bf16", steps_ptr="*fp32", hyper_ptr="*fp64", scalars_ptr="*fp32",
              tensor_table_ptr="*i64", chunk_table_ptr="*i64", grad_scale_ptr="*fp32", found_inf_ptr="*fp32",
-             seed_lo="i64", seed_hi="i64", rng_stream="i32", state_stream="i32")
+             seed_lo="i64", seed_hi="i64", rng_stream="i32")
 out = {{}}
 for state, moment, scale in ((_kernel.FORMAT_BF16, "*bf16", "*bf16"), (_kernel.FORMAT_8BIT, "*u8", "*u8")):
     t = dict(types, exp_avg_ptr=moment, exp_avg_sq_ptr=moment, max_exp_avg_sq_ptr=moment,

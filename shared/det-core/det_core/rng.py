@@ -29,7 +29,7 @@ RNG_CONTRACT_VERSION = 1
 
 # Registered streams. A new user takes a new number; an existing number never changes meaning.
 STREAM_PARAM_SR = 0  # stochastic rounding of optimizer parameter write-back
-STREAM_STATE_SR = 1  # stochastic rounding of optimizer state write-back (adamw-sr's bf16 / 8-bit moments)
+STREAM_STATE_SR = 1  # retired: adamw-sr's moment rounding, now STREAM_PARAM_SR's high halves; not drawn
 STREAM_ATTN_DROPOUT = 2  # attention dropout mask
 STREAM_EXP_AVG_SR = 3  # retired: adamw-sr's exp_avg rounding before it moved to STREAM_STATE_SR; not drawn
 STREAM_EXP_AVG_SQ_SR = 4  # retired: as 3, for exp_avg_sq; not drawn

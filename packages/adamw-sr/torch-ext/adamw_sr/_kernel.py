@@ -23,9 +23,9 @@ Layout of a launch (all tensors on one device, one param dtype and one grad dtyp
   block of 32 global indices (``_state_codes``), in ``adamw_sr_states_kernel``. Both run one program
   body (``_step_program``, the format a constexpr ``STATE``), so the fp32 kernel compiles as before.
   The moments are decoded to fp32, updated, used by the step, and rounded once into their format
-  (stochastically, or to nearest): one Philox call per 4 elements under det-core's
-  ``STREAM_STATE_SR`` serves both moments, 16 bits each (low half ``exp_avg``, high half
-  ``exp_avg_sq``); 8-bit tiles start on a block, and the tensor table has two more columns (the scales).
+  (stochastically, or to nearest): the param's Philox word (``STREAM_PARAM_SR``) serves all three
+  roundings, its high half 8 bits per moment (``state_codes.state_rounding_bits``); 8-bit tiles start
+  on a block, and the tensor table has two more columns (the scales).
 * AMP (``torch.amp.GradScaler``): with ``UNSCALE`` the gradient is multiplied by the fp32 reciprocal
   of the loss scale (read from ``grad_scale``, computed in fp64 and rounded once, as
   ``GradScaler.unscale_`` does, and a bf16 gradient rounded back to bf16 as the in-place unscale
@@ -68,16 +68,18 @@ LAUNCH_CONFIGS = {
     # the fp32-moment kernel is bandwidth-bound: the ablation's fastest entry (ablate_adamw.py; ratios
     # on docs/benchmarks.md); bits identical to every other candidate
     "cuda": {"BLOCK": 2048, "SUB": 512, "num_warps": 4, "TILE_2D": True, "PRECOMPUTED": True},
-    # bf16 / 8-bit moments (adamw_sr_states_kernel): compute-bound, so what counts is how many warps
-    # an SM holds: 256-element tiles on 2 warps (the ablation's fastest, ablate_adamw.py --states).
+    # bf16 / 8-bit moments (adamw_sr_states_kernel): compute-bound (issue-bound: instructions per
+    # element, tile_instruction_counts.py): 512-element tiles on 2 warps, 8 elements per thread, so a
+    # tile's per-thread address and scale work is shared by 8 elements, not 4 (256 on 2 warps was the
+    # ablation's fastest before the moments' rounding bits moved into the param's Philox word).
     # EDGE_SUB: a tile that straddles a segment end is walked in masked sub-tiles, so the masked code
     # needs no more registers than the full tiles' (a whole masked tile set the kernel's count).
     # 8-bit: sub-tiles of 128, not 64: Triton 3.6 gave wrong block scales for the second quantisation
     # block of a 64-element masked sub-tile on 1-2 warps (check_state_configs.py; the interpreter
     # computes it right), see docs/benchmarks.md
-    "cuda-bf16": {"BLOCK": 2048, "SUB": 256, "num_warps": 2, "TILE_2D": True, "PRECOMPUTED": True,
+    "cuda-bf16": {"BLOCK": 2048, "SUB": 512, "num_warps": 2, "TILE_2D": True, "PRECOMPUTED": True,
                   "EDGE_SUB": 64},
-    "cuda-8bit": {"BLOCK": 2048, "SUB": 256, "num_warps": 2, "TILE_2D": True, "PRECOMPUTED": True,
+    "cuda-8bit": {"BLOCK": 2048, "SUB": 512, "num_warps": 2, "TILE_2D": True, "PRECOMPUTED": True,
                   "EDGE_SUB": 128},
     # the interpreter pays per program and per op, not per element: few, wide programs
     "interpreter": {"BLOCK": 8192, "SUB": 8192, "num_warps": 4, "TILE_2D": True, "PRECOMPUTED": True},
@@ -100,6 +102,8 @@ STATE_8BIT: tl.constexpr = tl.constexpr(FORMAT_8BIT)  # 8-bit codes + a scale by
 QUANT_BLOCK: tl.constexpr = tl.constexpr(state_codes.QUANT_BLOCK)
 EXP_AVG_M: tl.constexpr = tl.constexpr(state_codes.EXP_AVG_MANTISSA_BITS)
 EXP_AVG_SQ_M: tl.constexpr = tl.constexpr(state_codes.EXP_AVG_SQ_MANTISSA_BITS)
+EXP_AVG_SR_SHIFT: tl.constexpr = tl.constexpr(state_codes.EXP_AVG_SR_SHIFT)
+EXP_AVG_SQ_SR_SHIFT: tl.constexpr = tl.constexpr(state_codes.EXP_AVG_SQ_SR_SHIFT)
 # with 8-bit moments the tensor table has two more columns: the element offsets of the two scales
 TENSOR_TABLE_COLUMNS_8BIT = 7
 
@@ -284,14 +288,14 @@ def adamw_sr_kernel(
         param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
         exp_avg_ptr, exp_avg_sq_ptr,  # no scales: never read with fp32 moments
         tensor_table_ptr, chunk_table_ptr, steps_ptr, hyper_ptr, scalars_ptr,
-        seed_lo, seed_hi, rng_stream, rng_stream,
+        seed_lo, seed_hi, rng_stream,
         grad_scale_ptr, found_inf_ptr,
         AMSGRAD, MAXIMIZE, PARAM_BF16, STOCHASTIC, ALIGNED, BLOCK, SUB, TILE_2D, PRECOMPUTED, UNSCALE,
         SKIP_ON_INF, STATE_FP32, False, SUB,
     )  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "rng_stream", "state_stream"])
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "rng_stream"])
 def adamw_sr_states_kernel(
     # base pointers, one per tensor role (scales: 8-bit states only)
     param_ptr,
@@ -307,11 +311,10 @@ def adamw_sr_states_kernel(
     steps_ptr,
     hyper_ptr,
     scalars_ptr,
-    # Philox key words, and the streams of the param and of the moments
+    # Philox key words, and the stream of every rounding (the param's and the moments')
     seed_lo,
     seed_hi,
     rng_stream,
-    state_stream,
     # AMP (GradScaler) device scalars, fp32 [1]: the loss scale, and the inf/NaN flag
     grad_scale_ptr,
     found_inf_ptr,
@@ -337,13 +340,13 @@ def adamw_sr_states_kernel(
     block scales (``exp_avg_scale_ptr``, ``exp_avg_sq_scale_ptr``; one per ``QUANT_BLOCK`` global
     indices) whose element offsets are two more ``tensor_table`` columns
     (``TENSOR_TABLE_COLUMNS_8BIT``). ``STATE_STOCHASTIC``: the moments are rounded stochastically
-    into their format with 16 bits each of one Philox word per element under ``state_stream`` (low
-    half: ``exp_avg``, high half: ``exp_avg_sq``); else to nearest-even. ``EDGE_SUB``: a tile that
+    into their format with 8 bits each of the high half of the param's Philox word under
+    ``rng_stream`` (``state_codes.state_rounding_bits``); else to nearest-even. ``EDGE_SUB``: a tile that
     crosses a segment's start or end is walked in masked sub-tiles of that many elements (a launch
     config entry: no bit depends on it). Checks nothing (see ``adamw_sr_kernel``).
 
     **Determinism:** as ``adamw_sr_kernel``, the moments' rounding bits keyed by ``(seed, step,
-    state_stream)`` at the element's global index, and an 8-bit block's scale a function of its whole block of
+    rng_stream)`` at the element's global index, and an 8-bit block's scale a function of its whole block of
     ``QUANT_BLOCK`` global indices.
 
     Method: AdamW (Loshchilov & Hutter, ICLR 2019); 8-bit states: block-wise quantization
@@ -354,7 +357,7 @@ def adamw_sr_states_kernel(
         param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
         exp_avg_scale_ptr, exp_avg_sq_scale_ptr,
         tensor_table_ptr, chunk_table_ptr, steps_ptr, hyper_ptr, scalars_ptr,
-        seed_lo, seed_hi, rng_stream, state_stream,
+        seed_lo, seed_hi, rng_stream,
         grad_scale_ptr, found_inf_ptr,
         AMSGRAD, MAXIMIZE, PARAM_BF16, STOCHASTIC, ALIGNED, BLOCK, SUB, TILE_2D, PRECOMPUTED, UNSCALE,
         SKIP_ON_INF, STATE, STATE_STOCHASTIC, EDGE_SUB,
@@ -366,7 +369,7 @@ def _step_program(
     param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr,
     exp_avg_scale_ptr, exp_avg_sq_scale_ptr,
     tensor_table_ptr, chunk_table_ptr, steps_ptr, hyper_ptr, scalars_ptr,
-    seed_lo, seed_hi, rng_stream, state_stream,
+    seed_lo, seed_hi, rng_stream,
     grad_scale_ptr, found_inf_ptr,
     AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, PARAM_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
     ALIGNED: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, TILE_2D: tl.constexpr,
@@ -449,7 +452,6 @@ def _step_program(
                 beta1_f, one_minus_beta1, beta2_f, one_minus_beta2, eps_f, inv_scale,
                 seed_lo, seed_hi, rng_stream,
                 exp_avg_scale_ptr, exp_avg_sq_scale_ptr, exp_avg_scale_off, exp_avg_sq_scale_off,
-                state_stream,
                 AMSGRAD, MAXIMIZE, PARAM_BF16, STOCHASTIC, ALIGNED, False, SUB, TILE_2D, UNSCALE,
                 STATE, STATE_STOCHASTIC,
             )  # fmt: skip
@@ -468,7 +470,7 @@ def _step_program(
                         beta1_f, one_minus_beta1, beta2_f, one_minus_beta2, eps_f, inv_scale,
                         seed_lo, seed_hi, rng_stream,
                         exp_avg_scale_ptr, exp_avg_sq_scale_ptr, exp_avg_scale_off,
-                        exp_avg_sq_scale_off, state_stream,
+                        exp_avg_sq_scale_off,
                         AMSGRAD, MAXIMIZE, PARAM_BF16, STOCHASTIC, False, True, EDGE_SUB, TILE_2D,
                         UNSCALE, STATE, STATE_STOCHASTIC,
                     )  # fmt: skip
@@ -520,51 +522,29 @@ def _round_bf16(x, rbits, STOCHASTIC: tl.constexpr):
 
 
 @triton.jit
+def _rounding_word(placeholder, seed_lo, seed_hi, step, stream, tile_global, PARAM_BF16: tl.constexpr,
+                   STOCHASTIC: tl.constexpr, SUB: tl.constexpr, TILE_2D: tl.constexpr,
+                   STATE_STOCHASTIC: tl.constexpr):  # fmt: skip
+    """The states kernel's Philox word per element (the param's ``stream``; low half: the param's SR,
+    high half: the moments'), or ``placeholder``'s bits (unread) when nothing rounds stochastically."""
+    word = placeholder.to(tl.uint32, bitcast=True)
+    if STATE_STOCHASTIC or (PARAM_BF16 and STOCHASTIC):
+        word = _tile_bits(seed_lo, seed_hi, step, stream, tile_global, SUB, TILE_2D)
+    return word
+
+
+@triton.jit
+def _round_moments_bf16(m, v, word, STATE_STOCHASTIC: tl.constexpr):
+    """The bf16 moments' one rounding each (the step itself uses the fp32 values)."""
+    m_out = _round_bf16(m, state_codes.state_rounding_bits(word, EXP_AVG_SR_SHIFT), STATE_STOCHASTIC)
+    v_out = _round_bf16(v, state_codes.state_rounding_bits(word, EXP_AVG_SQ_SR_SHIFT), STATE_STOCHASTIC)
+    return m_out, v_out
+
+
+@triton.jit
 def _bf16_of_exact(x):
     """fp32 holding a bf16 value -> that bf16 (the top half of the pattern; NaN stays NaN)."""
     return (x.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def _expand_blocks(values, SUB: tl.constexpr, TILE_2D: tl.constexpr):
-    """Per-block values ``[SUB // QUANT_BLOCK]`` -> the tile's layout, each repeated over its block."""
-    wide = tl.broadcast_to(values[:, None], [SUB // QUANT_BLOCK, QUANT_BLOCK])
-    if TILE_2D:
-        return tl.reshape(wide, [SUB // 4, 4])
-    else:
-        return tl.reshape(wide, [SUB])
-
-
-@triton.jit
-def _block_scales(x, mask, SUB: tl.constexpr, MASKED: tl.constexpr):
-    """The scale byte (int32) of each block of the tile from its fp32 values (``MASKED``: lanes off
-    ``mask`` count as zeros)."""
-    bits = state_codes.magnitude_bits(x)
-    if MASKED:
-        bits = tl.where(mask, bits, 0)
-    return state_codes.block_scale(tl.max(tl.reshape(bits, [SUB // QUANT_BLOCK, QUANT_BLOCK]), axis=1))
-
-
-@triton.jit
-def _store_block_scales(scale_ptr, first_block, tile_local, segment_end, scales, SUB: tl.constexpr,
-                        TILE_2D: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
-    """Store the tile's block scales (int32 ``[SUB // QUANT_BLOCK]``) as bytes from ``first_block`` on.
-
-    With ``TILE_2D`` each row of 4 elements has its block's scale, and the row holding a block's first
-    element writes it: a store in the tile's own layout, so no exchange between threads (a store of the
-    ``[SUB // QUANT_BLOCK]`` vector would redistribute it through shared memory).
-    """
-    if TILE_2D:
-        rows = tl.arange(0, SUB // 4)
-        row_scales = tl.max(_expand_blocks(scales, SUB, TILE_2D), axis=1)  # 4 equal values per row
-        first = (rows % (QUANT_BLOCK // 4)) == 0
-        if MASKED:
-            first = first & (tile_local + rows.to(tl.int64) * 4 < segment_end)
-        tl.store(scale_ptr + first_block + rows // (QUANT_BLOCK // 4), row_scales.to(tl.uint8), mask=first)
-    else:
-        blocks = tl.arange(0, SUB // QUANT_BLOCK)
-        block_mask = tile_local + blocks.to(tl.int64) * QUANT_BLOCK < segment_end
-        _store(scale_ptr + first_block + blocks, scales.to(tl.uint8), block_mask, MASKED)
 
 
 @triton.jit
@@ -576,7 +556,6 @@ def _step_tile(
     eps_f, inv_scale,
     seed_lo, seed_hi, rng_stream,
     exp_avg_scale_ptr, exp_avg_sq_scale_ptr, exp_avg_scale_off, exp_avg_sq_scale_off,
-    state_stream,
     AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, PARAM_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
     ALIGNED: tl.constexpr, MASKED: tl.constexpr, SUB: tl.constexpr, TILE_2D: tl.constexpr,
     UNSCALE: tl.constexpr, STATE: tl.constexpr, STATE_STOCHASTIC: tl.constexpr,
@@ -604,10 +583,10 @@ def _step_tile(
         block_mask = tile_local + blocks.to(tl.int64) * QUANT_BLOCK < segment_end
         m_scale_idx = exp_avg_scale_off + tile_local // QUANT_BLOCK + blocks
         v_scale_idx = exp_avg_sq_scale_off + tile_local // QUANT_BLOCK + blocks
-        m_scale = _expand_blocks(
+        m_scale = state_codes.expand_blocks(
             _load(exp_avg_scale_ptr + m_scale_idx, block_mask, MASKED).to(tl.int32), SUB, TILE_2D
         )
-        v_scale = _expand_blocks(
+        v_scale = state_codes.expand_blocks(
             _load(exp_avg_sq_scale_ptr + v_scale_idx, block_mask, MASKED).to(tl.int32), SUB, TILE_2D
         )
         m = state_codes.decode(_load(exp_avg_ptr + m_idx, mask, MASKED), m_scale, EXP_AVG_M, True)
@@ -636,15 +615,10 @@ def _step_tile(
     m = beta1_f * m + one_minus_beta1 * g
     v = beta2_f * v + one_minus_beta2 * (g * g)
     if STATE != STATE_FP32:
-        # the moments' random bits: one Philox call per 4 elements serves both, 16 bits each (low half
-        # exp_avg, high half exp_avg_sq); unread when rounding to nearest
-        state_bits = m.to(tl.uint32, bitcast=True)
-        if STATE_STOCHASTIC:
-            state_bits = _tile_bits(seed_lo, seed_hi, step, state_stream, tile_global, SUB, TILE_2D)
-    if STATE == STATE_BF16:
-        # the moments' one rounding each (the step itself uses the fp32 values)
-        m_out = _round_bf16(m, state_bits, STATE_STOCHASTIC)
-        v_out = _round_bf16(v, state_bits >> 16, STATE_STOCHASTIC)
+        if AMSGRAD:  # (bf16 moments) the maximum takes the rounded v: round before the step
+            word = _rounding_word(m, seed_lo, seed_hi, step, rng_stream, tile_global, PARAM_BF16, STOCHASTIC,
+                                  SUB, TILE_2D, STATE_STOCHASTIC)  # fmt: skip
+            m_out, v_out = _round_moments_bf16(m, v, word, STATE_STOCHASTIC)
     if AMSGRAD:
         vmax_idx = _index(max_off, local, ALIGNED, SUB, TILE_2D)
         if STATE == STATE_BF16:
@@ -662,23 +636,33 @@ def _step_tile(
     denom = tl.div_rn(tl.sqrt_rn(v_hat), bias_correction2_sqrt) + eps_f
     p = p - step_size * tl.div_rn(m, denom)
 
+    if STATE != STATE_FP32:
+        if not AMSGRAD:  # drawn after the division: its words then do not live across it
+            word = _rounding_word(m, seed_lo, seed_hi, step, rng_stream, tile_global, PARAM_BF16, STOCHASTIC,
+                                  SUB, TILE_2D, STATE_STOCHASTIC)  # fmt: skip
+            if STATE == STATE_BF16:
+                m_out, v_out = _round_moments_bf16(m, v, word, STATE_STOCHASTIC)
     if STATE == STATE_8BIT:
+        m_bits = state_codes.state_rounding_bits(word, EXP_AVG_SR_SHIFT)
+        v_bits = state_codes.state_rounding_bits(word, EXP_AVG_SQ_SR_SHIFT)
         # each block's new scale from its new values, then the codes (rounded with the state bits)
-        m_scale = _block_scales(m, mask, SUB, MASKED)
-        v_scale = _block_scales(v, mask, SUB, MASKED)
+        m_scale = state_codes.tile_block_scales(m, mask, SUB, MASKED)
+        v_scale = state_codes.tile_block_scales(v, mask, SUB, MASKED)
         m_code = state_codes.encode(
-            m, _expand_blocks(m_scale, SUB, TILE_2D), state_bits, EXP_AVG_M, True, STATE_STOCHASTIC
+            m, state_codes.expand_blocks(m_scale, SUB, TILE_2D), m_bits, EXP_AVG_M, True, STATE_STOCHASTIC
         )
         v_code = state_codes.encode(
-            v, _expand_blocks(v_scale, SUB, TILE_2D), state_bits >> 16, EXP_AVG_SQ_M, False, STATE_STOCHASTIC
+            v, state_codes.expand_blocks(v_scale, SUB, TILE_2D), v_bits, EXP_AVG_SQ_M, False, STATE_STOCHASTIC
         )
         _store(exp_avg_ptr + m_idx, m_code, mask, MASKED)
         _store(exp_avg_sq_ptr + v_idx, v_code, mask, MASKED)
         first_block = tile_local // QUANT_BLOCK
-        _store_block_scales(exp_avg_scale_ptr, exp_avg_scale_off + first_block, tile_local, segment_end,
-                            m_scale, SUB, TILE_2D, MASKED)  # fmt: skip
-        _store_block_scales(exp_avg_sq_scale_ptr, exp_avg_sq_scale_off + first_block, tile_local,
-                            segment_end, v_scale, SUB, TILE_2D, MASKED)  # fmt: skip
+        m_scale_at = exp_avg_scale_off + first_block
+        v_scale_at = exp_avg_sq_scale_off + first_block
+        state_codes.store_block_scales(exp_avg_scale_ptr, m_scale_at, tile_local, segment_end, m_scale, SUB,
+                                       TILE_2D, MASKED)  # fmt: skip
+        state_codes.store_block_scales(exp_avg_sq_scale_ptr, v_scale_at, tile_local, segment_end, v_scale,
+                                       SUB, TILE_2D, MASKED)  # fmt: skip
     elif STATE == STATE_BF16:
         _store(exp_avg_ptr + m_idx, m_out, mask, MASKED)
         _store(exp_avg_sq_ptr + v_idx, v_out, mask, MASKED)
@@ -688,7 +672,9 @@ def _step_tile(
     if PARAM_BF16:
         if STOCHASTIC:
             # the one rounding of the step: unbiased, bits keyed by (seed, step, global index)
-            if TILE_2D:
+            if STATE != STATE_FP32:
+                rbits = word  # drawn above for the moments too
+            elif TILE_2D:
                 rbits = _random_bits_tile(seed_lo, seed_hi, step, rng_stream, tile_global, SUB // 4)
             else:
                 rbits = rng.random_bits_x4(seed_lo, seed_hi, step, rng_stream, tile_global, SUB)

@@ -313,6 +313,6 @@ def launch_fused_step(
         meta["maxnreg"] = config["maxnreg"]
     return launch(
         _kernel.adamw_sr_states_kernel, (plan.num_chunks,), p, g, m, v, vmax, ms, vs, *tables,
-        seed_lo, seed_hi, rng.STREAM_PARAM_SR, rng.STREAM_STATE_SR, *amp,
+        seed_lo, seed_hi, rng.STREAM_PARAM_SR, *amp,
         STATE=plan.state_format, STATE_STOCHASTIC=state_stochastic, EDGE_SUB=plan.edge_sub, **meta,
     )  # fmt: skip

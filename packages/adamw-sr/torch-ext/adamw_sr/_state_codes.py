@@ -41,14 +41,38 @@ import triton
 import triton.language as tl
 
 QUANT_BLOCK = 32  # elements per block (global index), one scale byte per block and moment
+_QUANT_BLOCK: tl.constexpr = tl.constexpr(QUANT_BLOCK)
 EXP_AVG_MANTISSA_BITS = 3  # exp_avg: sign + E4M3
 EXP_AVG_SQ_MANTISSA_BITS = 4  # exp_avg_sq: E4M4 (non-negative)
+
+# Stochastic rounding of the moments (bf16 and 8-bit): 8 random bits per rounding, both moments' from
+# the high half of the Philox word whose low half rounds the param (det-core's STREAM_PARAM_SR at the
+# element's global index): bits 16-23 exp_avg, 24-31 exp_avg_sq. Bump with any change of the rule.
+STATE_SR_BITS = 8
+STATE_SR_RULE_VERSION = 2  # 1: 16 bits per moment from a STREAM_STATE_SR word (low half exp_avg)
+EXP_AVG_SR_SHIFT = 8  # word >> 8 puts bits 16-23 at 8-15
+EXP_AVG_SQ_SR_SHIFT = 16  # word >> 16 puts bits 24-31 at 8-15
 
 _OVERFLOW_EXPONENT = 253  # fp32 exponent field from which a magnitude (>= 2**126) is stored as NaN
 _TWO_POW_M14 = 2.0**-14  # the smallest normal code value (relative to the block scale)
 
 
 # --------------------------------------------------------------------------- Triton
+
+
+@triton.jit
+def state_rounding_bits(word, SHIFT: tl.constexpr):
+    """The 16-bit rounding operand of one moment from the element's uint32 Philox ``word``.
+
+    ``((word >> SHIFT) & 0xFF00) | 0x80``: 8 random bits (``word`` bits ``SHIFT + 8 .. SHIFT + 15``)
+    over a constant half of their last place. Added to the 16 discarded bits (bf16; 8 bits: the top 16
+    of them, see ``encode``) and truncated, it rounds up with probability ``round(256 f) / 256`` for a
+    discarded fraction ``f`` of a step: within ``2**-9`` of a step of ``f``, zero on average over ``f``
+    (the constant half removes the ``2**-9`` downward bias of truncating the fraction to 8 bits).
+
+    **Determinism:** integer bit arithmetic: bit-identical to ``state_rounding_bits_torch``.
+    """
+    return ((word >> SHIFT) & 0xFF00) | 0x80
 
 
 @triton.jit
@@ -130,6 +154,54 @@ def decode(code, scale, M: tl.constexpr, SIGNED: tl.constexpr):
     return value
 
 
+# the kernel's tiles (_kernel._step_tile): per-block scales in a tile's layout
+
+
+@triton.jit
+def expand_blocks(values, SUB: tl.constexpr, TILE_2D: tl.constexpr):
+    """Per-block values ``[SUB // _QUANT_BLOCK]`` -> the tile's layout, each repeated over its block."""
+    wide = tl.broadcast_to(values[:, None], [SUB // _QUANT_BLOCK, _QUANT_BLOCK])
+    if TILE_2D:
+        return tl.reshape(wide, [SUB // 4, 4])
+    else:
+        return tl.reshape(wide, [SUB])
+
+
+@triton.jit
+def tile_block_scales(x, mask, SUB: tl.constexpr, MASKED: tl.constexpr):
+    """The scale byte (int32) of each block of the tile from its fp32 values (``MASKED``: lanes off
+    ``mask`` count as zeros)."""
+    bits = magnitude_bits(x)
+    if MASKED:
+        bits = tl.where(mask, bits, 0)
+    return block_scale(tl.max(tl.reshape(bits, [SUB // _QUANT_BLOCK, _QUANT_BLOCK]), axis=1))
+
+
+@triton.jit
+def store_block_scales(scale_ptr, first_block, tile_local, segment_end, scales, SUB: tl.constexpr,
+                        TILE_2D: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """Store the tile's block scales (int32 ``[SUB // _QUANT_BLOCK]``) as bytes from ``first_block`` on.
+
+    With ``TILE_2D`` each row of 4 elements has its block's scale, and the row holding a block's first
+    element writes it: a store in the tile's own layout, so no exchange between threads (a store of the
+    ``[SUB // _QUANT_BLOCK]`` vector would redistribute it through shared memory).
+    """
+    if TILE_2D:
+        rows = tl.arange(0, SUB // 4)
+        row_scales = tl.max(expand_blocks(scales, SUB, TILE_2D), axis=1)  # 4 equal values per row
+        first = (rows % (_QUANT_BLOCK // 4)) == 0
+        if MASKED:
+            first = first & (tile_local + rows.to(tl.int64) * 4 < segment_end)
+        tl.store(scale_ptr + first_block + rows // (_QUANT_BLOCK // 4), row_scales.to(tl.uint8), mask=first)
+    else:
+        blocks = tl.arange(0, SUB // _QUANT_BLOCK)
+        block_mask = tile_local + blocks.to(tl.int64) * _QUANT_BLOCK < segment_end
+        if MASKED:
+            tl.store(scale_ptr + first_block + blocks, scales.to(tl.uint8), mask=block_mask)
+        else:
+            tl.store(scale_ptr + first_block + blocks, scales.to(tl.uint8))
+
+
 # --------------------------------------------------------------------------- torch reference
 
 
@@ -140,6 +212,16 @@ def _as_int32(x: torch.Tensor) -> torch.Tensor:
 def _from_int32(bits: torch.Tensor) -> torch.Tensor:
     bits = bits & 0xFFFFFFFF
     return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
+
+
+def state_rounding_bits_torch(word: torch.Tensor, shift: int) -> torch.Tensor:
+    """Reference of ``state_rounding_bits``: int64 ``word`` (uint32 values) -> int64 operands ``0..0xFF80``.
+
+    ``shift``: ``EXP_AVG_SR_SHIFT`` or ``EXP_AVG_SQ_SR_SHIFT``.
+
+    **Determinism:** integer arithmetic: the same bits on every platform.
+    """
+    return ((word.to(torch.int64) >> shift) & 0xFF00) | 0x80
 
 
 def block_scales_torch(x: torch.Tensor, block: int = QUANT_BLOCK) -> torch.Tensor:

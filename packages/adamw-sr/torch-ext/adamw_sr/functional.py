@@ -344,9 +344,9 @@ def adamw_sr_step(
             and states bitwise untouched), read on the device, so no host sync. ``steps`` is only
             read: a caller keeping step counts advances them by ``found_inf == 0``. Both are
             moved to the params' device when they are elsewhere (as torch's fused AdamW does).
-        state_rounding: bf16 / 8-bit moments: ``"stochastic"`` (default; 16 bits each of the word
-            of det-core's ``STREAM_STATE_SR`` at each element's global index: low half ``exp_avg``,
-            high half ``exp_avg_sq``) or
+        state_rounding: bf16 / 8-bit moments: ``"stochastic"`` (default; 8 bits each of the high half
+            of the param's word, det-core's ``STREAM_PARAM_SR`` at each element's global index:
+            ``_state_codes.state_rounding_bits``) or
             ``"nearest"``. No effect on fp32 moments.
         exp_avg_scales, exp_avg_sq_scales: 8-bit moments: contiguous uint8 tensors, one per param,
             of ``ceil(numel / 32)`` block scales (``_states.scale_shape``); updated in place. With

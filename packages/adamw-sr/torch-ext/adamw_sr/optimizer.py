@@ -70,8 +70,8 @@ class AdamWSR(torch.optim.Optimizer):
             ``torch.float32`` (default: unrounded, 8 bytes/param), ``torch.bfloat16`` (4 bytes/param)
             or ``"8bit"`` (block-quantized codes, ``adamw_sr._state_codes``: 1 byte each plus one
             scale byte per block of 32 elements, 2.0625 bytes/param). The moments are updated in
-            fp32 and the step uses those values; only the stored copies are rounded, with 16 bits
-            each of one Philox word per element on det-core's ``STREAM_STATE_SR``. With
+            fp32 and the step uses those values; only the stored copies are rounded, with 8 bits
+            each of the high half of the param's Philox word (det-core's ``STREAM_PARAM_SR``). With
             ``"8bit"`` a block is 32 consecutive global indices: each param starts on a block (the
             default indices do that), each shard of a param must too (else ``ValueError`` at the
             step), and ``amsgrad`` is refused. Param groups store the name as a string

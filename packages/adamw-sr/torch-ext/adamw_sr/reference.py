@@ -158,9 +158,9 @@ def adamw_sr_step_reference(
             back, as torch's fused AdamW does).
         found_inf: AMP: when nonzero the step is skipped: nothing is written (the caller keeps
             its step count where it was).
-        state_rounding: bf16 / 8-bit moments: ``"stochastic"`` (16 bits each of the
-            ``STREAM_STATE_SR`` word at the element's global index: low half ``exp_avg``, high half
-            ``exp_avg_sq``) or
+        state_rounding: bf16 / 8-bit moments: ``"stochastic"`` (8 bits each of the high
+            half of the ``STREAM_PARAM_SR`` word at the element's global index, as
+            ``_state_codes.state_rounding_bits_torch``) or
             ``"nearest"`` (nearest-even).
         exp_avg_scale, exp_avg_sq_scale: 8-bit moments: uint8 tensors of
             ``_state_codes.QUANT_BLOCK``-element block scales, one per block of ``param``'s flat
@@ -212,14 +212,17 @@ def adamw_sr_step_reference(
         m_old, v_old = exp_avg.to(torch.float32), exp_avg_sq.to(torch.float32)
     m = s["beta1"] * m_old + s["one_minus_beta1"] * g
     v = s["beta2"] * v_old + s["one_minus_beta2"] * (g * g)
-    # the moments' random bits: one word per element of the state stream, 16 bits per moment
-    state_bits = None
+    # the moments' random bits: 8 each from the high half of the param's word (its low half rounds the
+    # param), as _state_codes.state_rounding_bits_torch
+    m_bits = v_bits = None
     if stochastic_states and state_dtype != torch.float32:
-        state_bits = rng.random_bits_torch(seed, step, rng.STREAM_STATE_SR, global_index)
+        word = rng.random_bits_torch(seed, step, rng.STREAM_PARAM_SR, global_index)
+        m_bits = _state_codes.state_rounding_bits_torch(word, _state_codes.EXP_AVG_SR_SHIFT)
+        v_bits = _state_codes.state_rounding_bits_torch(word, _state_codes.EXP_AVG_SQ_SR_SHIFT)
     if state_dtype == torch.bfloat16:
         # each moment's one rounding; the step itself uses the fp32 values
-        m_out = _round_bf16(m, state_bits)
-        v_out = _round_bf16(v, None if state_bits is None else state_bits >> 16)
+        m_out = _round_bf16(m, m_bits)
+        v_out = _round_bf16(v, v_bits)
     if amsgrad:
         if state_dtype == torch.bfloat16:  # the maximum of the stored v: a bf16 value, kept exactly
             v_hat = torch.maximum(max_exp_avg_sq.to(torch.float32), v_out.to(torch.float32))
@@ -231,12 +234,11 @@ def adamw_sr_step_reference(
     denom = sqrt_rn_torch(v_hat) / s["bias_correction2_sqrt"] + s["eps"]
     p = p - s["step_size"] * (m / denom)
     if quantized:
-        m_bits, v_bits = _state_codes.EXP_AVG_MANTISSA_BITS, _state_codes.EXP_AVG_SQ_MANTISSA_BITS
-        for x, code, scale, shift, bits, signed in (
-            (m, exp_avg, exp_avg_scale, 0, m_bits, True),
-            (v, exp_avg_sq, exp_avg_sq_scale, 16, v_bits, False),
+        for x, code, scale, rbits, bits, signed in (
+            (m, exp_avg, exp_avg_scale, m_bits, _state_codes.EXP_AVG_MANTISSA_BITS, True),
+            (v, exp_avg_sq, exp_avg_sq_scale, v_bits, _state_codes.EXP_AVG_SQ_MANTISSA_BITS, False),
         ):
-            _encode(x, code, scale, None if state_bits is None else state_bits >> shift, bits, signed)
+            _encode(x, code, scale, rbits, bits, signed)
     elif state_dtype == torch.bfloat16:
         exp_avg.copy_(m_out)
         exp_avg_sq.copy_(v_out)
