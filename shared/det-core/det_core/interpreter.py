@@ -22,8 +22,8 @@ with versions built only from separately rounded IEEE-754 operations (multiply, 
 ``install()`` also spares the interpreter a cost that changes no value: Triton's interpreter patches
 ``triton.language`` for the interpreter at every launch (restored when the launch ends) and patches it
 again at every call of a nested ``triton.jit`` function, ``tl.zeros`` included (a scan of the
-language's few hundred members: about a millisecond per call, tens of thousands of calls in a
-training step). Inside a launch, a nested call whose language modules were already patched during
+language's few hundred members per call, and a program of a kernel makes several such calls).
+Inside a launch, a nested call whose language modules were already patched during
 that launch now skips the repeat, which would set every patched attribute to an equivalent one.
 
 The GPU path is untouched (compiled kernels never call the interpreter). Method: the classic
