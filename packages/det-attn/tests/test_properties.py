@@ -146,7 +146,7 @@ LAYOUTS = st.sampled_from(
 )
 
 
-@_settings(10)
+@_settings(5)
 @given(
     dtype=DTYPES,
     batch=st.sampled_from([1, 2, 3]),
@@ -198,6 +198,19 @@ LAYOUTS = st.sampled_from(
     layouts=("fused",) * 3,
     anchor=1,
     seed=3,
+)
+@example(  # stride-0 broadcast q (sequence 0 repeated) and v (head 0 repeated), MQA, a custom scale
+    dtype=torch.float16,
+    batch=2,
+    t_q=5,
+    t_k=16,
+    heads=(2, 1),
+    causal=False,
+    scale=0.3,
+    dropout_p=0.0,
+    layouts=("broadcast_batch", "contiguous", "broadcast_heads"),
+    anchor=1,
+    seed=5,
 )
 @example(  # one token
     dtype=torch.bfloat16,
@@ -389,7 +402,7 @@ def _cu(lengths: list[int]) -> torch.Tensor:
     return torch.tensor(cu, dtype=torch.int32, device=DEVICE)
 
 
-@_settings(10)
+@_settings(5)
 @given(
     dtype=DTYPES,
     seqs=st.lists(st.tuples(SEQ_LENGTHS, SEQ_LENGTHS), min_size=1, max_size=4),
@@ -413,6 +426,18 @@ def _cu(lengths: list[int]) -> torch.Tensor:
     layouts=("strided",) * 3,
     anchor=2,
     seed=1,
+)
+@example(  # stride-0 broadcast heads of q and v, a one-key sequence, non-unit last stride
+    dtype=torch.bfloat16,
+    seqs=[(3, 16), (5, 1)],
+    heads=(2, 2),
+    causal=False,
+    scale=None,
+    dropout_p=0.0,
+    extra_max=0,
+    layouts=("broadcast_heads", "dim_strided", "broadcast_heads"),
+    anchor=0,
+    seed=3,
 )
 @example(  # keys without queries, dropout, a custom scale
     dtype=torch.float16,

@@ -19,6 +19,13 @@ with versions built only from separately rounded IEEE-754 operations (multiply, 
   the results are float32's correctly rounded values in all but a vanishing share of cases (and the
   same bits everywhere in every case).
 
+``install()`` also spares the interpreter a cost that changes no value: Triton's interpreter patches
+``triton.language`` for the interpreter at every launch (restored when the launch ends) and patches it
+again at every call of a nested ``triton.jit`` function, ``tl.zeros`` included (a scan of the
+language's few hundred members per call, and a program of a kernel makes several such calls).
+Inside a launch, a nested call whose language modules were already patched during
+that launch now skips the repeat, which would set every patched attribute to an equivalent one.
+
 The GPU path is untouched (compiled kernels never call the interpreter). Method: the classic
 reductions ``2^x = 2^n 2^f`` with ``|f| <= 1/2``, ``ln m = 2 atanh((m - 1)/(m + 1))`` with
 ``m`` in ``[sqrt(1/2), sqrt(2))`` (J.-M. Muller, *Elementary Functions*, 3rd ed., ch. 11).
@@ -26,6 +33,7 @@ reductions ``2^x = 2^n 2^f`` with ``|f| <= 1/2``, ``ln m = 2 atanh((m - 1)/(m + 
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import numpy as np
@@ -129,7 +137,8 @@ def install() -> None:
     """Make the interpreter's dot, exp, exp2, log and log2 host-independent (idempotent).
 
     Called by ``det_core.interpreter_mode`` when the interpreter is active. Integer and fp8 dots keep
-    Triton's own path (integer sums are exact; fp8 is not used by our kernels).
+    Triton's own path (integer sums are exact; fp8 is not used by our kernels). Also installs
+    ``_skip_repeated_patches`` (nested ``triton.jit`` calls inside a launch patch the language once).
 
     Raises:
         RuntimeError: this Triton's interpreter lacks the builder methods replaced here (its
@@ -171,3 +180,61 @@ def install() -> None:
     builder.create_log = unary(log)
     builder.create_log2 = unary(log2)
     builder._det_core_host_independent = True
+    _skip_repeated_patches(interpreter, tl)
+
+
+def _skip_repeated_patches(interpreter, tl) -> None:
+    """Let a nested ``triton.jit`` call inside a launch skip re-patching what the launch already patched.
+
+    Triton's ``GridExecutor.__call__`` (a launch) calls ``_patch_lang(kernel)``, which patches, for each
+    of the modules ``triton.language`` / ``triton.language.core`` that the kernel's globals name, the
+    module's builtins, tensor methods and language hooks, and restores them all when the launch ends.
+    ``InterpretedFunction.__call__`` (a nested jit call) calls ``_patch_lang(fn)`` again at every call
+    and never restores what it sets. Inside one launch nothing is restored before its end, so once a
+    module has been patched during the launch (by the launch itself or by a nested call), patching it
+    again finds no unpatched builtin and sets each hook to an equivalent one (stateless closures of the
+    same code): no effect on what a kernel computes. Such a repeated call is skipped here; the first
+    patch of each module during a launch, and every call outside a launch, run as Triton wrote them.
+    Left as it is (no error) when this Triton's interpreter lacks ``_patch_lang`` / ``GridExecutor``:
+    only speed depends on it.
+    """
+    grid_executor = getattr(interpreter, "GridExecutor", None)
+    triton_patch_lang = getattr(interpreter, "_patch_lang", None)
+    scope_type = getattr(interpreter, "_LangPatchScope", None)
+    if grid_executor is None or triton_patch_lang is None or scope_type is None:
+        return
+    if getattr(grid_executor, "_det_core_patches_once", False):
+        return
+    triton_launch = grid_executor.__call__
+    # one entry per running launch (innermost last): the kernel, then the modules patched during it
+    launches: list[list] = []
+
+    def modules_of(fn) -> set[int]:
+        # what Triton's _patch_lang patches for fn: triton.language and its core, where fn's globals name them
+        return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+
+    def patch_lang(fn):
+        if not launches:
+            return triton_patch_lang(fn)
+        kernel, patched = launches[-1]
+        if patched is None:  # the launch's own patch (of its kernel), before any program runs
+            scope = triton_patch_lang(fn)
+            launches[-1][1] = modules_of(fn) if fn is kernel else set()
+            return scope
+        modules = modules_of(fn)
+        if modules <= patched:
+            return scope_type()  # nothing set, nothing to restore (Triton discards a nested call's scope)
+        scope = triton_patch_lang(fn)
+        patched |= modules
+        return scope
+
+    def launch(self, *args, **kwargs):
+        launches.append([self.fn, None])
+        try:
+            return triton_launch(self, *args, **kwargs)
+        finally:
+            launches.pop()
+
+    interpreter._patch_lang = patch_lang
+    grid_executor.__call__ = launch
+    grid_executor._det_core_patches_once = True

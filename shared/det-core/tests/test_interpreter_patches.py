@@ -1,0 +1,65 @@
+"""det_core.interpreter's launch-scoped language patch: nested jit calls inside a launch do not re-patch
+triton.language (Triton's interpreter did at every call), and the kernels compute the same values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from det_core.interpreter_mode import interpreter_active
+
+pytestmark = pytest.mark.skipif(not interpreter_active(), reason="the Triton interpreter's own patching")
+
+
+@triton.jit
+def _add_one(x):
+    return x + tl.zeros(x.shape, dtype=x.dtype) + 1.0  # tl.zeros: a jit function of triton.language itself
+
+
+@triton.jit
+def _three_nested_calls_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr, FAIL: tl.constexpr = False):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs)
+    y = _add_one(_add_one(_add_one(x)))
+    tl.static_assert(not FAIL, "FAIL set")
+    tl.store(out_ptr + offs, y)
+
+
+def _patches_per_launch(monkeypatch, programs: int) -> int:
+    from triton.runtime import interpreter
+
+    calls = []
+    scan = interpreter._patch_builtin  # Triton's scan of one module's members (the costly part)
+    monkeypatch.setattr(interpreter, "_patch_builtin", lambda *a: calls.append(a[0]) or scan(*a))
+    x = torch.arange(programs * 16, dtype=torch.float32)
+    out = torch.empty_like(x)
+    _three_nested_calls_kernel[(programs,)](x, out, BLOCK=16)
+    assert torch.equal(out, x + 3.0)
+    return len(calls)
+
+
+def test_nested_calls_patch_the_language_once_per_launch(monkeypatch):
+    _patches_per_launch(monkeypatch, 1)  # the first launch rewrites the functions (adds tl to their globals)
+    one = _patches_per_launch(monkeypatch, 1)
+    assert _patches_per_launch(monkeypatch, 8) == one  # 8 programs x 6 nested calls: no repeat
+    # the launch's own patch (tl, tl.tensor, tl.math, tensor descriptors: 4 scans) and one by the
+    # first nested call that names tl.core (tl.zeros: tl.core and tl, 6 scans); Triton's interpreter
+    # alone scans 6 more per nested call (40 for one program)
+    assert one <= 10
+
+
+def test_the_language_is_restored_after_a_launch_also_one_that_raised():
+    from triton.runtime import interpreter
+
+    add = tl.tensor.__add__
+    assert tl.core.is_builtin(add)
+    x = torch.zeros(16)
+    _three_nested_calls_kernel[(1,)](x, torch.empty_like(x), BLOCK=16)
+    assert tl.tensor.__add__ is add
+    with pytest.raises(interpreter.InterpreterError):
+        _three_nested_calls_kernel[(1,)](x, torch.empty_like(x), BLOCK=16, FAIL=True)
+    assert tl.tensor.__add__ is add
+    out = torch.empty_like(x)
+    _three_nested_calls_kernel[(1,)](x, out, BLOCK=16)  # a launch after the failed one patches afresh
+    assert torch.equal(out, x + 3.0)
