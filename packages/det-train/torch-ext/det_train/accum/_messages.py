@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["token_mismatch", "who"]
+__all__ = ["poisoned", "token_mismatch", "who"]
 
 
 def who(acc, param: torch.Tensor | None, op: str | None) -> str:
@@ -32,4 +32,20 @@ def token_mismatch(acc, n: int, param: torch.Tensor | None, op: str | None) -> s
         "over the batch (a learned position embedding looked up with (1, T) position ids: pass "
         "position_ids of the batch's shape, position_ids=torch.arange(T).expand(B, T); "
         "det_train.convert does it for GPT-2-style models)"
+    )
+
+
+def poisoned(acc, token_offset: int, error: BaseException) -> str:
+    """The error of a call to an accumulator built with ``recoverable=False`` after a micro-batch
+    (starting at ``token_offset``) raised ``error`` once its deposits had begun."""
+    names = sorted(acc._names[i] for i in acc._uses)
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return (
+        f"this CanonicalGradAccumulator (recoverable=False) is poisoned: the micro-batch at token_offset "
+        f"{token_offset} raised {type(error).__name__}: {error} after its deposits began, and without an "
+        "undo log its folds and tree nodes were written in place, so these parameters may hold partial "
+        f"sums: {shown}. Nothing is reduced or deposited until acc.reset() (drops every deposit of the "
+        "step) or a new accumulator; then run the whole step's micro-batches again. To retry a single "
+        "micro-batch instead, build the accumulator with recoverable=True (the default; one or two "
+        "more fp32 buffers per parameter, docs/det-train.md, 'Gradient memory')"
     )

@@ -31,9 +31,9 @@ from det_core.reduce import TreePartial, num_leaves
 from det_core.runtime import as_index
 
 from . import _reduce, dp_reduce
-from ._messages import token_mismatch, who
+from ._messages import poisoned, token_mismatch, who
 from ._open_leaf import LeafFold, LeafPartial, OpenFold, OpenLeaf, foreach_copy, token_rows
-from ._undo_log import UndoLog
+from ._undo_log import NoUndoLog, UndoLog
 
 __all__ = ["DEFAULT_LEAF_TOKENS", "CanonicalGradAccumulator", "current_accumulator"]
 
@@ -130,11 +130,17 @@ class CanonicalGradAccumulator:
     det_core.reduce and DESIGN.md's canonical reduction order.
     """
 
-    def __init__(self, params: Iterable, leaf_tokens: int = DEFAULT_LEAF_TOKENS) -> None:
+    def __init__(
+        self, params: Iterable, leaf_tokens: int = DEFAULT_LEAF_TOKENS, *, recoverable: bool = True
+    ) -> None:
         leaf_tokens = as_index(leaf_tokens, "leaf_tokens", "CanonicalGradAccumulator")  # TypeError
         if leaf_tokens <= 0:
             raise ValueError(f"leaf_tokens must be a positive int, got {leaf_tokens!r}")
+        if not isinstance(recoverable, bool):
+            raise TypeError(f"recoverable must be True or False, got {recoverable!r}")
         self.leaf_tokens = leaf_tokens
+        self.recoverable = recoverable
+        self._poisoned: str | None = None  # recoverable=False: the error of a micro-batch that raised
         self._params: list[torch.Tensor] = []
         self._names: list[str] = []
         self._index: dict[int, int] = {}
@@ -164,8 +170,9 @@ class CanonicalGradAccumulator:
         self._fsdp: dict[int, object] = {}  # param index -> FSDP2 FSDPParam (see track_fsdp)
         self._shapes: dict[int, torch.Size] = {}  # param index -> full (unsharded) gradient shape
         # The undo log of the active micro-batch (what its deposits replaced), so that one which
-        # raises can be undone; its tree adds write only the sums the micro-batch made (_undo_log.py)
-        self._log = UndoLog()
+        # raises can be undone; its tree adds write only the sums the micro-batch made (_undo_log.py).
+        # recoverable=False: one NoUndoLog per step, which keeps nothing and lets the adds write any sum
+        self._log = UndoLog() if recoverable else NoUndoLog()
         self._open_leaves: dict[tuple[int, int], set[int]] = {}  # slot -> leaves of its _carry entries
         # slot -> rows per token of its deposit_rows calls (fixed: an open leaf is continued with rows of
         # its layout); the active micro-batch's entries wait in _new_groups until it succeeds
@@ -185,20 +192,7 @@ class CanonicalGradAccumulator:
 
         Raises ValueError if ``module`` holds no FSDP2 parameter that this accumulator tracks.
         """
-        from torch.distributed.fsdp import FSDPModule
-
-        for sub in module.modules():
-            if not isinstance(sub, FSDPModule):
-                continue
-            state = sub._get_fsdp_state()
-            groups = getattr(state, "_fsdp_param_groups", None)
-            if groups is None:
-                groups = [g for g in (getattr(state, "_fsdp_param_group", None),) if g is not None]
-            for group in groups:
-                for fsdp_param in group.fsdp_params:
-                    index = self._index.get(id(fsdp_param.sharded_param))
-                    if index is not None:
-                        self._fsdp[index] = fsdp_param
+        self._fsdp.update(dp_reduce.fsdp_params(module, self._index))
         if not self._fsdp:
             raise ValueError(
                 "track_fsdp: no parameter of this module is both FSDP2-sharded (fully_shard) and tracked "
@@ -242,18 +236,23 @@ class CanonicalGradAccumulator:
             )
         if _ACTIVE:
             raise RuntimeError("a micro_batch context is already active; micro-batches cannot be nested")
+        self._check_poisoned()
         self._token_offset = token_offset
         self._tokens = None
         self._uses = {}
-        self._log = UndoLog()
+        if self.recoverable:
+            self._log = UndoLog()
         self._new_groups = {}
         spans, max_end = len(self._spans), self._max_end
         _ACTIVE.append(self)
         try:
             yield self
-        except BaseException:
+        except BaseException as err:
             self.pending_copies = []
-            self._undo(spans, max_end)  # a micro-batch that raises leaves no deposit: run it again
+            if self.recoverable or not self._uses:  # no deposit began: nothing was written in place
+                self._undo(spans, max_end)  # a micro-batch that raises leaves no deposit: run it again
+            else:  # its folds and nodes were written in place: refuse every later call (no silent sum)
+                self._poisoned = poisoned(self, token_offset, err)
             raise
         else:
             self.flush()  # the micro-batch's tensors can go: their open-leaf rows are copied
@@ -266,12 +265,14 @@ class CanonicalGradAccumulator:
             _ACTIVE.pop()
             self._token_offset = None
             # the log holds the replaced trees and folds: let them go (memory of one step, not two)
-            self._log = UndoLog()
+            if self.recoverable:
+                self._log = UndoLog()
             self._new_groups = {}
 
     def _undo(self, spans: int, max_end: int) -> None:
         """Undo the active micro-batch's deposits (its undo log) and its spans and token range."""
-        self._log.undo(self._partials, self._carry, self._set_carry)
+        if self.recoverable:
+            self._log.undo(self._partials, self._carry, self._set_carry)
         del self._spans[spans:]
         self._max_end = max_end
 
@@ -347,6 +348,7 @@ class CanonicalGradAccumulator:
 
     # ------------------------------------------------------------------ deposits
     def _slot(self, param: torch.Tensor) -> tuple[int, int]:
+        self._check_poisoned()
         if self._token_offset is None:
             raise RuntimeError(
                 "deposit outside micro_batch(): wrap forward and backward in acc.micro_batch(...)"
@@ -468,14 +470,14 @@ class CanonicalGradAccumulator:
             pos = min(n, open_leaf.start + leaf - offset)  # own rows that belong to the open leaf
             head = rows if pos == n else tuple(r[:pos] for r in rows)
             done = open_leaf.start + leaf == offset + pos
-            if isinstance(open_leaf, OpenFold):
-                advanced = open_leaf.advance(head, done, fold)
+            if isinstance(open_leaf, OpenFold):  # recoverable=False: continued in its buffer
+                advanced = open_leaf.advance(head, done, fold, in_place=not self.recoverable)
                 if not done:  # the leaf stays open: its new state replaces the old (logged) one
                     self._log.log_carry(self._carry, key)
                     self._carry[key] = advanced
                     return
-                if len(fold or open_leaf.fold) == 2 and advanced is not open_leaf.acc:
-                    self._log.own(advanced)  # fold_fn's new tensor: the leaf's sum may carry up in it
+                if len(fold or open_leaf.fold) == 2 and (advanced is not open_leaf.acc or not self.recoverable):
+                    self._log.own(advanced)  # fold_fn's tensor (no log keeps it): the sum may carry up in it
                 self._add_node(slot, offset // leaf, advanced)
                 del advanced  # the tree holds its sum (the leaf's fold is free once added up)
             else:
@@ -487,6 +489,7 @@ class CanonicalGradAccumulator:
                 leaf_rows = open_leaf.rows()
                 self._merge(slot, leaf_partial(offset // leaf, leaf_rows), leaf_rows)
             self._set_carry(key, None)
+            open_leaf = None  # its fold is free (unless the tree holds it) before a new leaf opens
             if pos == n:  # this micro-batch ended with the leaf it continued
                 return
         full = (n - pos) // leaf * leaf
@@ -648,6 +651,7 @@ class CanonicalGradAccumulator:
         """
         if _ACTIVE:
             raise RuntimeError("reduce() inside a micro_batch context; call it after the last micro-batch")
+        self._check_poisoned()
         total_tokens = as_index(total_tokens, "total_tokens", "reduce")  # TypeError
         if total_tokens <= 0:
             raise ValueError(f"total_tokens must be a positive int, got {total_tokens!r}")
@@ -693,3 +697,23 @@ class CanonicalGradAccumulator:
         """Empty after a reduce: no partial tree, span or open leaf."""
         self._partials, self._spans, self._carry, self._open_ends, self._max_end = {}, [], {}, set(), 0
         self._open_leaves, self._groups = {}, {}
+        self._log = UndoLog() if self.recoverable else NoUndoLog()
+
+    def reset(self) -> None:
+        """Drop every deposit, open leaf and span of the step (and a ``recoverable=False`` poisoning).
+
+        The accumulator is then as new (same parameters, ``leaf_tokens``, ``recoverable``); ``p.grad``
+        is not touched. After a micro-batch raised under ``recoverable=False``, call this and run the
+        step's micro-batches again. Raises RuntimeError inside a micro-batch context.
+
+        **Determinism:** no value is computed; the next step starts from no deposit.
+        """
+        if _ACTIVE and _ACTIVE[-1] is self:
+            raise RuntimeError("reset() inside this accumulator's micro_batch context; call it after it")
+        self._clear()
+        self.pending_copies, self._poisoned = [], None
+
+    def _check_poisoned(self) -> None:
+        """Raise the poisoning error (``recoverable=False``, a micro-batch raised after depositing)."""
+        if self._poisoned is not None:
+            raise RuntimeError(self._poisoned)
