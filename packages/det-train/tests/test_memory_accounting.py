@@ -81,7 +81,9 @@ def expected_peak(bounds: list[int], leaf: int, recoverable: bool = True) -> int
             after = _popcount(c + 1) if done else base
             if whole:
                 # a node that also covers earlier leaves is added into their (own) node: no view
-                views = [n for n in _nodes(end) if _covers(n, first_whole, end) and not _covers(n, 0, first_whole)]
+                views = [
+                    n for n in _nodes(end) if _covers(n, first_whole, end) and not _covers(n, 0, first_whole)
+                ]
                 peak = max(peak, after + whole + (len(views) if whole > 1 else 0))
             peak = max(peak, base, after, _popcount(end) + tail)
             continue

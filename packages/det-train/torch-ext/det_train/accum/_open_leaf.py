@@ -21,7 +21,8 @@ __all__ = ["LeafFold", "LeafPartial", "OpenFold", "OpenLeaf", "foreach_copy", "t
 LeafPartial = Callable[[int, tuple], TreePartial]
 # An op's resumable leaf fold: (token step, fold(rows, acc or None) -> new fp32 fold of the param's
 # shape; with out=acc, recoverable=False, written into acc), or (step, fold, close) whose fold state
-# is any immutable object and close(state) -> the leaf's fp32 node (the vector reductions: sub-leaf folds, _leaf_sums.SubLeafFold).
+# is any immutable object and close(state) -> the leaf's fp32 node (the vector reductions: sub-leaf
+# folds, _leaf_sums.SubLeafFold).
 LeafFold = tuple  # (int, Callable[[tuple, object], object]) or (..., Callable[[object], torch.Tensor])
 
 

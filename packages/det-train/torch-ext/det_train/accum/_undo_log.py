@@ -143,7 +143,8 @@ class NoUndoLog(UndoLog):
         pass
 
     def undo(self, partials: dict, carry: dict, set_carry) -> None:
-        raise RuntimeError("NoUndoLog.undo: an accumulator built with recoverable=False cannot undo")
+        """Nothing to put back: called only for a micro-batch that raised before any deposit (one
+        that deposited poisons the accumulator instead)."""
 
     def _own(self, t: torch.Tensor) -> bool:
         return self._made.get(id(t)) is t

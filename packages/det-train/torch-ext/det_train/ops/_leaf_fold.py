@@ -179,8 +179,8 @@ def weight_grad_fold(
         ValueError: ``out`` not fp32, contiguous, ``(N, K)`` on ``dy``'s device.
 
     Returns:
-        A new fp32 ``(N, K)`` tensor (or ``out``): the fold so far. With ``acc=None`` over a whole leaf it is that
-        leaf's node of ``weight_grad_partial`` (bitwise).
+        A new fp32 ``(N, K)`` tensor (or ``out``): the fold so far. With ``acc=None`` over a whole
+        leaf it is that leaf's node of ``weight_grad_partial`` (bitwise).
 
     **Determinism:** the fold's steps are ``weight_grad_partial``'s (the table's ``block_t``, the
     same dot): resumed at a multiple of ``block_t`` tokens from the start of the leaf, a fold split
@@ -222,7 +222,12 @@ def weight_grad_fold(
     grid, launch, templates = plan
     if out is None:
         out = torch.empty((N, K), dtype=torch.float32, device=dy.device)
-    elif out.dtype != torch.float32 or out.shape != (N, K) or not out.is_contiguous() or out.device != dy.device:
+    elif (
+        out.dtype != torch.float32
+        or out.shape != (N, K)
+        or not out.is_contiguous()
+        or out.device != dy.device
+    ):
         raise ValueError(
             f"weight_grad_fold: out must be a contiguous fp32 ({N}, {K}) tensor on {dy.device}, got "
             f"{out.dtype} {tuple(out.shape)} on {out.device} (contiguous: {out.is_contiguous()})"
