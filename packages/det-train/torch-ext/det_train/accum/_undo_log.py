@@ -45,8 +45,6 @@ class UndoLog:
 
     __slots__ = ("trees", "carry", "fills", "_made")
 
-    recoverable = True  # ``undo`` puts back what the micro-batch changed
-
     def __init__(self) -> None:
         self.trees: dict[tuple[int, int], dict | None] = {}
         self.carry: dict[tuple[int, int, int], object] = {}
@@ -123,8 +121,6 @@ class NoUndoLog(UndoLog):
     accumulator's state (one step); ``_made`` holds weak references only (a freed sum drops out)."""
 
     __slots__ = ()
-
-    recoverable = False
 
     def __init__(self) -> None:
         super().__init__()

@@ -231,6 +231,7 @@ class CanonicalGradAccumulator:
         into micro-batches, their order or their sizes (the canonical order of ``det_core.reduce``).
         """
         token_offset = as_index(token_offset, "token_offset", "micro_batch")  # TypeError
+        self._check_poisoned()  # before any other error: the step must be run again
         if token_offset < 0:
             raise ValueError(f"token_offset must be a non-negative int, got {token_offset!r}")
         if token_offset % self.leaf_tokens and token_offset not in self._open_ends:
@@ -243,7 +244,6 @@ class CanonicalGradAccumulator:
             )
         if _ACTIVE:
             raise RuntimeError("a micro_batch context is already active; micro-batches cannot be nested")
-        self._check_poisoned()
         self._token_offset = token_offset
         self._tokens = None
         self._uses = {}  # (the undo log is new: each micro-batch's ``finally`` and ``_clear`` make it)
