@@ -2,13 +2,17 @@
 
     python examples/bench_memory.py --out docs/benchmarks
     python examples/bench_memory.py --models 100m --counts 2,32
+    python examples/bench_memory.py --models 0.4b --counts 16 --setups det_bf16,det_bf16_noundo
 
 The step is examples/bench_step.py's eager step (``make_step``: the same models, batch, micro-batch
 loop and optimizers), for each model (``100m``: the gpu preset at batch 32; ``0.4b``: bench_step.py's
-0.4 B width at batch 16), each micro-batch count of ``--counts`` that divides the batch, and three
-optimizer setups: **torch** (fused ``torch.optim.AdamW``: its moments take the bf16 params' dtype),
-**det, fp32 states** (AdamWSR's default moments) and **det, bf16 states** (AdamWSR with
-``state_dtype=torch.bfloat16``: torch's optimizer-state bytes). Each row runs one warm-up step, then
+0.4 B width at batch 16), each micro-batch count of ``--counts`` that divides the batch, and the
+setups of ``--setups`` (default all four): **torch** (``torch``: fused ``torch.optim.AdamW``, its
+moments take the bf16 params' dtype), **det, fp32 states** (``det_fp32``: AdamWSR's default
+moments), **det, bf16 states** (``det_bf16``: AdamWSR with ``state_dtype=torch.bfloat16``, torch's
+optimizer-state bytes) and **det, bf16 states, recoverable=False** (``det_bf16_noundo``: the same,
+with ``CanonicalGradAccumulator(..., recoverable=False)``, no undo log: open folds continued in
+place, the canonical tree's least gradient memory, the same bits). Each row runs one warm-up step, then
 one measured step, reading the CUDA caching allocator (``torch.cuda.memory_allocated`` and
 ``max_memory_allocated``) at the step's points (``make_step``'s ``probe``):
 
@@ -43,6 +47,14 @@ import bench_step  # noqa: E402
 import train_gpt as tg  # noqa: E402  (the package sources come from PYTHONPATH: nox -s bench)
 
 TORCH, DET_FP32, DET_BF16 = "torch (fused AdamW)", "det, fp32 states", "det, bf16 states"
+DET_BF16_NOUNDO = "det, bf16 states, recoverable=False"
+# --setups key -> (row name, kernels, AdamWSR state_dtype, the accumulator's recoverable)
+SETUPS = {
+    "torch": (TORCH, "torch", None, True),
+    "det_fp32": (DET_FP32, "det", None, True),
+    "det_bf16": (DET_BF16, "det", torch.bfloat16, True),
+    "det_bf16_noundo": (DET_BF16_NOUNDO, "det", torch.bfloat16, False),
+}
 BATCH = {"100m": 32, "0.4b": 16}  # global batch in sequences of 1024 tokens, per --models entry
 GIB = 2**30
 
@@ -98,14 +110,19 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
     )
 
 
-def measure_row(cfg: tg.TrainConfig, micro_batches: int, state_dtype, device, meter: Meter) -> dict:
-    """One warm-up step, then the readings of one step of ``cfg`` in ``micro_batches`` micro-batches.
+def measure_row(
+    cfg: tg.TrainConfig, micro_batches: int, state_dtype, device, meter: Meter, recoverable: bool = True
+) -> dict:
+    """One warm-up step, then the readings of one step of ``cfg`` in ``micro_batches`` micro-batches
+    (``recoverable``: the det accumulator's, ``make_step``'s).
 
     Returns ``peak_gib``, ``grad_bytes_per_param``, ``reduce_peak_bytes_per_param`` (None without
     an accumulator), ``state_bytes_per_param``, ``baseline_gib`` and ``n_params``.
     """
     readings = StepReadings(meter)
-    s = bench_step.make_step(cfg, micro_batches, device, state_dtype=state_dtype, probe=readings)
+    s = bench_step.make_step(
+        cfg, micro_batches, device, state_dtype=state_dtype, probe=readings, recoverable=recoverable
+    )
     s.run()  # optimizer states, kernel compilation, launch caches
     meter.synchronize()
     meter.reset_peak()
@@ -135,22 +152,29 @@ def model_configs(model: str, preset: str = "gpu", **overrides) -> tuple[tg.Trai
 
 
 def model_rows(
-    model: str, det_cfg, torch_cfg, counts: list[int], device, meter: Meter, torch_context=None
+    model: str, det_cfg, torch_cfg, counts: list[int], device, meter: Meter, torch_context=None, setups=None
 ) -> list[dict]:
-    """The rows of one model: per micro-batch count dividing the batch, torch then the two det setups.
+    """The rows of one model: per micro-batch count dividing the batch, one per setup of ``setups``
+    (``SETUPS`` keys, in that order; default all). ``peak_over_torch``: a det row's peak over the
+    torch row of its count (None without one).
 
     ``torch_context`` (a no-argument callable giving a context manager) surrounds torch's rows (the
     benchmark's SDPA backend). Each row starts after ``gc.collect()`` and ``empty_cache()``: the
     previous row's step is gone; ``allocated_before_gib`` shows what was still allocated then.
     """
-    setups = ((TORCH, torch_cfg, None), (DET_FP32, det_cfg, None), (DET_BF16, det_cfg, torch.bfloat16))
+    setups = list(SETUPS) if setups is None else setups
+    unknown = [k for k in setups if k not in SETUPS]
+    if unknown:
+        raise ValueError(f"setups {unknown} unknown; choose among {', '.join(SETUPS)}")
     rows = []
     for mb in counts:
         if det_cfg.batch_seqs % mb:
             print(f"{model}: {mb} micro-batches skipped (batch of {det_cfg.batch_seqs})", flush=True)
             continue
         group = []
-        for name, cfg, state_dtype in setups:
+        for key in setups:
+            name, kernels, state_dtype, recoverable = SETUPS[key]
+            cfg = torch_cfg if kernels == "torch" else det_cfg
             cfg = dataclasses.replace(cfg, micro_batch_seqs=cfg.batch_seqs // mb)
             gc.collect()  # the previous row's step (model, optimizer, accumulator) went with its frame
             meter.empty_cache()
@@ -158,13 +182,12 @@ def model_rows(
             row["allocated_before_gib"] = meter.allocated() / GIB
             use_torch_context = torch_context is not None and cfg.kernels == "torch"
             with torch_context() if use_torch_context else contextlib.nullcontext():
-                row.update(measure_row(cfg, mb, state_dtype, device, meter))
+                row.update(measure_row(cfg, mb, state_dtype, device, meter, recoverable))
             print(f"{model}, {mb} micro-batches, {name}: {row}", flush=True)
             group.append(row)
+        ref = next((r for r in group if r["optimizer"] == TORCH), None)
         for row in group:
-            row["peak_over_torch"] = (
-                None if row["optimizer"] == TORCH else row["peak_gib"] / group[0]["peak_gib"]
-            )
+            row["peak_over_torch"] = None if ref is None or row is ref else row["peak_gib"] / ref["peak_gib"]
         rows += group
     return rows
 
@@ -194,7 +217,8 @@ def format_table(rows: list[dict], title: str) -> str:
         "torch's bf16 p.grad, det's accumulator state carried to reduce. Reduce peak (det): "
         "max_memory_allocated during acc.reduce (reset right before it) minus the same baseline, per "
         "parameter. Optimizer state: the optimizer's state tensors per parameter (torch's AdamW moments "
-        "take the bf16 params' dtype; det's bf16 states: AdamWSR state_dtype=torch.bfloat16).",
+        "take the bf16 params' dtype; det's bf16 states: AdamWSR state_dtype=torch.bfloat16; "
+        "recoverable=False: CanonicalGradAccumulator without its undo log).",
     ]
     return "\n".join(lines)
 
@@ -204,10 +228,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="folder for main-job_memory.md/.json")
     p.add_argument("--models", default="100m,0.4b", help="bench_step.py --model values (100m, 0.4b)")
     p.add_argument("--counts", default="2,8,16,32", help="micro-batch counts (those dividing the batch)")
+    p.add_argument("--setups", default=",".join(SETUPS), help=f"rows per count, of: {', '.join(SETUPS)}")
     args = p.parse_args(argv)
-    models = args.models.split(",")
+    models, setups = args.models.split(","), args.setups.split(",")
     if set(models) - set(BATCH):
         p.error(f"--models takes {', '.join(BATCH)}, got {args.models!r}")
+    if set(setups) - set(SETUPS):
+        p.error(f"--setups takes {', '.join(SETUPS)}, got {args.setups!r}")
     if not torch.cuda.is_available():
         print("bench_memory.py needs a CUDA GPU (the CPU tests run its parts)")
         return 1
@@ -221,7 +248,7 @@ def main(argv=None) -> int:
         configs[model] = vars(det_cfg)
         torch_context = lambda: sdpa_kernel([backend])  # noqa: E731
         rows += model_rows(
-            model, det_cfg, torch_cfg, counts, torch.device("cuda"), cuda_meter(), torch_context
+            model, det_cfg, torch_cfg, counts, torch.device("cuda"), cuda_meter(), torch_context, setups
         )
     device = torch.cuda.get_device_name()
     batches = ", ".join(f"{m}: batch {BATCH[m]}" for m in models)

@@ -82,6 +82,7 @@ def make_step(
     compile_options: dict | None = None,
     state_dtype: torch.dtype | None = None,
     probe: Callable[[str], None] | None = None,
+    recoverable: bool = True,
 ) -> Step:
     """A closure running one full training step of ``cfg`` (det or torch), and its tokens per step.
 
@@ -91,7 +92,8 @@ def make_step(
     ``compile_options`` (``torch.compile`` keyword arguments) runs the model's forward (and so its
     backward) compiled; the accumulator's micro-batches, ``reduce`` and the optimizer stay eager.
     ``state_dtype`` stores AdamWSR's moments in that dtype (its param groups' ``state_dtype``;
-    default: the optimizer's fp32). ``probe`` is called on the host at the step's points (memory
+    default: the optimizer's fp32). ``recoverable``: the det accumulator's (False: no undo log, the
+    least gradient memory, same bits). ``probe`` is called on the host at the step's points (memory
     readings, examples/bench_memory.py): ``"start"`` (``p.grad`` None), ``"backward"`` (after the last
     micro-batch's backward), ``"reduced"`` (det: after ``acc.reduce``), ``"end"`` (after ``zero_grad``).
 
@@ -113,9 +115,9 @@ def make_step(
             group["state_dtype"] = state_dtype
     acc = None
     if cfg.kernels == "det":
-        import det_train
+        from det_train import CanonicalGradAccumulator as Acc
 
-        acc = det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=cfg.leaf_tokens)
+        acc = Acc(model.named_parameters(), leaf_tokens=cfg.leaf_tokens, recoverable=recoverable)
     train, _ = tg.load_corpus()
     starts = tg.batch_starts(len(train), cfg.seq_len, cfg.batch_seqs, cfg.seed, 0)
     x, y = tg.get_batch(train, starts, cfg.seq_len, device)

@@ -86,12 +86,18 @@ def test_memory_rows_read_what_each_point_holds():
         (2, bench_memory.TORCH),
         (2, bench_memory.DET_FP32),
         (2, bench_memory.DET_BF16),
+        (2, bench_memory.DET_BF16_NOUNDO),
     ]
-    torch_row, fp32, bf16 = rows
+    torch_row, fp32, bf16, noundo = rows
     n = torch_row["n_params"]
     # torch: the bf16 p.grad; det: after 4 leaves the canonical tree holds one fp32 node per element
     assert torch_row["grad_bytes_per_param"] == 2.0
     assert fp32["grad_bytes_per_param"] == bf16["grad_bytes_per_param"] == 4.0
+    # recoverable=False: the same state at the end of the backward (micro-batches of whole leaves; this
+    # meter samples at the probe points only, so the peaks, which differ inside the backward, are not
+    # compared)
+    assert noundo["grad_bytes_per_param"] == 4.0
+    assert noundo["state_bytes_per_param"] == bf16["state_bytes_per_param"]
     assert torch_row["reduce_peak_bytes_per_param"] is None
     assert fp32["reduce_peak_bytes_per_param"] >= fp32["grad_bytes_per_param"]
     # moments: 2 x fp32, 2 x bf16 (AdamWSR state_dtype=torch.bfloat16), torch's 2 x the bf16 params'
@@ -107,3 +113,15 @@ def test_memory_rows_read_what_each_point_holds():
     table = bench_memory.format_table(rows, "tiny")
     assert "| tiny | 2 | torch (fused AdamW) | 0.00 | - | 2.00 | - | 4.00 |" in table
     assert f"| tiny | 2 | det, bf16 states | 0.00 | {bf16['peak_over_torch']:.2f}x | 4.00 |" in table
+
+
+def test_setups_choose_the_rows():
+    """``setups`` picks rows by key (no torch row: no peak ratio); an unknown key is refused."""
+    det, ref = _tiny_configs()
+    with pytest.raises(ValueError, match=r"setups \['det_bf16_undo'\] unknown"):
+        bench_memory.model_rows("tiny", det, ref, [2], "cpu", LiveMeter().meter(), setups=["det_bf16_undo"])
+    ref = bench_memory.dataclasses.replace(ref, micro_batch_seqs=2)
+    row = bench_memory.measure_row(ref, 2, None, "cpu", LiveMeter().meter())
+    assert row["grad_bytes_per_param"] == 2.0  # torch's bf16 p.grad
+    assert list(bench_memory.SETUPS) == ["torch", "det_fp32", "det_bf16", "det_bf16_noundo"]
+    assert bench_memory.SETUPS["det_bf16_noundo"][1:] == ("det", torch.bfloat16, False)

@@ -56,13 +56,18 @@ def _covers(node: tuple[int, int], lo: int, hi: int) -> bool:
     return index << level < hi and (index + 1) << level > lo
 
 
-def expected_peak(bounds: list[int], leaf: int) -> int:
+def expected_peak(bounds: list[int], leaf: int, recoverable: bool = True) -> int:
     """The peak fp32 buffers during the micro-batches ``bounds`` (token offsets) of ``leaf`` tokens:
     the accumulator's memory rule, one micro-batch at a time. A micro-batch starting after ``c``
     complete leaves holds the ``popcount(c)`` nodes before it (its undo log keeps the ones it
     consumes) and the open fold it continues (kept too); then the completed leaf's sum (one buffer
     its tree adds carry up in); then W whole leaves' sums (one buffer) and a copy of each node that
-    is a view of it; then the new open fold."""
+    is a view of it; then the new open fold.
+
+    ``recoverable=False`` (no undo log): the fold is continued in its own buffer, which becomes the
+    completed leaf's sum, and the nodes it consumes are freed at once (the sum is added into one):
+    ``popcount(c) + cont`` while it is carried up, ``popcount(c + 1)`` nodes after it; whole leaves'
+    sums are added into the earlier nodes they complete (only a node of new leaves alone is a view)."""
     peak = 0
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
         c, cont = lo // leaf, lo % leaf != 0
@@ -71,6 +76,17 @@ def expected_peak(bounds: list[int], leaf: int) -> int:
         end = hi // leaf  # complete leaves after it
         whole, tail = max(0, end - first_whole), hi % leaf != 0
         base = _popcount(c) + cont + done
+        if not recoverable:
+            base = _popcount(c) + cont
+            after = _popcount(c + 1) if done else base
+            if whole:
+                # a node that also covers earlier leaves is added into their (own) node: no view
+                views = [
+                    n for n in _nodes(end) if _covers(n, first_whole, end) and not _covers(n, 0, first_whole)
+                ]
+                peak = max(peak, after + whole + (len(views) if whole > 1 else 0))
+            peak = max(peak, base, after, _popcount(end) + tail)
+            continue
         if whole:
             views = [
                 n for n in _nodes(end) if _covers(n, first_whole, end) and not (done and _covers(n, c, c + 1))
@@ -99,14 +115,14 @@ def _split(micro_batches: int, leaves: int) -> tuple[list[int], int]:
     return [0, *(STEP * c for c in sorted(cuts)), STEP * total], STEP * steps
 
 
-def _step(micro_batches: int, leaves: int) -> tuple[dict, torch.Tensor, list[int], int]:
+def _step(micro_batches: int, leaves: int, recoverable: bool = True) -> tuple[dict, list[int], int]:
     bounds, leaf = _split(micro_batches, leaves)
     tokens = bounds[-1]
     gen = torch.Generator().manual_seed(leaves)
     weight = torch.nn.Parameter(torch.zeros(D, D, dtype=torch.bfloat16))
     x = (torch.randint(-64, 64, (tokens, D), generator=gen).float() / 32).to(torch.bfloat16)
     dy = (torch.randint(-64, 64, (tokens, D), generator=gen).float() / 32).to(torch.bfloat16)
-    acc = det_train.CanonicalGradAccumulator([weight], leaf_tokens=leaf)
+    acc = det_train.CanonicalGradAccumulator([weight], leaf_tokens=leaf, recoverable=recoverable)
     with AccumulatorMemory(acc) as mem:
         for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
             with acc.micro_batch(token_offset=lo):
@@ -176,3 +192,24 @@ def test_raising_micro_batch_keeps_state_and_memory():
         deposit_weight_op(x, x, weight, ticket())
     one.reduce(total_tokens=tokens)
     assert_bitwise_equal(got, weight.grad, "after undone micro-batches vs one batch")
+
+
+@pytest.mark.parametrize("leaves", [1, 2, 3, 4, 8])
+def test_peak_without_undo_log(leaves):
+    """``recoverable=False``: the fold continued in place and the consumed nodes freed at once, so
+    micro-batches that cut leaves peak at ``1 + floor(log2 L)`` buffers, the canonical tree's least
+    (1 at ``L = 1``: one fp32 main grad); one micro-batch of W whole leaves keeps the dW kernel's
+    ``W + popcount(W)``. The bits are those of one batch (``_step`` checks)."""
+    for micro_batches in (1, 2, 8, 32):
+        buffers, bounds, leaf = _step(micro_batches, leaves, recoverable=False)
+        rule = expected_peak(bounds, leaf, recoverable=False)
+        assert buffers["micro"] == rule, (micro_batches, buffers)
+        pc = _popcount(leaves)
+        assert buffers["reduce"] == pc + (pc > 1), (micro_batches, buffers)
+        if micro_batches == 1:
+            assert rule == (leaves + pc if leaves > 1 else 1)
+        elif micro_batches > leaves:  # micro-batches that cut leaves: no undo copy, the tree's least
+            assert rule == 1 + int(math.log2(leaves)), (micro_batches, bounds, leaf)
+    if leaves > 1:  # one whole leaf per micro-batch: the same least
+        buffers, bounds, leaf = _step(leaves, leaves, recoverable=False)
+        assert buffers["micro"] == expected_peak(bounds, leaf, False) == 1 + int(math.log2(leaves))

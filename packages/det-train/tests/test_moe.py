@@ -198,12 +198,13 @@ def test_experts_rows_do_not_depend_on_which_tokens_share_an_expert():
             assert_bitwise_equal(got, want[rows], f"{name} of rows {rows.tolist()}")
 
 
-def _routed_grads(x, params, cuts):
+def _routed_grads(x, params, cuts, leaf: int = 24, recoverable: bool = True):
     """The gradients of ``params`` (router weight, gate_up_proj, down_proj) of a weighted sum of the
-    router + experts output over ``x``, cut at tokens ``cuts``, through the accumulator (leaves of 24)."""
+    router + experts output over ``x``, cut at tokens ``cuts``, through the accumulator (leaves of
+    ``leaf`` tokens)."""
     weight = torch.linspace(-1, 1, x.shape[1])
     named = list(zip(("router", "gate_up", "down"), params, strict=True))
-    acc = CanonicalGradAccumulator(named, leaf_tokens=24)
+    acc = CanonicalGradAccumulator(named, leaf_tokens=leaf, recoverable=recoverable)
     bounds = [0, *cuts, x.shape[0]]
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
         with acc.micro_batch(token_offset=lo):
@@ -230,6 +231,19 @@ def test_expert_weight_gradients_split_bitwise_and_run_to_run():
         for name, got, want in zip(("router", "gate_up", "down"), split, whole, strict=True):
             assert want.abs().sum() > 0, name
             assert_bitwise_equal(got, want, f"{name}: cuts {cuts}")
+
+
+def test_expert_folds_continued_in_place_keep_the_bits():
+    """``recoverable=False``: the 3-D expert weights' open folds (one per expert, 64-token steps) are
+    continued in their buffers (``_expert_fold(..., out=acc)``); the bits of ``recoverable=True``."""
+    x, _, _, gate_up, down = _experts_inputs(t=256, dtype=torch.bfloat16)
+    router = (0.3 * torch.randn(4, 64, generator=torch.Generator().manual_seed(5))).to(torch.bfloat16)
+    params = [torch.nn.Parameter(p) for p in (router, gate_up, down)]
+    want = _routed_grads(x, params, [64, 192], leaf=128)
+    got = _routed_grads(x, params, [64, 192], leaf=128, recoverable=False)
+    for name, g, w in zip(("router", "gate_up", "down"), got, want, strict=True):
+        assert w.abs().sum() > 0, name
+        assert_bitwise_equal(g, w, f"{name}: recoverable=False vs True")
 
 
 def test_experts_refuse_bad_input():

@@ -1,11 +1,11 @@
-"""The accumulator's error messages that name a parameter and its op (kept out of grad_accum.py,
-which holds the bookkeeping); plain functions of the accumulator's state."""
+"""The accumulator's error messages that name a parameter and its op, and the checks that raise
+them (kept out of grad_accum.py, which holds the bookkeeping); plain functions of its state."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["token_mismatch", "who"]
+__all__ = ["check_not_open", "poisoned", "token_mismatch", "who"]
 
 
 def who(acc, param: torch.Tensor | None, op: str | None) -> str:
@@ -33,3 +33,33 @@ def token_mismatch(acc, n: int, param: torch.Tensor | None, op: str | None) -> s
         "position_ids of the batch's shape, position_ids=torch.arange(T).expand(B, T); "
         "det_train.convert does it for GPT-2-style models)"
     )
+
+
+def poisoned(acc, token_offset: int, error: BaseException) -> str:
+    """The error of a call to an accumulator built with ``recoverable=False`` after a micro-batch
+    (starting at ``token_offset``) raised ``error`` once its deposits had begun."""
+    names = sorted(acc._names[i] for i in acc._uses)
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return (
+        f"this CanonicalGradAccumulator (recoverable=False) is poisoned: the micro-batch at token_offset "
+        f"{token_offset} raised {type(error).__name__}: {error} after its deposits began, and without an "
+        "undo log its folds and tree nodes were written in place, so these parameters may hold partial "
+        f"sums: {shown}. Nothing is reduced or deposited until acc.reset() (drops every deposit of the "
+        "step) or a new accumulator; then run the whole step's micro-batches again. To retry a single "
+        "micro-batch instead, build the accumulator with recoverable=True (the default; one or two "
+        "more fp32 buffers per parameter, docs/det-train.md, 'Gradient memory')"
+    )
+
+
+def check_not_open(acc, slot: tuple[int, int], start: int, end: int) -> None:
+    """Raise ValueError if a leaf that tokens ``[start, end)`` touch holds an open leaf of ``slot``
+    (an earlier micro-batch ended inside it): a look at the slot's open leaves (usually none or one),
+    whatever the number of leaves of the call."""
+    first, last = start // acc.leaf_tokens, (end - 1) // acc.leaf_tokens
+    for j in acc._open_leaves.get(slot, ()):
+        if first <= j <= last:
+            held = acc._carry[(*slot, j)]
+            raise ValueError(
+                f"{acc._names[slot[0]]} (use {slot[1]}): leaf {j} already holds tokens "
+                f"[{held.start}, {held.end}) of an earlier micro-batch: micro-batches overlap"
+            )

@@ -20,8 +20,9 @@ __all__ = ["LeafFold", "LeafPartial", "OpenFold", "OpenLeaf", "foreach_copy", "t
 # A leaf-sum function of an op: (global index of the first leaf, rows of whole leaves) -> partial tree.
 LeafPartial = Callable[[int, tuple], TreePartial]
 # An op's resumable leaf fold: (token step, fold(rows, acc or None) -> new fp32 fold of the param's
-# shape), or (step, fold, close) whose fold state is any immutable object and close(state) -> the
-# leaf's fp32 node (the vector reductions: sub-leaf folds, _leaf_sums.SubLeafFold).
+# shape; with out=acc, recoverable=False, written into acc), or (step, fold, close) whose fold state
+# is any immutable object and close(state) -> the leaf's fp32 node (the vector reductions: sub-leaf
+# folds, _leaf_sums.SubLeafFold).
 LeafFold = tuple  # (int, Callable[[tuple, object], object]) or (..., Callable[[object], torch.Tensor])
 
 
@@ -40,12 +41,16 @@ class OpenFold:
     def end(self) -> int:
         return self.folded_end + (int(self.rest[0].shape[0]) if self.rest else 0)
 
-    def advance(self, rows: tuple, finish: bool, fold: LeafFold | None = None):
+    def advance(self, rows: tuple, finish: bool, fold: LeafFold | None = None, in_place: bool = False):
         """The state after the next ``rows`` of the leaf, or (``finish``: they end the leaf or the
         batch) the leaf's fp32 sum. ``fold``: the op's fold of this call (the same order as the
-        stored one; an op may bind what it computed for these rows), kept for the next call."""
+        stored one; an op may bind what it computed for these rows), kept for the next call.
+        ``in_place`` (``recoverable=False``): a tensor fold (``(step, fold_fn)``) is continued in its
+        own buffer, ``fold_fn(rows, acc, out=acc)``, and the old state is no longer valid."""
         fold = self.fold if fold is None else fold
         step, fold_fn = fold[0], fold[1]
+        if in_place and len(fold) == 2:
+            fold_fn = _in_place(fold_fn)
         n = rows[0].shape[0] if rows else 0
         acc, done = self.acc, self.folded_end
         if self.rest:  # complete the waiting partial step first (a copy of fewer than `step` rows)
@@ -106,6 +111,15 @@ class OpenLeaf:
         return tuple(b[: self.filled] for b in self.buffers)
 
 
+def _in_place(fold_fn: Callable) -> Callable:
+    """``fold_fn`` writing into the fold it continues (a new tensor only for a leaf's first rows)."""
+
+    def fold_into(rows: tuple, acc):
+        return fold_fn(rows, acc) if acc is None else fold_fn(rows, acc, out=acc)
+
+    return fold_into
+
+
 def _copy_each(dst: list, src: list) -> None:
     for d, s in zip(dst, src, strict=True):
         d.copy_(s)
@@ -130,7 +144,7 @@ def token_rows(leaf_partial: LeafPartial, fold: LeafFold | None, group: int) -> 
         return partial, None
     step, fold_fn = fold[0], fold[1]
 
-    def fold_tokens(rows: tuple, state):
-        return fold_fn(flat(rows), state)
+    def fold_tokens(rows: tuple, state, **out):  # out=: a tensor fold continued in place
+        return fold_fn(flat(rows), state, **out)
 
     return partial, (step // math.gcd(step, group), fold_tokens, *fold[2:])

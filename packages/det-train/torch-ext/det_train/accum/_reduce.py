@@ -26,7 +26,14 @@ from det_core.reduce import TreePartial, num_leaves
 from . import dp_reduce
 from ._open_leaf import OpenFold, OpenLeaf
 
-__all__ = ["checked_roots", "finish_one_process", "local_checks", "local_partials", "reduce_across_ranks"]
+__all__ = [
+    "checked_roots",
+    "finish_one_process",
+    "local_checks",
+    "local_partials",
+    "reduce_across_ranks",
+    "write_grad",
+]
 
 Slot = tuple[int, int]  # (parameter index, use)
 _KEY_ONLY = torch.empty(0)  # the value of a node whose key alone is checked
@@ -272,3 +279,13 @@ def _uncovered_tokens(partial: TreePartial, total_tokens: int, leaf_tokens: int)
             gaps.append(f"[{pos * leaf_tokens}, {min(first * leaf_tokens, total_tokens)})")
         pos = max(pos, end)
     return "tokens " + ", ".join(gaps) if gaps else "some tokens"
+
+
+def write_grad(acc, index: int, grad: torch.Tensor) -> None:
+    """``p.grad`` of ``acc``'s tracked parameter ``index`` from its fp32 gradient (FSDP2: its shard)."""
+    p = acc._params[index]
+    if index in acc._fsdp:
+        p.grad = dp_reduce.fsdp_shard(acc._fsdp[index], grad.to(dtype=p.dtype))
+    else:
+        grad = grad.to(device=p.device, dtype=p.dtype)
+        p.grad = grad if grad.shape == p.shape else grad.view(p.shape)

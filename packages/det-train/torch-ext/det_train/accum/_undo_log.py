@@ -13,6 +13,11 @@ node the log holds, an op's leaf sum, a fold an open leaf carries or a caller's 
 that completes carries its sum up the tree in one buffer, and a micro-batch holds, besides the
 nodes and fold it started with, one new node per aligned subtree it completes.
 
+``NoUndoLog`` is the log of an accumulator built with ``recoverable=False``: it saves nothing, and
+every sum the accumulator made (in any micro-batch) may be written by ``combine``, so a completed
+leaf's sum is carried up into the nodes it consumes and they are freed at once. A micro-batch that
+raises then leaves partial sums: the accumulator refuses every later call (``poisoned``).
+
 Method: copy-on-write of the replaced state (a shadow copy of the partial trees' node maps), the
 exception-safety of a transaction log.
 """
@@ -24,7 +29,7 @@ import weakref
 import torch
 from det_core.reduce import TreePartial
 
-__all__ = ["ABSENT", "UndoLog"]
+__all__ = ["ABSENT", "NoUndoLog", "UndoLog"]
 
 ABSENT = object()  # an undo-log entry: the key was not there
 
@@ -107,3 +112,39 @@ class UndoLog:
         for key, value in tree.nodes.items():
             if value.untyped_storage().nbytes() > value.numel() * value.element_size():
                 tree.nodes[key] = self.own(value.clone())
+
+
+class NoUndoLog(UndoLog):
+    """The log of ``recoverable=False``: keeps nothing to undo, and lets ``combine`` write every tensor
+    the accumulator made (``own``), in this micro-batch or an earlier one: a tree node is read by the
+    add that consumes it and by nothing else, so it may become the parent. Lives as long as the
+    accumulator's state (one step); ``_made`` holds weak references only (a freed sum drops out)."""
+
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._made = weakref.WeakValueDictionary()  # id -> a tensor ``combine`` may write
+
+    def tree(self, partials: dict, slot: tuple[int, int]) -> TreePartial:
+        tree = partials.get(slot)
+        if tree is None:
+            tree = partials[slot] = TreePartial()
+        return tree
+
+    def log_carry(self, carry: dict, key: tuple[int, int, int]) -> None:
+        pass
+
+    def log_fill(self, open_leaf) -> None:
+        pass
+
+    def undo(self, partials: dict, carry: dict, set_carry) -> None:
+        """Nothing to put back: called only for a micro-batch that raised before any deposit (one
+        that deposited poisons the accumulator instead)."""
+
+    def _own(self, t: torch.Tensor) -> bool:
+        return self._made.get(id(t)) is t
+
+    def own(self, t: torch.Tensor) -> torch.Tensor:
+        self._made[id(t)] = t
+        return t

@@ -478,3 +478,24 @@ def fsdp_shard(fsdp_param, grad: torch.Tensor):
         if grad.numel() == 0:
             grad = grad.new_empty(fsdp_param.sharded_size)
     return fsdp_param.to_sharded_dtensor(grad.contiguous())
+
+
+def fsdp_params(module: torch.nn.Module, index: dict[int, int]) -> dict[int, object]:
+    """``{tracked index: FSDPParam}`` of ``module``'s FSDP2 (``fully_shard``) parameters whose sharded
+    parameter is tracked (``index``: id of a tracked parameter -> its position)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found = {}
+    for sub in module.modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        state = sub._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            groups = [g for g in (getattr(state, "_fsdp_param_group", None),) if g is not None]
+        for group in groups:
+            for fsdp_param in group.fsdp_params:
+                position = index.get(id(fsdp_param.sharded_param))
+                if position is not None:
+                    found[position] = fsdp_param
+    return found

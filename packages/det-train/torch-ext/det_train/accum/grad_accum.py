@@ -24,6 +24,7 @@ reduce time and the cross-rank reduction are in ``_reduce.py``, the error messag
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -31,9 +32,9 @@ from det_core.reduce import TreePartial, num_leaves
 from det_core.runtime import as_index
 
 from . import _reduce, dp_reduce
-from ._messages import token_mismatch, who
+from ._messages import check_not_open, poisoned, token_mismatch, who
 from ._open_leaf import LeafFold, LeafPartial, OpenFold, OpenLeaf, foreach_copy, token_rows
-from ._undo_log import UndoLog
+from ._undo_log import NoUndoLog, UndoLog
 
 __all__ = ["DEFAULT_LEAF_TOKENS", "CanonicalGradAccumulator", "current_accumulator"]
 
@@ -80,6 +81,12 @@ class CanonicalGradAccumulator:
             a leaf leaves it open, and a later micro-batch on this rank continues it from the token
             where it ended. Every other micro-batch starts on a leaf boundary, so data-parallel
             shards are multiples of ``leaf_tokens`` (except the one ending the global batch).
+        recoverable: keyword only. True (default): a micro-batch whose ``with`` block raises leaves no
+            deposit behind (an undo log keeps old folds and tree nodes until it succeeds). False: no
+            undo log, open folds continued in their buffers and consumed nodes freed at once (the
+            canonical tree's least memory, below; the same bits); a micro-batch that raises after its
+            deposits began poisons the accumulator: every later ``micro_batch``, deposit or ``reduce``
+            raises RuntimeError naming the parameters that may hold partial sums, until ``reset()``.
 
     Usage::
 
@@ -101,21 +108,20 @@ class CanonicalGradAccumulator:
     identical bits on every rank. An unfinished leaf's rows are carried to the micro-batch that
     completes it and summed there as one leaf, by the kernel that sums aligned leaves. Not
     covered: a parameter whose gradient also comes from an op that is not canonical-order aware
-    (``reduce`` raises when it finds such a gradient in ``p.grad``).
+    (``reduce`` raises when it finds such a gradient in ``p.grad``). ``recoverable=False`` changes
+    only where sums are written and when old buffers are freed: same kernels, same order, same bits.
 
     Memory: the partial trees (fp32 nodes of each parameter's shape, ``popcount(i)`` after ``i``
-    leaves) and the open leaf: its fp32 fold, or (ops without a fold) its rows, in buffers that grow
-    by doubling (at most twice the rows received, never more than one leaf). A micro-batch's tree adds
-    write into the sums it made itself, never into what its undo log keeps, so with ``L`` leaves per
-    rank and step a parameter peaks at ``4 * (2 + ceil(log2 L))`` bytes per element while micro-batches
-    cut leaves (the least the canonical tree allows is ``4 * (1 + floor(log2 L))``; the undo log keeps
-    the old fold and the nodes the completed leaf consumed until the micro-batch succeeds); a
-    micro-batch of ``W`` whole leaves adds the op's ``W`` leaf sums while they are combined. One
-    process's ``reduce`` finishes and frees one parameter at a time (docs/det-train.md, "Gradient
-    memory").
+    leaves) and the open leaf: its fp32 fold, or (ops without a fold) its rows (buffers that grow by
+    doubling, at most one leaf). With ``L`` leaves per rank and step, micro-batches that cut leaves
+    peak at ``4 * (2 + ceil(log2 L))`` bytes per parameter element (the undo log keeps the old fold
+    and the consumed nodes until the micro-batch succeeds); ``recoverable=False``: the canonical
+    tree's least, ``4 * (1 + floor(log2 L))`` (4 at ``L = 1``: one fp32 main grad). A micro-batch of
+    ``W`` whole leaves adds the op's ``W`` leaf sums while they are combined. ``reduce`` frees one
+    parameter at a time (docs/det-train.md, "Gradient memory").
 
-    A micro-batch whose ``with`` block raises leaves no deposit behind (the accumulator is as
-    before it), so it can be run again. A det_train op given a cast or view of a tracked parameter
+    A micro-batch whose ``with`` block raises leaves no deposit behind (``recoverable=True``), so
+    it can be run again. A det_train op given a cast or view of a tracked parameter
     (``p.to(torch.bfloat16)``, ``p * 1``) returns an ordinary autograd gradient for it (the
     canonical sum of that call's tokens), which ``reduce`` then reports as a non-zero ``p.grad``.
 
@@ -124,17 +130,25 @@ class CanonicalGradAccumulator:
             micro-batch left open, an open leaf not continued (or not completed by ``reduce``),
             missing or duplicated leaves, a deposit for an unknown parameter or of the wrong shape.
         RuntimeError: deposits outside ``micro_batch``; a tracked parameter without deposits at
-            ``reduce``; ``p.grad`` already holding a non-zero gradient at ``reduce``.
+            ``reduce``; ``p.grad`` already holding a non-zero gradient at ``reduce``; any call after
+            a micro-batch raised under ``recoverable=False`` (until ``reset``).
+        TypeError: ``recoverable`` not a bool.
 
     Method: pairwise summation with the tree fixed by global index (Higham, SISC 1993), as in
     det_core.reduce and DESIGN.md's canonical reduction order.
     """
 
-    def __init__(self, params: Iterable, leaf_tokens: int = DEFAULT_LEAF_TOKENS) -> None:
+    def __init__(
+        self, params: Iterable, leaf_tokens: int = DEFAULT_LEAF_TOKENS, *, recoverable: bool = True
+    ) -> None:
         leaf_tokens = as_index(leaf_tokens, "leaf_tokens", "CanonicalGradAccumulator")  # TypeError
         if leaf_tokens <= 0:
             raise ValueError(f"leaf_tokens must be a positive int, got {leaf_tokens!r}")
+        if not isinstance(recoverable, bool):
+            raise TypeError(f"recoverable must be True or False, got {recoverable!r}")
         self.leaf_tokens = leaf_tokens
+        self.recoverable = recoverable
+        self._poisoned: str | None = None  # recoverable=False: the error of a micro-batch that raised
         self._params: list[torch.Tensor] = []
         self._names: list[str] = []
         self._index: dict[int, int] = {}
@@ -157,15 +171,14 @@ class CanonicalGradAccumulator:
         self._open_ends: set[int] = set()  # tokens where micro-batches ended inside a leaf
         self._max_end = 0  # the last token + 1 any deposit covered
         self._carry: dict[tuple[int, int, int], OpenLeaf] = {}  # (param index, use, leaf) -> its rows
-        # (destination, source) row copies into open leaves, queued by ``OpenLeaf`` and run by ``flush``
-        # as one _foreach_copy_ (one launch, not one per row tensor and parameter): at the end of the
-        # micro-batch, before a leaf's rows are read, or before a deposit op returns
+        # (destination, source) row copies into open leaves, queued by ``OpenLeaf``, run by ``flush`` as
+        # one _foreach_copy_: at the micro-batch's end, before a leaf's rows are read or a deposit returns
         self.pending_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._fsdp: dict[int, object] = {}  # param index -> FSDP2 FSDPParam (see track_fsdp)
         self._shapes: dict[int, torch.Size] = {}  # param index -> full (unsharded) gradient shape
-        # The undo log of the active micro-batch (what its deposits replaced), so that one which
-        # raises can be undone; its tree adds write only the sums the micro-batch made (_undo_log.py)
-        self._log = UndoLog()
+        # The active micro-batch's undo log (what its deposits replaced; its adds write only the sums
+        # it made), or recoverable=False: a NoUndoLog per step, keeps nothing, adds write any own sum
+        self._log = UndoLog() if recoverable else NoUndoLog()
         self._open_leaves: dict[tuple[int, int], set[int]] = {}  # slot -> leaves of its _carry entries
         # slot -> rows per token of its deposit_rows calls (fixed: an open leaf is continued with rows of
         # its layout); the active micro-batch's entries wait in _new_groups until it succeeds
@@ -185,20 +198,7 @@ class CanonicalGradAccumulator:
 
         Raises ValueError if ``module`` holds no FSDP2 parameter that this accumulator tracks.
         """
-        from torch.distributed.fsdp import FSDPModule
-
-        for sub in module.modules():
-            if not isinstance(sub, FSDPModule):
-                continue
-            state = sub._get_fsdp_state()
-            groups = getattr(state, "_fsdp_param_groups", None)
-            if groups is None:
-                groups = [g for g in (getattr(state, "_fsdp_param_group", None),) if g is not None]
-            for group in groups:
-                for fsdp_param in group.fsdp_params:
-                    index = self._index.get(id(fsdp_param.sharded_param))
-                    if index is not None:
-                        self._fsdp[index] = fsdp_param
+        self._fsdp.update(dp_reduce.fsdp_params(module, self._index))
         if not self._fsdp:
             raise ValueError(
                 "track_fsdp: no parameter of this module is both FSDP2-sharded (fully_shard) and tracked "
@@ -220,16 +220,18 @@ class CanonicalGradAccumulator:
             TypeError: ``token_offset`` not an integer.
             ValueError: ``token_offset`` negative, or inside a leaf where no earlier micro-batch on
                 this rank ended.
-            RuntimeError: another micro-batch context is active.
+            RuntimeError: another micro-batch context is active; the accumulator is poisoned.
 
         A micro-batch that raises inside the context leaves the accumulator as it was before it
-        (its deposits are undone).
+        (its deposits are undone); under ``recoverable=False``, once its deposits began, it poisons
+        the accumulator instead (RuntimeError on every later call until ``reset``).
 
         **Determinism:** the deposits made inside land in the leaves of their global token indices
         (``token_offset`` onward), so the final gradients do not depend on how the tokens were cut
         into micro-batches, their order or their sizes (the canonical order of ``det_core.reduce``).
         """
         token_offset = as_index(token_offset, "token_offset", "micro_batch")  # TypeError
+        self._check_poisoned()  # before any other error: the step must be run again
         if token_offset < 0:
             raise ValueError(f"token_offset must be a non-negative int, got {token_offset!r}")
         if token_offset % self.leaf_tokens and token_offset not in self._open_ends:
@@ -244,16 +246,18 @@ class CanonicalGradAccumulator:
             raise RuntimeError("a micro_batch context is already active; micro-batches cannot be nested")
         self._token_offset = token_offset
         self._tokens = None
-        self._uses = {}
-        self._log = UndoLog()
+        self._uses = {}  # (the undo log is new: each micro-batch's ``finally`` and ``_clear`` make it)
         self._new_groups = {}
         spans, max_end = len(self._spans), self._max_end
         _ACTIVE.append(self)
         try:
             yield self
-        except BaseException:
+        except BaseException as err:
             self.pending_copies = []
-            self._undo(spans, max_end)  # a micro-batch that raises leaves no deposit: run it again
+            if self.recoverable or not self._uses:  # no deposit began: nothing was written in place
+                self._undo(spans, max_end)  # a micro-batch that raises leaves no deposit: run it again
+            else:  # its folds and nodes were written in place: refuse every later call (no silent sum)
+                self._poisoned = poisoned(self, token_offset, err)
             raise
         else:
             self.flush()  # the micro-batch's tensors can go: their open-leaf rows are copied
@@ -266,12 +270,13 @@ class CanonicalGradAccumulator:
             _ACTIVE.pop()
             self._token_offset = None
             # the log holds the replaced trees and folds: let them go (memory of one step, not two)
-            self._log = UndoLog()
+            if self.recoverable:
+                self._log = UndoLog()
             self._new_groups = {}
 
     def _undo(self, spans: int, max_end: int) -> None:
         """Undo the active micro-batch's deposits (its undo log) and its spans and token range."""
-        self._log.undo(self._partials, self._carry, self._set_carry)
+        self._log.undo(self._partials, self._carry, self._set_carry)  # (recoverable=False: no deposit)
         del self._spans[spans:]
         self._max_end = max_end
 
@@ -347,6 +352,7 @@ class CanonicalGradAccumulator:
 
     # ------------------------------------------------------------------ deposits
     def _slot(self, param: torch.Tensor) -> tuple[int, int]:
+        self._check_poisoned()
         if self._token_offset is None:
             raise RuntimeError(
                 "deposit outside micro_batch(): wrap forward and backward in acc.micro_batch(...)"
@@ -468,14 +474,14 @@ class CanonicalGradAccumulator:
             pos = min(n, open_leaf.start + leaf - offset)  # own rows that belong to the open leaf
             head = rows if pos == n else tuple(r[:pos] for r in rows)
             done = open_leaf.start + leaf == offset + pos
-            if isinstance(open_leaf, OpenFold):
-                advanced = open_leaf.advance(head, done, fold)
+            if isinstance(open_leaf, OpenFold):  # recoverable=False: continued in its buffer
+                advanced = open_leaf.advance(head, done, fold, in_place=not self.recoverable)
                 if not done:  # the leaf stays open: its new state replaces the old (logged) one
                     self._log.log_carry(self._carry, key)
                     self._carry[key] = advanced
                     return
-                if len(fold or open_leaf.fold) == 2 and advanced is not open_leaf.acc:
-                    self._log.own(advanced)  # fold_fn's new tensor: the leaf's sum may carry up in it
+                if len(fold or open_leaf.fold) == 2 and not (self.recoverable and advanced is open_leaf.acc):
+                    self._log.own(advanced)  # no undo log keeps it: the leaf's sum may carry up in it
                 self._add_node(slot, offset // leaf, advanced)
                 del advanced  # the tree holds its sum (the leaf's fold is free once added up)
             else:
@@ -487,12 +493,13 @@ class CanonicalGradAccumulator:
                 leaf_rows = open_leaf.rows()
                 self._merge(slot, leaf_partial(offset // leaf, leaf_rows), leaf_rows)
             self._set_carry(key, None)
+            open_leaf = None  # its fold is free (unless the tree holds it) before a new leaf opens
             if pos == n:  # this micro-batch ended with the leaf it continued
                 return
         full = (n - pos) // leaf * leaf
         start = offset + pos  # the first token of the leaves this call starts
         if self._open_leaves.get(slot):  # none of them may be open already (overlapping micro-batches)
-            self._check_not_open(slot, start, offset + n)
+            check_not_open(self, slot, start, offset + n)
         if full:
             whole = rows if full == n else tuple(r[pos : pos + full] for r in rows)
             self._merge(slot, leaf_partial(start // leaf, whole), whole)
@@ -504,19 +511,6 @@ class CanonicalGradAccumulator:
             else:
                 state = OpenLeaf(start, tail, leaf, leaf_partial, self)
             self._set_carry((*slot, start // leaf), state)
-
-    def _check_not_open(self, slot: tuple[int, int], start: int, end: int) -> None:
-        """Raise if a leaf that tokens ``[start, end)`` touch holds an open leaf of ``slot`` (an
-        earlier micro-batch ended inside it): a look at the slot's open leaves (usually none or one),
-        whatever the number of leaves of the call."""
-        first, last = start // self.leaf_tokens, (end - 1) // self.leaf_tokens
-        for j in self._open_leaves.get(slot, ()):
-            if first <= j <= last:
-                held = self._carry[(*slot, j)]
-                raise ValueError(
-                    f"{self._names[slot[0]]} (use {slot[1]}): leaf {j} already holds tokens "
-                    f"[{held.start}, {held.end}) of an earlier micro-batch: micro-batches overlap"
-                )
 
     def _note_tokens(self, n: int, param: torch.Tensor | None, op: str | None) -> None:
         """Record the micro-batch's token count; every canonical-order op must report the same.
@@ -648,6 +642,7 @@ class CanonicalGradAccumulator:
         """
         if _ACTIVE:
             raise RuntimeError("reduce() inside a micro_batch context; call it after the last micro-batch")
+        self._check_poisoned()
         total_tokens = as_index(total_tokens, "total_tokens", "reduce")  # TypeError
         if total_tokens <= 0:
             raise ValueError(f"total_tokens must be a positive int, got {total_tokens!r}")
@@ -656,7 +651,8 @@ class CanonicalGradAccumulator:
         checks = dict(state, params=params, spans=self._spans, max_end=self._max_end)
         if dp_reduce.group_size(group) == 1:  # one process: one parameter finished (and freed) at a time
             _reduce.local_checks(total_tokens, **checks)
-            _reduce.finish_one_process(total_tokens, partials=self._partials, write=self._write_grad, **state)
+            write = functools.partial(_reduce.write_grad, self)  # p.grad of each finished gradient
+            _reduce.finish_one_process(total_tokens, partials=self._partials, write=write, **state)
             self._clear()
             return
         try:  # this rank's checks: under data parallelism every rank learns of a refusal (no hang)
@@ -680,16 +676,24 @@ class CanonicalGradAccumulator:
             p.grad = dp_reduce.fsdp_shard(self._fsdp[index], grad) if index in self._fsdp else grad
         self._clear()
 
-    def _write_grad(self, index: int, grad: torch.Tensor) -> None:
-        """``p.grad`` of tracked parameter ``index`` from its fp32 gradient (an FSDP2 one: its shard)."""
-        p = self._params[index]
-        if index in self._fsdp:
-            p.grad = dp_reduce.fsdp_shard(self._fsdp[index], grad.to(dtype=p.dtype))
-        else:
-            grad = grad.to(device=p.device, dtype=p.dtype)
-            p.grad = grad if grad.shape == p.shape else grad.view(p.shape)
-
     def _clear(self) -> None:
-        """Empty after a reduce: no partial tree, span or open leaf."""
+        """Empty (after a reduce, or ``reset``): no partial tree, span, open leaf or poisoning."""
         self._partials, self._spans, self._carry, self._open_ends, self._max_end = {}, [], {}, set(), 0
-        self._open_leaves, self._groups = {}, {}
+        self._open_leaves, self._groups, self.pending_copies, self._poisoned = {}, {}, [], None
+        self._log = UndoLog() if self.recoverable else NoUndoLog()
+
+    def reset(self) -> None:
+        """Drop every deposit, open leaf and span of the step (and a ``recoverable=False`` poisoning).
+
+        As new (same parameters and settings); ``p.grad`` is not touched. After a micro-batch raised
+        under ``recoverable=False``, call this and run the step's micro-batches again. Raises
+        RuntimeError inside its micro-batch context. **Determinism:** computes nothing.
+        """
+        if _ACTIVE and _ACTIVE[-1] is self:
+            raise RuntimeError("reset() inside this accumulator's micro_batch context; call it after it")
+        self._clear()
+
+    def _check_poisoned(self) -> None:
+        """Raise the poisoning error (``recoverable=False``, a micro-batch raised after depositing)."""
+        if self._poisoned is not None:
+            raise RuntimeError(self._poisoned)

@@ -155,6 +155,7 @@ def weight_grad_fold(
     x: torch.Tensor,
     acc: torch.Tensor | None = None,
     *,
+    out: torch.Tensor | None = None,
     config: WeightGradConfig | None = None,
 ) -> torch.Tensor:
     """A leaf's dW fold continued over the tokens of ``dy`` / ``x``: ``acc`` + dY^T X in ``block_t`` steps.
@@ -163,14 +164,23 @@ def weight_grad_fold(
         dy: ``(T, N)`` output gradient rows of one leaf, in token order; bf16 / fp16 / fp32.
         x: ``(T, K)`` the layer's input rows, same dtype and device.
         acc: fp32 ``(N, K)`` contiguous, the fold of the leaf's earlier tokens (None: the leaf's
-            first tokens, the fold starts from zero). Not modified.
+            first tokens, the fold starts from zero). Not modified unless it is ``out``.
+        out: fp32 ``(N, K)`` contiguous to write the result into, or None (a new tensor). It may be
+            ``acc`` itself (the fold continued in place, ``CanonicalGradAccumulator(...,
+            recoverable=False)``): each program of the kernel loads its own ``(block_n, block_k)``
+            tile of ``acc`` before its steps and stores that tile once after them, and no other
+            program reads or writes that tile, so the bits are those of a new tensor. Any other
+            ``out`` must not overlap ``acc``.
         config: override of the fold's tiles (``configs.weight_grad_fold_config``; benchmark
             sweeps and tests of configs). Its ``block_t`` is the fold's step: the table's keeps the
             bits of ``weight_grad_partial``; the tile, warps and stages never change bits.
 
+    Raises:
+        ValueError: ``out`` not fp32, contiguous, ``(N, K)`` on ``dy``'s device.
+
     Returns:
-        A new fp32 ``(N, K)`` tensor: the fold so far. With ``acc=None`` over a whole leaf it is that
-        leaf's node of ``weight_grad_partial`` (bitwise).
+        A new fp32 ``(N, K)`` tensor (or ``out``): the fold so far. With ``acc=None`` over a whole
+        leaf it is that leaf's node of ``weight_grad_partial`` (bitwise).
 
     **Determinism:** the fold's steps are ``weight_grad_partial``'s (the table's ``block_t``, the
     same dot): resumed at a multiple of ``block_t`` tokens from the start of the leaf, a fold split
@@ -210,7 +220,18 @@ def weight_grad_fold(
         templates = None if descs is None else tuple(map(DescriptorTemplate, descs))
         plan = _FOLD_PLANS.put(key, (grid, launch, templates))
     grid, launch, templates = plan
-    out = torch.empty((N, K), dtype=torch.float32, device=dy.device)
+    if out is None:
+        out = torch.empty((N, K), dtype=torch.float32, device=dy.device)
+    elif (
+        out.dtype != torch.float32
+        or out.shape != (N, K)
+        or not out.is_contiguous()
+        or out.device != dy.device
+    ):
+        raise ValueError(
+            f"weight_grad_fold: out must be a contiguous fp32 ({N}, {K}) tensor on {dy.device}, got "
+            f"{out.dtype} {tuple(out.shape)} on {out.device} (contiguous: {out.is_contiguous()})"
+        )
     operands = (dy, x) if templates is None else (templates[0](dy), templates[1](x))
     launch(grid, *operands, out if acc is None else acc, out)
     return out

@@ -250,9 +250,10 @@ def _weight_leaves(leaf_tokens: int, first_leaf: int, rows: tuple) -> TreePartia
     return weight_grad_partial(rows[0], rows[1], leaf_tokens=leaf_tokens, first_leaf=first_leaf)
 
 
-def _weight_fold(rows: tuple, acc: torch.Tensor | None) -> torch.Tensor:
-    """The accumulator's resumable fold of a Linear weight: ``acc`` continued over rows ``(dY, X)``."""
-    return weight_grad_fold(rows[0], rows[1], acc)
+def _weight_fold(rows: tuple, acc: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The accumulator's resumable fold of a Linear weight: ``acc`` continued over rows ``(dY, X)``,
+    into ``out`` (``acc`` itself under ``recoverable=False``) or a new tensor."""
+    return weight_grad_fold(rows[0], rows[1], acc, out=out)
 
 
 def _bias_leaves(leaf_tokens: int, first_leaf: int, rows: tuple) -> TreePartial:

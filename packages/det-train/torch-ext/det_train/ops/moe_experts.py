@@ -110,10 +110,15 @@ def _expert_leaves(leaf_tokens: int, first_leaf: int, rows: tuple) -> TreePartia
     return stacked
 
 
-def _expert_fold(rows: tuple, acc: torch.Tensor | None) -> torch.Tensor:
+def _expert_fold(rows: tuple, acc: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The accumulator's resumable fold of a 3-D expert weight: ``acc (E, N, K)`` continued over rows
-    ``(dY (T, E, N), X)``, expert by expert (each the Linear weight's fold)."""
+    ``(dY (T, E, N), X)``, expert by expert (each the Linear weight's fold); ``out``: written into
+    (``acc`` itself under ``recoverable=False``: expert ``e``'s fold in place, ``weight_grad_fold``)."""
     dy, x = rows
+    if out is not None:
+        for e in range(dy.shape[1]):
+            weight_grad_fold(dy[:, e], _expert_rows(x, e), None if acc is None else acc[e], out=out[e])
+        return out
     return torch.stack(
         [
             weight_grad_fold(dy[:, e], _expert_rows(x, e), None if acc is None else acc[e])

@@ -1,0 +1,177 @@
+"""``CanonicalGradAccumulator(recoverable=False)``: no undo log, the same bits.
+
+Without the undo log an open leaf's fold is continued in its own buffer and the tree nodes a
+completed leaf consumes are freed at once (the peak memory is asserted in test_memory_accounting.py).
+These tests check that the gradients keep the bits of ``recoverable=True`` (and of one batch) for
+micro-batches that cut leaves, on and off the folds' steps, for a Linear weight and bias, an RMSNorm
+weight and an Embedding table; that a micro-batch that raises after depositing poisons the
+accumulator (every later call raises, naming the parameters) until ``reset``; and that one that
+raises before any deposit does not.
+"""
+
+from __future__ import annotations
+
+import det_train
+import pytest
+import torch
+from det_core.testing import assert_bitwise_equal
+
+LEAF = 64
+T = 3 * LEAF + 20  # a short last leaf
+V, D, H = 50, 16, 24
+# cuts inside leaves, on the Linear fold's 64-token step and off it (rows past the step are copied)
+BOUNDS = [0, 40, 100, 128, 150, 200, T]
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        det_train.Embedding(V, D), det_train.RMSNorm(D, eps=1e-6), det_train.Linear(D, H, bias=True)
+    )
+
+
+def _tokens(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, V, (T,), generator=torch.Generator().manual_seed(seed))
+
+
+def _loss(model, ids):
+    return model(ids).float().square().sum()
+
+
+def _grads(bounds: list[int], recoverable: bool, model=None, acc=None) -> dict[str, torch.Tensor]:
+    model = _model() if model is None else model
+    ids = _tokens()
+    if acc is None:
+        acc = det_train.CanonicalGradAccumulator(
+            model.named_parameters(), leaf_tokens=LEAF, recoverable=recoverable
+        )
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        with acc.micro_batch(token_offset=lo):
+            _loss(model, ids[lo:hi]).backward()
+    acc.reduce(total_tokens=T)
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = None
+    return grads
+
+
+def _assert_same(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        assert_bitwise_equal(got[name], want[name], f"{name}: {what}")
+
+
+@pytest.mark.parametrize("bounds", [BOUNDS, [0, 10, 20, 30, 70, 100, 140, 190, T], [0, 128, T]])
+def test_bits_equal_recoverable_and_one_batch(bounds):
+    want = _grads(bounds, recoverable=True)
+    assert all(g is not None and g.abs().sum() > 0 for g in want.values())
+    _assert_same(_grads(bounds, recoverable=False), want, f"recoverable=False vs True, {bounds}")
+    _assert_same(_grads([0, T], recoverable=False), want, "one batch, recoverable=False")
+
+
+def test_reusable_after_reduce():
+    """The in-place state of one step is gone after ``reduce``: a second step has the same bits."""
+    model = _model()
+    acc = det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF, recoverable=False)
+    first = _grads(BOUNDS, False, model, acc)
+    _assert_same(_grads(BOUNDS[::2] + [T], False, model, acc), first, "second step on the same accumulator")
+
+
+@pytest.mark.parametrize("recoverable", [True, False])
+def test_the_open_fold_is_continued_in_its_buffer_only_without_undo(recoverable):
+    model = _model()
+    ids = _tokens()
+    weight = model[2].weight
+    acc = det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=T, recoverable=recoverable)
+    folds = []
+    for lo, hi in ((0, 64), (64, 128), (128, 192)):  # inside leaf 0, on the Linear fold's step
+        with acc.micro_batch(token_offset=lo):
+            _loss(model, ids[lo:hi]).backward()
+        (fold,) = (v.acc for k, v in acc._carry.items() if acc._params[k[0]] is weight)
+        folds.append(fold)
+    same = [folds[0].data_ptr() == f.data_ptr() for f in folds[1:]]
+    assert same == [not recoverable] * 2  # a new buffer each micro-batch only under the undo contract
+
+
+def test_a_micro_batch_that_raises_poisons_until_reset():
+    model = _model()
+    ids = _tokens()
+    want = _grads(BOUNDS, recoverable=True)
+    acc = det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF, recoverable=False)
+    with acc.micro_batch(token_offset=0):
+        _loss(model, ids[:40]).backward()
+    with pytest.raises(RuntimeError, match="after the deposit"):
+        with acc.micro_batch(token_offset=40):
+            _loss(model, ids[40:100]).backward()  # continues leaf 0's folds in place, then raises
+            raise RuntimeError("after the deposit")
+    for call in (
+        lambda: acc.micro_batch(token_offset=40).__enter__(),
+        lambda: acc.reduce(total_tokens=T),
+        lambda: acc.deposit(model[2].weight, 0, torch.zeros(1, H, D)),
+    ):
+        with pytest.raises(RuntimeError) as err:
+            call()
+        msg = str(err.value)
+        assert "recoverable=False" in msg and "poisoned" in msg and "token_offset 40" in msg
+        assert "after the deposit" in msg and "acc.reset()" in msg and "recoverable=True" in msg
+        for name in ("0.weight", "1.weight", "2.weight", "2.bias"):
+            assert name in msg, (name, msg)
+    assert all(p.grad is None for p in model.parameters())  # nothing was written
+    acc.reset()
+    _assert_same(_grads(BOUNDS, False, model, acc), want, "after reset, the step run again")
+
+
+def test_a_micro_batch_that_raises_before_depositing_does_not_poison():
+    model = _model()
+    ids = _tokens()
+    want = _grads(BOUNDS, recoverable=True)
+    acc = det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF, recoverable=False)
+    with acc.micro_batch(token_offset=0):
+        _loss(model, ids[:40]).backward()
+    with pytest.raises(RuntimeError, match="in the forward"):
+        with acc.micro_batch(token_offset=40):
+            _loss(model, ids[40:100])
+            raise RuntimeError("in the forward")
+    for lo, hi in zip(BOUNDS[1:-1], BOUNDS[2:], strict=True):
+        with acc.micro_batch(token_offset=lo):
+            _loss(model, ids[lo:hi]).backward()
+    acc.reduce(total_tokens=T)
+    _assert_same({n: p.grad for n, p in model.named_parameters()}, want, "after a forward that raised")
+
+
+def test_bad_recoverable():
+    with pytest.raises(TypeError, match="recoverable must be True or False"):
+        det_train.CanonicalGradAccumulator(_model().parameters(), recoverable=0)
+    acc = det_train.CanonicalGradAccumulator(_model().parameters())
+    assert acc.recoverable is True
+
+
+# ---------------------------------------------------------------- GPU, real sizes
+@pytest.mark.gpu
+def test_gpu_mlp_four_micro_batches_cutting_leaves():
+    """A bf16 MLP (1024 -> 4096 -> 1024) over 16384 tokens in 4 micro-batches that cut 4096-token
+    leaves (off the fold's step too): ``recoverable=False`` (folds continued in place by the dW fold
+    kernel, ``out=acc``) gives the bits of ``recoverable=True``."""
+    tokens, leaf = 16384, 4096
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(tokens, 1024, device="cuda", generator=gen, dtype=torch.bfloat16)
+
+    def step(recoverable: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        mlp = torch.nn.Sequential(
+            det_train.Linear(1024, 4096, bias=True), torch.nn.GELU(), det_train.Linear(4096, 1024, bias=False)
+        ).to(device="cuda", dtype=torch.bfloat16)
+        acc = det_train.CanonicalGradAccumulator(
+            mlp.named_parameters(), leaf_tokens=leaf, recoverable=recoverable
+        )
+        bounds = [0, 3000, 7000, 12345, tokens]
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+            with acc.micro_batch(token_offset=lo):
+                mlp(x[lo:hi]).float().square().mean().backward()
+        acc.reduce(total_tokens=tokens)
+        return [p.grad for p in mlp.parameters()]
+
+    want = step(True)
+    for i, (got, ref) in enumerate(zip(step(False), want, strict=True)):
+        assert ref.abs().sum() > 0
+        assert_bitwise_equal(got, ref, f"parameter {i}: recoverable=False vs True")
