@@ -25,8 +25,8 @@ PACKAGE_PAGES = {
 }
 # run 5 predates the run folders
 RUN5 = 5
-# the launch config of the bf16 / 8-bit state kernels that ships (kernel.LAUNCH_CONFIGS, chosen by
-# the states ablation: tiles of 256 on 2 warps, masked sub-tiles of 64)
+# the launch config of the bf16 / 8-bit state kernels that shipped when the states ablation ran (run 13:
+# tiles of 256 on 2 warps, masked sub-tiles of 64); a run without an ablation reads its state table
 STATES_DEFAULT_CANDIDATE = "S6"
 
 
@@ -162,6 +162,11 @@ def states_table(run: Run) -> tuple[dict[str, dict], dict[str, dict]] | None:
             row = case["rows"].get(STATES_DEFAULT_CANDIDATE)
             if row:
                 shipped[case["state_dtype"]] = {**row, "floor_ms": case["floor_ms"]}
+    else:  # no ablation in this run: its state table's rows are the shipped config
+        for dtype, label in (("bfloat16", "bf16 (SR)"), ("8bit", "8-bit (SR)")):
+            row = by_optimizer.get(f"AdamWSR state_dtype {label}")
+            if row and isinstance(row["step_ms"], float):
+                shipped[dtype] = {"ms": row["step_ms"], "floor_ms": row["floor_ms"]}
     return by_optimizer, shipped
 
 
@@ -172,7 +177,7 @@ def _states_read(value: Callable[[dict[str, dict], dict[str, dict]], Values | No
             return None
         values = value(*states)
         sources = [run.source("adamw-sr_states.json")]
-        if ablation:
+        if ablation and run.has("adamw-sr_states_ablation.json"):
             sources.append(run.source("adamw-sr_states_ablation.json"))
         return (values, sources) if values else None
 
@@ -268,6 +273,11 @@ def _optimi_over_bf16(table: dict, shipped: dict) -> Values | None:
     return [("optimi / ours", table[OPTIMI]["step_ms"] / shipped["bfloat16"]["ms"])] if ok else None
 
 
+def _int8_over_fp32(table: dict, shipped: dict) -> Values | None:
+    ok = "8bit" in shipped and FP32_STATES in table
+    return [("8-bit / fp32", shipped["8bit"]["ms"] / table[FP32_STATES]["step_ms"])] if ok else None
+
+
 def _int8_peers_over_ours(table: dict, shipped: dict) -> Values | None:
     if "8bit" not in shipped:
         return None
@@ -275,6 +285,31 @@ def _int8_peers_over_ours(table: dict, shipped: dict) -> Values | None:
     return [
         (f"{k.split()[0]} / ours", table[k]["step_ms"] / shipped["8bit"]["ms"]) for k in peers if k in table
     ]
+
+
+def peak_memory_ratios(optimizer: str):
+    """det / torch peak memory per model and micro-batch count (examples/bench_memory.py)."""
+
+    def read(run: Run):
+        rows = _rows(run, "main-job_memory.json")
+        if not rows:
+            return None
+        torch_peak = {
+            (r["model"], r["micro_batches"]): r["peak_gib"]
+            for r in rows
+            if r["optimizer"].startswith("torch")
+        }
+        values = [
+            (
+                f"{r['model']}, {r['micro_batches']} micro-batches",
+                r["peak_gib"] / torch_peak[(r["model"], r["micro_batches"])],
+            )
+            for r in rows
+            if r["optimizer"] == optimizer and (r["model"], r["micro_batches"]) in torch_peak
+        ]
+        return (values, [run.source("main-job_memory.json")]) if values else None
+
+    return read
 
 
 # fmt: off
@@ -301,6 +336,8 @@ TARGETS: list[Target] = [
            _states_read(_shipped_over_floor("8bit"), ablation=True), at_most=1.20),
     Target("adamw-sr", "8-bit states: faster than bitsandbytes' and torchao's AdamW8bit",
            _states_read(_int8_peers_over_ours, ablation=True), at_least=1.0),
+    Target("adamw-sr", "8-bit states: step <= 0.85x the fp32-state step",
+           _states_read(_int8_over_fp32, ablation=True), at_most=0.85),
     Target("det-train", "matmul forward >= 0.85x cuBLAS", _matmul("fwd"), at_least=0.85),
     Target("det-train", "matmul dX >= 0.80x cuBLAS", _matmul("dX"), at_least=0.80),
     Target("det-train", "matmul dW >= 0.80x cuBLAS (default 8192-token leaves)", _matmul("dW"),
@@ -319,6 +356,8 @@ TARGETS: list[Target] = [
            step_count_ratios("CUDA graph"), at_most=1.10, cases="counts and widths"),
     Target("main job", "eager train step <= 1.15x torch's at every micro-batch count",
            step_count_ratios("eager"), at_most=1.15, cases="counts and widths"),
+    Target("main job", "peak memory, det with bf16 states / torch (bf16 fused AdamW) <= 1.15x",
+           peak_memory_ratios("det, bf16 states"), at_most=1.15, cases="counts and widths"),
 ]
 # fmt: on
 

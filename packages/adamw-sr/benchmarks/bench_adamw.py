@@ -194,7 +194,11 @@ def kernels_per_step(step, top: int = 4) -> str:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
-        device = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        device = [  # the GPU-side ranges of record_function annotations (Optimizer.step#...) are not launches
+            e
+            for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+        ]
         device.sort(key=lambda e: -_device_us(e))
         launches = sum(e.count for e in device)
         names = "; ".join(f"{e.key[:60]} x{e.count} {_device_us(e) / 1e3:.2f} ms" for e in device[:top])
