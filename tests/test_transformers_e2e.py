@@ -261,3 +261,18 @@ def test_gpu_micro_batches_and_resume_give_the_bits_of_one_batch(name, tmp_path)
         assert train(name, split, size=GPU) == whole, f"{name}: micro-batches {split}"
     assert train(name, [(0, 4), (4, 4)], size=GPU, resume=path) == whole, f"{name}: resumed"
     _assert_loss_matches_unconverted(name, GPU, logits=False)
+
+
+def test_a_row_packed_by_position_ids_alone_gives_each_documents_logits():
+    """DataCollatorWithFlattening's default packing (one row, position_ids restarting at each
+    document, no cu_seq_lens): det_attn reads the documents from the positions, as transformers'
+    flash attention does, so no document attends to another: each document's logits are bitwise
+    those of its own row (they differed before: the row was attended as one sequence)."""
+    model = make_model("llama")
+    ids = global_batch(0)[:2]  # two documents of 4 tokens
+    with torch.no_grad():
+        rows = model(input_ids=ids).logits
+        packed = model(
+            input_ids=ids.reshape(1, -1), position_ids=torch.arange(CPU.seq).repeat(2)[None]
+        ).logits
+    assert torch.equal(packed[0].reshape(rows.shape), rows)

@@ -414,7 +414,15 @@ def test_transformers_forward_without_transformers():
     out, _ = det_attn_transformers_forward(
         module, qt, kt, vt, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=14, max_length_k=14
     )
-    assert_bitwise_equal(out[0], attention_varlen(q[0], k[0], v[0], cu, cu, 14, 14, causal=True), "packed")
+    want = attention_varlen(q[0], k[0], v[0], cu, cu, 14, 14, causal=True)
+    assert_bitwise_equal(out[0], want, "packed")
+    # a packed row given by position_ids alone (DataCollatorWithFlattening's default): the same
+    # documents, as transformers' flash attention reads them; plain positions: one sequence
+    restart = torch.cat((torch.arange(10), torch.arange(14)))[None]
+    out, _ = det_attn_transformers_forward(module, qt, kt, vt, None, position_ids=restart)
+    assert_bitwise_equal(out[0], want, "packed by position_ids")
+    out, _ = det_attn_transformers_forward(module, qt, kt, vt, None, position_ids=torch.arange(24)[None])
+    assert_bitwise_equal(out, attention(q, k, v, causal=True), "position_ids of one sequence")
     padding = torch.ones(1, 24, dtype=torch.bool)
     padding[0, :3] = False
     with pytest.raises(ValueError, match="padding"):

@@ -36,7 +36,9 @@ def det_attn_transformers_forward(
         module: the calling attention module (its ``is_causal`` is read, default True).
         query: ``(B, H_q, T_q, D)``; key, value: ``(B, H_kv, T_k, D)`` (GQA handled natively).
         attention_mask: must be ``None`` (no padding); pack sequences instead (transformers'
-            ``cu_seq_lens_q/k`` and ``max_length_q/k`` keyword arguments, with ``B == 1``).
+            ``cu_seq_lens_q/k`` and ``max_length_q/k`` keyword arguments, with ``B == 1``; or, as
+            transformers' flash attention, a row of ``B == 1`` whose ``position_ids`` restart at
+            each document: ``DataCollatorWithFlattening``).
         scaling: softmax scale (default ``1 / sqrt(D)``); the module passes its own (Gemma's
             ``query_pre_attn_scalar ** -0.5``), given to ``det_attn.attention`` as
             ``softmax_scale``.
@@ -59,7 +61,8 @@ def det_attn_transformers_forward(
             transformers' sliding-window mask means, key ``j`` visible to query ``i`` iff
             ``i - sliding_window < j <= i``; causal layers only) and ``softcap`` (Gemma 2's
             ``attn_logit_softcapping``: passed as det_attn's ``softcap``, applied after the scale,
-            in the order of transformers' eager attention).
+            in the order of transformers' eager attention), and ``position_ids`` (a packed row's
+            documents when no ``cu_seq_lens_q/k`` are given: ``_documents_from_position_ids``).
 
     Returns:
         ``(attn_output (B, T_q, H_q, D), None)``: no attention weights.
@@ -68,8 +71,8 @@ def det_attn_transformers_forward(
         TypeError: ``dropout`` not a real number, ``det_attn_seed`` not an integer (a bool, float
             or str), or anything ``det_attn.attention`` rejects as a type.
         ValueError: a query, key or value that is not 4-D (transformers' ``(B, H, T, D)``), a
-            padding mask, a sliding window on a non-causal layer (a bidirectional window, as
-            Gemma 3's ``use_bidirectional_attention``: not implemented), dropout outside
+            padding mask, a sliding window on a non-causal layer (a bidirectional window, as Gemma 3's
+            ``use_bidirectional_attention``: not implemented), dropout outside
             ``[0, 1)`` or without a seed, a seed outside ``[0, 2**64)``, or anything
             ``det_attn.attention`` rejects.
 
@@ -85,8 +88,9 @@ def det_attn_transformers_forward(
             attention_mask = None  # an all-ones padding mask is no mask
         else:
             raise ValueError(
-                f"{op}: attention masks (padding) are not supported; pack the sequences instead "
-                "(position_ids / DataCollatorWithFlattening) or use attn_implementation='sdpa'"
+                f"{op}: attention masks (padding) are not supported; pack the sequences into one row "
+                "instead (DataCollatorWithFlattening: position_ids restarting at each document, or "
+                "return_flash_attn_kwargs=True for cu_seq_lens) or use attn_implementation='sdpa'"
             )
     dropout = as_dropout_p(dropout, "dropout", op)
     seed = kwargs.get("det_attn_seed")
@@ -121,16 +125,59 @@ def det_attn_transformers_forward(
         softcap=kwargs.get("softcap"),
     )
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+    if cu_q is None and cu_k is None:
+        cu_q = cu_k = _documents_from_position_ids(
+            kwargs.get("position_ids"), q.shape[0], q.shape[1], k.shape[1]
+        )
     if cu_q is not None and cu_k is not None:
         if q.shape[0] != 1:
             raise ValueError(f"{op}: packed sequences (cu_seq_lens_q/k) need batch size 1, got {q.shape[0]}")
-        max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
         max_q = int(max_q) if max_q is not None else int((cu_q[1:] - cu_q[:-1]).max())
         max_k = int(max_k) if max_k is not None else int((cu_k[1:] - cu_k[:-1]).max())
         out = attention_varlen(q[0], k[0], v[0], cu_q.int(), cu_k.int(), max_q, max_k, **common)[None]
     else:
         out = attention(q, k, v, **common)
     return out, None  # (B, T, H, D), the layout transformers' attention functions return
+
+
+# the position_ids tensor a model call hands every layer -> its documents' cu_seq_lens (or None):
+# read once per call, not once per layer (each read waits for the device)
+_DOCUMENTS: dict[tuple[int, int], tuple] = {}
+
+
+def _documents_from_position_ids(position_ids, batch: int, t_q: int, t_k: int) -> torch.Tensor | None:
+    """The ``cu_seq_lens`` of a packed row given by its ``position_ids`` alone, or None.
+
+    transformers' flash-attention rule (``_is_packed_sequence``, ``prepare_fa_kwargs_from_position_ids``):
+    a row of batch size 1 whose positions are not ``min + arange(T)`` packs several documents, each
+    starting where the position equals the row's minimum (``DataCollatorWithFlattening`` without
+    ``return_flash_attn_kwargs``). Without this the packed documents would attend to each other.
+    None (one sequence per row, read from the shapes alone, no device read) for a batch of several
+    rows (as in transformers' flash attention: pack into one row), one query (decoding), a KV cache
+    (``t_q != t_k``) and under ``torch.compile`` (reading positions would break the graph: pass
+    ``cu_seq_lens_q/k``, ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``). The check
+    reads the positions from the device once per model call (every layer gets the same tensor).
+    """
+    if (
+        not isinstance(position_ids, torch.Tensor)
+        or batch != 1
+        or t_q == 1
+        or t_q != t_k
+        or position_ids.shape[-1] != t_q
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    key = (id(position_ids), position_ids._version)
+    if key not in _DOCUMENTS:
+        _DOCUMENTS.clear()  # one call's position_ids at a time: nothing outlives the next call
+        pos = position_ids.reshape(-1, t_q)[0]
+        cu = None
+        if bool((pos.diff() != 1).any()):
+            starts = (pos == pos.min()).nonzero().view(-1).to(torch.int32)
+            cu = torch.cat((starts, starts.new_tensor([t_q])))
+        _DOCUMENTS[key] = (position_ids, cu)  # the tensor kept alive: its id cannot be reused meanwhile
+    return _DOCUMENTS[key][1]
 
 
 def register_transformers_attention(name: str = "det_attn") -> bool:
