@@ -421,3 +421,17 @@ def test_gpu_qwen3_moe_split_bitwise_at_a_realistic_size(aux_loss):
         summed = ((parts[0] + parts[1]) + parts[2]) + parts[3]
         assert float(whole_out[0].aux_loss) > 0
         assert_bitwise_equal(summed, whole_out[0].aux_loss, "aux_loss: 1 vs 4 micro-batches")
+
+
+def test_a_row_packed_by_position_ids_gives_the_rows_logits_and_aux_loss():
+    """Two documents packed into one row by position_ids alone (DataCollatorWithFlattening's
+    default): det_attn keeps them apart and the load-balancing loss takes each document as a
+    sequence, so the logits and aux_loss are bitwise those of the two rows."""
+    model = _model(output_router_logits=True)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        rows = model(input_ids=ids)
+        packed = model(input_ids=ids.reshape(1, -1), position_ids=torch.arange(8).repeat(2)[None])
+    assert_bitwise_equal(packed.logits[0].reshape(rows.logits.shape), rows.logits, "logits")
+    assert float(rows.aux_loss) > 0
+    assert_bitwise_equal(packed.aux_loss, rows.aux_loss, "aux_loss")
