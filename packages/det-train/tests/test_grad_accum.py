@@ -223,6 +223,14 @@ def test_open_leaf_errors_are_clear_and_lose_nothing():
     with pytest.raises(ValueError, match=r"other \(use 0\): this micro-batch starts at token 9 .* rows for"):
         with acc.micro_batch(token_offset=9):
             toy_scale_rows(x[9:], other).backward(dy[9:])
+    # a second backward in the micro-batch that continues an open leaf: the message says so
+    acc = CanonicalGradAccumulator([("w", w)], leaf_tokens=LEAF)
+    with acc.micro_batch(token_offset=0):
+        toy_scale_rows(x[:6], w).backward(dy[:6])
+    with pytest.raises(ValueError, match=r"w \(use 1\): .*or a second backward ran in this micro-batch"):
+        with acc.micro_batch(token_offset=6):
+            toy_scale_rows(x[6:], w).backward(dy[6:])
+            toy_scale_rows(x[6:], w).backward(dy[6:])
     # two ops of one micro-batch that saw different token counts
     acc = CanonicalGradAccumulator([("w", w), ("other", other)], leaf_tokens=LEAF)
     with pytest.raises(

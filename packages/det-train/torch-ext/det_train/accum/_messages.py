@@ -35,6 +35,22 @@ def token_mismatch(acc, n: int, param: torch.Tensor | None, op: str | None) -> s
     )
 
 
+def leaf_gap(name: str, use: int, offset: int, leaf: int, open_leaf) -> str:
+    """Why a micro-batch starting at ``offset`` inside a leaf cannot continue ``name``'s rows there."""
+    end = open_leaf.end if open_leaf else "the leaf start (none deposited)"
+    text = (
+        f"{name} (use {use}): this micro-batch starts at token {offset} inside leaf {offset // leaf}, whose "
+        f"rows for this parameter end at {end}: the parameter was not used in every micro-batch that "
+        "split the leaf"
+    )
+    if use > 0:  # a tied parameter's later use, or the same use again: a second backward
+        text += (
+            f", or a second backward ran in this micro-batch (use {use} of the parameter: one backward "
+            "per micro-batch; after a failed backward leave the `with` block and run the micro-batch again)"
+        )
+    return text
+
+
 def poisoned(acc, token_offset: int, error: BaseException) -> str:
     """The error of a call to an accumulator built with ``recoverable=False`` after a micro-batch
     (starting at ``token_offset``) raised ``error`` once its deposits had begun."""

@@ -32,7 +32,7 @@ from det_core.reduce import TreePartial, num_leaves
 from det_core.runtime import as_index
 
 from . import _reduce, dp_reduce
-from ._messages import check_not_open, poisoned, token_mismatch, who
+from ._messages import check_not_open, leaf_gap, poisoned, token_mismatch, who
 from ._open_leaf import LeafFold, LeafPartial, OpenFold, OpenLeaf, foreach_copy, token_rows
 from ._undo_log import NoUndoLog, UndoLog
 
@@ -465,12 +465,7 @@ class CanonicalGradAccumulator:
             key = (*slot, offset // leaf)
             open_leaf = self._carry.get(key)
             if open_leaf is None or open_leaf.end != offset:
-                raise ValueError(
-                    f"{self._names[slot[0]]} (use {slot[1]}): this micro-batch starts at token {offset} "
-                    f"inside leaf {offset // leaf}, whose rows for this parameter end at "
-                    f"{open_leaf.end if open_leaf else 'the leaf start (none deposited)'}: the "
-                    "parameter was not used in every micro-batch that split the leaf"
-                )
+                raise ValueError(leaf_gap(self._names[slot[0]], slot[1], offset, leaf, open_leaf))
             pos = min(n, open_leaf.start + leaf - offset)  # own rows that belong to the open leaf
             head = rows if pos == n else tuple(r[:pos] for r in rows)
             done = open_leaf.start + leaf == offset + pos
