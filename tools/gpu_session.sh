@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: a part of the `gpu` tests, then the benchmarks; logs under $OUT.
 #
-#   bash tools/gpu_session.sh part 1/3      det-core and det-train `gpu` tests
-#   bash tools/gpu_session.sh part 2/3      det-attn `gpu` tests
-#   bash tools/gpu_session.sh part 3/3      adamw-sr and the end-to-end `gpu` tests (model families)
+#   bash tools/gpu_session.sh part 1/4      det-core and det-train `gpu` tests
+#   bash tools/gpu_session.sh part 2/4      det-attn `gpu` tests but the sliding-window / soft-cap ones
+#   bash tools/gpu_session.sh part 3/4      det-attn's sliding-window / soft-cap tests, adamw-sr
+#   bash tools/gpu_session.sh part 4/4      the end-to-end `gpu` tests (main job, transformers, families)
 #   bash tools/gpu_session.sh [pytest paths or options]     any selection
 #
-# The three parts together are the whole `gpu` suite, each sized to fit one device call (10 minutes)
-# with room for benchmarks after it; each prints a one-line summary last. TESTS=0 skips the tests; BENCH=adamw,matmul runs
+# The four parts together are the whole `gpu` suite, each sized to fit one device call (10 minutes)
+# with margin on a fresh machine (which compiles every kernel first); each prints a one-line
+# summary last. Call them back to back: the machine stays warm between calls. TESTS=0 skips the tests; BENCH=adamw,matmul runs
 # those benchmarks after them. Carry .whl (wheels) and .peers (peer libraries) where needed.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -20,10 +22,11 @@ label=custom
 if [ "${1:-}" = part ]; then
   label="part $2"
   case "$2" in
-    1/3) set -- shared/det-core packages/det-train ;;
-    2/3) set -- packages/det-attn ;;
-    3/3) set -- packages/adamw-sr tests ;;
-    *) echo "gpu_session.sh: unknown part '$2' (use 1/3, 2/3 or 3/3)" >&2; exit 2 ;;
+    1/4) set -- shared/det-core packages/det-train ;;
+    2/4) set -- packages/det-attn -k "not window and not softcap" ;;
+    3/4) set -- packages/det-attn packages/adamw-sr -k "window or softcap or adamw" ;;
+    4/4) set -- tests ;;
+    *) echo "gpu_session.sh: unknown part '$2' (use 1/4, 2/4, 3/4 or 4/4)" >&2; exit 2 ;;
   esac
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader
