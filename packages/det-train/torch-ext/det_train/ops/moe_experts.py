@@ -144,7 +144,7 @@ def _bounds(sorted_e: torch.Tensor, experts: int) -> list[int]:
 # ------------------------------------------------------------------ torch.library ops
 # The tokens per expert are data-dependent: every op below keeps them inside and returns tensors whose
 # shapes follow from its arguments' shapes alone (T, k, E, H, I), so a compiled graph has static shapes.
-@Op("moe_experts")
+@Op("moe_experts", data_dependent=True)
 def experts_op(
     x: torch.Tensor,
     indices: torch.Tensor,
@@ -233,7 +233,7 @@ def _experts_backward(ctx, dout, *_saved_grads):
 experts_op.register_autograd(_experts_backward, setup_context=_experts_setup, nondifferentiable=(1, 2, 3))
 
 
-@Op("moe_experts_backward")
+@Op("moe_experts_backward", data_dependent=True)
 def experts_backward_op(
     dout: torch.Tensor,
     x: torch.Tensor,
@@ -258,8 +258,11 @@ def experts_backward_op(
     experts = gate_up.shape[0]
     bounds = _bounds(sorted_e, experts)
     dout = dout.contiguous()
-    none = x.new_empty((0,))
-    d_weights = _slot_dot(dout, y_slots.view(t, k, hidden)).to(weights.dtype) if want_weights else none
+
+    def none():  # a distinct empty tensor per output (an op's outputs may not alias one another)
+        return x.new_empty((0,))
+
+    d_weights = _slot_dot(dout, y_slots.view(t, k, hidden)).to(weights.dtype) if want_weights else none()
     # dL/dy_tj = weights[t, j] * dout[t]: fp32, rounded once; grouped by expert as the forward
     dy_slots = (dout.float()[:, None, :] * weights.float()[:, :, None]).to(x.dtype)
     dy_grouped = dy_slots.view(t * k, hidden).index_select(0, order)
@@ -273,11 +276,11 @@ def experts_backward_op(
         dh = swiglu_backward_op(da, h_all[lo:hi])
         dh_all[lo:hi] = dh
         dx_slots[order[lo:hi]] = matmul_rows(dh, gate_up[e])  # (R, H) = dH W_gate_up[e]
-    dx = _slot_sum(dx_slots.view(t, k, hidden), None, x.dtype) if want_x else none
+    dx = _slot_sum(dx_slots.view(t, k, hidden), None, x.dtype) if want_x else none()
     # the expert weights' rows over all T tokens: (token, expert) row t * E + e, zero where not routed
     where = (order // k) * experts + sorted_e
-    dh_rows = _scatter(dh_all, where, t * experts).view(t, experts, -1) if want_gate_up else none
-    dy_rows = a_rows = none
+    dh_rows = _scatter(dh_all, where, t * experts).view(t, experts, -1) if want_gate_up else none()
+    dy_rows, a_rows = none(), none()
     if want_down:
         dy_rows = _scatter(dy_grouped, where, t * experts).view(t, experts, -1)
         a_rows = _scatter(a_all, where, t * experts).view(t, experts, -1)
@@ -289,13 +292,16 @@ def _(dout, x, weights, gate_up, down, y_slots, h_all, a_all, order, sorted_e, w
       want_gate_up, want_down):  # fmt: skip
     t, hidden = x.shape
     experts, two_i = gate_up.shape[0], gate_up.shape[1]
-    none = x.new_empty((0,))
+
+    def none():
+        return x.new_empty((0,))
+
     return (
-        x.new_empty((t, hidden)) if want_x else none,
-        weights.new_empty(weights.shape) if want_weights else none,
-        x.new_empty((t, experts, two_i)) if want_gate_up else none,
-        x.new_empty((t, experts, hidden)) if want_down else none,
-        x.new_empty((t, experts, two_i // 2)) if want_down else none,
+        x.new_empty((t, hidden)) if want_x else none(),
+        weights.new_empty(weights.shape) if want_weights else none(),
+        x.new_empty((t, experts, two_i)) if want_gate_up else none(),
+        x.new_empty((t, experts, hidden)) if want_down else none(),
+        x.new_empty((t, experts, two_i // 2)) if want_down else none(),
     )
 
 
