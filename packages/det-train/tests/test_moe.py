@@ -3,7 +3,8 @@
 ``convert`` of a tiny Qwen3-MoE model: one micro-batch and three cut inside leaves give every
 parameter's gradient bitwise, run to run, with and without the sequence-wise load-balancing loss
 (``moe_balance_loss``: against its fp64 reference and transformers' loss on one sequence); what
-``convert`` refuses. A ``gpu`` test at a modest realistic size, 1 vs 4 micro-batches."""
+``convert`` refuses; the converted model under ``torch.compile(fullgraph=True)`` (aux loss off) gives
+the eager bits. A ``gpu`` test at a modest realistic size, 1 vs 4 micro-batches."""
 
 import sys
 from pathlib import Path
@@ -392,6 +393,16 @@ def test_converted_qwen3_moe_compiles_to_one_graph_with_the_eager_bits(splits):
     for name, grad in want.items():
         assert grad is not None and grad.abs().sum() > 0, name
         assert_bitwise_equal(got[name], grad, f"{name}: compiled, {len(splits)} micro-batch(es)")
+
+
+def test_converted_qwen3_moe_aux_loss_is_a_graph_break():
+    """With the load-balancing loss on, the router's probabilities path is torch.compiler.disable'd:
+    fullgraph=True refuses it (a documented graph break, not a silent eager fallback)."""
+    model = _model(num_hidden_layers=1, output_router_logits=True)
+    model.compile(fullgraph=True, backend="aot_eager", dynamic=False)
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="_router_with_probs"):
+        model(input_ids=ids)
 
 
 def test_convert_refuses_other_moe_families():
