@@ -54,6 +54,8 @@ for _module in (
     "swiglu",
 ):
     importlib.import_module(f"det_train.{_module}")
+for _module in ("moe_router", "moe_experts"):
+    importlib.import_module(f"det_train.ops.{_module}")
 importlib.import_module("det_train.parallel.tensor_parallel")
 
 
@@ -80,6 +82,20 @@ def _opcheck_cases():
         _, mean, lrstd = _op("layer_norm")(x2, nw, nw.new_ones(16), 1e-5, 16, None, 8192, False, False)
         lse, count = _op("cross_entropy")(logits, targets, -100, "mean", None)[1:]
     ticket = deposit.ticket()
+    # mixture of experts: 6 tokens, 4 experts (one gets no token), top 2, hidden 16, intermediate 8
+    router_logits = _randn(6, 4, seed=13, requires_grad=True)
+    experts_idx = torch.tensor([[0, 1], [1, 0], [3, 0], [0, 3], [1, 3], [3, 1]], device=DEVICE)
+    gate_up = (0.3 * _randn(4, 16, 16, seed=14)).requires_grad_()
+    down = (0.3 * _randn(4, 16, 8, seed=15)).requires_grad_()
+    experts_in = (
+        x2.detach().clone().requires_grad_(),
+        experts_idx,
+        _randn(6, 2, seed=16, requires_grad=True),
+    )
+    with torch.no_grad():
+        saved = _op("moe_experts")(*experts_in, gate_up, down, None, 8192, False, False)[1:]
+    experts_rows = (_randn(6, 4, 16, seed=17), x2)
+    want_all = (True, True, True, True)
     cases = [
         ("matmul", (_randn(3, 4, 16), _randn(16, 5)), False),
         ("matmul_partial", (_randn(3, 64), _randn(64, 5), None, None, False), False),
@@ -117,8 +133,19 @@ def _opcheck_cases():
         ("rms_norm_backward_deposit", (x2, x2, nw.detach(), rstd, 0.0, ticket), True),
         ("layer_norm_backward_deposit", (x2, x2, nw.detach(), mean, lrstd, ticket), True),
         ("embedding_deposit", (ids, _randn(2, 3, 16), emb.detach(), 2, ticket), True),
+        ("moe_router", (router_logits, 2, True), False),
+        ("moe_router_backward", (router_logits.detach(), experts_idx, _randn(6, 2, seed=18), 2, True), False),
+        ("moe_experts", (*experts_in, gate_up, down, None, 8192, False, False), False),
+        ("moe_experts", (*experts_in, gate_up, down, ticket, 4, True, True), True),
+        (
+            "moe_experts_backward",
+            (x2, *[t.detach() for t in experts_in[::2]], gate_up.detach(), down.detach(), *saved, *want_all),
+            False,
+        ),  # fmt: skip
+        ("moe_experts_weight_grad", (*experts_rows, 8192, BF16), False),
+        ("moe_experts_deposit", (*experts_rows, gate_up.detach(), ticket), True),
     ]
-    params = [w, b, nw, emb]
+    params = [w, b, nw, emb, gate_up, down]
     return cases, params
 
 
@@ -582,10 +609,20 @@ def test_deposit_ops_are_tagged_cudagraph_unsafe_and_the_others_are_not():
 
     namespace = getattr(torch.ops, NAMESPACE)
     deposits = {"linear_deposit_weight", "linear_deposit_bias", "rms_norm_backward_deposit",
-                "embedding_deposit", "layer_norm_backward_deposit"}  # fmt: skip
-    for name in (*deposits, "linear", "linear_weight_grad", "rms_norm", "embedding"):
+                "embedding_deposit", "layer_norm_backward_deposit", "moe_experts_deposit"}  # fmt: skip
+    # MoE's experts size their launches by the tokens per expert, read on the host
+    data_dependent = {"moe_experts", "moe_experts_backward"}
+    others = (
+        "linear",
+        "linear_weight_grad",
+        "rms_norm",
+        "embedding",
+        "moe_router",
+        "moe_experts_weight_grad",
+    )
+    for name in (*deposits, *data_dependent, *others):
         tagged = torch.Tag.cudagraph_unsafe in getattr(namespace, name).default.tags
-        assert tagged == (name in deposits), f"{name}: cudagraph_unsafe tag {tagged}"
+        assert tagged == (name not in others), f"{name}: cudagraph_unsafe tag {tagged}"
 
 
 # ----------------------------------------------------------------------------- torch.func

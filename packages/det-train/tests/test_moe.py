@@ -3,7 +3,8 @@
 ``convert`` of a tiny Qwen3-MoE model: one micro-batch and three cut inside leaves give every
 parameter's gradient bitwise, run to run, with and without the sequence-wise load-balancing loss
 (``moe_balance_loss``: against its fp64 reference and transformers' loss on one sequence); what
-``convert`` refuses. A ``gpu`` test at a modest realistic size, 1 vs 4 micro-batches."""
+``convert`` refuses; the converted model under ``torch.compile(fullgraph=True)`` (aux loss off) gives
+the eager bits. A ``gpu`` test at a modest realistic size, 1 vs 4 micro-batches."""
 
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from det_train.ops.moe_balance_loss import moe_balance_loss
 from det_train.ops.moe_experts import moe_experts
 from det_train.ops.moe_router import moe_router
 from det_train.reference_moe import moe_balance_loss_reference, moe_experts_reference, router_topk_reference
+from torch._dynamo.testing import CompileCounterWithBackend
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _hf_micro_batches import split_grads  # noqa: E402
@@ -367,6 +369,40 @@ def test_converted_aux_loss_needs_num_items_in_a_micro_batch():
         acc.micro_batch(token_offset=0),
     ):
         model(input_ids=ids)  # no labels: no cross-entropy, the aux loss's weights alone
+
+
+@pytest.mark.parametrize("splits", [[(0, 2)], [(0, 1), (1, 1)]], ids=["1-micro-batch", "2-micro-batches"])
+def test_converted_qwen3_moe_compiles_to_one_graph_with_the_eager_bits(splits):
+    """``torch.compile(fullgraph=True)`` (aot_eager) of the converted model, aux loss off: the router
+    and experts are custom ops with static output shapes, so the whole call is one graph; its logits
+    and every parameter's gradient through the accumulator (2 sequences of 8 tokens, leaves of 12:
+    the second micro-batch starts inside a leaf) are the eager whole batch's bits."""
+    model = _model()
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(3))
+    eager_out = []
+    want = split_grads(model, ids, [(0, 2)], leaf=12, outputs=eager_out)
+    counter = CompileCounterWithBackend("aot_eager")
+    model.compile(fullgraph=True, backend=counter, dynamic=False)
+    compiled_out = []
+    got = split_grads(model, ids, splits, leaf=12, outputs=compiled_out)
+    assert counter.frame_count == 1  # one graph, reused by the second micro-batch
+    for (first, n), out in zip(splits, compiled_out, strict=True):
+        want_logits = eager_out[0].logits[first : first + n]
+        assert_bitwise_equal(out.logits, want_logits, f"logits of sequences {first}..{first + n - 1}")
+    assert set(got) == set(want)
+    for name, grad in want.items():
+        assert grad is not None and grad.abs().sum() > 0, name
+        assert_bitwise_equal(got[name], grad, f"{name}: compiled, {len(splits)} micro-batch(es)")
+
+
+def test_converted_qwen3_moe_aux_loss_is_a_graph_break():
+    """With the load-balancing loss on, the router's probabilities path is torch.compiler.disable'd:
+    fullgraph=True refuses it (a documented graph break, not a silent eager fallback)."""
+    model = _model(num_hidden_layers=1, output_router_logits=True)
+    model.compile(fullgraph=True, backend="aot_eager", dynamic=False)
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="_router_with_probs"):
+        model(input_ids=ids)
 
 
 def test_convert_refuses_other_moe_families():

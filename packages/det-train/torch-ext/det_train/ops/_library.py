@@ -56,6 +56,7 @@ class Op:
     tensors, opcheck, functorch transforms, a tensor subclass); in plain eager execution it runs
     the implementation directly, through a Function built from the same ``setup_context`` and
     backward when the op has a backward. The deposit ops (those that mutate the deposit ticket)
+    and the ``data_dependent`` ones (whose launches depend on their inputs' values, read on the host)
     are tagged ``torch.Tag.cudagraph_unsafe``: under ``torch.compile(mode="reduce-overhead")``
     Inductor's graph partitions run them eagerly between the CUDA graphs of the rest.
 
@@ -70,13 +71,15 @@ class Op:
     for bit in ``tests/test_compile.py``.
     """
 
-    def __init__(self, name: str, mutates_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, name: str, mutates_args: tuple[str, ...] = (), data_dependent: bool = False) -> None:
         self.name = name
         self.mutates_args = mutates_args
         # an op that mutates the deposit ticket does the accumulator's bookkeeping in Python at
-        # every call: no CUDA graph may capture it (torch.compile's mode="reduce-overhead" runs it
-        # between graph partitions, eagerly)
-        self.tags = (_CUDAGRAPH_UNSAFE,) if "ticket" in mutates_args and _CUDAGRAPH_UNSAFE else ()
+        # every call, and a data_dependent one reads its inputs' values on the host to size its
+        # launches (MoE's tokens per expert): no CUDA graph may capture either (torch.compile's
+        # mode="reduce-overhead" runs them between graph partitions, eagerly)
+        unsafe = "ticket" in mutates_args or data_dependent
+        self.tags = (_CUDAGRAPH_UNSAFE,) if unsafe and _CUDAGRAPH_UNSAFE else ()
         self.impl = None
         self.overload = None  # torch.ops.<namespace>.<name>.default
         self.function = None

@@ -35,6 +35,7 @@ from det_core.reduce import TreePartial, num_leaves
 
 from ..accum import deposit
 from ._leaf_fold import weight_grad_fold
+from ._library import Op
 from .configs import weight_grad_config
 from .matmul import launch_linear, matmul_rows
 from .swiglu import swiglu_backward_op, swiglu_op
@@ -127,19 +128,6 @@ def _expert_fold(rows: tuple, acc: torch.Tensor | None, out: torch.Tensor | None
     )
 
 
-def _expert_weight_grad(dy: torch.Tensor, x: torch.Tensor, param: torch.Tensor, deposit_it: bool, leaf: int):
-    """dW of a 3-D expert weight ``param (E, N, K)`` from rows ``dy (T, E, N)`` and ``x``: deposited
-    into the active accumulator (returns None) or finished over ``leaf``-token leaves."""
-    if deposit_it:
-        step = weight_grad_config(dy.dtype, dy.shape[2], x.shape[-1]).block_t
-        deposit.rows(_OP, param, (dy, x), _expert_leaves, fold=(step, _expert_fold))
-        return None
-    if dy.shape[0] == 0:
-        return torch.zeros_like(param)
-    tree = _expert_leaves(leaf, 0, (dy, x))
-    return tree.result(num_leaves(dy.shape[0], leaf)).to(param.dtype)
-
-
 def _scatter(rows: torch.Tensor, where: torch.Tensor, total: int) -> torch.Tensor:
     """A zero ``(total, *rows.shape[1:])`` tensor with ``rows`` at the distinct indices ``where`` (each
     written once: a plain deterministic copy)."""
@@ -148,76 +136,214 @@ def _scatter(rows: torch.Tensor, where: torch.Tensor, total: int) -> torch.Tenso
     return out
 
 
-class _Experts(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, indices, weights, gate_up, down):
-        t, hidden = x.shape
-        k = indices.shape[1]
-        experts, two_i = gate_up.shape[0], gate_up.shape[1]
-        flat = indices.reshape(-1)
-        # the (token, slot) assignments grouped by expert, in (token, slot) order within an expert
-        sorted_e, order = torch.sort(flat, stable=True)
-        bounds = torch.searchsorted(sorted_e, torch.arange(experts + 1, device=x.device)).tolist()
-        tokens = order // k
-        h_all = x.new_empty((t * k, two_i))
-        a_all = x.new_empty((t * k, two_i // 2))
-        y_slots = x.new_empty((t * k, hidden))  # row t * k + j: expert indices[t, j]'s output for token t
-        for e in range(experts):
-            lo, hi = bounds[e], bounds[e + 1]
-            if lo == hi:
-                continue
-            h = torch.empty((hi - lo, two_i), dtype=x.dtype, device=x.device)
-            launch_linear(x.index_select(0, tokens[lo:hi]), gate_up[e], h)
-            a = swiglu_op(h)
-            y = torch.empty((hi - lo, hidden), dtype=x.dtype, device=x.device)
-            launch_linear(a, down[e], y)
-            h_all[lo:hi], a_all[lo:hi] = h, a
-            y_slots[order[lo:hi]] = y
-        y_slots = y_slots.view(t, k, hidden)
-        leaf, active = deposit.accumulation()
-        ctx.plan = (leaf, active and t > 0 and gate_up.is_leaf, active and t > 0 and down.is_leaf)
-        ctx.bounds = bounds
-        ctx.save_for_backward(x, weights, gate_up, down, y_slots, h_all, a_all, order, sorted_e)
-        return _slot_sum(y_slots, weights, x.dtype)
+def _bounds(sorted_e: torch.Tensor, experts: int) -> list[int]:
+    """Where each expert's run of the sorted ``(token, slot)`` assignments starts, and the end."""
+    return torch.searchsorted(sorted_e, torch.arange(experts + 1, device=sorted_e.device)).tolist()
 
-    @staticmethod
-    def backward(ctx, dout):
-        runtime.check_first_order(_OP)
-        x, weights, gate_up, down, y_slots, h_all, a_all, order, sorted_e = ctx.saved_tensors
-        leaf, deposit_gate_up, deposit_down = ctx.plan
-        bounds = ctx.bounds
-        t, hidden = x.shape
-        k = y_slots.shape[1]
-        experts = gate_up.shape[0]
-        dout = dout.contiguous()
-        d_weights = None
-        if ctx.needs_input_grad[2]:
-            d_weights = _slot_dot(dout, y_slots).to(weights.dtype)
-        # dL/dy_tj = weights[t, j] * dout[t]: fp32, rounded once; grouped by expert as the forward
-        dy_slots = (dout.float()[:, None, :] * weights.float()[:, :, None]).to(x.dtype)
-        dy_grouped = dy_slots.view(t * k, hidden).index_select(0, order)
-        dh_all = torch.empty_like(h_all)
-        dx_slots = x.new_empty((t * k, hidden))
-        for e in range(experts):
-            lo, hi = bounds[e], bounds[e + 1]
-            if lo == hi:
-                continue
-            da = matmul_rows(dy_grouped[lo:hi], down[e])  # (R, I) = dY W_down[e]
-            dh = swiglu_backward_op(da, h_all[lo:hi])
-            dh_all[lo:hi] = dh
-            dx_slots[order[lo:hi]] = matmul_rows(dh, gate_up[e])  # (R, H) = dH W_gate_up[e]
-        dx = _slot_sum(dx_slots.view(t, k, hidden), None, x.dtype) if ctx.needs_input_grad[0] else None
-        # the expert weights' rows over all T tokens: (token, expert) row t * E + e, zero where not routed
-        where = (order // k) * experts + sorted_e
-        grad_gate_up = grad_down = None
-        if ctx.needs_input_grad[3]:
-            dh_rows = _scatter(dh_all, where, t * experts).view(t, experts, -1)
-            grad_gate_up = _expert_weight_grad(dh_rows, x, gate_up, deposit_gate_up, leaf)
-        if ctx.needs_input_grad[4]:
-            dy_rows = _scatter(dy_grouped, where, t * experts).view(t, experts, -1)
-            a_rows = _scatter(a_all, where, t * experts).view(t, experts, -1)
-            grad_down = _expert_weight_grad(dy_rows, a_rows, down, deposit_down, leaf)
-        return dx, None, d_weights, grad_gate_up, grad_down
+
+# ------------------------------------------------------------------ torch.library ops
+# The tokens per expert are data-dependent: every op below keeps them inside and returns tensors whose
+# shapes follow from its arguments' shapes alone (T, k, E, H, I), so a compiled graph has static shapes.
+@Op("moe_experts", data_dependent=True)
+def experts_op(
+    x: torch.Tensor,
+    indices: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    ticket: torch.Tensor | None,
+    leaf_tokens: int,
+    deposit_gate_up: bool,
+    deposit_down: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``det_train::moe_experts`` op: ``(y (T, H), y_slots (T*k, H), h (T*k, 2I), a (T*k, I),
+    order (T*k,), sorted_e (T*k,))``, ``moe_experts``'s output and what its backward reads (the
+    slots' outputs in ``(token, slot)`` order; the GEMM inputs, ``order`` and ``sorted_e`` grouped by
+    expert). ``ticket``, ``leaf_tokens`` and the ``deposit_*`` flags are the forward's plan."""
+    t, hidden = x.shape
+    k = indices.shape[1]
+    experts, two_i = gate_up.shape[0], gate_up.shape[1]
+    flat = indices.reshape(-1)
+    # the (token, slot) assignments grouped by expert, in (token, slot) order within an expert
+    sorted_e, order = torch.sort(flat, stable=True)
+    bounds = _bounds(sorted_e, experts)
+    tokens = order // k
+    h_all = x.new_empty((t * k, two_i))
+    a_all = x.new_empty((t * k, two_i // 2))
+    y_slots = x.new_empty((t * k, hidden))  # row t * k + j: expert indices[t, j]'s output for token t
+    for e in range(experts):
+        lo, hi = bounds[e], bounds[e + 1]
+        if lo == hi:
+            continue
+        h = torch.empty((hi - lo, two_i), dtype=x.dtype, device=x.device)
+        launch_linear(x.index_select(0, tokens[lo:hi]), gate_up[e], h)
+        a = swiglu_op(h)
+        y = torch.empty((hi - lo, hidden), dtype=x.dtype, device=x.device)
+        launch_linear(a, down[e], y)
+        h_all[lo:hi], a_all[lo:hi] = h, a
+        y_slots[order[lo:hi]] = y
+    out = _slot_sum(y_slots.view(t, k, hidden), weights, x.dtype)
+    return out, y_slots, h_all, a_all, order, sorted_e
+
+
+@experts_op.register_fake
+def _(x, indices, weights, gate_up, down, ticket, leaf_tokens, deposit_gate_up, deposit_down):
+    t, hidden = x.shape
+    slots = t * indices.shape[1]
+    two_i = gate_up.shape[1]
+    long = torch.int64
+    return (
+        x.new_empty((t, hidden)),
+        x.new_empty((slots, hidden)),
+        x.new_empty((slots, two_i)),
+        x.new_empty((slots, two_i // 2)),
+        x.new_empty((slots,), dtype=long),
+        x.new_empty((slots,), dtype=long),
+    )
+
+
+def _experts_setup(ctx, inputs, output):
+    x, indices, weights, gate_up, down, ticket, leaf_tokens, deposit_gate_up, deposit_down = inputs
+    _, y_slots, h_all, a_all, order, sorted_e = output
+    ctx.save_for_backward(x, weights, gate_up, down, y_slots, h_all, a_all, order, sorted_e)
+    # the ticket is mutated by the backward's deposit ops: not saved (saving checks its version)
+    ctx.plan = (ticket, leaf_tokens, deposit_gate_up, deposit_down)
+
+
+def _experts_backward(ctx, dout, *_saved_grads):
+    runtime.check_first_order(_OP)
+    x, weights, gate_up, down, y_slots, h_all, a_all, order, sorted_e = ctx.saved_tensors
+    ticket, leaf, deposit_gate_up, deposit_down = ctx.plan
+    want = ctx.needs_input_grad
+    dx, d_weights, dh_rows, dy_rows, a_rows = experts_backward_op(
+        dout, x, weights, gate_up, down, y_slots, h_all, a_all, order, sorted_e, want[0], want[2],
+        want[3], want[4],
+    )  # fmt: skip
+    grad_gate_up = grad_down = None
+    if want[3]:
+        grad_gate_up = _expert_weight_grad(dh_rows, x, gate_up, deposit_gate_up, leaf, ticket)
+    if want[4]:
+        grad_down = _expert_weight_grad(dy_rows, a_rows, down, deposit_down, leaf, ticket)
+    return (
+        dx if want[0] else None, None, d_weights if want[2] else None, grad_gate_up, grad_down,
+        None, None, None, None,
+    )  # fmt: skip
+
+
+experts_op.register_autograd(_experts_backward, setup_context=_experts_setup, nondifferentiable=(1, 2, 3))
+
+
+@Op("moe_experts_backward", data_dependent=True)
+def experts_backward_op(
+    dout: torch.Tensor,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    y_slots: torch.Tensor,
+    h_all: torch.Tensor,
+    a_all: torch.Tensor,
+    order: torch.Tensor,
+    sorted_e: torch.Tensor,
+    want_x: bool,
+    want_weights: bool,
+    want_gate_up: bool,
+    want_down: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``det_train::moe_experts_backward`` op: ``(dx (T, H), d_weights (T, k), dh_rows (T, E, 2I),
+    dy_rows (T, E, H), a_rows (T, E, I))``, the last three the expert weights' per-token rows over
+    all T tokens (zero where a token is routed elsewhere). An output not wanted is an empty ``(0,)``."""
+    t, hidden = x.shape
+    k = weights.shape[1]
+    experts = gate_up.shape[0]
+    bounds = _bounds(sorted_e, experts)
+    dout = dout.contiguous()
+
+    def none():  # a distinct empty tensor per output (an op's outputs may not alias one another)
+        return x.new_empty((0,))
+
+    d_weights = _slot_dot(dout, y_slots.view(t, k, hidden)).to(weights.dtype) if want_weights else none()
+    # dL/dy_tj = weights[t, j] * dout[t]: fp32, rounded once; grouped by expert as the forward
+    dy_slots = (dout.float()[:, None, :] * weights.float()[:, :, None]).to(x.dtype)
+    dy_grouped = dy_slots.view(t * k, hidden).index_select(0, order)
+    dh_all = torch.empty_like(h_all)
+    dx_slots = x.new_empty((t * k, hidden))
+    for e in range(experts):
+        lo, hi = bounds[e], bounds[e + 1]
+        if lo == hi:
+            continue
+        da = matmul_rows(dy_grouped[lo:hi], down[e])  # (R, I) = dY W_down[e]
+        dh = swiglu_backward_op(da, h_all[lo:hi])
+        dh_all[lo:hi] = dh
+        dx_slots[order[lo:hi]] = matmul_rows(dh, gate_up[e])  # (R, H) = dH W_gate_up[e]
+    dx = _slot_sum(dx_slots.view(t, k, hidden), None, x.dtype) if want_x else none()
+    # the expert weights' rows over all T tokens: (token, expert) row t * E + e, zero where not routed
+    where = (order // k) * experts + sorted_e
+    dh_rows = _scatter(dh_all, where, t * experts).view(t, experts, -1) if want_gate_up else none()
+    dy_rows, a_rows = none(), none()
+    if want_down:
+        dy_rows = _scatter(dy_grouped, where, t * experts).view(t, experts, -1)
+        a_rows = _scatter(a_all, where, t * experts).view(t, experts, -1)
+    return dx, d_weights, dh_rows, dy_rows, a_rows
+
+
+@experts_backward_op.register_fake
+def _(dout, x, weights, gate_up, down, y_slots, h_all, a_all, order, sorted_e, want_x, want_weights,
+      want_gate_up, want_down):  # fmt: skip
+    t, hidden = x.shape
+    experts, two_i = gate_up.shape[0], gate_up.shape[1]
+
+    def none():
+        return x.new_empty((0,))
+
+    return (
+        x.new_empty((t, hidden)) if want_x else none(),
+        weights.new_empty(weights.shape) if want_weights else none(),
+        x.new_empty((t, experts, two_i)) if want_gate_up else none(),
+        x.new_empty((t, experts, hidden)) if want_down else none(),
+        x.new_empty((t, experts, two_i // 2)) if want_down else none(),
+    )
+
+
+@Op("moe_experts_weight_grad")
+def expert_weight_grad_op(
+    dy: torch.Tensor, x: torch.Tensor, leaf_tokens: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The ``det_train::moe_experts_weight_grad`` op: a 3-D expert weight's gradient ``(E, N, K)`` in
+    ``dtype`` from rows ``dy (T, E, N)`` and ``x (T, K)`` or ``(T, E, K)``, the canonical tree over
+    this call's leaves of ``leaf_tokens`` (zeros for no tokens)."""
+    if dy.shape[0] == 0:
+        return torch.zeros((dy.shape[1], dy.shape[2], x.shape[-1]), dtype=dtype, device=dy.device)
+    tree = _expert_leaves(leaf_tokens, 0, (dy, x))
+    return tree.result(num_leaves(dy.shape[0], leaf_tokens)).to(dtype)
+
+
+@expert_weight_grad_op.register_fake
+def _(dy, x, leaf_tokens, dtype):
+    return dy.new_empty((dy.shape[1], dy.shape[2], x.shape[-1]), dtype=dtype)
+
+
+@Op("moe_experts_deposit", ("ticket",))
+def expert_deposit_op(dy: torch.Tensor, x: torch.Tensor, param: torch.Tensor, ticket: torch.Tensor) -> None:
+    """The ``det_train::moe_experts_deposit`` op: deposit a 3-D expert weight's gradient from rows
+    ``dy (T, E, N)`` and ``x`` into the active accumulator (with the resumable fold), at run time."""
+    step = weight_grad_config(dy.dtype, dy.shape[2], x.shape[-1]).block_t
+    deposit.rows(_OP, param, (dy, x), _expert_leaves, fold=(step, _expert_fold))
+    ticket.add_(1)
+
+
+@expert_deposit_op.register_fake
+def _(dy, x, param, ticket):
+    return None
+
+
+def _expert_weight_grad(dy, x, param, deposit_it: bool, leaf: int, ticket):
+    """dW of a 3-D expert weight ``param (E, N, K)`` from rows ``dy (T, E, N)`` and ``x``: deposited
+    into the active accumulator (returns None) or finished over ``leaf``-token leaves."""
+    if deposit_it:
+        expert_deposit_op(dy, x, param, ticket)
+        return None
+    return expert_weight_grad_op(dy, x, leaf, param.dtype)
 
 
 def _check(x, indices, weights, gate_up, down) -> None:
@@ -259,7 +385,6 @@ def _check(x, indices, weights, gate_up, down) -> None:
         raise ValueError(f"{op}: gate_up_proj and down_proj must be contiguous (transformers' layout)")
 
 
-@torch.compiler.disable
 def moe_experts(
     x: torch.Tensor,
     indices: torch.Tensor,
@@ -299,8 +424,11 @@ def moe_experts(
     **Determinism:** bitwise run to run; a token's output and input gradient are batch invariant
     (they depend only on its own row, its routing and the weights, not on the other tokens, their
     number or which of them share its experts); the expert weight gradients have equal bits for any
-    split into micro-batches (cuts inside leaves included) under the accumulator. Eager only: under
-    ``torch.compile`` the call is a graph break (``torch.compiler.disable``). Not transformers' bits
+    split into micro-batches (cuts inside leaves included) under the accumulator. The call is the
+    ``det_train::moe_experts`` custom op (backward ``moe_experts_backward``, ``moe_experts_weight_grad``
+    / ``moe_experts_deposit``), the tokens per expert kept inside the ops (static output shapes):
+    ``torch.compile(fullgraph=True)`` traces it and runs the eager kernels (``tests/test_compile.py``).
+    Not transformers' bits
     (it sums the k slots in bf16 with ``index_add_``), nor across GPU models / Triton versions.
 
     Method: the sparsely-gated mixture of experts (Shazeer et al., 2017) with SwiGLU experts
@@ -309,4 +437,10 @@ def moe_experts(
     tree for the weight gradients (Higham, SISC 1993).
     """
     _check(x, indices, weights, gate_up_proj, down_proj)
-    return _Experts.apply(x, indices, weights, gate_up_proj, down_proj)
+    leaf, active = deposit.accumulation()
+    tokens = x.shape[0]
+    dep_gate_up = active and tokens > 0 and gate_up_proj.is_leaf
+    dep_down = active and tokens > 0 and down_proj.is_leaf
+    ticket = deposit.ticket() if dep_gate_up or dep_down else None
+    args = (x, indices, weights, gate_up_proj, down_proj, ticket, leaf, dep_gate_up, dep_down)
+    return experts_op(*args)[0]

@@ -25,6 +25,8 @@ import triton.language as tl
 from det_core import runtime
 from det_core.launch import launch
 
+from ._library import Op
+
 __all__ = ["moe_router"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -120,52 +122,113 @@ def _blocks(e: int, k: int) -> tuple[int, int]:
     return triton.next_power_of_2(e), triton.next_power_of_2(k)
 
 
-class _Router(torch.autograd.Function):
+def _route(logits: torch.Tensor, top_k: int, norm: bool, return_probs: bool):
+    """The forward kernel's fp32 ``(weights, indices, probs)``; ``probs`` is ``(0,)`` unless asked for."""
+    t, e = logits.shape
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
+    indices = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
+    probs = torch.empty((t, e) if return_probs else (0,), dtype=torch.float32, device=logits.device)
+    if t:
+        block_e, block_k = _blocks(e, top_k)
+        launch(
+            _router_fwd_kernel, _grid(t), logits, weights, indices, probs if return_probs else weights,
+            t, e, logits.stride(0), K=top_k, NORM=norm, ROWS=_ROWS, BLOCK_E=block_e, BLOCK_K=block_k,
+            STORE_P=return_probs, num_warps=4,
+        )  # fmt: skip
+    return weights, indices, probs
+
+
+def _d_logits(logits, indices, d_weights, d_probs, top_k: int, norm: bool) -> torch.Tensor:
+    """The backward kernel's logit gradient in the logits' dtype (``d_probs`` None: no probabilities'
+    term)."""
+    t, e = logits.shape
+    has_dp = d_probs is not None
+    if has_dp:
+        d_probs = d_probs.to(torch.float32).contiguous()
+    d_logits = torch.empty((t, e), dtype=torch.float32, device=logits.device)
+    if t:
+        block_e, _ = _blocks(e, top_k)
+        launch(
+            _router_bwd_kernel, _grid(t), logits, indices, d_weights.contiguous(),
+            d_probs if has_dp else d_logits, d_logits, t, e, logits.stride(0), K=top_k,
+            NORM=norm, ROWS=_ROWS, BLOCK_E=block_e, HAS_DP=has_dp, num_warps=4,
+        )  # fmt: skip
+    return d_logits.to(logits.dtype)
+
+
+@Op("moe_router")
+def router_op(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``det_train::moe_router`` op (no probabilities): ``(weights (T, k) in logits' dtype, indices
+    (T, k) int64)``, ``moe_router`` after its checks."""
+    weights, indices, _ = _route(logits, top_k, norm, False)
+    # one rounding (nearest even, torch's cast on every device) from fp32, as HF's .to(logits.dtype)
+    return weights.to(logits.dtype), indices
+
+
+@router_op.register_fake
+def _(logits, top_k, norm):
+    t = logits.shape[0]
+    return logits.new_empty((t, top_k)), logits.new_empty((t, top_k), dtype=torch.int64)
+
+
+def _router_setup(ctx, inputs, output):
+    logits, top_k, norm = inputs
+    ctx.save_for_backward(logits, output[1])
+    ctx.top_k, ctx.norm = top_k, norm
+
+
+def _router_backward(ctx, d_weights, _d_indices):
+    runtime.check_first_order("det_train.moe_router")
+    logits, indices = ctx.saved_tensors
+    return router_backward_op(logits, indices, d_weights, ctx.top_k, ctx.norm), None, None
+
+
+router_op.register_autograd(_router_backward, setup_context=_router_setup, nondifferentiable=(1,))
+
+
+@Op("moe_router_backward")
+def router_backward_op(
+    logits: torch.Tensor, indices: torch.Tensor, d_weights: torch.Tensor, top_k: int, norm: bool
+) -> torch.Tensor:
+    """The ``det_train::moe_router_backward`` op: the logits' gradient ``(T, E)`` in their dtype from
+    the routing weights' gradient (``d_weights (T, k)``), the probabilities recomputed."""
+    return _d_logits(logits, indices, d_weights, None, top_k, norm)
+
+
+@router_backward_op.register_fake
+def _(logits, indices, d_weights, top_k, norm):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+class _RouterWithProbs(torch.autograd.Function):
+    """``moe_router(..., return_probs=True)``: eager only (the load-balancing loss's path)."""
+
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, top_k: int, norm: bool, return_probs: bool):
-        t, e = logits.shape
-        weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
-        indices = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
-        probs = torch.empty((t, e) if return_probs else (0,), dtype=torch.float32, device=logits.device)
-        if t:
-            block_e, block_k = _blocks(e, top_k)
-            launch(
-                _router_fwd_kernel, _grid(t), logits, weights, indices, probs if return_probs else weights,
-                t, e, logits.stride(0), K=top_k, NORM=norm, ROWS=_ROWS, BLOCK_E=block_e, BLOCK_K=block_k,
-                STORE_P=return_probs, num_warps=4,
-            )  # fmt: skip
+    def forward(ctx, logits: torch.Tensor, top_k: int, norm: bool):
+        weights, indices, probs = _route(logits, top_k, norm, True)
         ctx.save_for_backward(logits, indices)
-        ctx.top_k, ctx.norm, ctx.return_probs = top_k, norm, return_probs
+        ctx.top_k, ctx.norm = top_k, norm
         ctx.mark_non_differentiable(indices)
-        # one rounding (nearest even, torch's cast on every device) from fp32, as HF's .to(logits.dtype)
-        if not return_probs:
-            return weights.to(logits.dtype), indices
         # a gradient that never came is None (not zeros): no d_probs leaves the kernel's no-probs path
         ctx.set_materialize_grads(False)
+        # one rounding (nearest even, torch's cast on every device) from fp32, as HF's .to(logits.dtype)
         return weights.to(logits.dtype), indices, probs
 
     @staticmethod
-    def backward(ctx, d_weights: torch.Tensor | None, _d_indices, d_probs: torch.Tensor | None = None):
+    def backward(ctx, d_weights: torch.Tensor | None, _d_indices, d_probs: torch.Tensor | None):
         runtime.check_first_order("det_train.moe_router")
         logits, indices = ctx.saved_tensors
-        t, e = logits.shape
-        if d_weights is None:  # only with return_probs (no materialised zeros): weights unused
-            d_weights = torch.zeros((t, ctx.top_k), dtype=torch.float32, device=logits.device)
-        has_dp = d_probs is not None
-        if has_dp:
-            d_probs = d_probs.to(torch.float32).contiguous()
-        d_logits = torch.empty((t, e), dtype=torch.float32, device=logits.device)
-        if t:
-            block_e, _ = _blocks(e, ctx.top_k)
-            launch(
-                _router_bwd_kernel, _grid(t), logits, indices, d_weights.contiguous(),
-                d_probs if has_dp else d_logits, d_logits, t, e, logits.stride(0), K=ctx.top_k,
-                NORM=ctx.norm, ROWS=_ROWS, BLOCK_E=block_e, HAS_DP=has_dp, num_warps=4,
-            )  # fmt: skip
-        return d_logits.to(logits.dtype), None, None, None
+        if d_weights is None:  # no materialised zeros: weights unused
+            d_weights = torch.zeros((logits.shape[0], ctx.top_k), dtype=torch.float32, device=logits.device)
+        return _d_logits(logits, indices, d_weights, d_probs, ctx.top_k, ctx.norm), None, None
 
 
 @torch.compiler.disable
+def _router_with_probs(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, ...]:
+    # the probabilities feed the aux loss's per-sequence Python: a graph break under torch.compile
+    return _RouterWithProbs.apply(logits, top_k, norm)
+
+
 def moe_router(
     logits: torch.Tensor, top_k: int, norm_topk_prob: bool = True, return_probs: bool = False
 ) -> tuple[torch.Tensor, ...]:
@@ -204,9 +267,12 @@ def moe_router(
     ``return_probs`` the kernels compile without the probabilities' store and add (constexpr
     flags): the same bits as before the option existed. Ties among equal probabilities go to the
     lower expert index (``torch.topk`` promises no order among equal values). A NaN logit gives
-    unspecified routing for its token. Eager only: under ``torch.compile`` the call is a graph break
-    (``torch.compiler.disable``). Not equal to transformers' bits (its softmax and sum orders are
-    torch's), nor across GPU models / Triton versions (the ``exp`` lowering).
+    unspecified routing for its token. Without ``return_probs`` the call is the ``det_train::moe_router``
+    custom op (its backward ``det_train::moe_router_backward``): ``torch.compile(fullgraph=True)``
+    traces it and runs the eager kernels (``tests/test_compile.py``); with ``return_probs`` it is a
+    graph break (``torch.compiler.disable``: the load-balancing loss's path is eager only). Not equal
+    to transformers' bits (its softmax and sum orders are torch's), nor across GPU models / Triton
+    versions (the ``exp`` lowering).
 
     Method: the sparsely-gated mixture of experts' top-k softmax gate (Shazeer et al., "Outrageously
     Large Neural Networks: The Sparsely-Gated Mixture-of-Experts Layer", 2017), renormalised over
@@ -229,4 +295,6 @@ def moe_router(
     if not 1 <= top_k <= logits.shape[1]:
         raise ValueError(f"moe_router: top_k must be in [1, {logits.shape[1]}] (the experts), got {top_k}")
     runtime.check_kernel_device(logits, op="moe_router")
-    return _Router.apply(logits, top_k, bool(norm_topk_prob), return_probs)
+    if return_probs:
+        return _router_with_probs(logits, top_k, bool(norm_topk_prob))
+    return router_op(logits, top_k, bool(norm_topk_prob))

@@ -595,8 +595,9 @@ def _head_axis(x: torch.Tensor, heads: int, k: int) -> int:
             "normalized one(s): a per-head norm takes (B, T, H, D) or (B, H, T, D)"
         )
     dims = [i for i in range(lead) if x.shape[i] > 1]
-    # the smallest stride; among equal strides (size-1 neighbours) the last dim
-    axis = min(dims, key=lambda i: (x.stride(i), -i)) if dims else lead - 1
+    # the smallest stride; among equal strides (size-1 neighbours) the last dim (no min(key=...):
+    # Dynamo does not trace it)
+    axis = -min([(x.stride(i), -i) for i in dims])[1] if dims else lead - 1
     if x.shape[axis] != heads:
         raise ValueError(
             f"det_train.RMSNorm(heads={heads}): x of shape {tuple(x.shape)} (strides {x.stride()}) has "
