@@ -93,13 +93,19 @@ def test_the_open_fold_is_continued_in_its_buffer_only_without_undo(recoverable)
     assert same == [not recoverable] * 2  # a new buffer each micro-batch only under the undo contract
 
 
-def test_a_micro_batch_that_raises_poisons_until_reset():
+def _after_the_first_micro_batch():
+    """(model, tokens, one batch's gradients, a recoverable=False accumulator holding tokens [0, 40))."""
     model = _model()
     ids = _tokens()
     want = _grads(BOUNDS, recoverable=True)
     acc = det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF, recoverable=False)
     with acc.micro_batch(token_offset=0):
         _loss(model, ids[:40]).backward()
+    return model, ids, want, acc
+
+
+def test_a_micro_batch_that_raises_poisons_until_reset():
+    model, ids, want, acc = _after_the_first_micro_batch()
     with pytest.raises(RuntimeError, match="after the deposit"):
         with acc.micro_batch(token_offset=40):
             _loss(model, ids[40:100]).backward()  # continues leaf 0's folds in place, then raises
@@ -122,12 +128,7 @@ def test_a_micro_batch_that_raises_poisons_until_reset():
 
 
 def test_a_micro_batch_that_raises_before_depositing_does_not_poison():
-    model = _model()
-    ids = _tokens()
-    want = _grads(BOUNDS, recoverable=True)
-    acc = det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF, recoverable=False)
-    with acc.micro_batch(token_offset=0):
-        _loss(model, ids[:40]).backward()
+    model, ids, want, acc = _after_the_first_micro_batch()
     with pytest.raises(RuntimeError, match="in the forward"):
         with acc.micro_batch(token_offset=40):
             _loss(model, ids[40:100])
