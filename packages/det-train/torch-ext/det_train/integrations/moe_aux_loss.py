@@ -88,8 +88,8 @@ def _mask(call: dict, batch: int, seq: int) -> torch.Tensor | None:
 
 def _starts(call: dict, batch: int, seq: int, device) -> torch.Tensor:
     """``(B, T)`` bool: where a sequence starts. A row's first token, and in a packed row each
-    document's first token: ``cu_seq_lens_q``'s offsets, else ``position_ids`` restarting at 0
-    (what transformers' ``DataCollatorWithFlattening`` passes)."""
+    document's first token: ``cu_seq_lens_q``'s offsets, else ``position_ids`` restarting at the row's
+    smallest position (what transformers' ``DataCollatorWithFlattening`` passes)."""
     starts = torch.zeros((batch, seq), dtype=torch.bool, device=device)
     starts[:, 0] = True
     cu = call.get("cu_seq_lens_q")
@@ -102,7 +102,10 @@ def _starts(call: dict, batch: int, seq: int, device) -> torch.Tensor:
                 "det_train's load-balancing loss (output_router_logits=True) reads documents from "
                 f"position_ids of shape (batch, tokens) = ({batch}, {seq}), got {tuple(positions.shape)}"
             )
-        starts |= positions.to(device).expand(batch, seq) == 0
+        # transformers' flash-attention rule, which det_attn follows: a document starts where a row's
+        # position equals the row's smallest (0, or padding_idx + 1 for RoBERTa-like positions)
+        positions = positions.to(device).expand(batch, seq)
+        starts |= positions == positions.min(dim=-1, keepdim=True).values
     return starts
 
 
