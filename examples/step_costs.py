@@ -46,7 +46,11 @@ def profile_step(step, steps: int = 3, top: int = 30) -> str:
             step()
         torch.cuda.synchronize()
     events = prof.key_averages()
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [  # device events without record_function's GPU ranges (they overlap the kernels)
+        e
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+    ]
     device_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
     host = cProfile.Profile()
     host.enable()
