@@ -7,12 +7,16 @@
 The step is examples/bench_step.py's eager step (``make_step``: the same models, batch, micro-batch
 loop and optimizers), for each model (``100m``: the gpu preset at batch 32; ``0.4b``: bench_step.py's
 0.4 B width at batch 16), each micro-batch count of ``--counts`` that divides the batch, and the
-setups of ``--setups`` (default all four): **torch** (``torch``: fused ``torch.optim.AdamW``, its
+setups of ``--setups`` (default all five): **torch** (``torch``: fused ``torch.optim.AdamW``, its
 moments take the bf16 params' dtype), **det, fp32 states** (``det_fp32``: AdamWSR's default
 moments), **det, bf16 states** (``det_bf16``: AdamWSR with ``state_dtype=torch.bfloat16``, torch's
 optimizer-state bytes) and **det, bf16 states, recoverable=False** (``det_bf16_noundo``: the same,
 with ``CanonicalGradAccumulator(..., recoverable=False)``, no undo log: open folds continued in
-place, the canonical tree's least gradient memory, the same bits). Each row runs one warm-up step, then
+place, the canonical tree's least gradient memory, the same bits) and **det, bf16 states, one leaf per
+step** (``det_bf16_one_leaf``: the same with ``leaf_tokens`` equal to the step's tokens, so ``L = 1``
+and the gradient path holds one fp32 buffer per parameter, Megatron's "main grad": the least any
+leaf size allows, for a process that is not data parallel; its bits differ from the other det rows',
+since ``leaf_tokens`` is part of the order). Each row runs one warm-up step, then
 one measured step, reading the CUDA caching allocator (``torch.cuda.memory_allocated`` and
 ``max_memory_allocated``) at the step's points (``make_step``'s ``probe``):
 
@@ -48,12 +52,15 @@ import train_gpt as tg  # noqa: E402  (the package sources come from PYTHONPATH:
 
 TORCH, DET_FP32, DET_BF16 = "torch (fused AdamW)", "det, fp32 states", "det, bf16 states"
 DET_BF16_NOUNDO = "det, bf16 states, recoverable=False"
-# --setups key -> (row name, kernels, AdamWSR state_dtype, the accumulator's recoverable)
+DET_BF16_ONE_LEAF = "det, bf16 states, recoverable=False, one leaf per step"
+# --setups key -> (row name, kernels, AdamWSR state_dtype, the accumulator's recoverable,
+# leaf_tokens: None keeps the config's, "step" is the step's tokens, one leaf)
 SETUPS = {
-    "torch": (TORCH, "torch", None, True),
-    "det_fp32": (DET_FP32, "det", None, True),
-    "det_bf16": (DET_BF16, "det", torch.bfloat16, True),
-    "det_bf16_noundo": (DET_BF16_NOUNDO, "det", torch.bfloat16, False),
+    "torch": (TORCH, "torch", None, True, None),
+    "det_fp32": (DET_FP32, "det", None, True, None),
+    "det_bf16": (DET_BF16, "det", torch.bfloat16, True, None),
+    "det_bf16_noundo": (DET_BF16_NOUNDO, "det", torch.bfloat16, False, None),
+    "det_bf16_one_leaf": (DET_BF16_ONE_LEAF, "det", torch.bfloat16, False, "step"),
 }
 BATCH = {"100m": 32, "0.4b": 16}  # global batch in sequences of 1024 tokens, per --models entry
 GIB = 2**30
@@ -173,12 +180,14 @@ def model_rows(
             continue
         group = []
         for key in setups:
-            name, kernels, state_dtype, recoverable = SETUPS[key]
+            name, kernels, state_dtype, recoverable, leaf_tokens = SETUPS[key]
             cfg = torch_cfg if kernels == "torch" else det_cfg
             cfg = dataclasses.replace(cfg, micro_batch_seqs=cfg.batch_seqs // mb)
+            if leaf_tokens == "step":
+                cfg = dataclasses.replace(cfg, leaf_tokens=cfg.batch_seqs * cfg.seq_len)
             gc.collect()  # the previous row's step (model, optimizer, accumulator) went with its frame
             meter.empty_cache()
-            row = {"model": model, "micro_batches": mb, "optimizer": name}
+            row = {"model": model, "micro_batches": mb, "optimizer": name, "leaf_tokens": cfg.leaf_tokens}
             row["allocated_before_gib"] = meter.allocated() / GIB
             use_torch_context = torch_context is not None and cfg.kernels == "torch"
             with torch_context() if use_torch_context else contextlib.nullcontext():
@@ -218,7 +227,8 @@ def format_table(rows: list[dict], title: str) -> str:
         "max_memory_allocated during acc.reduce (reset right before it) minus the same baseline, per "
         "parameter. Optimizer state: the optimizer's state tensors per parameter (torch's AdamW moments "
         "take the bf16 params' dtype; det's bf16 states: AdamWSR state_dtype=torch.bfloat16; "
-        "recoverable=False: CanonicalGradAccumulator without its undo log).",
+        "recoverable=False: CanonicalGradAccumulator without its undo log; one leaf per step: leaf_tokens "
+        "equal to the step's tokens).",
     ]
     return "\n".join(lines)
 

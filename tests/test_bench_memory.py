@@ -92,8 +92,9 @@ def test_memory_rows_read_what_each_point_holds():
         (2, bench_memory.DET_FP32),
         (2, bench_memory.DET_BF16),
         (2, bench_memory.DET_BF16_NOUNDO),
+        (2, bench_memory.DET_BF16_ONE_LEAF),
     ]
-    torch_row, fp32, bf16, noundo = rows
+    torch_row, fp32, bf16, noundo, one_leaf = rows
     n = torch_row["n_params"]
     # torch: the bf16 p.grad; det: after 4 leaves the canonical tree holds one fp32 node per element
     assert torch_row["grad_bytes_per_param"] == 2.0
@@ -103,6 +104,9 @@ def test_memory_rows_read_what_each_point_holds():
     # compared)
     assert noundo["grad_bytes_per_param"] == 4.0
     assert noundo["state_bytes_per_param"] == bf16["state_bytes_per_param"]
+    # one leaf of the step's 32 tokens: one fp32 fold per element, the least any leaf size allows
+    assert (noundo["leaf_tokens"], one_leaf["leaf_tokens"]) == (8, 32)
+    assert one_leaf["grad_bytes_per_param"] == 4.0
     assert torch_row["reduce_peak_bytes_per_param"] is None
     assert fp32["reduce_peak_bytes_per_param"] >= fp32["grad_bytes_per_param"]
     # moments: 2 x fp32, 2 x bf16 (AdamWSR state_dtype=torch.bfloat16), torch's 2 x the bf16 params'
@@ -128,5 +132,12 @@ def test_setups_choose_the_rows():
     ref = bench_memory.dataclasses.replace(ref, micro_batch_seqs=2)
     row = bench_memory.measure_row(ref, 2, None, "cpu", LiveMeter().meter())
     assert row["grad_bytes_per_param"] == 2.0  # torch's bf16 p.grad
-    assert list(bench_memory.SETUPS) == ["torch", "det_fp32", "det_bf16", "det_bf16_noundo"]
-    assert bench_memory.SETUPS["det_bf16_noundo"][1:] == ("det", torch.bfloat16, False)
+    assert list(bench_memory.SETUPS) == [
+        "torch",
+        "det_fp32",
+        "det_bf16",
+        "det_bf16_noundo",
+        "det_bf16_one_leaf",
+    ]
+    assert bench_memory.SETUPS["det_bf16_noundo"][1:] == ("det", torch.bfloat16, False, None)
+    assert bench_memory.SETUPS["det_bf16_one_leaf"][1:] == ("det", torch.bfloat16, False, "step")
