@@ -9,8 +9,9 @@
 #
 # The four parts together are the whole `gpu` suite, each sized to fit one device call (10 minutes)
 # with margin on a fresh machine (which compiles every kernel first); each prints a one-line
-# summary last. Call them back to back: the machine stays warm between calls. TESTS=0 skips the tests; BENCH=adamw,matmul runs
-# those benchmarks after them. Carry .whl (wheels) and .peers (peer libraries) where needed.
+# summary last. Call them back to back: the machine stays warm between calls. WORKERS=N runs a part in N
+# pytest-xdist workers sharing the one GPU (a fresh machine's time is mostly Triton compiling, on the CPUs),
+# so several parts fit one call. TESTS=0 skips the tests; BENCH=adamw,matmul runs those benchmarks after them. Carry .whl (wheels) and .peers (peer libraries) where needed.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -35,7 +36,7 @@ rc=0
 if [ "${TESTS:-1}" = 1 ]; then
   log="$OUT/gpu_tests_${label//[ \/]/_}.log"
   timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -m gpu -p no:cacheprovider -q -rfEs --timeout 240 \
-    --durations=15 "$@" >"$log" 2>&1
+    --durations=15 ${WORKERS:+-n "$WORKERS"} "$@" >"$log" 2>&1
   rc=$?
   grep -vE "PASSED|^\.+( |$)|^[.sFE]+ +\[" "$log" | tail -60
   summary=$(grep -E "^=*.*(passed|failed|error).* in [0-9.]+s" "$log" | tail -1 | tr -d '=')
