@@ -463,6 +463,24 @@ def test_overlapping_base_index_in_one_group_is_refused():
         AdamWSR([{"params": [c, a], "base_index": [None, 7]}])
 
 
+def test_one_param_listed_twice_in_a_group_is_refused_and_nothing_is_touched():
+    # torch's Optimizer only warns; the fused step would apply two moment updates with one step count
+    p, q = torch.nn.Parameter(torch.randn(64).bfloat16()), torch.nn.Parameter(torch.randn(32).bfloat16())
+    match = r"AdamWSR: the param group lists one Parameter twice \(positions 0 and 2, shape \(64,\)\)"
+    with pytest.warns(UserWarning, match="duplicate parameters"), pytest.raises(ValueError, match=match):
+        AdamWSR([{"params": [p, q, p]}], lr=1e-2)
+    opt = AdamWSR([p], lr=1e-2, seed=2)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    unchanged = _bad_step_leaves_everything_untouched(opt, [p, q])
+    groups = list(opt.param_groups)
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"positions 0 and 1, shape \(32,\)"):
+        opt.add_param_group({"params": [q, q]})
+    assert opt.param_groups == groups and unchanged()
+    opt.add_param_group({"params": [q]})  # listed once: accepted
+    assert opt._base_indices()[id(q)] == 64
+
+
 def test_overlapping_base_index_across_groups_is_refused_and_nothing_is_touched():
     p, q = torch.nn.Parameter(torch.randn(64).bfloat16()), torch.nn.Parameter(torch.randn(32).bfloat16())
     opt = AdamWSR([p], lr=1e-2, seed=2)  # p at its default index 0: [0, 64)
@@ -517,4 +535,14 @@ def test_functional_step_refuses_overlapping_base_indices_untouched():
                       base_indices=[0, 15])  # fmt: skip
     for p, q in zip(params, before, strict=True):
         assert_bitwise_equal(p, q)
+    assert all(not t.any() for t in ms + vs)
+
+
+def test_functional_step_refuses_one_tensor_given_twice_untouched():
+    p = torch.randn(16).bfloat16()
+    before = p.clone()
+    ms, vs = [torch.zeros(16), torch.zeros(16)], [torch.zeros(16), torch.zeros(16)]
+    with pytest.raises(ValueError, match=r"params\[0\] and params\[1\] are the same tensor"):
+        adamw_sr_step([p, p], [torch.ones(16), torch.ones(16)], ms, vs, None, torch.ones(2), lr=1e-2)
+    assert_bitwise_equal(p, before)
     assert all(not t.any() for t in ms + vs)

@@ -195,7 +195,8 @@ def test_fp64_layer_is_an_unsupported_dtype_not_a_determinism_problem():
             "0",
             "Linear",
             "unsupported dtype float64: det_train's kernels take bfloat16, float16 and float32; cast "
-            "the model first (e.g. model.to(torch.float32) or model.to(torch.bfloat16))",
+            "the model first: model.to(torch.bfloat16) (what det_attn and AdamWSR train), or "
+            "model.to(torch.float32)",
         )
     ]
     assert "cannot be made deterministic" not in message and "cannot be converted" in message

@@ -407,7 +407,7 @@ def test_converted_qwen3_moe_aux_loss_is_a_graph_break():
 
 def test_convert_refuses_other_moe_families():
     with pytest.raises(det_train.ConversionError) as info:
-        det_train.convert(transformers.Qwen3MoeForCausalLM(_config(hidden_act="gelu")))
+        det_train.convert(transformers.Qwen3MoeForCausalLM(_config(hidden_act="gelu")).to(torch.bfloat16))
     assert [(n, r) for n, _, r in info.value.problems] == [
         (f"model.layers.{i}.mlp.experts", "experts with hidden_act='gelu': moe_experts computes SwiGLU "
          "(hidden_act='silu') only")

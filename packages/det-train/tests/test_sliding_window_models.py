@@ -125,3 +125,39 @@ def test_head_dim_det_attn_has_no_kernels_for_is_refused_up_front():
     assert reason.startswith("head_dim=256 (config.head_dim, or hidden_size / num_attention_heads)")
     assert "head dims [64, 128]" in reason and "build the model with head_dim in [64, 128]" in reason
     assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear  # nothing changed
+
+
+def test_attention_dropout_is_refused_up_front():
+    """transformers hands det_attn one seed for every layer and numbers a call's sequences from 0: the
+    masks would follow the micro-batch split. convert refuses the config field, as it refuses a
+    dropout module."""
+    det_attn.register_transformers_attention()
+    config = _config("mistral", "det_attn", plain=True)
+    config.attention_dropout = 0.1
+    model = transformers.MistralForCausalLM(config).to(torch.bfloat16)
+    with pytest.raises(det_train.ConversionError) as info:
+        det_train.convert(model)
+    ((name, cls, reason),) = info.value.problems
+    assert (name, cls) == ("", "MistralForCausalLM")
+    assert reason.startswith("attention dropout (config.attention_dropout=0.1)")
+    assert "build the model with attention_dropout=0.0" in reason
+    assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear  # nothing changed
+    config.attention_dropout = 0.0  # the remedy
+    assert type(det_train.convert(model).model.layers[0].mlp.down_proj) is det_train.Linear
+
+
+def test_fp32_model_on_det_attn_is_refused_up_front():
+    """det_attn computes in bf16 / fp16: an fp32 model is refused by convert with the cast to make,
+    not by det_attn at the first forward."""
+    det_attn.register_transformers_attention()
+    model = transformers.MistralForCausalLM(_config("mistral", "det_attn", plain=True))  # fp32
+    with pytest.raises(det_train.ConversionError) as info:
+        det_train.convert(model)
+    ((name, cls, reason),) = info.value.problems
+    assert (name, cls) == ("", "MistralForCausalLM")
+    assert reason.startswith("its parameters are float32, but det_attn (attn_implementation='det_attn')")
+    assert "model.to(torch.bfloat16)" in reason
+    assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear  # nothing changed
+    ids = torch.randint(0, 64, (1, SEQ), generator=torch.Generator().manual_seed(1))
+    det_train.convert(model.to(torch.bfloat16))  # the remedy: converts and runs
+    assert model(input_ids=ids).logits.dtype == torch.bfloat16

@@ -358,7 +358,8 @@ def adamw_sr_step(
         TypeError: unsupported dtypes (moments other than fp32, bf16 or uint8, or of mixed dtypes);
             a seed that is not an integer (a bool, a float); ``grad_scale`` or ``found_inf`` not an
             fp32 tensor.
-        ValueError: mismatched lengths, shapes, devices or layouts; ``base_indices`` giving two
+        ValueError: mismatched lengths, shapes, devices or layouts; one param given twice (without
+            ``segments``); ``base_indices`` giving two
             params overlapping ranges of global indices; 8-bit moments with amsgrad,
             without their scales or with a segment off the block grid; an unknown
             ``state_rounding``; a seed outside ``[0, 2**64)``;
@@ -457,6 +458,14 @@ def adamw_sr_step(
                 raise ValueError(
                     f"adamw_sr_step: base_indices[{i}] = {b!r} must be an int in [0, 2**62) "
                     "(the global index of the param's first element)"
+                )
+        first_at: dict[int, int] = {}
+        for i, p in enumerate(params):
+            j = first_at.setdefault(p.data_ptr(), i) if p.numel() else i
+            if j != i:  # one launch would read and write the same elements twice
+                raise ValueError(
+                    f"adamw_sr_step: params[{j}] and params[{i}] are the same tensor (or start at the same "
+                    "address); give each param once"
                 )
         hit = first_overlap([(b, p.numel()) for p, b in zip(params, base_indices, strict=True)])
         if hit is not None:  # shared global indices would share rounding bits

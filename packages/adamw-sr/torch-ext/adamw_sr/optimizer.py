@@ -86,7 +86,8 @@ class AdamWSR(torch.optim.Optimizer):
             ``differentiable=True``, ``capturable=True`` with non-CUDA params), an unsupported
             ``state_dtype`` (the message lists the supported ones) or ``state_rounding``,
             ``amsgrad`` with ``state_dtype="8bit"``, an empty or non-contiguous param, params on
-            several devices, two params whose ``base_index`` ranges overlap (message names both).
+            several devices, one Parameter listed twice in a group, two params whose ``base_index``
+            ranges overlap (message names both).
         TypeError: ``params`` is a module (pass ``model.parameters()``); fp16, complex or integer
             params; a seed that is a bool or not an integer.
         RuntimeError: ``fused=True`` with params where the fused step cannot run (CPU without the
@@ -211,8 +212,9 @@ class AdamWSR(torch.optim.Optimizer):
             TypeError: a param is fp16, complex or not floating point; the group's ``seed`` is not
                 an integer (a bool or a float).
             ValueError: a param is empty or non-contiguous, on another device than the others,
-                ``base_index`` does not give one entry per param or gives a param a range of global
-                indices that overlaps another param's, or ``seed`` is outside ``[0, 2**64)``;
+                the group lists one Parameter twice, ``base_index`` does not give one entry per
+                param or gives a param a range of global indices that overlaps another param's, or
+                ``seed`` is outside ``[0, 2**64)``;
                 the group sets ``foreach``, ``fused=False``, or ``capturable=True`` with non-CUDA params;
                 an unsupported ``state_dtype`` or ``state_rounding``, or amsgrad with 8-bit states.
             RuntimeError: ``fused=True`` with params where the fused step cannot run (CPU without
@@ -220,6 +222,15 @@ class AdamWSR(torch.optim.Optimizer):
         """
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        seen: dict[int, int] = {}
+        for i, p in enumerate(group["params"]):
+            if seen.setdefault(id(p), i) != i:  # torch only warns; the fused step would update it twice
+                self.param_groups.pop()
+                raise ValueError(
+                    f"AdamWSR: the param group lists one Parameter twice (positions {seen[id(p)]} and {i}, "
+                    f"shape {tuple(p.shape)}); each param must appear once (pass list(dict.fromkeys(params)) "
+                    "to drop repeats)"
+                )
         devices = {local_tensor(p).device for g in self.param_groups for p in g["params"]}
         if len(devices) > 1:
             self.param_groups.pop()

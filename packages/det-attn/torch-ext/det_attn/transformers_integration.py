@@ -90,7 +90,8 @@ def det_attn_transformers_forward(
             raise ValueError(
                 f"{op}: attention masks (padding) are not supported; pack the sequences into one row "
                 "instead (DataCollatorWithFlattening: position_ids restarting at each document, or "
-                "return_flash_attn_kwargs=True for cu_seq_lens) or use attn_implementation='sdpa'"
+                "return_flash_attn_kwargs=True for cu_seq_lens); padded batches need a non-deterministic "
+                "attention such as attn_implementation='sdpa', which det_train.convert refuses"
             )
     dropout = as_dropout_p(dropout, "dropout", op)
     seed = kwargs.get("det_attn_seed")
@@ -114,7 +115,8 @@ def det_attn_transformers_forward(
         raise ValueError(
             f"{op}: a sliding window on a non-causal layer (bidirectional window, sliding_window={window}) "
             "is not supported; use causal layers (e.g. Gemma 3 with use_bidirectional_attention=False) "
-            "or attn_implementation='sdpa'"
+            "or a non-deterministic attention such as attn_implementation='sdpa', which "
+            "det_train.convert refuses"
         )
     common = dict(
         causal=causal,

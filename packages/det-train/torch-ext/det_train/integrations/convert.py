@@ -161,7 +161,8 @@ def _dtype_problem(module: nn.Module) -> str | None:
         return None
     return (
         f"unsupported dtype {', '.join(bad)}: det_train's kernels take bfloat16, float16 and float32; "
-        "cast the model first (e.g. model.to(torch.float32) or model.to(torch.bfloat16))"
+        "cast the model first: model.to(torch.bfloat16) (what det_attn and AdamWSR train), or "
+        "model.to(torch.float32)"
     )
 
 
@@ -466,7 +467,7 @@ def _attention_problem(module: nn.Module, seen: set) -> str | None:
     interface = getattr(sys.modules.get("transformers.modeling_utils"), "ALL_ATTENTION_FUNCTIONS", None)
     fn = interface.get(impl) if interface is not None and hasattr(interface, "get") else None
     if getattr(fn, "__name__", None) == _DET_ATTENTION:
-        return _det_attn_lacks(config, _det_attn_head_dims(fn))
+        return _det_attn_lacks(config, _det_attn_head_dims(fn)) or _det_attn_dtype_problem(module)
     return (
         f"attention implementation {impl!r} (config._attn_implementation) is not deterministic (its "
         "backward accumulates with atomics, its rows depend on the batch): load the model with "
@@ -501,6 +502,15 @@ def _det_attn_lacks(config, supported: tuple[int, ...] = ()) -> str | None:
             f"by det_attn (head dims {sorted(supported)}; Gemma 2 / 3 configs default to 256): build the "
             f"model with head_dim in {sorted(supported)}"
         )
+    dropout = getattr(config, "attention_dropout", 0.0)
+    if isinstance(dropout, numbers.Real) and not isinstance(dropout, bool) and dropout > 0:
+        return (
+            f"attention dropout (config.attention_dropout={dropout}): under transformers every layer draws "
+            "the same det_attn mask, numbered by the sequence's index in its micro-batch, so the masks (and "
+            "the gradients) depend on the micro-batch split and the data-parallel degree: build the model "
+            "with attention_dropout=0.0 (for split-invariant attention dropout, call det_attn.attention "
+            "with a global sequence_offset in your own attention module)"
+        )
     chunked = "chunked_attention" in layer_types or getattr(config, "attention_chunk_size", None)
     if chunked:
         return (
@@ -509,6 +519,21 @@ def _det_attn_lacks(config, supported: tuple[int, ...] = ()) -> str | None:
             "the model with full attention in those layers (attention_chunk_size=None)"
         )
     return None
+
+
+def _det_attn_dtype_problem(model: nn.Module) -> str | None:
+    """A reason a transformers ``model`` on det_attn would fail at its first forward: no floating
+    parameter in bfloat16 or float16 (det_attn's kernels take those two; an fp32 model hands its
+    attention fp32 query / key / value)."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if not dtypes or dtypes & {torch.bfloat16, torch.float16}:
+        return None
+    names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+    return (
+        f"its parameters are {names}, but det_attn (attn_implementation='det_attn') computes in bfloat16 "
+        "or float16 only: cast the model before converting, model.to(torch.bfloat16) (AdamWSR then "
+        "trains the bf16 weights with stochastic rounding, no fp32 master copy)"
+    )
 
 
 def _det_attn_head_dims(fn) -> tuple[int, ...]:
