@@ -419,7 +419,7 @@ def test_convert_refuses_other_moe_families():
         num_key_value_heads=1, head_dim=64, num_local_experts=4, num_experts_per_tok=2,
         attn_implementation="det_attn",
     )  # fmt: skip
-    mixtral = transformers.MixtralForCausalLM(config)
+    mixtral = transformers.MixtralForCausalLM(config).to(torch.bfloat16)
     with pytest.raises(det_train.ConversionError) as info:
         det_train.convert(mixtral)
     problems = {n: r for n, _, r in info.value.problems}
