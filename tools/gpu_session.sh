@@ -9,9 +9,11 @@
 #
 # The four parts together are the whole `gpu` suite, each sized to fit one device call (10 minutes)
 # with margin on a fresh machine (which compiles every kernel first); each prints a one-line
-# summary last. Call them back to back: the machine stays warm between calls. WORKERS=N runs a part in N
-# pytest-xdist workers sharing the one GPU (a fresh machine's time is mostly Triton compiling, on the
-# CPUs; not yet timed against one worker). TESTS=0 skips the tests; BENCH=adamw,matmul runs those benchmarks after them. Carry .whl (wheels) and .peers (peer libraries) where needed.
+# summary last. Call them back to back: the machine stays warm between calls. WORKERS=N runs a
+# part in N pytest-xdist workers sharing the one GPU (a fresh machine's time is mostly Triton
+# compiling, on the CPUs; not yet timed against one worker). TESTS=0 skips the tests;
+# BENCH=adamw,matmul runs those benchmarks after them. Carry .whl (wheels) and .peers (peer
+# libraries) where needed.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
