@@ -14,16 +14,13 @@ kernel through the Triton interpreter; ranks are processes running dcp_worker.py
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from adamw_sr import AdamWSR
-from det_core.testing import assert_bitwise_equal, digest
+from det_core.testing import assert_bitwise_equal, digest, run_ranks
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 WORKER = Path(__file__).with_name("dcp_worker.py")
@@ -31,33 +28,8 @@ sys.path.insert(0, str(WORKER.parent))
 import dcp_worker  # noqa: E402
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(nprocs: int, sizes: list[int], out_dir: Path) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nprocs))
-    cmd = [sys.executable, str(WORKER), str(out_dir), ",".join(map(str, sizes))]
-    procs = [
-        subprocess.Popen(
-            cmd, env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for r in range(nprocs)
-    ]
-    errors = []
-    for rank, proc in enumerate(procs):
-        try:
-            _, err = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate()
-        if proc.returncode != 0:
-            errors.append(f"rank {rank} exited {proc.returncode}:\n{err[-3000:]}")
-    assert not errors, "\n".join(errors)
+    run_ranks(WORKER, nprocs, [out_dir, ",".join(map(str, sizes))], env={"TRITON_INTERPRET": "1"})
 
 
 def _unsharded_digest() -> str:

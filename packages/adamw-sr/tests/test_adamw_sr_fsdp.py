@@ -7,48 +7,20 @@ placements: Shard(0) and Shard(1), uneven shards, and empty shards on the last r
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from det_core.testing import digest
+from det_core.testing import digest, run_ranks
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 sys.path.insert(0, str(WORKER.parent))
 import fsdp_worker  # noqa: E402
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(nprocs: int, sizes: list[int], out_dir: Path, env_extra: dict) -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nprocs), **env_extra)
-    procs = []
-    for rank in range(nprocs):
-        env_rank = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
-        cmd = [sys.executable, str(WORKER), str(out_dir), ",".join(map(str, sizes))]
-        procs.append(
-            subprocess.Popen(cmd, env=env_rank, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        )
-    errors = []
-    for rank, proc in enumerate(procs):
-        try:
-            _, err = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate()
-        if proc.returncode != 0:
-            errors.append(f"rank {rank} exited {proc.returncode}:\n{err[-3000:]}")
-    assert not errors, "\n".join(errors)
+    run_ranks(WORKER, nprocs, [out_dir, ",".join(map(str, sizes))], env=env_extra)
 
 
 def _unsharded_digest(device) -> str:

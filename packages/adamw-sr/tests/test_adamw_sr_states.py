@@ -8,9 +8,6 @@ reference, which the first tests show bit-identical to the kernel for every form
 from __future__ import annotations
 
 import math
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,7 +20,7 @@ from adamw_sr import _state_codes as codes
 from adamw_sr.reference import _decode
 from det_core import rng
 from det_core import sr as det_sr
-from det_core.testing import assert_bitwise_equal, digest, run_in_fresh_process
+from det_core.testing import assert_bitwise_equal, digest, run_in_fresh_process, run_ranks
 
 BLOCK = codes.QUANT_BLOCK
 FORMATS = [torch.bfloat16, "8bit"]
@@ -431,39 +428,11 @@ def test_8bit_shard_off_the_block_grid_is_refused_untouched():
     assert all(len(opt.state[s]) == 0 for s in shards) and all(not s.any() for s in shards)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 WORKER = Path(__file__).with_name("fsdp_states_worker.py")
 
 
 def _launch_fsdp(nprocs: int, sizes: list[int], out_dir: Path, env_extra: dict) -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nprocs), **env_extra)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(out_dir), ",".join(map(str, sizes))],
-            env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for rank in range(nprocs)
-    ]
-    errors = []
-    for rank, proc in enumerate(procs):
-        try:
-            _, err = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate()
-        if proc.returncode != 0:
-            errors.append(f"rank {rank} exited {proc.returncode}:\n{err[-3000:]}")
-    assert not errors, "\n".join(errors)
+    run_ranks(WORKER, nprocs, [out_dir, ",".join(map(str, sizes))], env=env_extra)
 
 
 def fsdp_unsharded_digest(device) -> str:

@@ -11,6 +11,7 @@ from det_core.testing import (
     digest,
     run_in_fresh_process,
     run_processes,
+    run_ranks,
 )
 
 
@@ -104,3 +105,29 @@ def test_run_processes_passes_when_every_process_exits_0_and_names_the_codes_oth
     assert [open(p).read() for p in paths] == ["0", "0", "0"]
     with pytest.raises(AssertionError, match=r"bad ranks: exit codes \[0, 3, 0\]"):
         run_processes(_exit_with, [(0, paths[0]), (3, paths[1]), (0, paths[2])], what="bad ranks")
+
+
+_RANK_SCRIPT = """
+import os, sys
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")  # env://, from torchrun's variables
+rank, world = dist.get_rank(), dist.get_world_size()
+t = torch.tensor([rank + 1])
+dist.all_reduce(t)  # a collective: the ranks found each other
+open(os.path.join(sys.argv[1], f"rank{rank}"), "w").write(f"{world} {int(t)} {os.environ['LOCAL_RANK']}")
+dist.destroy_process_group()
+if rank == int(sys.argv[2]):
+    raise SystemExit("rank " + sys.argv[2] + " fails on purpose")
+"""
+
+
+def test_run_ranks_gives_each_rank_torchruns_environment_and_reports_a_failing_rank(tmp_path):
+    script = tmp_path / "rank_script.py"
+    script.write_text(_RANK_SCRIPT)
+    run_ranks(script, 3, [tmp_path, -1])
+    assert sorted((tmp_path / f"rank{r}").read_text() for r in range(3)) == ["3 6 0", "3 6 1", "3 6 2"]
+    with pytest.raises(
+        AssertionError, match=r"rank_script.py on 2 ranks: torchrun exited 1(.|\n)*rank 1 fails on purpose"
+    ):
+        run_ranks(script, 2, [tmp_path, 1])

@@ -32,6 +32,7 @@ __all__ = [
     "find_divergence",
     "run_in_fresh_process",
     "run_processes",
+    "run_ranks",
     "DivergenceReport",
     "Difference",
 ]
@@ -220,6 +221,42 @@ def run_processes(
         for p in procs:
             p.kill()
         raise AssertionError(f"{what}: exit codes {codes} (tracebacks above, on stderr)")
+
+
+def run_ranks(
+    script: str | os.PathLike,
+    nprocs: int,
+    args: Sequence[str] = (),
+    *,
+    env: dict | None = None,
+    timeout: float = 300,
+) -> None:
+    """Run ``script args...`` on ``nprocs`` local ranks with torchrun and raise unless all succeed.
+
+    ``python -m torch.distributed.run --standalone --nproc-per-node nprocs script args``: each rank
+    gets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (a free local
+    port), so the script calls ``dist.init_process_group(backend)`` with the default ``env://``;
+    torchrun ends every rank when one fails. The ranks inherit ``sys.path`` (as ``PYTHONPATH``) and
+    the environment, plus ``env``. Results travel through files the script writes.
+
+    Raises:
+        AssertionError: a rank failed (torchrun's exit code and the end of its stderr, the failing
+            rank's traceback included) or the ranks ran past ``timeout`` seconds.
+
+    Method: torch.distributed.run (torchrun), the launcher torch documents for multi-process jobs.
+    """
+    child_env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), **(env or {}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",
+           str(script), *map(str, args)]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, env=child_env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"{Path(script).name} on {nprocs} ranks ran past {timeout} s") from e
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"{Path(script).name} on {nprocs} ranks: torchrun exited {proc.returncode}:\n"
+            + proc.stderr[-6000:]
+        )
 
 
 def run_in_fresh_process(
