@@ -32,7 +32,9 @@ Per-head norms are recognised as a norm child of a module with a ``head_dim`` wh
 ``head_dim`` elements. Refused up front: a per-head norm whose head count cannot be found (no
 sibling projection) or that is not an RMSNorm; a transformers model on det_attn whose config asks
 for what det_attn lacks (a bidirectional sliding window, Gemma 3's ``use_bidirectional_attention``
-with sliding layers; chunked attention layers), which det_attn would refuse at the first forward.
+with sliding layers; chunked attention layers; a head dim without kernels) or whose parameters are
+not bf16 / fp16, which det_attn would refuse at the first forward; attention dropout
+(``config.attention_dropout > 0``), whose masks under transformers would follow the split.
 Sliding-window layers (Mistral, Gemma 2/3 local layers, Qwen2/3 with ``use_sliding_window``) and
 attention logit soft-capping (Gemma 2) are det_attn's ``window`` and ``softcap``: converted.
 """
