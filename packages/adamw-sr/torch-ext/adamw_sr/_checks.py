@@ -1,5 +1,6 @@
 """Argument checks shared by ``AdamWSR`` and ``adamw_sr_step``: the supported dtypes, the
-hyperparameter ranges, AMP's device scalars, and the per-parameter and per-gradient checks.
+hyperparameter ranges, AMP's device scalars, a param group's device flags, repeated params, and
+the per-parameter and per-gradient checks.
 
 Every check raises before anything is written, with a message that says what was wrong and what
 to do; none changes a value.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import numbers
 
 import torch
+from det_core import runtime
 
 from .indices import PLAIN_TENSOR_TYPES, is_dtensor, local_tensor
 
@@ -18,8 +20,10 @@ __all__ = [
     "SUPPORTED_PARAM_DTYPES",
     "amp_scalar",
     "check_grad",
+    "check_device_flags",
     "check_grads",
     "check_hyperparameters",
+    "first_repeat",
     "param_problem",
 ]
 
@@ -84,6 +88,41 @@ def amp_scalar(value, name: str, device: torch.device, op: str) -> torch.Tensor 
     if value.numel() != 1:
         raise ValueError(f"{op}: {name} must have 1 element, got shape {tuple(value.shape)}")
     return value if value.device == device else value.to(device, non_blocking=True)
+
+
+def check_device_flags(group: dict) -> None:
+    """The device flags of a param group against its params' device, as torch checks them:
+    ``fused=True`` needs a device the fused step runs on (CUDA, or CPU with the Triton
+    interpreter), and ``capturable=True`` (step counts on the device, for CUDA-graph capture) needs
+    CUDA params.
+
+    Raises:
+        RuntimeError: ``fused=True`` where the fused step cannot run.
+        ValueError: ``capturable=True`` with non-CUDA params.
+    """
+    if not group["params"]:
+        return
+    device = local_tensor(group["params"][0]).device
+    if group.get("fused"):
+        runtime.check_kernel_device(*(local_tensor(p) for p in group["params"]), op="AdamWSR(fused=True)")
+    if group.get("capturable") and device.type != "cuda":
+        raise ValueError(
+            f"AdamWSR: capturable=True keeps the step counts on the device for CUDA-graph capture, "
+            f"which needs CUDA params; these are on {device.type} (torch.optim.AdamW refuses "
+            "capturable=True there too): pass capturable=False"
+        )
+
+
+def first_repeat(keys) -> tuple[int, int] | None:
+    """The positions ``(i, j)``, ``i < j``, of the first key that ``keys`` (hashables, in order)
+    gives twice, or None: a param listed twice (by identity, or by address for
+    ``adamw_sr_step``) would be updated twice in one fused step."""
+    first_at: dict = {}
+    for j, key in enumerate(keys):
+        i = first_at.setdefault(key, j)
+        if i != j:
+            return i, j
+    return None
 
 
 def param_problem(p: torch.Tensor) -> str | None:

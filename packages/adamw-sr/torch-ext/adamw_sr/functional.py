@@ -25,7 +25,13 @@ from det_core.launch import PlanCache
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _kernel, _state_codes, _states
-from ._checks import SUPPORTED_GRAD_DTYPES, SUPPORTED_PARAM_DTYPES, amp_scalar, check_hyperparameters
+from ._checks import (
+    SUPPORTED_GRAD_DTYPES,
+    SUPPORTED_PARAM_DTYPES,
+    amp_scalar,
+    check_hyperparameters,
+    first_repeat,
+)
 from ._launch import LaunchPlan, launch_fused_step, to_device_async
 from .indices import BASE_INDEX_ALIGNMENT, PLAIN_TENSOR_TYPES, default_base_indices, first_overlap
 
@@ -459,14 +465,15 @@ def adamw_sr_step(
                     f"adamw_sr_step: base_indices[{i}] = {b!r} must be an int in [0, 2**62) "
                     "(the global index of the param's first element)"
                 )
-        first_at: dict[int, int] = {}
-        for i, p in enumerate(params):
-            j = first_at.setdefault(p.data_ptr(), i) if p.numel() else i
-            if j != i:  # one launch would read and write the same elements twice
-                raise ValueError(
-                    f"adamw_sr_step: params[{j}] and params[{i}] are the same tensor (or start at the same "
-                    "address); give each param once"
-                )
+        # keyed by address (an empty param, with no elements to update twice, by its position)
+        addresses = (("at", p.data_ptr()) if p.numel() else ("empty", i) for i, p in enumerate(params))
+        repeat = first_repeat(addresses)
+        if repeat is not None:  # one launch would read and write the same elements twice
+            i, j = repeat
+            raise ValueError(
+                f"adamw_sr_step: params[{i}] and params[{j}] are the same tensor (or start at the same "
+                "address); give each param once"
+            )
         hit = first_overlap([(b, p.numel()) for p, b in zip(params, base_indices, strict=True)])
         if hit is not None:  # shared global indices would share rounding bits
             (i, bi), (j, bj) = ((k, base_indices[k]) for k in hit)

@@ -15,7 +15,14 @@ from det_core import rng, runtime
 from det_core.launch import PlanCache
 
 from . import _states
-from ._checks import amp_scalar, check_grads, check_hyperparameters, param_problem
+from ._checks import (
+    amp_scalar,
+    check_device_flags,
+    check_grads,
+    check_hyperparameters,
+    first_repeat,
+    param_problem,
+)
 from ._launch import LaunchPlan, to_device_async
 from ._step_cache import GroupLaunches, LaunchSet, grad_mask, pack_steps, packed_steps
 from .functional import StepLaunch, adamw_sr_step, dispatch_mode_active, fused_step, hyper_tensor
@@ -222,15 +229,14 @@ class AdamWSR(torch.optim.Optimizer):
         """
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        seen: dict[int, int] = {}
-        for i, p in enumerate(group["params"]):
-            if seen.setdefault(id(p), i) != i:  # torch only warns; the fused step would update it twice
-                self.param_groups.pop()
-                raise ValueError(
-                    f"AdamWSR: the param group lists one Parameter twice (positions {seen[id(p)]} and {i}, "
-                    f"shape {tuple(p.shape)}); each param must appear once (pass list(dict.fromkeys(params)) "
-                    "to drop repeats)"
-                )
+        repeat = first_repeat(id(p) for p in group["params"])  # torch only warns
+        if repeat is not None:
+            self.param_groups.pop()
+            raise ValueError(
+                f"AdamWSR: the param group lists one Parameter twice (positions {repeat[0]} and {repeat[1]}, "
+                f"shape {tuple(group['params'][repeat[0]].shape)}); each param must appear once (pass "
+                "list(dict.fromkeys(params)) to drop repeats)"
+            )
         devices = {local_tensor(p).device for g in self.param_groups for p in g["params"]}
         if len(devices) > 1:
             self.param_groups.pop()
@@ -249,7 +255,7 @@ class AdamWSR(torch.optim.Optimizer):
                     f"AdamWSR: a param group's foreach must be None and fused None or True (the step is "
                     f"always fused), got foreach={group['foreach']!r}, fused={group['fused']!r}"
                 )
-            self._check_device_flags(group)
+            check_device_flags(group)
         except (RuntimeError, ValueError):
             self.param_groups.pop()
             raise
@@ -287,23 +293,6 @@ class AdamWSR(torch.optim.Optimizer):
         self._base_index_cache.clear()
         self._segments_cache.clear()
         self._launch_records.clear()
-
-    @staticmethod
-    def _check_device_flags(group: dict) -> None:
-        """The device flags of a group against its params' device, as torch checks them: ``fused=True``
-        needs a device the fused step runs on (CUDA, or CPU with the Triton interpreter), and
-        ``capturable=True`` (step counts on the device, for CUDA-graph capture) needs CUDA params."""
-        if not group["params"]:
-            return
-        device = local_tensor(group["params"][0]).device
-        if group.get("fused"):
-            runtime.check_kernel_device(*(local_tensor(p) for p in group["params"]), op="AdamWSR(fused=True)")
-        if group.get("capturable") and device.type != "cuda":
-            raise ValueError(
-                f"AdamWSR: capturable=True keeps the step counts on the device for CUDA-graph capture, "
-                f"which needs CUDA params; these are on {device.type} (torch.optim.AdamW refuses "
-                "capturable=True there too): pass capturable=False"
-            )
 
     def _base_indices(self) -> dict[int, int]:
         """id(param) -> global index of its first element (running offset, or the group's override)."""
@@ -558,7 +547,7 @@ class AdamWSR(torch.optim.Optimizer):
             if with_grad:  # CPU params need the Triton interpreter: say so before any state is touched
                 runtime.check_kernel_device(*(local_tensor(p) for p in with_grad), op="AdamWSR.step")
                 if not compiling and group["capturable"] and local_tensor(with_grad[0]).device.type != "cuda":
-                    self._check_device_flags(group)
+                    check_device_flags(group)
             work.append((group, with_grad, None))
         if check_states and not compiling:
             self._state_flags["unchecked"] = False

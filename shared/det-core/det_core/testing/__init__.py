@@ -223,10 +223,17 @@ def run_processes(
         raise AssertionError(f"{what}: exit codes {codes} (tracebacks above, on stderr)")
 
 
+def _child_env(env: dict | None) -> dict[str, str]:
+    """This process's environment for a child Python: ``sys.path`` as its ``PYTHONPATH``, plus ``env``."""
+    child = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    child.update(env or {})  # env may set PYTHONPATH too
+    return child
+
+
 def run_ranks(
     script: str | os.PathLike,
     nprocs: int,
-    args: Sequence[str] = (),
+    args: Sequence[str | os.PathLike] = (),
     *,
     env: dict | None = None,
     timeout: float = 300,
@@ -243,9 +250,12 @@ def run_ranks(
         AssertionError: a rank failed (torchrun's exit code and the end of its stderr, the failing
             rank's traceback included) or the ranks ran past ``timeout`` seconds.
 
+    **Determinism:** none of its own: the ranks run the script as it is; which rank starts first is
+    up to the OS, so a script that is to be invariant must not depend on it.
+
     Method: torch.distributed.run (torchrun), the launcher torch documents for multi-process jobs.
     """
-    child_env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), **(env or {}))
+    child_env = _child_env(env)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",
            str(script), *map(str, args)]  # fmt: skip
     try:
@@ -268,9 +278,7 @@ def run_in_fresh_process(
     from scratch. The child inherits ``sys.path`` and the environment (plus ``env``). Raises
     ``AssertionError`` with the child's stderr if it fails.
     """
-    child_env = dict(os.environ)
-    child_env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    child_env.update(env or {})
+    child_env = _child_env(env)
     with tempfile.TemporaryDirectory() as cache:
         if cold_triton_cache:
             child_env["TRITON_CACHE_DIR"] = cache
