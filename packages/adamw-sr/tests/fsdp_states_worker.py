@@ -10,15 +10,13 @@ the error to ``<out_dir>/misaligned<rank>.txt``. The parent compares against one
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
 import torch
-import torch.distributed as dist
+from fsdp_worker import SEED, STEPS, full_grad, run_world_sizes  # noqa: F401 (the test reads SEED, STEPS)
 from torch import nn
-
-STEPS = 2
-SEED = 7
 
 
 class Params(nn.Module):
@@ -47,11 +45,6 @@ def param_groups(model: nn.Module) -> list[dict]:
     ]
 
 
-def full_grad(index: int, shape, step: int, device) -> torch.Tensor:
-    g = torch.Generator().manual_seed(100 * step + index)
-    return torch.randn(shape, generator=g).to(device=device, dtype=torch.bfloat16)
-
-
 def state_tensors(model, opt, gather):
     out = [gather(p.detach()) for p in model.parameters()]
     for p in model.parameters():
@@ -69,48 +62,31 @@ def _shard(model, mesh):
     fully_shard(model, mesh=mesh, shard_placement_fn=placement)
 
 
-def main() -> None:
-    out_dir, sizes = sys.argv[1], [int(s) for s in sys.argv[2].split(",")]
+def _refuse_misaligned_8bit(out_dir, w, model, mesh, device, rank) -> None:
+    """With 3 ranks: an 8-bit bias whose shards start at 11 and 22 is refused before any state exists."""
+    if w != 3:
+        return
     from adamw_sr import AdamWSR
-    from det_core.testing import digest
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import distribute_tensor
 
-    backend = os.environ.get("DET_FSDP_BACKEND", "gloo")
-    dist.init_process_group(backend)
-    rank = dist.get_rank()
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    if backend == "nccl":
-        torch.cuda.set_device(device)
-    for w in sizes:
-        mesh = DeviceMesh(device.type, list(range(w)))  # every rank builds every mesh (group creation)
-        if rank < w:
-            model = build_model(device)
-            _shard(model, mesh)
-            opt = AdamWSR(param_groups(model), lr=1e-2, weight_decay=0.1, seed=SEED)
-            for step in range(STEPS):
-                for i, p in enumerate(model.parameters()):
-                    p.grad = distribute_tensor(full_grad(i, p.shape, step, device), mesh, p.placements)
-                opt.step()
-            tensors = state_tensors(model, opt, lambda t: t.full_tensor().cpu())
-            if rank == 0:
-                with open(os.path.join(out_dir, f"ws{w}.txt"), "w") as f:
-                    f.write(digest(tensors))
-            if w == 3:  # an 8-bit bias whose shards start at 11 and 22: refused before any state exists
-                bias = model.long
-                opt = AdamWSR([{"params": [bias], "state_dtype": "8bit"}], lr=1e-2)
-                bias.grad = distribute_tensor(full_grad(1, bias.shape, 0, device), mesh, bias.placements)
-                before = bias.to_local().clone()
-                try:
-                    opt.step()
-                    message = "no error"
-                except ValueError as e:
-                    message = str(e)
-                untouched = torch.equal(bias.to_local(), before) and len(opt.state[bias]) == 0
-                with open(os.path.join(out_dir, f"misaligned{rank}.txt"), "w") as f:
-                    f.write(f"untouched={untouched}\n{message}")
-        dist.barrier()
-    dist.destroy_process_group()
+    bias = model.long
+    opt = AdamWSR([{"params": [bias], "state_dtype": "8bit"}], lr=1e-2)
+    bias.grad = distribute_tensor(full_grad(1, bias.shape, 0, device), mesh, bias.placements)
+    before = bias.to_local().clone()
+    try:
+        opt.step()
+        message = "no error"
+    except ValueError as e:
+        message = str(e)
+    untouched = torch.equal(bias.to_local(), before) and len(opt.state[bias]) == 0
+    with open(os.path.join(out_dir, f"misaligned{rank}.txt"), "w") as f:
+        f.write(f"untouched={untouched}\n{message}")
+
+
+def main() -> None:
+    out_dir, sizes = sys.argv[1], [int(s) for s in sys.argv[2].split(",")]
+    after = functools.partial(_refuse_misaligned_8bit, out_dir)
+    run_world_sizes(out_dir, sizes, build_model, _shard, param_groups, state_tensors, after)
 
 
 if __name__ == "__main__":

@@ -38,42 +38,63 @@ def state_tensors(model, opt, gather):
     return out
 
 
-def main() -> None:
-    out_dir, sizes = sys.argv[1], [int(s) for s in sys.argv[2].split(",")]
-    from adamw_sr import AdamWSR
-    from det_core.testing import digest
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Shard, distribute_tensor
-
+def init_rank() -> tuple[int, torch.device]:
+    """Join the process group (``DET_FSDP_BACKEND``: gloo on CPU, or NCCL with one GPU per rank)."""
     backend = os.environ.get("DET_FSDP_BACKEND", "gloo")
     dist.init_process_group(backend)
     rank = dist.get_rank()
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
+    return rank, device
+
+
+def run_world_sizes(out_dir, sizes, build, shard, groups, gather_state, after=None) -> None:
+    """For each world size ``w`` of ``sizes``: ranks < w build the model (``build(device)``), shard
+    it over a w-rank mesh (``shard(model, mesh)``), run ``STEPS`` AdamWSR steps over ``groups(model)``
+    with ``full_grad``'s gradients, and rank 0 writes the digest of ``gather_state(model, opt,
+    gather)`` to ``<out_dir>/ws<w>.txt``; then ``after(w, model, mesh, device, rank)`` if given."""
+    from adamw_sr import AdamWSR
+    from det_core.testing import digest
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import distribute_tensor
+
+    rank, device = init_rank()
     for w in sizes:
         mesh = DeviceMesh(device.type, list(range(w)))  # every rank builds every mesh (group creation)
         if rank < w:
-            model = build_model(device)
-
-            def placement(p):
-                return Shard(1) if p.shape == (10, 12) else Shard(0)
-
-            for layer in model:
-                fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
-            fully_shard(model, mesh=mesh, shard_placement_fn=placement)
-            opt = AdamWSR(model.parameters(), lr=1e-2, weight_decay=0.1, seed=SEED)
+            model = build(device)
+            shard(model, mesh)
+            opt = AdamWSR(groups(model), lr=1e-2, weight_decay=0.1, seed=SEED)
             for step in range(STEPS):
                 for i, p in enumerate(model.parameters()):
                     p.grad = distribute_tensor(full_grad(i, p.shape, step, device), mesh, p.placements)
                 opt.step()
-            tensors = state_tensors(model, opt, lambda t: t.full_tensor().cpu())
+            tensors = gather_state(model, opt, lambda t: t.full_tensor().cpu())
             if rank == 0:
                 with open(os.path.join(out_dir, f"ws{w}.txt"), "w") as f:
                     f.write(digest(tensors))
+            if after is not None:
+                after(w, model, mesh, device, rank)
         dist.barrier()
     dist.destroy_process_group()
+
+
+def _shard(model, mesh) -> None:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    def placement(p):
+        return Shard(1) if p.shape == (10, 12) else Shard(0)
+
+    for layer in model:
+        fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
+    fully_shard(model, mesh=mesh, shard_placement_fn=placement)
+
+
+def main() -> None:
+    out_dir, sizes = sys.argv[1], [int(s) for s in sys.argv[2].split(",")]
+    run_world_sizes(out_dir, sizes, build_model, _shard, lambda model: model.parameters(), state_tensors)
 
 
 if __name__ == "__main__":
