@@ -5,13 +5,15 @@
 #   bash tools/gpu_session.sh part 2/4      det-attn `gpu` tests but the sliding-window / soft-cap ones
 #   bash tools/gpu_session.sh part 3/4      det-attn's sliding-window / soft-cap tests, adamw-sr
 #   bash tools/gpu_session.sh part 4/4      the end-to-end `gpu` tests (main job, transformers, families)
+#   bash tools/gpu_session.sh all           the whole `gpu` suite in one call (4 pytest-xdist workers)
 #   bash tools/gpu_session.sh [pytest paths or options]     any selection
 #
 # The four parts together are the whole `gpu` suite, each sized to fit one device call (10 minutes)
 # with margin on a fresh machine (which compiles every kernel first); each prints a one-line
-# summary last. Call them back to back: the machine stays warm between calls. WORKERS=N runs a
-# part in N pytest-xdist workers sharing the one GPU (a fresh machine's time is mostly Triton
-# compiling, on the CPUs; not yet timed against one worker). TESTS=0 skips the tests;
+# summary last. `all` runs the whole suite in WORKERS (default 4) pytest-xdist workers sharing the
+# one GPU: a fresh machine's time is mostly Triton compiling, on the CPUs, so it fits one call
+# (462 s on a fresh H200, run 20; pytest-xdist carried in .whl where the machine lacks it).
+# WORKERS=N runs any selection in N workers. TESTS=0 skips the tests;
 # BENCH=adamw,matmul runs those benchmarks after them. Carry .whl (wheels) and .peers (peer
 # libraries) where needed.
 set -uo pipefail
@@ -29,8 +31,12 @@ if [ "${1:-}" = part ]; then
     2/4) set -- packages/det-attn -k "not window and not softcap" ;;
     3/4) set -- packages/det-attn packages/adamw-sr -k "window or softcap or adamw" ;;
     4/4) set -- tests ;;
-    *) echo "gpu_session.sh: unknown part '$2' (use 1/4, 2/4, 3/4 or 4/4)" >&2; exit 2 ;;
+    *) echo "gpu_session.sh: unknown part '$2' (use 1/4, 2/4, 3/4 or 4/4; or: gpu_session.sh all)" >&2; exit 2 ;;
   esac
+elif [ "${1:-}" = all ]; then
+  label="whole suite"
+  WORKERS=${WORKERS:-4}
+  set -- shared/det-core packages tests
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
