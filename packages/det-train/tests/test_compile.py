@@ -660,7 +660,8 @@ def test_saved_statistics_get_no_zero_gradient_in_the_backward(path):
             loss = loss_fn()
         with Ops() as backward_ops:
             grads[mode] = torch.autograd.grad(loss, (x, w, b))
-        filled = [n for n in backward_ops.names if n.split(".")[0] in ("zeros", "zero_", "fill_", "zeros_like")]
+        fills = ("zeros", "zero_", "fill_", "zeros_like")
+        filled = [n for n in backward_ops.names if n.split(".")[0] in fills]
         assert filled == [], f"{mode}: the backward materialized zero gradients: {filled}"
     for got, want in zip(grads[path], grads["eager"], strict=True):
         assert_bitwise_equal(got, want)
