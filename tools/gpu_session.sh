@@ -38,6 +38,11 @@ elif [ "${1:-}" = all ]; then
   WORKERS=${WORKERS:-4}
   set -- shared/det-core packages tests
 fi
+if [ -n "${WORKERS:-}" ] && ! python3 -c "import xdist" 2>/dev/null; then
+  echo "gpu_session.sh: WORKERS=$WORKERS needs pytest-xdist; carry its wheel and execnet's in .whl" \
+    "(python3 -m pip download --no-deps -d .whl pytest-xdist execnet), or run the parts" >&2
+  exit 2
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 rc=0
