@@ -12,7 +12,8 @@
 # with margin on a fresh machine (which compiles every kernel first); each prints a one-line
 # summary last. `all` runs the whole suite in WORKERS (default 4) pytest-xdist workers sharing the
 # one GPU: a fresh machine's time is mostly Triton compiling, on the CPUs, so it fits one call
-# (462 s on a fresh H200, run 20; pytest-xdist carried in .whl where the machine lacks it).
+# (462 s on a fresh H200, run 20; six workers were slower there: cut at 430 s with 7 tests left;
+# pytest-xdist carried in .whl where the machine lacks it).
 # WORKERS=N runs any selection in N workers. TESTS=0 skips the tests;
 # BENCH=adamw,matmul runs those benchmarks after them. Carry .whl (wheels) and .peers (peer
 # libraries) where needed.

@@ -113,10 +113,7 @@ class Op:
         ``autograd.Function``.
 
         ``nondifferentiable``: indices of floating-point outputs that carry no gradient (saved
-        statistics); both Functions mark them so, and pass ``None`` for their gradients rather than
-        zeros (``set_materialize_grads(False)``: autograd would allocate and fill a zero tensor per
-        such output and call, a launch each on the GPU). Output 0 must be the only differentiable
-        output of such an op: its gradient is then always defined when the backward runs.
+        statistics); both Functions mark them so.
         """
         impl, nondiff, user_backward, overload = self.impl, nondifferentiable, backward, self.overload
         public = f"det_train.{self.name}"
@@ -128,7 +125,6 @@ class Op:
                 setup_context(ctx, inputs, output)
                 if nondiff:
                     ctx.mark_non_differentiable(*(output[i] for i in nondiff))
-                    ctx.set_materialize_grads(False)
                 return output
 
             backward = staticmethod(user_backward)  # called as it is: one Python frame less
@@ -149,7 +145,6 @@ class Op:
                 setup_context(ctx, inputs, output)
                 if nondiff:
                     ctx.mark_non_differentiable(*(output[i] for i in nondiff))
-                    ctx.set_materialize_grads(False)
 
             backward = staticmethod(user_backward)
 
