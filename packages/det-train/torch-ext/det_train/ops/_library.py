@@ -113,7 +113,10 @@ class Op:
         ``autograd.Function``.
 
         ``nondifferentiable``: indices of floating-point outputs that carry no gradient (saved
-        statistics); both Functions mark them so.
+        statistics); both Functions mark them so, and pass ``None`` for their gradients rather than
+        zeros (``set_materialize_grads(False)``: autograd would allocate and fill a zero tensor per
+        such output and call, a launch each on the GPU). Output 0 must be the only differentiable
+        output of such an op: its gradient is then always defined when the backward runs.
         """
         impl, nondiff, user_backward, overload = self.impl, nondifferentiable, backward, self.overload
         public = f"det_train.{self.name}"
@@ -125,6 +128,7 @@ class Op:
                 setup_context(ctx, inputs, output)
                 if nondiff:
                     ctx.mark_non_differentiable(*(output[i] for i in nondiff))
+                    ctx.set_materialize_grads(False)
                 return output
 
             backward = staticmethod(user_backward)  # called as it is: one Python frame less
@@ -145,6 +149,7 @@ class Op:
                 setup_context(ctx, inputs, output)
                 if nondiff:
                     ctx.mark_non_differentiable(*(output[i] for i in nondiff))
+                    ctx.set_materialize_grads(False)
 
             backward = staticmethod(user_backward)
 
