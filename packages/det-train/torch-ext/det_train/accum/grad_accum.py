@@ -32,7 +32,7 @@ from det_core.reduce import TreePartial, num_leaves
 from det_core.runtime import as_index
 
 from . import _reduce, dp_reduce
-from ._messages import check_not_open, leaf_gap, poisoned, token_mismatch, who
+from ._messages import check_not_open, failed_backward, leaf_gap, poisoned, token_mismatch, who
 from ._open_leaf import LeafFold, LeafPartial, OpenFold, OpenLeaf, foreach_copy, token_rows
 from ._undo_log import NoUndoLog, UndoLog
 
@@ -49,6 +49,10 @@ DEFAULT_LEAF_TOKENS = 8192
 # The active accumulator. A plain module global, not thread-local: autograd runs CUDA backward
 # functions on its own device threads, which must still see the accumulator of `micro_batch`.
 _ACTIVE: list[CanonicalGradAccumulator] = []
+# the running autograd graph task (-1 outside a backward) and the engine's end-of-backward
+# callbacks, which run only when that backward finishes without an error
+_graph_task_id = torch._C._current_graph_task_id
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 
 def current_accumulator() -> CanonicalGradAccumulator | None:
@@ -164,6 +168,7 @@ class CanonicalGradAccumulator:
         # (param index, use number) -> partial tree of this rank
         self._partials: dict[tuple[int, int], TreePartial] = {}
         self._uses: dict[int, int] = {}  # deposits per parameter in the current micro-batch
+        self._unfinished: set[int] = set()  # autograd graph tasks of this micro-batch not yet finished
         self._spans: list[tuple[int, int]] = []  # (token_offset, tokens) seen by the ops
         self._token_offset: int | None = None
         self._tokens: int | None = None  # tokens of the active micro-batch, as the ops report them
@@ -220,7 +225,10 @@ class CanonicalGradAccumulator:
             TypeError: ``token_offset`` not an integer.
             ValueError: ``token_offset`` negative, or inside a leaf where no earlier micro-batch on
                 this rank ended.
-            RuntimeError: another micro-batch context is active; the accumulator is poisoned.
+            RuntimeError: another micro-batch context is active; the accumulator is poisoned; on
+                exit, a backward in the micro-batch raised after its first deposit and the error was
+                caught inside the context (its deposits are partial, and a forward and backward run
+                again there would deposit twice): the micro-batch is then treated as one that raised.
 
         A micro-batch that raises inside the context leaves the accumulator as it was before it
         (its deposits are undone); under ``recoverable=False``, once its deposits began, it poisons
@@ -248,10 +256,13 @@ class CanonicalGradAccumulator:
         self._tokens = None
         self._uses = {}  # (the undo log is new: each micro-batch's ``finally`` and ``_clear`` make it)
         self._new_groups = {}
+        self._unfinished = set()  # graph tasks that deposited and have not finished without an error
         spans, max_end = len(self._spans), self._max_end
         _ACTIVE.append(self)
         try:
             yield self
+            if self._unfinished:  # a backward raised after it deposited, and the error was caught inside
+                raise RuntimeError(failed_backward(self, token_offset))
         except BaseException as err:
             self.pending_copies = []
             if self.recoverable or not self._uses:  # no deposit began: nothing was written in place
@@ -367,6 +378,10 @@ class CanonicalGradAccumulator:
                 f"deposit for a parameter of shape {tuple(param.shape)} that this accumulator does not "
                 "track; pass it in CanonicalGradAccumulator(params)"
             )
+        task = _graph_task_id()
+        if task >= 0 and task not in self._unfinished:  # this backward's first deposit
+            self._unfinished.add(task)
+            _queue_callback(functools.partial(self._unfinished.discard, task))
         use = self._uses.get(index, 0)
         self._uses[index] = use + 1
         self._shapes[index] = param.shape
