@@ -231,9 +231,12 @@ def test_checkpointed_and_repeated_backwards_that_finish_are_not_taken_for_faile
     assert all(p.grad is not None and bool(p.grad.float().abs().sum() > 0) for p in model.parameters())
 
 
-def test_bad_recoverable():
+def test_bad_recoverable_and_params():
     with pytest.raises(TypeError, match="recoverable must be True or False"):
         det_train.CanonicalGradAccumulator(_model().parameters(), recoverable=0)
+    for params in (_model(), 3):  # a module itself, a non-iterable: what to pass instead
+        with pytest.raises(TypeError, match=r"takes the parameters to track.*model\.named_parameters\(\)"):
+            det_train.CanonicalGradAccumulator(params)
     acc = det_train.CanonicalGradAccumulator(_model().parameters())
     assert acc.recoverable is True
 

@@ -136,7 +136,8 @@ class CanonicalGradAccumulator:
         RuntimeError: deposits outside ``micro_batch``; a tracked parameter without deposits at
             ``reduce``; ``p.grad`` already holding a non-zero gradient at ``reduce``; any call after
             a micro-batch raised under ``recoverable=False`` (until ``reset``).
-        TypeError: ``recoverable`` not a bool.
+        TypeError: ``recoverable`` not a bool; ``params`` a module (pass ``model.named_parameters()``)
+            or not an iterable, or an item not a tensor.
 
     Method: pairwise summation with the tree fixed by global index (Higham, SISC 1993), as in
     det_core.reduce and DESIGN.md's canonical reduction order.
@@ -156,6 +157,11 @@ class CanonicalGradAccumulator:
         self._params: list[torch.Tensor] = []
         self._names: list[str] = []
         self._index: dict[int, int] = {}
+        if isinstance(params, torch.nn.Module) or not isinstance(params, Iterable):
+            raise TypeError(
+                f"CanonicalGradAccumulator takes the parameters to track, got {type(params).__name__}: "
+                "pass model.named_parameters() (or model.parameters(), a list of Parameters)"
+            )
         for i, item in enumerate(params):
             name, p = item if isinstance(item, tuple) else (f"param[{i}]", item)
             if not isinstance(p, torch.Tensor):
