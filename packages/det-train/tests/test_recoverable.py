@@ -75,6 +75,9 @@ def test_reusable_after_reduce():
     acc = det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF, recoverable=False)
     first = _grads(BOUNDS, False, model, acc)
     _assert_same(_grads(BOUNDS[::2] + [T], False, model, acc), first, "second step on the same accumulator")
+    with pytest.raises(RuntimeError, match="nothing was deposited since .* last reduced"):
+        acc.reduce(total_tokens=T)  # a second reduce of the same step
+    assert all(p.grad is None for p in model.parameters())
 
 
 @pytest.mark.parametrize("recoverable", [True, False])

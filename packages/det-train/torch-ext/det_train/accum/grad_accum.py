@@ -648,7 +648,8 @@ class CanonicalGradAccumulator:
             TypeError: ``total_tokens`` not an integer.
             ValueError: ``total_tokens`` does not cover the deposits, tokens are missing, a leaf is
                 still open, a ``p.grad`` is non-zero, or another rank's checks failed (named).
-            RuntimeError: called inside a micro-batch context.
+            RuntimeError: called inside a micro-batch context; one process with nothing deposited
+                since the accumulator was built, reset or last reduced (a second ``reduce``).
 
         **Determinism:** every gradient is the fixed pairwise tree over fp32 leaf sums in global
         token order (``det_core.reduce``), finished by the rank that owns each element in a fixed
@@ -666,6 +667,12 @@ class CanonicalGradAccumulator:
         state = dict(leaf_tokens=leaf_tokens, names=names, carry=self._carry)
         checks = dict(state, params=params, spans=self._spans, max_end=self._max_end)
         if dp_reduce.group_size(group) == 1:  # one process: one parameter finished (and freed) at a time
+            if params and not self._partials and not self._carry:  # (a data-parallel rank may be empty)
+                raise RuntimeError(
+                    "reduce: nothing was deposited since this accumulator was built, reset or last "
+                    "reduced: run the step's micro-batches first (each forward and its backward inside "
+                    "`with acc.micro_batch(...)`), then reduce once per step"
+                )
             _reduce.local_checks(total_tokens, **checks)
             write = functools.partial(_reduce.write_grad, self)  # p.grad of each finished gradient
             _reduce.finish_one_process(total_tokens, partials=self._partials, write=write, **state)
