@@ -75,9 +75,14 @@ def test_reusable_after_reduce():
     acc = det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF, recoverable=False)
     first = _grads(BOUNDS, False, model, acc)
     _assert_same(_grads(BOUNDS[::2] + [T], False, model, acc), first, "second step on the same accumulator")
+    ids = _tokens()
+    with acc.micro_batch(token_offset=0):
+        _loss(model, ids).backward()
+    acc.reduce(total_tokens=T)
+    written = [p.grad for p in model.parameters()]
     with pytest.raises(RuntimeError, match="nothing was deposited since .* last reduced"):
-        acc.reduce(total_tokens=T)  # a second reduce of the same step
-    assert all(p.grad is None for p in model.parameters())
+        acc.reduce(total_tokens=T)  # a second reduce of the same step, its p.grad still there
+    assert all(p.grad is g for p, g in zip(model.parameters(), written, strict=True))
 
 
 @pytest.mark.parametrize("recoverable", [True, False])
