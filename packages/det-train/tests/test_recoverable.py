@@ -239,12 +239,33 @@ def test_checkpointed_and_repeated_backwards_that_finish_are_not_taken_for_faile
     assert all(p.grad is not None and bool(p.grad.float().abs().sum() > 0) for p in model.parameters())
 
 
+def test_compiled_autograd_backwards_are_not_taken_for_failed_ones():
+    """Under compiled autograd the engine runs no callbacks queued inside its graph, so the
+    failed-backward check is off there: its micro-batches end without an error, with eager's bits."""
+    model, ids = _model(), _tokens()
+    want = _grads(BOUNDS, recoverable=True)
+    acc = det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF)
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(compiled_autograd=True):
+            for lo, hi in zip(BOUNDS[:-1], BOUNDS[1:], strict=True):
+                with acc.micro_batch(token_offset=lo):
+                    loss = _loss(model, ids[lo:hi])
+                    torch.compile(lambda: loss.backward(), backend="aot_eager")()  # noqa: B023
+    finally:
+        torch._dynamo.reset()
+    acc.reduce(total_tokens=T)
+    _assert_same({n: p.grad for n, p in model.named_parameters()}, want, "compiled autograd")
+
+
 def test_bad_recoverable_and_params():
     with pytest.raises(TypeError, match="recoverable must be True or False"):
         det_train.CanonicalGradAccumulator(_model().parameters(), recoverable=0)
     for params in (_model(), 3):  # a module itself, a non-iterable: what to pass instead
         with pytest.raises(TypeError, match=r"takes the parameters to track.*model\.named_parameters\(\)"):
             det_train.CanonicalGradAccumulator(params)
+    listed = torch.nn.ParameterList(_model().parameters())  # a module that is a list of Parameters
+    assert len(det_train.CanonicalGradAccumulator(listed)._params) == 4
     acc = det_train.CanonicalGradAccumulator(_model().parameters())
     assert acc.recoverable is True
 

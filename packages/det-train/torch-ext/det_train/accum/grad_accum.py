@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import weakref
 from collections.abc import Iterable, Iterator
 
@@ -54,6 +55,13 @@ _ACTIVE: list[CanonicalGradAccumulator] = []
 # callbacks, which run only when that backward finishes without an error
 _graph_task_id = torch._C._current_graph_task_id
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
+
+def _in_compiled_autograd() -> bool:
+    """True while a compiled-autograd graph runs (``torch._dynamo.config.compiled_autograd``), whose
+    engine does not run the callbacks queued inside it; not imported unless it is in use."""
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    return bool(module is not None and getattr(module, "in_compiled_autograd_region", False))
 
 
 def current_accumulator() -> CanonicalGradAccumulator | None:
@@ -158,7 +166,8 @@ class CanonicalGradAccumulator:
         self._params: list[torch.Tensor] = []
         self._names: list[str] = []
         self._index: dict[int, int] = {}
-        if isinstance(params, torch.nn.Module) or not isinstance(params, Iterable):
+        module = isinstance(params, torch.nn.Module) and not isinstance(params, torch.nn.ParameterList)
+        if module or not isinstance(params, Iterable):
             raise TypeError(
                 f"CanonicalGradAccumulator takes the parameters to track, got {type(params).__name__}: "
                 "pass model.named_parameters() (or model.parameters(), a list of Parameters)"
@@ -387,7 +396,7 @@ class CanonicalGradAccumulator:
                 "track; pass it in CanonicalGradAccumulator(params)"
             )
         task = _graph_task_id()
-        if task >= 0 and task not in self._unfinished:  # this backward's first deposit
+        if task >= 0 and task not in self._unfinished and not _in_compiled_autograd():
             self._unfinished.add(task)
             _queue_callback(functools.partial(self._unfinished.discard, task))
         use = self._uses.get(index, 0)
