@@ -54,7 +54,13 @@ if [ "${TESTS:-1}" = 1 ]; then
   rc=$?
   grep -vE "PASSED|^\.+( |$)|^[.sFE]+ +\[" "$log" | tail -60
   summary=$(grep -E "^=*.*(passed|failed|error).* in [0-9.]+s" "$log" | tail -1 | tr -d '=')
-  [ "$rc" = 124 ] && summary="cut at ${TEST_TIMEOUT:-540} s: $(grep -cE '(PASSED|FAILED)' "$log") tests reported"
+  if [ "$rc" = 124 ]; then  # results so far: -v lines, or the progress characters of -q / xdist
+    marks=$(grep -E '^[.sFExX]+( +\[ *[0-9]+%\])?$' "$log" | sed -E 's/ +\[.*//' | tr -d '\n')
+    verbose=$(grep -cE '(PASSED|FAILED)' "$log")
+    reported=$(( ${#marks} > verbose ? ${#marks} : verbose ))
+    bad=$(( $(printf '%s' "$marks" | tr -cd 'FE' | wc -c) + $(grep -cE 'FAILED|ERROR' "$log") ))
+    summary="cut at ${TEST_TIMEOUT:-540} s: $reported tests reported, $bad failed or errored"
+  fi
   echo "gpu suite, $label (git ${GIT_REV:-$(git rev-parse --short HEAD 2>/dev/null)}): ${summary:-no summary, rc $rc}"
 fi
 if [ -n "${BENCH:-}" ]; then
