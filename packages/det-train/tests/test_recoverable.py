@@ -80,9 +80,14 @@ def test_reusable_after_reduce():
         _loss(model, ids).backward()
     acc.reduce(total_tokens=T)
     written = [p.grad for p in model.parameters()]
-    with pytest.raises(RuntimeError, match="nothing was deposited since .* last reduced"):
-        acc.reduce(total_tokens=T)  # a second reduce of the same step, its p.grad still there
+    with pytest.raises(RuntimeError, match=r"p\.grad already holds a non-zero gradient.*a previous step"):
+        acc.reduce(total_tokens=T)  # a second reduce of the step, its p.grad still there
     assert all(p.grad is g for p, g in zip(model.parameters(), written, strict=True))
+    for p in model.parameters():
+        p.grad = None
+    with pytest.raises(RuntimeError, match="nothing was deposited since .* last reduced"):
+        acc.reduce(total_tokens=T)  # the same after zero_grad
+    assert all(p.grad is None for p in model.parameters())
 
 
 @pytest.mark.parametrize("recoverable", [True, False])

@@ -17,7 +17,6 @@ det_core.reduce; across ranks an owner-computes reduction (``dp_reduce``).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -290,4 +289,3 @@ def write_grad(acc, index: int, grad: torch.Tensor) -> None:
     else:
         grad = grad.to(device=p.device, dtype=p.dtype)
         p.grad = grad if grad.shape == p.shape else grad.view(p.shape)
-    acc._written[index] = weakref.ref(p.grad)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-import weakref
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -185,7 +184,6 @@ class CanonicalGradAccumulator:
         self._partials: dict[tuple[int, int], TreePartial] = {}
         self._uses: dict[int, int] = {}  # deposits per parameter in the current micro-batch
         self._unfinished: set[int] = set()  # autograd graph tasks of this micro-batch not yet finished
-        self._written: dict[int, weakref.ref] = {}  # param index -> the p.grad the last reduce wrote
         self._spans: list[tuple[int, int]] = []  # (token_offset, tokens) seen by the ops
         self._token_offset: int | None = None
         self._tokens: int | None = None  # tokens of the active micro-batch, as the ops report them
@@ -660,8 +658,9 @@ class CanonicalGradAccumulator:
             ValueError: ``total_tokens`` does not cover the deposits, tokens are missing, a leaf is
                 still open, a ``p.grad`` is non-zero, or another rank's checks failed (named).
             RuntimeError: called inside a micro-batch context; one process with nothing deposited
-                since the accumulator was built, reset or last reduced while every ``p.grad`` is None
-                or the one that reduce wrote (a second ``reduce`` of a step).
+                since the accumulator was built, reset or last reduced (a second ``reduce`` of a step
+                after ``zero_grad``; with the first one's ``p.grad`` still set, the non-zero
+                ``p.grad`` error comes first).
 
         **Determinism:** every gradient is the fixed pairwise tree over fp32 leaf sums in global
         token order (``det_core.reduce``), finished by the rank that owns each element in a fixed
@@ -679,13 +678,13 @@ class CanonicalGradAccumulator:
         state = dict(leaf_tokens=leaf_tokens, names=names, carry=self._carry)
         checks = dict(state, params=params, spans=self._spans, max_end=self._max_end)
         if dp_reduce.group_size(group) == 1:  # one process: one parameter finished (and freed) at a time
-            if params and not self._partials and not self._carry and self._grads_are_own():
+            _reduce.local_checks(total_tokens, **checks)  # (a stale p.grad first: it names its cause)
+            if params and not self._partials and not self._carry:
                 raise RuntimeError(
                     "reduce: nothing was deposited since this accumulator was built, reset or last "
                     "reduced: run the step's micro-batches first (each forward and its backward inside "
                     "`with acc.micro_batch(...)`), then reduce once per step"
                 )
-            _reduce.local_checks(total_tokens, **checks)
             write = functools.partial(_reduce.write_grad, self)  # p.grad of each finished gradient
             _reduce.finish_one_process(total_tokens, partials=self._partials, write=write, **state)
             self._clear()
@@ -710,15 +709,6 @@ class CanonicalGradAccumulator:
             p = params[index]
             p.grad = dp_reduce.fsdp_shard(self._fsdp[index], grad) if index in self._fsdp else grad
         self._clear()
-
-    def _grads_are_own(self) -> bool:
-        """Every tracked ``p.grad`` is None or the tensor this accumulator's last ``reduce`` wrote
-        (so an empty accumulator is a second ``reduce``, not a gradient from elsewhere)."""
-        written = self._written
-        return all(
-            p.grad is None or ((ref := written.get(i)) is not None and ref() is p.grad)
-            for i, p in enumerate(self._params)
-        )
 
     def _clear(self) -> None:
         """Empty (after a reduce, or ``reset``): no partial tree, span, open leaf or poisoning."""

@@ -121,14 +121,17 @@ class Op:
         impl, nondiff, user_backward, overload = self.impl, nondifferentiable, backward, self.overload
         public = f"det_train.{self.name}"
 
+        def mark_statistics(ctx, output) -> None:  # what both Functions declare of the outputs
+            if nondiff:
+                ctx.mark_non_differentiable(*(output[i] for i in nondiff))
+                ctx.set_materialize_grads(False)
+
         class _Function(torch.autograd.Function):
             @staticmethod
             def forward(ctx, *inputs):
                 output = impl(*inputs)
                 setup_context(ctx, inputs, output)
-                if nondiff:
-                    ctx.mark_non_differentiable(*(output[i] for i in nondiff))
-                    ctx.set_materialize_grads(False)
+                mark_statistics(ctx, output)
                 return output
 
             backward = staticmethod(user_backward)  # called as it is: one Python frame less
@@ -147,9 +150,7 @@ class Op:
             @staticmethod
             def setup_context(ctx, inputs, output):
                 setup_context(ctx, inputs, output)
-                if nondiff:
-                    ctx.mark_non_differentiable(*(output[i] for i in nondiff))
-                    ctx.set_materialize_grads(False)
+                mark_statistics(ctx, output)
 
             backward = staticmethod(user_backward)
 
