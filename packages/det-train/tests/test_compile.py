@@ -625,6 +625,49 @@ def test_deposit_ops_are_tagged_cudagraph_unsafe_and_the_others_are_not():
         assert tagged == (name not in others), f"{name}: cudagraph_unsafe tag {tagged}"
 
 
+@pytest.mark.parametrize("path", ["eager", "operator"])
+def test_saved_statistics_get_no_zero_gradient_in_the_backward(path):
+    """The ops whose extra outputs are saved statistics (RMSNorm's rstd, LayerNorm's mean and rstd,
+    cross-entropy's lse) mark them non-differentiable and take ``None`` for their gradients: the
+    backward allocates and fills no zero tensor for them (on the GPU a launch per output and call),
+    in plain eager and through the operator (a dispatch mode routes the forward to it); the
+    gradients are those of the unfused composition of the same ops."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    x = _randn(48, 32, seed=1, requires_grad=True)
+    w = (1 + 0.1 * _randn(32, seed=2, dtype=torch.float32)).to(BF16).requires_grad_()
+    b = _randn(32, seed=3, requires_grad=True)
+    targets = torch.randint(0, 32, (48,), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+
+    def loss_fn():
+        h = det_train.rms_norm(x, w, 1e-6)
+        h = det_train.layer_norm(h, 32, w, b, 1e-5)
+        return det_train.cross_entropy(h, targets, reduction="sum")
+
+    grads = {}
+    for mode in ("eager", path):
+        forward_mode = Ops() if mode == "operator" else contextlib.nullcontext()
+        with forward_mode:
+            loss = loss_fn()
+        with Ops() as backward_ops:
+            grads[mode] = torch.autograd.grad(loss, (x, w, b))
+        fills = ("zeros", "zero_", "fill_", "zeros_like")
+        filled = [n for n in backward_ops.names if n.split(".")[0] in fills]
+        assert filled == [], f"{mode}: the backward materialized zero gradients: {filled}"
+    for got, want in zip(grads[path], grads["eager"], strict=True):
+        assert_bitwise_equal(got, want)
+    assert all(g.abs().sum() > 0 for g in grads["eager"])
+
+
 # ----------------------------------------------------------------------------- torch.func
 def test_functorch_autodiff_transforms_raise_and_vmap_equals_the_loop():
     """torch.func.grad / vjp / jvp / jacfwd and forward_ad dual tensors through det ops raise (a jvp

@@ -75,6 +75,19 @@ def test_reusable_after_reduce():
     acc = det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF, recoverable=False)
     first = _grads(BOUNDS, False, model, acc)
     _assert_same(_grads(BOUNDS[::2] + [T], False, model, acc), first, "second step on the same accumulator")
+    ids = _tokens()
+    with acc.micro_batch(token_offset=0):
+        _loss(model, ids).backward()
+    acc.reduce(total_tokens=T)
+    written = [p.grad for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"p\.grad already holds a non-zero gradient.*a previous step"):
+        acc.reduce(total_tokens=T)  # a second reduce of the step, its p.grad still there
+    assert all(p.grad is g for p, g in zip(model.parameters(), written, strict=True))
+    for p in model.parameters():
+        p.grad = None
+    with pytest.raises(RuntimeError, match="nothing was deposited since .* last reduced"):
+        acc.reduce(total_tokens=T)  # the same after zero_grad
+    assert all(p.grad is None for p in model.parameters())
 
 
 @pytest.mark.parametrize("recoverable", [True, False])
@@ -140,9 +153,124 @@ def test_a_micro_batch_that_raises_before_depositing_does_not_poison():
     _assert_same({n: p.grad for n, p in model.named_parameters()}, want, "after a forward that raised")
 
 
-def test_bad_recoverable():
+class _FailOnce(torch.autograd.Function):
+    """The identity, whose backward raises once while ``armed``: placed under the Linear, it fails
+    a backward after the Linear's weight and bias deposited and before the norm and the embedding."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _FailOnce.armed:
+            _FailOnce.armed = False
+            raise RuntimeError("the backward failed")
+        return grad
+
+
+def _loss_through_fail_once(model, ids):
+    return model[2](_FailOnce.apply(model[1](model[0](ids)))).float().square().sum()
+
+
+@pytest.mark.parametrize("recoverable", [True, False])
+def test_a_backward_caught_inside_the_micro_batch_raises_when_the_micro_batch_ends(recoverable):
+    """A backward that raises after its first deposit, its error caught inside the ``with`` block
+    and the forward and backward run again there: the retry would deposit a second time (a second
+    use of each parameter, the doubled gradient with one micro-batch per step). The micro-batch
+    raises when it ends, naming the cause and the remedy; then the documented recovery (run it again
+    with the undo log; ``reset`` and the whole step without) gives one batch's bits."""
+    model, ids = _model(), _tokens()
+    want = _grads(BOUNDS, recoverable=True)
+    acc = det_train.CanonicalGradAccumulator(
+        model.named_parameters(), leaf_tokens=LEAF, recoverable=recoverable
+    )
+    for lo, hi in ((0, 40), (40, 100), (100, 128)):
+        with acc.micro_batch(token_offset=lo):
+            _loss_through_fail_once(model, ids[lo:hi]).backward()
+    _FailOnce.armed = True
+    with pytest.raises(RuntimeError) as err:  # a micro-batch on a leaf boundary: no leaf-gap error
+        with acc.micro_batch(token_offset=128):
+            try:
+                _loss_through_fail_once(model, ids[128:150]).backward()
+            except RuntimeError as caught:
+                assert "the backward failed" in str(caught)
+                _loss_through_fail_once(model, ids[128:150]).backward()
+    msg = str(err.value)
+    assert "token_offset 128" in msg and "caught inside" in msg and "2.weight" in msg and "2.bias" in msg
+    assert "second use" in msg and "recoverable=True" in msg and "acc.reset()" in msg
+    if recoverable:  # undone: the micro-batch runs again, then the rest of the step
+        bounds = BOUNDS[3:]
+    else:  # poisoned until reset; then the whole step again
+        with pytest.raises(RuntimeError, match="poisoned.*caught inside"):
+            acc.reduce(total_tokens=T)
+        acc.reset()
+        bounds = BOUNDS
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        with acc.micro_batch(token_offset=lo):
+            _loss_through_fail_once(model, ids[lo:hi]).backward()
+    acc.reduce(total_tokens=T)
+    _assert_same({n: p.grad for n, p in model.named_parameters()}, want, "after the recovery")
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_checkpointed_and_repeated_backwards_that_finish_are_not_taken_for_failed_ones(use_reentrant):
+    """What the failed-backward check must let through: a checkpointed segment (its recomputation's
+    backward is another autograd graph task, nested in the step's with ``use_reentrant=True``) gives
+    the bits of the plain model, and two backward calls that both finish in one micro-batch (two
+    losses) end it without an error."""
+    from torch.utils.checkpoint import checkpoint
+
+    model, ids = _model(), _tokens()
+    want = _grads(BOUNDS, recoverable=True)
+    acc = det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF)
+    for lo, hi in zip(BOUNDS[:-1], BOUNDS[1:], strict=True):
+        with acc.micro_batch(token_offset=lo):
+            h = model[0](ids[lo:hi])
+            y = checkpoint(lambda t: model[2](model[1](t)), h, use_reentrant=use_reentrant)
+            y.float().square().sum().backward()
+    acc.reduce(total_tokens=T)
+    _assert_same({n: p.grad for n, p in model.named_parameters()}, want, "checkpointed")
+    for p in model.parameters():
+        p.grad = None
+    two = det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF)
+    with two.micro_batch(token_offset=0):
+        out = model(ids)
+        out.float().square().sum().backward(retain_graph=True)
+        out.float().sum().backward()
+    two.reduce(total_tokens=T)
+    assert all(p.grad is not None and bool(p.grad.float().abs().sum() > 0) for p in model.parameters())
+
+
+def test_compiled_autograd_backwards_are_not_taken_for_failed_ones():
+    """Under compiled autograd the engine runs no callbacks queued inside its graph, so the
+    failed-backward check is off there: its micro-batches end without an error, with eager's bits."""
+    model, ids = _model(), _tokens()
+    want = _grads(BOUNDS, recoverable=True)
+    acc = det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF)
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(compiled_autograd=True):
+            for lo, hi in zip(BOUNDS[:-1], BOUNDS[1:], strict=True):
+                with acc.micro_batch(token_offset=lo):
+                    loss = _loss(model, ids[lo:hi])
+                    torch.compile(lambda: loss.backward(), backend="aot_eager")()  # noqa: B023
+    finally:
+        torch._dynamo.reset()
+    acc.reduce(total_tokens=T)
+    _assert_same({n: p.grad for n, p in model.named_parameters()}, want, "compiled autograd")
+
+
+def test_bad_recoverable_and_params():
     with pytest.raises(TypeError, match="recoverable must be True or False"):
         det_train.CanonicalGradAccumulator(_model().parameters(), recoverable=0)
+    for params in (_model(), 3):  # a module itself, a non-iterable: what to pass instead
+        with pytest.raises(TypeError, match=r"takes the parameters to track.*model\.named_parameters\(\)"):
+            det_train.CanonicalGradAccumulator(params)
+    listed = torch.nn.ParameterList(_model().parameters())  # a module that is a list of Parameters
+    assert len(det_train.CanonicalGradAccumulator(listed)._params) == 4
     acc = det_train.CanonicalGradAccumulator(_model().parameters())
     assert acc.recoverable is True
 

@@ -19,8 +19,20 @@ import os
 __all__ = ["interpreter_active"]
 
 
+# POSIX keeps the environment as a dict of bytes (``os.environ._data``, updated by every assignment
+# to and deletion from ``os.environ``, pytest's ``monkeypatch.setenv`` included): one dict lookup per
+# call instead of ``os.environ.get``'s five Python frames, on every kernel-device check of every op
+_ENV_BYTES = getattr(os.environ, "_data", None) if os.name == "posix" else None
+if not isinstance(_ENV_BYTES, dict):
+    _ENV_BYTES = None
+_OFF = (b"", b"0")
+
+
 def interpreter_active() -> bool:
-    """True when Triton kernels run through the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    """True when Triton kernels run through the CPU interpreter (``TRITON_INTERPRET=1``), read from
+    the environment at each call (a test may set or clear it)."""
+    if _ENV_BYTES is not None:
+        return _ENV_BYTES.get(b"TRITON_INTERPRET", b"0") not in _OFF
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 

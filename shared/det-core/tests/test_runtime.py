@@ -77,3 +77,20 @@ def test_either_module_imports_first_in_a_fresh_process(first):
         "assert r.launch is l.launch and r.BoundLaunch is l.BoundLaunch\nprint('ok')"
     )
     assert run_in_fresh_process(code, cold_triton_cache=False, timeout=120) == "ok"
+
+
+@pytest.mark.parametrize(
+    ("value", "active"), [("1", True), ("true", True), ("0", False), ("", False), (None, False)]
+)
+def test_interpreter_active_reads_the_environment_at_each_call(monkeypatch, value, active):
+    """``interpreter_active`` reads ``TRITON_INTERPRET`` (through the environment's own dict, not a
+    cached copy): a test that sets, clears or deletes it sees the change at once."""
+    from det_core import interpreter_mode
+
+    if value is None:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert interpreter_mode.interpreter_active() is active
+    monkeypatch.setenv("TRITON_INTERPRET", "0" if active else "1")
+    assert interpreter_mode.interpreter_active() is not active

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_not_open", "poisoned", "token_mismatch", "who"]
+__all__ = ["check_not_open", "failed_backward", "poisoned", "token_mismatch", "who"]
 
 
 def who(acc, param: torch.Tensor | None, op: str | None) -> str:
@@ -49,6 +49,22 @@ def leaf_gap(name: str, use: int, offset: int, leaf: int, open_leaf) -> str:
             "per micro-batch; after a failed backward leave the `with` block and run the micro-batch again)"
         )
     return text
+
+
+def failed_backward(acc, token_offset: int) -> str:
+    """The error of a micro-batch (at ``token_offset``) whose context exits normally although a
+    backward in it raised after its first deposit (the error caught inside the ``with`` block)."""
+    names = sorted(acc._names[i] for i in acc._uses)
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return (
+        f"the micro-batch at token_offset {token_offset}: a backward in it raised after it began "
+        f"depositing (for {shown}), and the error was caught inside `with acc.micro_batch(...)`. Its "
+        "deposits are partial, and a forward and backward run again in the same context would deposit "
+        "a second time (counted as a second use of each parameter, as a tied weight's). Let the "
+        "exception leave the `with` block, then run the micro-batch again in a new one "
+        "(recoverable=True undoes this micro-batch's deposits; with recoverable=False call acc.reset() "
+        "and run the step again)"
+    )
 
 
 def poisoned(acc, token_offset: int, error: BaseException) -> str:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -32,7 +33,7 @@ from det_core.reduce import TreePartial, num_leaves
 from det_core.runtime import as_index
 
 from . import _reduce, dp_reduce
-from ._messages import check_not_open, leaf_gap, poisoned, token_mismatch, who
+from ._messages import check_not_open, failed_backward, leaf_gap, poisoned, token_mismatch, who
 from ._open_leaf import LeafFold, LeafPartial, OpenFold, OpenLeaf, foreach_copy, token_rows
 from ._undo_log import NoUndoLog, UndoLog
 
@@ -49,6 +50,17 @@ DEFAULT_LEAF_TOKENS = 8192
 # The active accumulator. A plain module global, not thread-local: autograd runs CUDA backward
 # functions on its own device threads, which must still see the accumulator of `micro_batch`.
 _ACTIVE: list[CanonicalGradAccumulator] = []
+# the running autograd graph task (-1 outside a backward) and the engine's end-of-backward
+# callbacks, which run only when that backward finishes without an error
+_graph_task_id = torch._C._current_graph_task_id
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
+
+def _in_compiled_autograd() -> bool:
+    """True while a compiled-autograd graph runs (``torch._dynamo.config.compiled_autograd``), whose
+    engine does not run the callbacks queued inside it; not imported unless it is in use."""
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    return bool(module is not None and getattr(module, "in_compiled_autograd_region", False))
 
 
 def current_accumulator() -> CanonicalGradAccumulator | None:
@@ -132,7 +144,8 @@ class CanonicalGradAccumulator:
         RuntimeError: deposits outside ``micro_batch``; a tracked parameter without deposits at
             ``reduce``; ``p.grad`` already holding a non-zero gradient at ``reduce``; any call after
             a micro-batch raised under ``recoverable=False`` (until ``reset``).
-        TypeError: ``recoverable`` not a bool.
+        TypeError: ``recoverable`` not a bool; ``params`` a module (pass ``model.named_parameters()``)
+            or not an iterable, or an item not a tensor.
 
     Method: pairwise summation with the tree fixed by global index (Higham, SISC 1993), as in
     det_core.reduce and DESIGN.md's canonical reduction order.
@@ -152,6 +165,12 @@ class CanonicalGradAccumulator:
         self._params: list[torch.Tensor] = []
         self._names: list[str] = []
         self._index: dict[int, int] = {}
+        module = isinstance(params, torch.nn.Module) and not isinstance(params, torch.nn.ParameterList)
+        if module or not isinstance(params, Iterable):
+            raise TypeError(
+                f"CanonicalGradAccumulator takes the parameters to track, got {type(params).__name__}: "
+                "pass model.named_parameters() (or model.parameters(), a list of Parameters)"
+            )
         for i, item in enumerate(params):
             name, p = item if isinstance(item, tuple) else (f"param[{i}]", item)
             if not isinstance(p, torch.Tensor):
@@ -164,6 +183,7 @@ class CanonicalGradAccumulator:
         # (param index, use number) -> partial tree of this rank
         self._partials: dict[tuple[int, int], TreePartial] = {}
         self._uses: dict[int, int] = {}  # deposits per parameter in the current micro-batch
+        self._unfinished: set[int] = set()  # autograd graph tasks of this micro-batch not yet finished
         self._spans: list[tuple[int, int]] = []  # (token_offset, tokens) seen by the ops
         self._token_offset: int | None = None
         self._tokens: int | None = None  # tokens of the active micro-batch, as the ops report them
@@ -220,7 +240,10 @@ class CanonicalGradAccumulator:
             TypeError: ``token_offset`` not an integer.
             ValueError: ``token_offset`` negative, or inside a leaf where no earlier micro-batch on
                 this rank ended.
-            RuntimeError: another micro-batch context is active; the accumulator is poisoned.
+            RuntimeError: another micro-batch context is active; the accumulator is poisoned; on
+                exit, a backward in the micro-batch raised after its first deposit and the error was
+                caught inside the context (its deposits are partial, and a forward and backward run
+                again there would deposit twice): the micro-batch is then treated as one that raised.
 
         A micro-batch that raises inside the context leaves the accumulator as it was before it
         (its deposits are undone); under ``recoverable=False``, once its deposits began, it poisons
@@ -248,10 +271,13 @@ class CanonicalGradAccumulator:
         self._tokens = None
         self._uses = {}  # (the undo log is new: each micro-batch's ``finally`` and ``_clear`` make it)
         self._new_groups = {}
+        self._unfinished = set()  # graph tasks that deposited and have not finished without an error
         spans, max_end = len(self._spans), self._max_end
         _ACTIVE.append(self)
         try:
             yield self
+            if self._unfinished:  # a backward raised after it deposited, and the error was caught inside
+                raise RuntimeError(failed_backward(self, token_offset))
         except BaseException as err:
             self.pending_copies = []
             if self.recoverable or not self._uses:  # no deposit began: nothing was written in place
@@ -367,6 +393,10 @@ class CanonicalGradAccumulator:
                 f"deposit for a parameter of shape {tuple(param.shape)} that this accumulator does not "
                 "track; pass it in CanonicalGradAccumulator(params)"
             )
+        task = _graph_task_id()
+        if task >= 0 and task not in self._unfinished and not _in_compiled_autograd():
+            self._unfinished.add(task)
+            _queue_callback(functools.partial(self._unfinished.discard, task))
         use = self._uses.get(index, 0)
         self._uses[index] = use + 1
         self._shapes[index] = param.shape
@@ -627,7 +657,10 @@ class CanonicalGradAccumulator:
             TypeError: ``total_tokens`` not an integer.
             ValueError: ``total_tokens`` does not cover the deposits, tokens are missing, a leaf is
                 still open, a ``p.grad`` is non-zero, or another rank's checks failed (named).
-            RuntimeError: called inside a micro-batch context.
+            RuntimeError: called inside a micro-batch context; one process with nothing deposited
+                since the accumulator was built, reset or last reduced (a second ``reduce`` of a step
+                after ``zero_grad``; with the first one's ``p.grad`` still set, the non-zero
+                ``p.grad`` error comes first).
 
         **Determinism:** every gradient is the fixed pairwise tree over fp32 leaf sums in global
         token order (``det_core.reduce``), finished by the rank that owns each element in a fixed
@@ -645,7 +678,13 @@ class CanonicalGradAccumulator:
         state = dict(leaf_tokens=leaf_tokens, names=names, carry=self._carry)
         checks = dict(state, params=params, spans=self._spans, max_end=self._max_end)
         if dp_reduce.group_size(group) == 1:  # one process: one parameter finished (and freed) at a time
-            _reduce.local_checks(total_tokens, **checks)
+            _reduce.local_checks(total_tokens, **checks)  # (a stale p.grad first: it names its cause)
+            if params and not self._partials and not self._carry:
+                raise RuntimeError(
+                    "reduce: nothing was deposited since this accumulator was built, reset or last "
+                    "reduced: run the step's micro-batches first (each forward and its backward inside "
+                    "`with acc.micro_batch(...)`), then reduce once per step"
+                )
             write = functools.partial(_reduce.write_grad, self)  # p.grad of each finished gradient
             _reduce.finish_one_process(total_tokens, partials=self._partials, write=write, **state)
             self._clear()

@@ -113,18 +113,25 @@ class Op:
         ``autograd.Function``.
 
         ``nondifferentiable``: indices of floating-point outputs that carry no gradient (saved
-        statistics); both Functions mark them so.
+        statistics); both Functions mark them so, and pass ``None`` for their gradients rather than
+        zeros (``set_materialize_grads(False)``: autograd would allocate and fill a zero tensor per
+        such output and call, a launch each on the GPU). Output 0 must be the only differentiable
+        output of such an op: its gradient is then always defined when the backward runs.
         """
         impl, nondiff, user_backward, overload = self.impl, nondifferentiable, backward, self.overload
         public = f"det_train.{self.name}"
+
+        def mark_statistics(ctx, output) -> None:  # what both Functions declare of the outputs
+            if nondiff:
+                ctx.mark_non_differentiable(*(output[i] for i in nondiff))
+                ctx.set_materialize_grads(False)
 
         class _Function(torch.autograd.Function):
             @staticmethod
             def forward(ctx, *inputs):
                 output = impl(*inputs)
                 setup_context(ctx, inputs, output)
-                if nondiff:
-                    ctx.mark_non_differentiable(*(output[i] for i in nondiff))
+                mark_statistics(ctx, output)
                 return output
 
             backward = staticmethod(user_backward)  # called as it is: one Python frame less
@@ -143,8 +150,7 @@ class Op:
             @staticmethod
             def setup_context(ctx, inputs, output):
                 setup_context(ctx, inputs, output)
-                if nondiff:
-                    ctx.mark_non_differentiable(*(output[i] for i in nondiff))
+                mark_statistics(ctx, output)
 
             backward = staticmethod(user_backward)
 
