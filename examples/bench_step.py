@@ -153,7 +153,7 @@ def make_step(
                 with acc.micro_batch(token_offset=m * per * cfg.seq_len):
                     run(xs, ys, num_global_tokens=n_tokens)[1].backward()
         note("backward")
-        if main_grad:  # one parameter at a time: its fp32 buffer is freed as its bf16 p.grad appears
+        if main_grad:  # one parameter at a time, each fp32 buffer freed once its bf16 p.grad exists
             for i, p in enumerate(params):
                 p.grad, main_grads[i] = main_grads[i].to(p.dtype), None
             note("reduced")

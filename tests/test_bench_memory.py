@@ -160,9 +160,6 @@ def test_torch_main_grad_sums_micro_batches_in_fp32():
     ref = bench_memory.dataclasses.replace(ref, micro_batch_seqs=1)
     row = bench_memory.measure_row(ref, 4, None, "cpu", LiveMeter().meter(), main_grad=True)
     assert row["grad_bytes_per_param"] == 4.0
-    # the cast frees each fp32 buffer as its bf16 p.grad appears: at most one fp32 buffer (the largest
-    # parameter's) beside all bf16 gradients
-    assert 2.0 <= row["reduce_peak_bytes_per_param"] <= 4.0
     with pytest.raises(ValueError, match="main_grad is for torch kernels"):
         bench_step.make_step(det, 2, "cpu", main_grad=True)
 

@@ -626,6 +626,44 @@ def test_deposit_ops_are_tagged_cudagraph_unsafe_and_the_others_are_not():
 
 
 @pytest.mark.parametrize("path", ["eager", "operator"])
+def test_an_undefined_output_gradient_counts_as_zeros(path):
+    """Output 0 of an op with saved statistics may get no gradient (a downstream Function that
+    returned ``None``): its backward then runs with zeros, as autograd would pass them, and the
+    inputs get the gradient of the other paths alone (here ``x.sum()``'s ones)."""
+
+    class NoGradient(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, y):
+            return y * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return None
+
+    x = _randn(8, 32, seed=1, requires_grad=True)
+    w = (1 + 0.1 * _randn(32, seed=2, dtype=torch.float32)).to(BF16).requires_grad_()
+    b = _randn(32, seed=3, requires_grad=True)
+    targets = torch.randint(0, 32, (8,), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    ops = {
+        "rms_norm": lambda: det_train.rms_norm(x, w, 1e-6),
+        "layer_norm": lambda: det_train.layer_norm(x, 32, w, b, 1e-5),
+        "cross_entropy": lambda: det_train.cross_entropy(x, targets, reduction="sum"),
+    }
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Through(TorchDispatchMode):  # any dispatch mode routes the det ops to the operator
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    for name, op in ops.items():
+        with Through() if path == "operator" else contextlib.nullcontext():
+            out = op()
+        loss = NoGradient.apply(out).float().sum() + x.float().sum()
+        gx = torch.autograd.grad(loss, x)[0]
+        assert_bitwise_equal(gx, torch.ones_like(x), f"{name}: dx with output 0's gradient undefined")
+
+
+@pytest.mark.parametrize("path", ["eager", "operator"])
 def test_saved_statistics_get_no_zero_gradient_in_the_backward(path):
     """The ops whose extra outputs are saved statistics (RMSNorm's rstd, LayerNorm's mean and rstd,
     cross-entropy's lse) mark them non-differentiable and take ``None`` for their gradients: the

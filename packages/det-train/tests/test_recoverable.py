@@ -263,12 +263,65 @@ def test_compiled_autograd_backwards_are_not_taken_for_failed_ones():
     _assert_same({n: p.grad for n, p in model.named_parameters()}, want, "compiled autograd")
 
 
+@pytest.mark.parametrize("how", ["autograd.grad", "backward(inputs=)"])
+def test_an_input_gradient_inside_the_micro_batch_deposits_nothing(how):
+    """An adversarial (FGSM) step takes the input gradient inside the micro-batch, then trains on the
+    perturbed input: the first backward computes dX through the det ops, which would deposit their
+    weight gradients too; autograd leaves ``p.grad`` alone there, and so does the accumulator (the
+    gradient is the perturbed batch's alone, bit for bit)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(det_train.RMSNorm(D, eps=1e-6), det_train.Linear(D, H, bias=True))
+    x = torch.randn(T, D, dtype=torch.bfloat16)
+
+    def input_grad(xs):
+        xs = xs.detach().requires_grad_()
+        loss = model(xs).float().square().sum()
+        if how == "autograd.grad":
+            return torch.autograd.grad(loss, xs)[0]
+        loss.backward(inputs=[xs])
+        return xs.grad
+
+    def step(inside: bool) -> dict[str, torch.Tensor]:
+        acc = det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF)
+        for lo, hi in zip(BOUNDS[:-1], BOUNDS[1:], strict=True):
+            gx = None if inside else input_grad(x[lo:hi])  # outside: no accumulator active
+            with acc.micro_batch(token_offset=lo):
+                gx = input_grad(x[lo:hi]) if inside else gx
+                adversarial = (x[lo:hi] + 0.01 * gx.sign()).to(torch.bfloat16)
+                model(adversarial).float().square().sum().backward()
+        acc.reduce(total_tokens=T)
+        grads = {name: p.grad for name, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    _assert_same(step(inside=True), step(inside=False), f"FGSM with {how} inside the micro-batch")
+
+
+def test_a_tensor_hook_on_a_tracked_parameter_is_refused():
+    """A tensor hook on a tracked parameter would receive ``None`` (the det ops' weight gradient goes to
+    the accumulator, not through autograd): a mask or scale it applies would be skipped silently. The
+    micro-batch refuses to start, naming the parameter; without the hook it runs."""
+    model, ids = _model(), _tokens()
+    acc = det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF)
+    handle = model[0].weight.register_hook(lambda grad: grad * 0)  # e.g. freezing embedding rows
+    with pytest.raises(RuntimeError, match=r"tensor hooks \(register_hook\): 0\.weight\. .*receive None"):
+        with acc.micro_batch(token_offset=0):
+            _loss(model, ids[:LEAF]).backward()
+    assert model[0].weight.grad is None
+    handle.remove()
+    _assert_same(_grads(BOUNDS, True, model=model, acc=acc), _grads(BOUNDS, True), "after the hook's removal")
+
+
 def test_bad_recoverable_and_params():
     with pytest.raises(TypeError, match="recoverable must be True or False"):
         det_train.CanonicalGradAccumulator(_model().parameters(), recoverable=0)
     for params in (_model(), 3):  # a module itself, a non-iterable: what to pass instead
         with pytest.raises(TypeError, match=r"takes the parameters to track.*model\.named_parameters\(\)"):
             det_train.CanonicalGradAccumulator(params)
+    with pytest.raises(TypeError, match="takes the parameters to track, got Parameter"):
+        det_train.CanonicalGradAccumulator(_model()[2].weight)  # one Parameter: not its rows
+    with pytest.raises(TypeError, match=r"params\[0\]: a Parameter or a \(name, Parameter\), got 3 items"):
+        det_train.CanonicalGradAccumulator([("w", _model()[2].weight, 1)])
     listed = torch.nn.ParameterList(_model().parameters())  # a module that is a list of Parameters
     assert len(det_train.CanonicalGradAccumulator(listed)._params) == 4
     acc = det_train.CanonicalGradAccumulator(_model().parameters())

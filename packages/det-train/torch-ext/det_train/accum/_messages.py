@@ -67,6 +67,17 @@ def failed_backward(acc, token_offset: int) -> str:
     )
 
 
+def tensor_hooks(names: list[str]) -> str:
+    """The error of a micro-batch entered while tracked parameters have tensor hooks (``register_hook``)."""
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return (
+        f"tracked parameters have tensor hooks (register_hook): {shown}. The det_train ops send their "
+        "gradients to this accumulator, not through autograd, so such a hook would receive None and "
+        "could not change the gradient (a hook that masks or scales it would be skipped). Remove the "
+        "hook and apply it to p.grad after acc.reduce(), or leave the parameter out of the accumulator"
+    )
+
+
 def poisoned(acc, token_offset: int, error: BaseException) -> str:
     """The error of a call to an accumulator built with ``recoverable=False`` after a micro-batch
     (starting at ``token_offset``) raised ``error`` once its deposits had begun."""

@@ -33,7 +33,7 @@ from det_core.reduce import TreePartial, num_leaves
 from det_core.runtime import as_index
 
 from . import _reduce, dp_reduce
-from ._messages import check_not_open, failed_backward, leaf_gap, poisoned, token_mismatch, who
+from ._messages import check_not_open, failed_backward, leaf_gap, poisoned, tensor_hooks, token_mismatch, who
 from ._open_leaf import LeafFold, LeafPartial, OpenFold, OpenLeaf, foreach_copy, token_rows
 from ._undo_log import NoUndoLog, UndoLog
 
@@ -54,6 +54,15 @@ _ACTIVE: list[CanonicalGradAccumulator] = []
 # callbacks, which run only when that backward finishes without an error
 _graph_task_id = torch._C._current_graph_task_id
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+_will_engine_execute_node = torch._C._will_engine_execute_node
+
+
+def _grad_accumulator(param: torch.Tensor):
+    """``param``'s AccumulateGrad node (where autograd would add its gradient), or None when it
+    does not require grad."""
+    with torch.enable_grad():
+        view = param.view_as(param)
+    return None if view.grad_fn is None else view.grad_fn.next_functions[0][0]
 
 
 def _in_compiled_autograd() -> bool:
@@ -166,12 +175,14 @@ class CanonicalGradAccumulator:
         self._names: list[str] = []
         self._index: dict[int, int] = {}
         module = isinstance(params, torch.nn.Module) and not isinstance(params, torch.nn.ParameterList)
-        if module or not isinstance(params, Iterable):
+        if module or isinstance(params, torch.Tensor) or not isinstance(params, Iterable):
             raise TypeError(
                 f"CanonicalGradAccumulator takes the parameters to track, got {type(params).__name__}: "
                 "pass model.named_parameters() (or model.parameters(), a list of Parameters)"
             )
         for i, item in enumerate(params):
+            if isinstance(item, tuple) and len(item) != 2:
+                raise TypeError(f"params[{i}]: a Parameter or a (name, Parameter), got {len(item)} items")
             name, p = item if isinstance(item, tuple) else (f"param[{i}]", item)
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"{name}: expected a torch.Tensor / Parameter, got {type(p).__name__}")
@@ -184,6 +195,7 @@ class CanonicalGradAccumulator:
         self._partials: dict[tuple[int, int], TreePartial] = {}
         self._uses: dict[int, int] = {}  # deposits per parameter in the current micro-batch
         self._unfinished: set[int] = set()  # autograd graph tasks of this micro-batch not yet finished
+        self._grad_nodes: dict[int, object] = {}  # tracked parameter index -> its AccumulateGrad node
         self._spans: list[tuple[int, int]] = []  # (token_offset, tokens) seen by the ops
         self._token_offset: int | None = None
         self._tokens: int | None = None  # tokens of the active micro-batch, as the ops report them
@@ -240,7 +252,9 @@ class CanonicalGradAccumulator:
             TypeError: ``token_offset`` not an integer.
             ValueError: ``token_offset`` negative, or inside a leaf where no earlier micro-batch on
                 this rank ended.
-            RuntimeError: another micro-batch context is active; the accumulator is poisoned; on
+            RuntimeError: another micro-batch context is active; a tracked parameter has a tensor
+                hook (``register_hook``: it would get ``None``, det's gradient going to the
+                accumulator); the accumulator is poisoned; on
                 exit, a backward in the micro-batch raised after its first deposit and the error was
                 caught inside the context (its deposits are partial, and a forward and backward run
                 again there would deposit twice): the micro-batch is then treated as one that raised.
@@ -267,6 +281,9 @@ class CanonicalGradAccumulator:
             )
         if _ACTIVE:
             raise RuntimeError("a micro_batch context is already active; micro-batches cannot be nested")
+        hooked = [name for name, p in zip(self._names, self._params, strict=True) if p._backward_hooks]
+        if hooked:
+            raise RuntimeError(tensor_hooks(hooked))
         self._token_offset = token_offset
         self._tokens = None
         self._uses = {}  # (the undo log is new: each micro-batch's ``finally`` and ``_clear`` make it)
@@ -377,6 +394,26 @@ class CanonicalGradAccumulator:
         return offset // self.leaf_tokens, num_leaves(num_tokens, self.leaf_tokens)
 
     # ------------------------------------------------------------------ deposits
+    def _backward_wants(self, param: torch.Tensor) -> bool:
+        """False inside a backward that does not accumulate into ``param``: ``torch.autograd.grad``
+        (e.g. the input gradient of an adversarial step) or ``backward(inputs=...)`` without it,
+        where torch leaves ``p.grad`` alone. The det ops still run their weight-gradient deposits
+        there (their backward computes dX), so the accumulator drops them, as autograd would."""
+        if _graph_task_id() < 0 or _in_compiled_autograd():  # a direct call, or no engine to ask
+            return True
+        index = self._index.get(id(param))
+        node = self._grad_nodes.get(index) if index is not None else None
+        if node is None:
+            node = _grad_accumulator(param)
+            if node is None:
+                return True
+            if index is not None:  # tracked: the parameter outlives the cached node's use
+                self._grad_nodes[index] = node
+        try:
+            return _will_engine_execute_node(node)
+        except RuntimeError:  # torch.autograd.grad(..., inputs=[param]) asked for this parameter
+            return True
+
     def _slot(self, param: torch.Tensor) -> tuple[int, int]:
         self._check_poisoned()
         if self._token_offset is None:
@@ -444,6 +481,9 @@ class CanonicalGradAccumulator:
         copied) and the next micro-batch's ``fold_fn`` continues it; without, its rows are copied
         and kept, the next micro-batch prepends them to its own rows of that leaf, and one
         ``leaf_partial`` call sums them. ``reduce`` finishes a leaf that ends the global batch.
+        Inside a backward that does not accumulate into ``param`` (``torch.autograd.grad``, or
+        ``backward(inputs=...)`` without it) the call deposits nothing, as autograd leaves
+        ``p.grad`` alone there (``deposit`` and ``deposit_partial`` likewise).
 
         **Determinism:** ``leaf_partial`` sees the rows of whole leaves (and of the short last
         leaf) exactly as one unsplit micro-batch would give them, and ``fold_fn`` continues a leaf
@@ -466,6 +506,8 @@ class CanonicalGradAccumulator:
         for r in rows:
             if r.shape[0] != n:
                 raise ValueError(f"deposit_rows: rows of different lengths {[int(r.shape[0]) for r in rows]}")
+        if not self._backward_wants(param):
+            return
         group = rows_per_token
         if group != 1:  # tokens x group rows: dim 0 becomes tokens (views), the op's functions see rows
             if isinstance(group, bool) or not isinstance(group, int) or group < 1 or n % group:
@@ -605,6 +647,8 @@ class CanonicalGradAccumulator:
             raise ValueError(
                 f"leaf_sums must have shape (n_leaves, *{tuple(param.shape)}), got {tuple(leaf_sums.shape)}"
             )
+        if not self._backward_wants(param):
+            return
         slot = self._slot(param)
         try:
             self._tree(slot).add_leaves(first_leaf, leaf_sums)
@@ -620,7 +664,8 @@ class CanonicalGradAccumulator:
                     f"node {key} must be float32 of shape {tuple(param.shape)}, "
                     f"got {value.dtype} {tuple(value.shape)}"
                 )
-        self._merge(self._slot(param), partial)
+        if self._backward_wants(param):
+            self._merge(self._slot(param), partial)
 
     # ------------------------------------------------------------------ reduce
     # a graph boundary under torch.compile: host bookkeeping and collectives, always run eagerly
