@@ -31,7 +31,10 @@ def token_mismatch(acc, n: int, param: torch.Tensor | None, op: str | None) -> s
         "det_train.rms_norm takes rows_per_token=H); one that sees fewer is given indices broadcast "
         "over the batch (a learned position embedding looked up with (1, T) position ids: pass "
         "position_ids of the batch's shape, position_ids=torch.arange(T).expand(B, T); "
-        "det_train.convert does it for GPT-2-style models)"
+        "det_train.convert does it for GPT-2-style models) or sees pooled or selected rows by design "
+        "(a classification head on each sequence's last token): the canonical order is per token, so "
+        "keep such a head a torch module and leave its parameters out of the accumulator (autograd then "
+        "sums its gradient in micro-batch order, which is not invariant to the split)"
     )
 
 
