@@ -174,7 +174,8 @@ class TreePartial:
         if root is None or nodes:
             raise ValueError(
                 f"canonical tree over {total_leaves} leaves is incomplete: partials cover "
-                f"{keys}; merge every worker's partial before result()"
+                f"{keys}: some leaves have no partial (one of the workers' partials not merged before "
+                "result(), or a micro-batch that deposited nothing)"
             )
         return root
 
