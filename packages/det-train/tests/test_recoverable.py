@@ -297,6 +297,45 @@ def test_an_input_gradient_inside_the_micro_batch_deposits_nothing(how):
     _assert_same(step(inside=True), step(inside=False), f"FGSM with {how} inside the micro-batch")
 
 
+def test_input_gradients_over_part_of_the_micro_batch_and_after_a_dtype_round_trip():
+    """An input gradient over the micro-batch's first leaf only (the norms' whole-leaf path) deposits
+    nothing and records no token count; a model cast to float64 and back between steps (new
+    AccumulateGrad nodes) keeps depositing with the same accumulator: one-batch bits both times."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(det_train.RMSNorm(D, eps=1e-6), det_train.Linear(D, H, bias=True))
+    x = torch.randn(2 * LEAF, D)
+
+    def step(acc, probe: bool) -> dict[str, torch.Tensor]:
+        with acc.micro_batch(token_offset=0):
+            if probe:  # e.g. a saliency map of the first sequence
+                first = x[:LEAF].clone().requires_grad_()
+                torch.autograd.grad(model(first).square().sum(), first)
+            model(x).square().sum().backward()
+        acc.reduce(total_tokens=2 * LEAF)
+        grads = {name: p.grad for name, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    want = step(det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF), False)
+    acc = det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF)
+    _assert_same(step(acc, True), want, "input gradient over the first leaf")
+    model.double()
+    model.float()
+    _assert_same(step(acc, True), want, "after model.double().float()")
+
+
+def test_autograd_grad_of_a_tracked_parameter_inside_the_micro_batch_is_refused():
+    """``torch.autograd.grad(loss, [p])`` would return None for a tracked parameter (its gradient goes
+    to the accumulator) and deposit it besides: refused, naming the parameter; the micro-batch is
+    undone and the step can go on."""
+    model, ids = _model(), _tokens()
+    acc = det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF)
+    with pytest.raises(RuntimeError, match=r"asks for 2\.weight's gradient, but det_train ops send"):
+        with acc.micro_batch(token_offset=0):
+            torch.autograd.grad(_loss(model, ids[:LEAF]), [model[2].weight])
+    _assert_same(_grads(BOUNDS, True, model=model, acc=acc), _grads(BOUNDS, True), "after the refusal")
+
+
 def test_a_tensor_hook_on_a_tracked_parameter_is_refused():
     """A tensor hook on a tracked parameter would receive ``None`` (the det ops' weight gradient goes to
     the accumulator, not through autograd): a mask or scale it applies would be skipped silently. The

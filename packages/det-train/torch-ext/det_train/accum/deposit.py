@@ -134,7 +134,10 @@ def rows(
 
     Raises:
         RuntimeError: no micro-batch is active (the backward runs outside the forward's
-            ``micro_batch``).
+            ``micro_batch``); the backward is ``torch.autograd.grad`` with the parameter among its
+            inputs (autograd would return None for it). A backward that does not accumulate into
+            the parameter (``autograd.grad`` of other tensors, ``backward(inputs=...)`` without it)
+            deposits nothing.
         ValueError: what ``deposit_rows`` raises (an untracked parameter, rows of another length
             than another op of this micro-batch saw, an open leaf the parameter did not continue).
 
@@ -148,6 +151,8 @@ def rows(
     if acc is None:
         raise _outside(op)
     param = acc.tracked(tensor)
+    if not acc._backward_wants(param):  # a backward that leaves this parameter's gradient alone
+        return
     leaf = acc.leaf_tokens
     if whole is not None:
         n = rows[0].shape[0]

@@ -398,21 +398,42 @@ class CanonicalGradAccumulator:
         """False inside a backward that does not accumulate into ``param``: ``torch.autograd.grad``
         (e.g. the input gradient of an adversarial step) or ``backward(inputs=...)`` without it,
         where torch leaves ``p.grad`` alone. The det ops still run their weight-gradient deposits
-        there (their backward computes dX), so the accumulator drops them, as autograd would."""
+        there (their backward computes dX), so the accumulator drops them, as autograd would.
+
+        Raises:
+            RuntimeError: inside ``torch.autograd.grad(..., inputs=[param, ...])``: autograd.grad
+                would return the parameter's gradient, but the det ops send it to the accumulator
+                (their autograd gradient is None), so neither result would be right.
+        """
         if _graph_task_id() < 0 or _in_compiled_autograd():  # a direct call, or no engine to ask
             return True
         index = self._index.get(id(param))
         node = self._grad_nodes.get(index) if index is not None else None
-        if node is None:
-            node = _grad_accumulator(param)
-            if node is None:
-                return True
-            if index is not None:  # tracked: the parameter outlives the cached node's use
-                self._grad_nodes[index] = node
+        if node is not None and self._engine_runs(node, param):
+            return True
+        # not cached, or not in this backward: a parameter whose dtype or device changed through
+        # .data (or swap_tensors) has a new AccumulateGrad node, so ask again with the current one
+        fresh = _grad_accumulator(param)
+        if fresh is None:
+            return True
+        if index is not None:  # tracked: cached for the next deposits
+            self._grad_nodes[index] = fresh
+        return fresh is not node and self._engine_runs(fresh, param)
+
+    def _engine_runs(self, node, param: torch.Tensor) -> bool:
         try:
             return _will_engine_execute_node(node)
-        except RuntimeError:  # torch.autograd.grad(..., inputs=[param]) asked for this parameter
-            return True
+        except RuntimeError:  # a leaf's node during torch.autograd.grad: asked for this parameter
+            index = self._index.get(id(param))
+            name = self._names[index] if index is not None else f"a parameter of shape {tuple(param.shape)}"
+            raise RuntimeError(
+                f"torch.autograd.grad(..., inputs=[...]) asks for {name}'s gradient, but det_train "
+                "ops send a tracked parameter's gradient to the active CanonicalGradAccumulator, not "
+                "to autograd (it would return None here, and the deposit would count the gradient "
+                "again at the next backward). Inside a micro-batch take gradients with respect to "
+                "activations or inputs only, or compute this one outside acc.micro_batch(...) (no "
+                "accumulator active: the ops then return ordinary autograd gradients)"
+            ) from None
 
     def _slot(self, param: torch.Tensor) -> tuple[int, int]:
         self._check_poisoned()
@@ -483,7 +504,8 @@ class CanonicalGradAccumulator:
         ``leaf_partial`` call sums them. ``reduce`` finishes a leaf that ends the global batch.
         Inside a backward that does not accumulate into ``param`` (``torch.autograd.grad``, or
         ``backward(inputs=...)`` without it) the call deposits nothing, as autograd leaves
-        ``p.grad`` alone there (``deposit`` and ``deposit_partial`` likewise).
+        ``p.grad`` alone there (``deposit`` and ``deposit_partial`` likewise); inside
+        ``torch.autograd.grad(..., inputs=[param])`` it raises a RuntimeError.
 
         **Determinism:** ``leaf_partial`` sees the rows of whole leaves (and of the short last
         leaf) exactly as one unsplit micro-batch would give them, and ``fold_fn`` continues a leaf
@@ -498,7 +520,8 @@ class CanonicalGradAccumulator:
                 earlier calls'; an open leaf of ``param``
                 that does not end where this micro-batch starts (the parameter skipped a
                 micro-batch); an unaligned start with nothing to continue.
-            RuntimeError: outside ``micro_batch``.
+            RuntimeError: outside ``micro_batch``; inside ``torch.autograd.grad`` with ``param``
+                among its inputs (autograd would return None for it).
         """
         # Host work per call is O(1) in the rows and the leaves: a few views, one leaf-sum or fold
         # call, no device value read.
