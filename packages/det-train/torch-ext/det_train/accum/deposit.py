@@ -151,13 +151,14 @@ def rows(
     if acc is None:
         raise _outside(op)
     param = acc.tracked(tensor)
-    if not acc._backward_wants(param):  # a backward that leaves this parameter's gradient alone
-        return
     leaf = acc.leaf_tokens
     if whole is not None:
         n = rows[0].shape[0]
-        # whole leaves: the op's own subtrees
+        # whole leaves: the op's own subtrees (deposit_rows, below, asks itself; leaf_span must not
+        # count the tokens of a backward that leaves this parameter's gradient alone)
         if acc.token_offset % leaf == 0 and n % (leaf * rows_per_token) == 0:
+            if not acc._backward_wants(param):
+                return
             first_leaf, _ = acc.leaf_span(n // rows_per_token, param, op)
             acc.deposit_partial(param, whole(first_leaf))
             return
