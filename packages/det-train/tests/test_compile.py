@@ -24,6 +24,7 @@ from det_train import CanonicalGradAccumulator, layers
 from det_train.accum import deposit
 from det_train.ops._library import NAMESPACE
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch.utils._python_dispatch import TorchDispatchMode
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BF16 = torch.bfloat16
@@ -625,6 +626,18 @@ def test_deposit_ops_are_tagged_cudagraph_unsafe_and_the_others_are_not():
         assert tagged == (name not in others), f"{name}: cudagraph_unsafe tag {tagged}"
 
 
+class _OpNames(TorchDispatchMode):
+    """The names of the aten ops run inside it; any dispatch mode also routes det ops to the operator."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("path", ["eager", "operator"])
 def test_an_undefined_output_gradient_counts_as_zeros(path):
     """Output 0 of an op with saved statistics may get no gradient (a downstream Function that
@@ -649,14 +662,8 @@ def test_an_undefined_output_gradient_counts_as_zeros(path):
         "layer_norm": lambda: det_train.layer_norm(x, 32, w, b, 1e-5),
         "cross_entropy": lambda: det_train.cross_entropy(x, targets, reduction="sum"),
     }
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Through(TorchDispatchMode):  # any dispatch mode routes the det ops to the operator
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
-
     for name, op in ops.items():
-        with Through() if path == "operator" else contextlib.nullcontext():
+        with _OpNames() if path == "operator" else contextlib.nullcontext():
             out = op()
         loss = NoGradient.apply(out).float().sum() + x.float().sum()
         gx = torch.autograd.grad(loss, x)[0]
@@ -670,17 +677,6 @@ def test_saved_statistics_get_no_zero_gradient_in_the_backward(path):
     backward allocates and fills no zero tensor for them (on the GPU a launch per output and call),
     in plain eager and through the operator (a dispatch mode routes the forward to it); the
     gradients are those of the unfused composition of the same ops."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.__name__)
-            return func(*args, **(kwargs or {}))
-
     x = _randn(48, 32, seed=1, requires_grad=True)
     w = (1 + 0.1 * _randn(32, seed=2, dtype=torch.float32)).to(BF16).requires_grad_()
     b = _randn(32, seed=3, requires_grad=True)
@@ -693,10 +689,10 @@ def test_saved_statistics_get_no_zero_gradient_in_the_backward(path):
 
     grads = {}
     for mode in ("eager", path):
-        forward_mode = Ops() if mode == "operator" else contextlib.nullcontext()
+        forward_mode = _OpNames() if mode == "operator" else contextlib.nullcontext()
         with forward_mode:
             loss = loss_fn()
-        with Ops() as backward_ops:
+        with _OpNames() as backward_ops:
             grads[mode] = torch.autograd.grad(loss, (x, w, b))
         fills = ("zeros", "zero_", "fill_", "zeros_like")
         filled = [n for n in backward_ops.names if n.split(".")[0] in fills]

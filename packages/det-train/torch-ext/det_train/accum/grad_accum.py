@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -33,6 +32,7 @@ from det_core.reduce import TreePartial, num_leaves
 from det_core.runtime import as_index
 
 from . import _reduce, dp_reduce
+from ._backward import WantedGradients, graph_task_id, in_compiled_autograd, queue_callback
 from ._messages import check_not_open, failed_backward, leaf_gap, poisoned, tensor_hooks, token_mismatch, who
 from ._open_leaf import LeafFold, LeafPartial, OpenFold, OpenLeaf, foreach_copy, token_rows
 from ._undo_log import NoUndoLog, UndoLog
@@ -50,26 +50,6 @@ DEFAULT_LEAF_TOKENS = 8192
 # The active accumulator. A plain module global, not thread-local: autograd runs CUDA backward
 # functions on its own device threads, which must still see the accumulator of `micro_batch`.
 _ACTIVE: list[CanonicalGradAccumulator] = []
-# the running autograd graph task (-1 outside a backward) and the engine's end-of-backward
-# callbacks, which run only when that backward finishes without an error
-_graph_task_id = torch._C._current_graph_task_id
-_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
-_will_engine_execute_node = torch._C._will_engine_execute_node
-
-
-def _grad_accumulator(param: torch.Tensor):
-    """``param``'s AccumulateGrad node (where autograd would add its gradient), or None when it
-    does not require grad."""
-    with torch.enable_grad():
-        view = param.view_as(param)
-    return None if view.grad_fn is None else view.grad_fn.next_functions[0][0]
-
-
-def _in_compiled_autograd() -> bool:
-    """True while a compiled-autograd graph runs (``torch._dynamo.config.compiled_autograd``), whose
-    engine does not run the callbacks queued inside it; not imported unless it is in use."""
-    module = sys.modules.get("torch._dynamo.compiled_autograd")
-    return bool(module is not None and getattr(module, "in_compiled_autograd_region", False))
 
 
 def current_accumulator() -> CanonicalGradAccumulator | None:
@@ -195,7 +175,7 @@ class CanonicalGradAccumulator:
         self._partials: dict[tuple[int, int], TreePartial] = {}
         self._uses: dict[int, int] = {}  # deposits per parameter in the current micro-batch
         self._unfinished: set[int] = set()  # autograd graph tasks of this micro-batch not yet finished
-        self._grad_nodes: dict[int, object] = {}  # tracked parameter index -> its AccumulateGrad node
+        self._wanted = WantedGradients()  # which parameters the running backward accumulates into
         self._spans: list[tuple[int, int]] = []  # (token_offset, tokens) seen by the ops
         self._token_offset: int | None = None
         self._tokens: int | None = None  # tokens of the active micro-batch, as the ops report them
@@ -395,45 +375,8 @@ class CanonicalGradAccumulator:
 
     # ------------------------------------------------------------------ deposits
     def _backward_wants(self, param: torch.Tensor) -> bool:
-        """False inside a backward that does not accumulate into ``param``: ``torch.autograd.grad``
-        (e.g. the input gradient of an adversarial step) or ``backward(inputs=...)`` without it,
-        where torch leaves ``p.grad`` alone. The det ops still run their weight-gradient deposits
-        there (their backward computes dX), so the accumulator drops them, as autograd would.
-
-        Raises:
-            RuntimeError: inside ``torch.autograd.grad(..., inputs=[param, ...])``: autograd.grad
-                would return the parameter's gradient, but the det ops send it to the accumulator
-                (their autograd gradient is None), so neither result would be right.
-        """
-        if _graph_task_id() < 0 or _in_compiled_autograd():  # a direct call, or no engine to ask
-            return True
-        index = self._index.get(id(param))
-        node = self._grad_nodes.get(index) if index is not None else None
-        if node is not None and self._engine_runs(node, param):
-            return True
-        # not cached, or not in this backward: a parameter whose dtype or device changed through
-        # .data (or swap_tensors) has a new AccumulateGrad node, so ask again with the current one
-        fresh = _grad_accumulator(param)
-        if fresh is None:
-            return True
-        if index is not None:  # tracked: cached for the next deposits
-            self._grad_nodes[index] = fresh
-        return fresh is not node and self._engine_runs(fresh, param)
-
-    def _engine_runs(self, node, param: torch.Tensor) -> bool:
-        try:
-            return _will_engine_execute_node(node)
-        except RuntimeError:  # a leaf's node during torch.autograd.grad: asked for this parameter
-            index = self._index.get(id(param))
-            name = self._names[index] if index is not None else f"a parameter of shape {tuple(param.shape)}"
-            raise RuntimeError(
-                f"torch.autograd.grad(..., inputs=[...]) asks for {name}'s gradient, but det_train "
-                "ops send a tracked parameter's gradient to the active CanonicalGradAccumulator, not "
-                "to autograd (it would return None here, and the deposit would count the gradient "
-                "again at the next backward). Inside a micro-batch take gradients with respect to "
-                "activations or inputs only, or compute this one outside acc.micro_batch(...) (no "
-                "accumulator active: the ops then return ordinary autograd gradients)"
-            ) from None
+        """False inside a backward that leaves ``param``'s gradient alone (``WantedGradients``)."""
+        return self._wanted(param, self._index.get(id(param)), self._names)
 
     def _slot(self, param: torch.Tensor) -> tuple[int, int]:
         self._check_poisoned()
@@ -451,10 +394,10 @@ class CanonicalGradAccumulator:
                 f"deposit for a parameter of shape {tuple(param.shape)} that this accumulator does not "
                 "track; pass it in CanonicalGradAccumulator(params)"
             )
-        task = _graph_task_id()
-        if task >= 0 and task not in self._unfinished and not _in_compiled_autograd():
+        task = graph_task_id()
+        if task >= 0 and task not in self._unfinished and not in_compiled_autograd():
             self._unfinished.add(task)
-            _queue_callback(functools.partial(self._unfinished.discard, task))
+            queue_callback(functools.partial(self._unfinished.discard, task))
         use = self._uses.get(index, 0)
         self._uses[index] = use + 1
         self._shapes[index] = param.shape
