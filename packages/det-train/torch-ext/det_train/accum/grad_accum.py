@@ -133,8 +133,8 @@ class CanonicalGradAccumulator:
         RuntimeError: deposits outside ``micro_batch``; a tracked parameter without deposits at
             ``reduce``; ``p.grad`` already holding a non-zero gradient at ``reduce``; any call after
             a micro-batch raised under ``recoverable=False`` (until ``reset``).
-        TypeError: ``recoverable`` not a bool; ``params`` a module (pass ``model.named_parameters()``)
-            or not an iterable, or an item not a tensor.
+        TypeError: ``recoverable`` not a bool; ``params`` a module (pass ``model.named_parameters()``),
+            one tensor or not an iterable; an item not a tensor or a ``(name, tensor)`` pair.
 
     Method: pairwise summation with the tree fixed by global index (Higham, SISC 1993), as in
     det_core.reduce and DESIGN.md's canonical reduction order.
