@@ -324,6 +324,33 @@ def test_input_gradients_over_part_of_the_micro_batch_and_after_a_dtype_round_tr
     _assert_same(step(acc, True), want, "after model.double().float()")
 
 
+def _grad_accumulator(p: torch.Tensor):
+    return p.view_as(p).grad_fn.next_functions[0][0]
+
+
+@pytest.mark.parametrize("recoverable", [True, False])
+def test_no_autograd_node_outlives_the_micro_batch(recoverable):
+    """The accumulator asks autograd's engine whether the running backward accumulates into each
+    parameter, through the parameter's AccumulateGrad node; it must not keep that node alive past
+    the micro-batch. torch makes a new node for the next forward once the graph is gone, on the
+    stream current then; a kept one would be reused with the stream it was made on, and the engine
+    syncs that stream at the end of every backward (inside a CUDA graph capture after a warm-up on a
+    side stream: a wait on uncaptured work, ``cudaErrorStreamCaptureIsolation``)."""
+    model, ids = _model(), _tokens()
+    acc = det_train.CanonicalGradAccumulator(
+        model.named_parameters(), leaf_tokens=LEAF, recoverable=recoverable
+    )
+    with acc.micro_batch(token_offset=0):
+        loss = _loss(model, ids[:LEAF])
+        for p in model.parameters():  # the nodes of this micro-batch's graph, marked
+            _grad_accumulator(p).metadata["marked"] = True
+        loss.backward()
+    del loss
+    kept = [n for n, p in model.named_parameters() if "marked" in _grad_accumulator(p).metadata]
+    assert kept == [], f"AccumulateGrad nodes kept alive after the micro-batch: {kept}"
+    acc.reduce(total_tokens=LEAF)
+
+
 def test_autograd_grad_of_a_tracked_parameter_inside_the_micro_batch_is_refused():
     """``torch.autograd.grad(loss, [p])`` would return None for a tracked parameter (its gradient goes
     to the accumulator) and deposit it besides: refused, naming the parameter; the micro-batch is

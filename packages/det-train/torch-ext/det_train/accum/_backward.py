@@ -43,14 +43,23 @@ class WantedGradients:
     The det ops deposit their weight gradients from the backward that computes dX, also inside
     ``torch.autograd.grad`` (e.g. an adversarial step's input gradient) or ``backward(inputs=...)``
     without the parameter, where torch leaves ``p.grad`` alone; the accumulator drops those
-    deposits. Nodes of tracked parameters are cached; one not in the running backward is looked up
-    again (a dtype or device change through ``.data``, or ``swap_tensors``, gives a new node).
+    deposits. Nodes of tracked parameters are cached for one backward (one not in it is looked up
+    again: a dtype or device change through ``.data``, or ``swap_tensors``, gives a new node), and
+    ``forget`` drops them when the micro-batch ends: a node kept alive would be reused by the next
+    forward, with the stream it was made on, and the engine would sync that stream at the end of
+    every later backward (inside a CUDA graph capture, a wait on uncaptured work).
 
     **Determinism:** a yes / no per deposit from the engine's graph, no value read.
     """
 
     def __init__(self) -> None:
         self._nodes: dict[int, object] = {}  # tracked parameter index -> its AccumulateGrad node
+        self._task = -1  # the graph task the cached nodes were found in
+
+    def forget(self) -> None:
+        """Drop the cached nodes (autograd keeps each one only while a graph uses it)."""
+        self._nodes = {}
+        self._task = -1
 
     def __call__(self, param: torch.Tensor, index: int | None, names: list[str]) -> bool:
         """True outside a backward, under compiled autograd (no engine to ask) and when ``param``
@@ -61,8 +70,11 @@ class WantedGradients:
                 return the parameter's gradient, but the det ops send it to the accumulator (their
                 autograd gradient is None), so neither result would be right.
         """
-        if graph_task_id() < 0 or in_compiled_autograd():
+        task = graph_task_id()
+        if task < 0 or in_compiled_autograd():
             return True
+        if task != self._task:
+            self._nodes, self._task = {}, task
         node = self._nodes.get(index) if index is not None else None
         if node is not None and _runs(node, param, index, names):
             return True

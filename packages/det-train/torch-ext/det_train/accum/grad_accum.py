@@ -292,6 +292,7 @@ class CanonicalGradAccumulator:
         finally:
             _ACTIVE.pop()
             self._token_offset = None
+            self._wanted.forget()  # no AccumulateGrad node outlives the micro-batch (see WantedGradients)
             # the log holds the replaced trees and folds: let them go (memory of one step, not two)
             if self.recoverable:
                 self._log = UndoLog()
