@@ -363,17 +363,23 @@ def test_autograd_grad_of_a_tracked_parameter_inside_the_micro_batch_is_refused(
     _assert_same(_grads(BOUNDS, True, model=model, acc=acc), _grads(BOUNDS, True), "after the refusal")
 
 
-def test_a_tensor_hook_on_a_tracked_parameter_is_refused():
+@pytest.mark.parametrize("kind", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_a_gradient_hook_on_a_tracked_parameter_is_refused(kind):
     """A tensor hook on a tracked parameter would receive ``None`` (the det ops' weight gradient goes to
-    the accumulator, not through autograd): a mask or scale it applies would be skipped silently. The
-    micro-batch refuses to start, naming the parameter; without the hook it runs."""
+    the accumulator, not through autograd): a mask or scale it applies would be skipped silently; a
+    post-accumulate-grad hook (optimizer-in-backward, per-parameter clipping) would see ``p.grad``
+    None. The micro-batch refuses to start, naming the parameter; without the hook it runs."""
     model, ids = _model(), _tokens()
     acc = det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF)
-    handle = model[0].weight.register_hook(lambda grad: grad * 0)  # e.g. freezing embedding rows
-    with pytest.raises(RuntimeError, match=r"tensor hooks \(register_hook\): 0\.weight\. .*receive None"):
+    if kind == "register_hook":
+        handle = model[0].weight.register_hook(lambda grad: grad * 0)  # e.g. freezing embedding rows
+    else:
+        handle = model[2].weight.register_post_accumulate_grad_hook(lambda p: p.grad.clamp_(-1, 1))
+    name = "0.weight" if kind == "register_hook" else "2.weight"
+    with pytest.raises(RuntimeError, match=rf"gradient hooks \(register_hook or .*\): {name}\. .*see None"):
         with acc.micro_batch(token_offset=0):
             _loss(model, ids[:LEAF]).backward()
-    assert model[0].weight.grad is None
+    assert all(p.grad is None for p in model.parameters())
     handle.remove()
     _assert_same(_grads(BOUNDS, True, model=model, acc=acc), _grads(BOUNDS, True), "after the hook's removal")
 

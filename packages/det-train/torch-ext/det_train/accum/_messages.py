@@ -74,13 +74,15 @@ def failed_backward(acc, token_offset: int) -> str:
     )
 
 
-def tensor_hooks(names: list[str]) -> str:
-    """The error of a micro-batch entered while tracked parameters have tensor hooks (``register_hook``)."""
+def gradient_hooks(names: list[str]) -> str:
+    """The error of a micro-batch entered while tracked parameters have tensor hooks (``register_hook``)
+    or post-accumulate-grad hooks (``register_post_accumulate_grad_hook``)."""
     shown = _listed(names)
     return (
-        f"tracked parameters have tensor hooks (register_hook): {shown}. The det_train ops send their "
-        "gradients to this accumulator, not through autograd, so such a hook would receive None and "
-        "could not change the gradient (a hook that masks or scales it would be skipped). Remove the "
+        f"tracked parameters have gradient hooks (register_hook or register_post_accumulate_grad_hook): "
+        f"{shown}. The det_train ops send their gradients to this accumulator, not through autograd, so "
+        "such a hook would see None (p.grad is written by acc.reduce(), after the last micro-batch): a "
+        "hook that masks, scales, clips or steps with the gradient would silently do nothing. Remove the "
         "hook and apply it to p.grad after acc.reduce(), or leave the parameter out of the accumulator"
     )
 

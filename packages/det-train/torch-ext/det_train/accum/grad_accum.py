@@ -33,7 +33,15 @@ from det_core.runtime import as_index
 
 from . import _reduce, dp_reduce
 from ._backward import WantedGradients, graph_task_id, in_compiled_autograd, queue_callback
-from ._messages import check_not_open, failed_backward, leaf_gap, poisoned, tensor_hooks, token_mismatch, who
+from ._messages import (
+    check_not_open,
+    failed_backward,
+    gradient_hooks,
+    leaf_gap,
+    poisoned,
+    token_mismatch,
+    who,
+)
 from ._open_leaf import LeafFold, LeafPartial, OpenFold, OpenLeaf, foreach_copy, token_rows
 from ._undo_log import NoUndoLog, UndoLog
 
@@ -233,8 +241,9 @@ class CanonicalGradAccumulator:
             ValueError: ``token_offset`` negative, or inside a leaf where no earlier micro-batch on
                 this rank ended.
             RuntimeError: another micro-batch context is active; a tracked parameter has a tensor
-                hook (``register_hook``: it would get ``None``, det's gradient going to the
-                accumulator); the accumulator is poisoned; on
+                hook (``register_hook``) or a post-accumulate-grad hook
+                (``register_post_accumulate_grad_hook``): it would see ``None``, det's gradient going
+                to the accumulator; the accumulator is poisoned; on
                 exit, a backward in the micro-batch raised after its first deposit and the error was
                 caught inside the context (its deposits are partial, and a forward and backward run
                 again there would deposit twice): the micro-batch is then treated as one that raised.
@@ -261,9 +270,13 @@ class CanonicalGradAccumulator:
             )
         if _ACTIVE:
             raise RuntimeError("a micro_batch context is already active; micro-batches cannot be nested")
-        hooked = [name for name, p in zip(self._names, self._params, strict=True) if p._backward_hooks]
+        hooked = [
+            name
+            for name, p in zip(self._names, self._params, strict=True)
+            if p._backward_hooks or p._post_accumulate_grad_hooks
+        ]
         if hooked:
-            raise RuntimeError(tensor_hooks(hooked))
+            raise RuntimeError(gradient_hooks(hooked))
         self._token_offset = token_offset
         self._tokens = None
         self._uses = {}  # (the undo log is new: each micro-batch's ``finally`` and ``_clear`` make it)
