@@ -547,10 +547,18 @@ def _det_attn_head_dims(fn) -> tuple[int, ...]:
 
 def _loss_plan(module: nn.Module) -> str | None:
     """``"replace"`` if ``module`` is a transformers model with the causal-LM loss, a reason if its
-    built-in loss is another plain-torch loss, None if it has none."""
-    loss_type = getattr(module, "loss_type", None)
-    if loss_type is None or "_loss_function" in module.__dict__:
+    built-in loss is another plain-torch loss, None if it has none (or its loss was set by hand).
+
+    transformers sets ``loss_type`` from the class name and its ``loss_function`` falls back to
+    ``ForCausalLMLoss`` when that is None or unknown (``GPT2LMHeadModel``: no "ForCausalLM" in the
+    name), so those take the causal-LM loss too."""
+    if not hasattr(module, "loss_type") or "_loss_function" in module.__dict__:
         return None
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    loss_type = module.loss_type
+    if loss_type is None or loss_type not in LOSS_MAPPING:
+        loss_type = "ForCausalLM"  # transformers' own default (PreTrainedModel.loss_function)
     if loss_type in _CAUSAL_LM_LOSS:
         return "replace"
     return (
