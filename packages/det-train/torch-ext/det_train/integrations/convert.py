@@ -554,10 +554,11 @@ def _loss_plan(module: nn.Module) -> str | None:
     name), so those take the causal-LM loss too."""
     if not hasattr(module, "loss_type") or "_loss_function" in module.__dict__:
         return None
-    from transformers.loss.loss_utils import LOSS_MAPPING
-
+    # transformers' table of loss types, loaded with the model's module (not imported here: a Hub
+    # kernel imports only the standard library, torch and triton)
+    known = getattr(sys.modules.get("transformers.loss.loss_utils"), "LOSS_MAPPING", None)
     loss_type = module.loss_type
-    if loss_type is None or loss_type not in LOSS_MAPPING:
+    if loss_type is None or (known is not None and loss_type not in known):
         loss_type = "ForCausalLM"  # transformers' own default (PreTrainedModel.loss_function)
     if loss_type in _CAUSAL_LM_LOSS:
         return "replace"
