@@ -33,7 +33,26 @@ def test_routed_ops_give_det_train_bits():
         assert_bitwise_equal(scaled, expected, "addmm beta/alpha")
         sb = torch.baddbmm(torch.zeros(1, 17, 40, dtype=a.dtype, device=DEVICE), a[None], b[None], alpha=1.0)
         assert_bitwise_equal(sb[0], matmul(a, b), "baddbmm")
-    assert "linear" in routed_ops() and "mm" in routed_ops()
+        mv = torch.addmv(bias[:17], a, b[:, 0], beta=0.5, alpha=2.0)
+        expected = (matmul_partial(a, b[:, :1])[:, 0] * 2.0 + 0.5 * bias[:17].float()).to(a.dtype)
+        assert_bitwise_equal(mv, expected, "addmv beta/alpha (one rounding)")
+    assert "linear" in routed_ops() and "mm" in routed_ops() and "addmv" in routed_ops()
+
+
+def test_out_overloads_and_addbmm_raise_inside_the_mode():
+    """Ops the mode does not route raise inside it rather than run torch's batch-variant kernel
+    silently: the out= overloads of the routed ops and addbmm; outside, torch's kernels run."""
+    a, b = _randn(17, 96, seed=1), _randn(96, 40, seed=2)
+    out = torch.empty(17, 40, dtype=a.dtype, device=DEVICE)
+    with deterministic_mode():
+        with pytest.raises(RuntimeError, match=r"aten::mm\.out is not routed .*without out="):
+            torch.mm(a, b, out=out)
+        with pytest.raises(RuntimeError, match=r"aten::mm\.out is not routed"):
+            torch.matmul(a, b, out=out)
+        with pytest.raises(RuntimeError, match=r"aten::addbmm is not routed .*bmm is routed"):
+            torch.addbmm(out, a[None], b[None])
+        assert_bitwise_equal(torch.mm(a, b), matmul(a, b), "the functional form still routed")
+    torch.mm(a, b, out=out)  # torch's own kernel again
 
 
 def test_routed_matmul_is_row_invariant():

@@ -2,7 +2,8 @@
 
 Inside the context, torch.library kernels registered for the ``CUDA`` dispatch key (and ``CPU``
 when the Triton interpreter is active) replace ``aten::mm``, ``addmm``, ``bmm``, ``baddbmm``,
-``mv`` and ``dot`` (so ``torch.matmul`` / ``@``, which decompose into them, follow), and a kernel
+``mv``, ``addmv`` and ``dot`` (so ``torch.matmul`` / ``@``, which decompose into them, follow),
+kernels that raise replace their ``out=`` overloads and ``addbmm``, and a kernel
 at the ``AutogradCUDA`` (/ ``AutogradCPU``) key replaces ``aten::linear`` with ``det_train.linear``
 (so ``nn.Linear`` / ``F.linear`` get the canonical-order weight gradient and the accumulator). On
 exit the registrations are destroyed and torch's own kernels are back.
@@ -82,6 +83,27 @@ def _mv(mat, vec):
     return forward_matmul(mat, vec.unsqueeze(1)).squeeze(1)
 
 
+def _addmv(inp, mat, vec, *, beta=1, alpha=1):
+    if mat.dim() != 2 or vec.dim() != 1:
+        raise ValueError(
+            f"addmv: expected a 2-D matrix and a 1-D vector, got {tuple(mat.shape)} and {tuple(vec.shape)}"
+        )
+    return _scaled(inp, _acc32(mat, vec.unsqueeze(1)).squeeze(1), beta, alpha, mat.dtype)
+
+
+def _refused(name: str, instead: str):
+    """A kernel for an op the mode does not route: it raises rather than run torch's own kernel
+    (batch-variant) silently inside the context."""
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(
+            f"deterministic_mode: aten::{name} is not routed to det_train's kernels, and torch's own "
+            f"kernel is not batch invariant: {instead}, or run it outside the context"
+        )
+
+    return refuse
+
+
 def _dot(a, b):
     if a.dim() != 1 or b.dim() != 1:
         raise ValueError(f"dot: expected 1-D tensors, got {tuple(a.shape)} and {tuple(b.shape)}")
@@ -99,8 +121,17 @@ _ROUTES = {
     "bmm": (_bmm, "backend"),
     "baddbmm": (_baddbmm, "backend"),
     "mv": (_mv, "backend"),
+    "addmv": (_addmv, "backend"),
     "dot": (_dot, "backend"),
     "linear": (_linear, "autograd"),
+}
+_OUT = "call it without out= (the result is a new tensor; copy it where it should go)"
+# ops the mode refuses inside the context (never a silent fallback): the out= overloads of the
+# routed ops (a separate aten kernel each) and addbmm (a sum over the batch in torch's order)
+_REFUSED = {
+    **{f"{name}.out": _OUT for name in ("mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "dot")},
+    "addbmm": "sum torch.bmm's result over the batch in the order you need (bmm is routed)",
+    "addbmm.out": "sum torch.bmm's result over the batch in the order you need (bmm is routed)",
 }
 
 
@@ -119,12 +150,15 @@ def _register() -> torch.library.Library:
             for dev in devices:
                 key = dev if family == "backend" else f"Autograd{dev}"
                 lib.impl(name, fn, key, **kwargs)
+        for name, instead in _REFUSED.items():
+            for dev in devices:
+                lib.impl(name, _refused(name, instead), dev, **kwargs)
     return lib
 
 
 @contextlib.contextmanager
 def deterministic_mode() -> Iterator[None]:
-    """Route aten mm / addmm / bmm / baddbmm / mv / dot and linear through det_train's kernels.
+    """Route aten mm / addmm / bmm / baddbmm / mv / addmv / dot and linear through det_train's kernels.
 
     Usage::
 
@@ -136,15 +170,18 @@ def deterministic_mode() -> Iterator[None]:
     otherwise keep torch's kernels). Re-entrant: nested contexts share one registration.
 
     Raises (inside the context, from the routed op): TypeError for dtypes other than bfloat16,
-    float16 and float32 (e.g. float64 or integer matmuls), ValueError for bad shapes — never a
-    silent fallback to the non-deterministic kernel.
+    float16 and float32 (e.g. float64 or integer matmuls), ValueError for bad shapes, RuntimeError
+    for the ``out=`` overloads of the routed ops and ``addbmm`` — never a silent fallback to the
+    non-deterministic kernel. (``a @ b`` shows a TypeError as Python's "unsupported operand type(s)
+    for @": ``Tensor.__matmul__`` turns it into NotImplemented; ``torch.matmul(a, b)`` keeps the
+    message.)
 
     **Determinism:** inside the context the routed ops have det_train's guarantees (run to run,
     row invariant; ``aten::linear`` also canonical-order dW / db). ``addmm`` with a 1-D bias gives
-    the same bits as ``det_train.linear``; other ``beta`` / ``alpha`` are applied to the fp32
-    accumulator elementwise, rounded once. Not covered: ops outside the list (e.g.
-    ``_scaled_mm``, ``addbmm``, ``einsum`` paths that do not reach mm/bmm, attention kernels), the
-    ``out=`` overloads, and torch.compile'd graphs (compiled code calls its own kernels). The
+    the same bits as ``det_train.linear``; other ``beta`` / ``alpha`` (and ``addmv``'s) are
+    applied to the fp32 accumulator elementwise, rounded once. Not covered: ops outside the list
+    (e.g. ``_scaled_mm``, ``einsum`` paths that do not reach mm/bmm, attention kernels) and
+    torch.compile'd graphs (compiled code calls its own kernels). The
     gradients of ``mm`` / ``bmm`` outside ``linear`` come from autograd's formulas (routed mm:
     batch invariant, but summed over all rows in one fold rather than the canonical leaf tree).
 
