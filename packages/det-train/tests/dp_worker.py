@@ -147,6 +147,30 @@ def case_refused(rank, world):
     return {"refused": torch.tensor(0)}
 
 
+def case_total_mismatch(rank, world):
+    """The last rank passes another total_tokens to reduce (a user error): every rank raises the same
+    ValueError naming each rank's value, before any data collective (none waits for another)."""
+    from _canonical_toy import toy_scale_rows
+
+    g = torch.Generator().manual_seed(0)
+    x, dy = torch.randn(32, 5, generator=g), torch.randn(32, 5, generator=g)
+    w = torch.randn(5, generator=g).requires_grad_()
+    acc = CanonicalGradAccumulator([("w", w)], leaf_tokens=LEAF)
+    start, end = (0, 16) if rank == 0 else (16, 32)
+    with acc.micro_batch(token_offset=start):
+        toy_scale_rows(x[start:end], w).backward(dy[start:end])
+    want = r"ranks passed different total_tokens to reduce: rank 0: 32, rank 1: 36"
+    try:
+        acc.reduce(total_tokens=32 if rank == 0 else 32 + LEAF)
+    except ValueError as err:
+        import re
+
+        if not re.search(want, str(err)):
+            print(f"rank {rank}: {err}", file=sys.stderr)
+        return {"mismatch": torch.tensor(1 if re.search(want, str(err)) else 2)}
+    return {"mismatch": torch.tensor(0)}
+
+
 def case_fsdp_accum(rank, world):
     """As ops_accum, with the model sharded by FSDP2 (fully_shard, uneven shards; an empty one at DP 4)."""
     from torch.distributed.device_mesh import init_device_mesh

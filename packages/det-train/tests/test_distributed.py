@@ -16,7 +16,7 @@ from det_core.testing import assert_bitwise_equal, run_processes
 
 CASES = {
     1: "accum_contiguous,accum_interleaved,ops_accum,ops_accum_odd,hook8,hook12",
-    2: "accum_contiguous,accum_interleaved,ops_accum,ops_accum_odd,fsdp_accum,hook8,refused",
+    2: "accum_contiguous,accum_interleaved,ops_accum,ops_accum_odd,fsdp_accum,hook8,refused,total_mismatch",
     3: "accum_contiguous,accum_interleaved,ops_accum,ops_accum_odd,fsdp_accum,hook12",
     4: "accum_contiguous,accum_interleaved,ops_accum,ops_accum_odd,fsdp_accum,hook8",
 }
@@ -89,6 +89,16 @@ def test_a_refused_reduce_raises_on_every_rank_instead_of_hanging():
     rank 0's (both join the metadata all-gather first, so neither waits for the other)."""
     for rank, got in enumerate(run_ranks(2)):
         assert int(got["refused/refused"]) == 1, f"rank {rank}: code {int(got['refused/refused'])}"
+
+
+def test_ranks_passing_different_total_tokens_all_raise_instead_of_hanging():
+    """Rank 1 passes another total_tokens: its own checks could fail while rank 0's pass and rank 0
+    would wait in the data collective; the values travel with the node keys, so both raise, naming
+    each rank's value."""
+    for rank, got in enumerate(run_ranks(2)):
+        assert int(got["total_mismatch/mismatch"]) == 1, (
+            f"rank {rank}: code {int(got['total_mismatch/mismatch'])}"
+        )
 
 
 def test_fsdp2_sharded_grads_equal_unsharded_dp_2_3_4():

@@ -251,7 +251,8 @@ def reduce_across_ranks(
         specs.append(
             dp_reduce.GradSpec(name, tuple(p.shape), p.dtype, p.device, sharded=fsdp_param is not None)
         )
-    keys = dp_reduce.exchange_node_keys(partials, specs, group, refusal)
+    agree = (("total_tokens", total_tokens), ("leaf_tokens", leaf_tokens))
+    keys = dp_reduce.exchange_node_keys(partials, specs, group, refusal, agree)
     total_leaves = num_leaves(total_tokens, leaf_tokens)
     checked_roots(dp_reduce.merge_node_keys(keys, names), total_tokens, leaf_tokens=leaf_tokens, names=names)
     return dp_reduce.owner_reduce(specs, partials, keys, total_leaves, group)

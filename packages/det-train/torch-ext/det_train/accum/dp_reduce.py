@@ -204,6 +204,7 @@ def exchange_node_keys(
     specs: list[GradSpec],
     group=None,
     refusal: Exception | None = None,
+    agree: tuple[tuple[str, object], ...] = (),
 ) -> list[dict[Slot, list[Key]]]:
     """Every rank's node keys per (parameter, use), by one ``all_gather_object`` (a collective).
 
@@ -213,6 +214,9 @@ def exchange_node_keys(
             the same on every rank).
         group: the process group (None: the default group).
         refusal: this rank's own error, if its checks failed: it travels with the keys.
+        agree: ``(name, value)`` pairs every rank must pass alike (``reduce``'s ``total_tokens``
+            and ``leaf_tokens``): a rank whose checks passed with its own values would otherwise
+            go on to the data collectives while another raised.
 
     Returns:
         ``keys[rank][slot]``: the sorted node keys rank ``rank`` holds for ``slot``.
@@ -220,7 +224,9 @@ def exchange_node_keys(
     Raises:
         ``refusal`` itself on the refusing rank and, on every other rank, ValueError naming the
         first refusing rank: every rank joins this collective first, so none waits in a later
-        collective a refusing rank never joins. RuntimeError when ranks track different parameters.
+        collective a refusing rank never joins. ValueError on every rank when the ``agree``
+        values differ between ranks (naming each rank's). RuntimeError when ranks track different
+        parameters.
 
     **Determinism:** metadata only.
     """
@@ -230,7 +236,15 @@ def exchange_node_keys(
     layout = [(spec.shape, str(spec.dtype), spec.sharded) for spec in specs]
     fingerprint = hashlib.sha256(repr(layout).encode()).hexdigest()[:16]
     meta: list = [None] * world
-    dist.all_gather_object(meta, (len(specs), fingerprint, local_keys, refused), group=group)
+    dist.all_gather_object(meta, (len(specs), fingerprint, local_keys, refused, agree), group=group)
+    for i, (name, _) in enumerate(agree):  # first: a rank's refusal may only be its consequence
+        values = [m[4][i][1] for m in meta]
+        if len(set(values)) != 1:
+            raise ValueError(
+                f"data-parallel ranks passed different {name} to reduce: "
+                + ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+                + "; every rank must pass the global batch's values"
+            )
     if refusal is not None:
         raise refusal
     others = [(rank, m[3]) for rank, m in enumerate(meta) if m[3] is not None]
