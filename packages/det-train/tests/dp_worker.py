@@ -124,51 +124,42 @@ def case_ops_accum_odd(rank, world):
     return {name: p.grad for name, p in model.named_parameters()}
 
 
-def case_refused(rank, world):
-    """Rank 0's shard ends inside a leaf (a user error): every rank's reduce raises, none hangs."""
+def _reduce_refused(rank: int, shard: tuple[int, int], total_tokens: int, want: str) -> int:
+    """One rank's micro-batch over ``shard`` of a 32-token toy batch, then ``reduce``: 1 if it raised
+    a ValueError matching ``want``, 2 for another message (printed), 0 if it did not raise."""
+    import re
+
     from _canonical_toy import toy_scale_rows
 
     g = torch.Generator().manual_seed(0)
     x, dy = torch.randn(32, 5, generator=g), torch.randn(32, 5, generator=g)
     w = torch.randn(5, generator=g).requires_grad_()
     acc = CanonicalGradAccumulator([("w", w)], leaf_tokens=LEAF)
-    start, end = (0, 13) if rank == 0 else (16, 32)
+    start, end = shard
     with acc.micro_batch(token_offset=start):
         toy_scale_rows(x[start:end], w).backward(dy[start:end])
-    want = "leaf 3 .* is open" if rank == 0 else "data-parallel rank 0 refused the reduce: ValueError: w"
     try:
-        acc.reduce(total_tokens=32)
+        acc.reduce(total_tokens=total_tokens)
     except ValueError as err:
-        import re
-
         if not re.search(want, str(err)):
             print(f"rank {rank}: {err}", file=sys.stderr)
-        return {"refused": torch.tensor(1 if re.search(want, str(err)) else 2)}
-    return {"refused": torch.tensor(0)}
+        return 1 if re.search(want, str(err)) else 2
+    return 0
+
+
+def case_refused(rank, world):
+    """Rank 0's shard ends inside a leaf (a user error): every rank's reduce raises, none hangs."""
+    want = "leaf 3 .* is open" if rank == 0 else "data-parallel rank 0 refused the reduce: ValueError: w"
+    shard = (0, 13) if rank == 0 else (16, 32)
+    return {"refused": torch.tensor(_reduce_refused(rank, shard, 32, want))}
 
 
 def case_total_mismatch(rank, world):
     """The last rank passes another total_tokens to reduce (a user error): every rank raises the same
     ValueError naming each rank's value, before any data collective (none waits for another)."""
-    from _canonical_toy import toy_scale_rows
-
-    g = torch.Generator().manual_seed(0)
-    x, dy = torch.randn(32, 5, generator=g), torch.randn(32, 5, generator=g)
-    w = torch.randn(5, generator=g).requires_grad_()
-    acc = CanonicalGradAccumulator([("w", w)], leaf_tokens=LEAF)
-    start, end = (0, 16) if rank == 0 else (16, 32)
-    with acc.micro_batch(token_offset=start):
-        toy_scale_rows(x[start:end], w).backward(dy[start:end])
     want = r"ranks passed different total_tokens to reduce: rank 0: 32, rank 1: 36"
-    try:
-        acc.reduce(total_tokens=32 if rank == 0 else 32 + LEAF)
-    except ValueError as err:
-        import re
-
-        if not re.search(want, str(err)):
-            print(f"rank {rank}: {err}", file=sys.stderr)
-        return {"mismatch": torch.tensor(1 if re.search(want, str(err)) else 2)}
-    return {"mismatch": torch.tensor(0)}
+    shard, total = ((0, 16), 32) if rank == 0 else ((16, 32), 32 + LEAF)
+    return {"mismatch": torch.tensor(_reduce_refused(rank, shard, total, want))}
 
 
 def case_fsdp_accum(rank, world):
