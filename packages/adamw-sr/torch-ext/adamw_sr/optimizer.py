@@ -5,7 +5,8 @@ and moments stored in fp32, bf16 or 8 bits (``state_dtype``; formats in ``_state
 The class validates its param groups, keeps the state and builds each step's launches, which it
 runs through the functional step ``functional.fused_step`` (the one way to the kernel, also behind
 ``adamw_sr_step``, re-exported here), on both its full and its recorded (``_step_cache``) path; the
-global element index is ``indices``, the host launch code ``_launch``, the kernels ``_kernel``.
+global element index is ``indices``, the host launch code ``_launch``, the kernels ``_kernel``, and
+the checkpoint checks and copies behind ``load_state_dict`` ``_state_dict``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ._checks import (
     param_problem,
 )
 from ._launch import LaunchPlan, to_device_async
+from ._state_dict import STATE_KEYS, check_loadable, copy_loaded_states, fill_group_defaults
 from ._step_cache import GroupLaunches, LaunchSet, grad_mask, pack_steps, packed_steps
 from .functional import StepLaunch, adamw_sr_step, dispatch_mode_active, fused_step, hyper_tensor
 from .indices import (
@@ -38,8 +40,6 @@ from .indices import (
 )
 
 __all__ = ["AdamWSR", "adamw_sr_step", "default_base_indices", "local_segments"]
-
-_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
 class AdamWSR(torch.optim.Optimizer):
@@ -350,83 +350,11 @@ class AdamWSR(torch.optim.Optimizer):
                 as it was.
         """
         saved = state_dict["state"]
-        self._check_loadable(state_dict)
+        check_loadable(self.param_groups, state_dict)
         super().load_state_dict(state_dict)
-        order = [(p, g) for g in self.param_groups for p in g["params"]]
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        for pid, (p, group) in zip(saved_ids, order, strict=True):
-            if pid in saved:
-                fp32 = group["state_dtype"] == _states.FLOAT32
-                for key in (*_STATE_KEYS, *_states.SCALE_KEYS):
-                    value = saved[pid].get(key)
-                    if value is None:
-                        continue
-                    dtype = torch.float32 if fp32 else value.dtype
-                    # a copy, so in-place steps never write into the caller's state_dict
-                    if is_dtensor(value):
-                        self.state[p][key] = value.to(dtype=dtype, copy=True)
-                    else:
-                        self.state[p][key] = value.to(device=local_tensor(p).device, dtype=dtype, copy=True)
-                step = self.state[p].get("step")
-                if isinstance(step, torch.Tensor) and step is saved[pid].get("step"):
-                    self.state[p]["step"] = step.clone()  # torch would alias the caller's step tensor
+        copy_loaded_states(self.state, self.param_groups, saved, state_dict["param_groups"])
         self._clear_launch_caches()
         self._state_flags = {"unchecked": True, "state_dtypes": ()}
-
-    def _check_loadable(self, state_dict: dict) -> None:
-        """``load_state_dict``'s format checks, before anything changes (see there)."""
-        saved_groups = state_dict.get("param_groups", [])
-        if len(saved_groups) != len(self.param_groups):
-            return  # torch's own load names this mismatch
-        for i, (mine, theirs) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
-            raw = theirs.get("state_dtype", _states.FLOAT32)
-            try:
-                saved_dtype = _states.canonical_state_dtype(raw, "AdamWSR.load_state_dict")
-            except ValueError as e:
-                raise ValueError(f"param group {i} of the checkpoint: {e}") from None
-            if saved_dtype != mine["state_dtype"]:
-                raise ValueError(
-                    f"AdamWSR.load_state_dict: param group {i} of the checkpoint has state_dtype="
-                    f"{saved_dtype!r}, this optimizer's group has state_dtype={mine['state_dtype']!r}; "
-                    "moments are not converted between formats: build the optimizer with "
-                    f"state_dtype={saved_dtype!r} to resume this checkpoint"
-                )
-            want = _states.moment_dtype(saved_dtype)
-            for pid in theirs.get("params", []):
-                state = state_dict["state"].get(pid) or {}
-                keys = (*_STATE_KEYS, *(_states.SCALE_KEYS if saved_dtype == _states.EIGHT_BIT else ()))
-                for key in keys:
-                    value = state.get(key)
-                    if value is None:
-                        if key in _states.SCALE_KEYS and state.get("exp_avg") is not None:
-                            raise ValueError(
-                                f"AdamWSR.load_state_dict: the 8-bit state of param {pid} (group {i}) "
-                                f"lacks '{key}'"
-                            )
-                        continue
-                    ok = value.is_floating_point() if want == torch.float32 and key in _STATE_KEYS else (
-                        value.dtype == (torch.uint8 if key in _states.SCALE_KEYS else want)
-                    )  # fmt: skip
-                    if not ok:
-                        raise ValueError(
-                            f"AdamWSR.load_state_dict: state '{key}' of param {pid} (group {i}, "
-                            f"state_dtype={saved_dtype!r}) has dtype {value.dtype}; that format stores "
-                            f"{torch.uint8 if key in _states.SCALE_KEYS else want}"
-                        )
-        # the checkpoint's base_index replaces each group's: its ranges must be disjoint too
-        loaded = [
-            dict(g, base_index=t.get("base_index"))
-            for g, t in zip(self.param_groups, saved_groups, strict=True)
-        ]
-        for i, group in enumerate(loaded):
-            if len(saved_groups[i].get("params", [])) != len(group["params"]):
-                return  # torch's own load names this mismatch
-            if group["base_index"] is not None and len(group["base_index"]) != len(group["params"]):
-                raise ValueError(
-                    f"AdamWSR.load_state_dict: param group {i} of the checkpoint has base_index "
-                    f"{group['base_index']!r} for {len(group['params'])} params; it must list one per param"
-                )
-        check_disjoint_indices(loaded, "AdamWSR.load_state_dict (the checkpoint's base_index)")
 
     def __setstate__(self, state: dict) -> None:
         """Fill group options a loaded state lacks (e.g. a ``torch.optim.AdamW`` state_dict), like torch."""
@@ -437,18 +365,8 @@ class AdamWSR(torch.optim.Optimizer):
         self._segments_cache = PlanCache(limit=64)
         self._hyper_cache = PlanCache(limit=256)
         self._launch_records = {}
-        for group in self.param_groups:
-            group.setdefault("amsgrad", False)
-            group.setdefault("maximize", False)
-            group.setdefault("foreach", None)
-            group.setdefault("capturable", False)
-            group.setdefault("differentiable", False)
-            group.setdefault("fused", None)
-            group.setdefault("seed", self.defaults.get("seed", 0) if hasattr(self, "defaults") else 0)
-            group.setdefault("stochastic_rounding", None)
-            group.setdefault("base_index", None)
-            group.setdefault("state_dtype", _states.FLOAT32)  # a checkpoint without it has float moments
-            group.setdefault("state_rounding", "stochastic")
+        default_seed = self.defaults.get("seed", 0) if hasattr(self, "defaults") else 0
+        fill_group_defaults(self.param_groups, default_seed)
 
     # ----------------------------------------------------------------- step
 
@@ -636,7 +554,7 @@ class AdamWSR(torch.optim.Optimizer):
                 counts = pack_steps(ps_states)
             else:
                 counts = None if torch.compiler.is_compiling() else packed_steps(ps_states)
-            moments = tuple(_state_list(ps_states, key, roles) for key in (*_STATE_KEYS, *_states.SCALE_KEYS))
+            moments = tuple(_state_list(ps_states, key, roles) for key in (*STATE_KEYS, *_states.SCALE_KEYS))
             launch, plan = _launch_step(
                 group, [local_tensor(p) for p in ps], [local_tensor(p.grad) for p in ps], moments, segments,
                 (counts, [s["step"] for s in ps_states]), device, hyper, grad_scale, found_inf,
