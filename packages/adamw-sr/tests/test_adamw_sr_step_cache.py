@@ -14,7 +14,7 @@ import pytest
 import torch
 from adamw_sr import AdamWSR, adamw_sr_step_reference, default_base_indices
 from adamw_sr import optimizer as optimizer_module
-from det_core.testing import assert_bitwise_equal, digest
+from det_core.testing import OpNames, assert_bitwise_equal, digest
 
 SHAPES = [(5,), (7,), (3, 4)]
 HYPER = dict(lr=1e-2, weight_decay=0.1, seed=7)
@@ -204,17 +204,6 @@ def test_a_step_off_the_record_advances_the_packed_counters_once(monkeypatch):
     tensor-subclass mode) after recorded steps advances the packed counter buffer with one add (no
     multi-tensor add, no stack of the counters) and keeps the counters its views: the
     reference's bits and counts, then recorded steps again."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.__name__)
-            return func(*args, **(kwargs or {}))
-
     params = _params()
     ref = _Reference(params)
     opt = AdamWSR(params, **HYPER)
@@ -230,7 +219,7 @@ def test_a_step_off_the_record_advances_the_packed_counters_once(monkeypatch):
     grads = [_grad(i, step) for i in range(len(params))]
     for p, g in zip(params, grads, strict=True):
         p.grad = g
-    with Ops() as ops:
+    with OpNames() as ops:
         opt.step()
     ref.step(grads)
     step += 1

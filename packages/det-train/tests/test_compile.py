@@ -19,12 +19,11 @@ import det_train
 import pytest
 import torch
 import torch.nn.functional as F
-from det_core.testing import assert_bitwise_equal, contiguous_splits
+from det_core.testing import OpNames, assert_bitwise_equal, contiguous_splits
 from det_train import CanonicalGradAccumulator, layers
 from det_train.accum import deposit
 from det_train.ops._library import NAMESPACE
 from torch._dynamo.testing import CompileCounterWithBackend
-from torch.utils._python_dispatch import TorchDispatchMode
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BF16 = torch.bfloat16
@@ -626,18 +625,6 @@ def test_deposit_ops_are_tagged_cudagraph_unsafe_and_the_others_are_not():
         assert tagged == (name not in others), f"{name}: cudagraph_unsafe tag {tagged}"
 
 
-class _OpNames(TorchDispatchMode):
-    """The names of the aten ops run inside it; any dispatch mode also routes det ops to the operator."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("path", ["eager", "operator"])
 def test_an_undefined_output_gradient_counts_as_zeros(path):
     """Output 0 of an op with saved statistics may get no gradient (a downstream Function that
@@ -663,7 +650,7 @@ def test_an_undefined_output_gradient_counts_as_zeros(path):
         "cross_entropy": lambda: det_train.cross_entropy(x, targets, reduction="sum"),
     }
     for name, op in ops.items():
-        with _OpNames() if path == "operator" else contextlib.nullcontext():
+        with OpNames() if path == "operator" else contextlib.nullcontext():
             out = op()
         loss = NoGradient.apply(out).float().sum() + x.float().sum()
         gx = torch.autograd.grad(loss, x)[0]
@@ -689,10 +676,10 @@ def test_saved_statistics_get_no_zero_gradient_in_the_backward(path):
 
     grads = {}
     for mode in ("eager", path):
-        forward_mode = _OpNames() if mode == "operator" else contextlib.nullcontext()
+        forward_mode = OpNames() if mode == "operator" else contextlib.nullcontext()
         with forward_mode:
             loss = loss_fn()
-        with _OpNames() as backward_ops:
+        with OpNames() as backward_ops:
             grads[mode] = torch.autograd.grad(loss, (x, w, b))
         fills = ("zeros", "zero_", "fill_", "zeros_like")
         filled = [n for n in backward_ops.names if n.split(".")[0] in fills]

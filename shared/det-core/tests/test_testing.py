@@ -3,6 +3,7 @@
 import pytest
 import torch
 from det_core.testing import (
+    OpNames,
     assert_bitwise_equal,
     assert_decomposition_invariant,
     assert_row_invariant,
@@ -131,3 +132,14 @@ def test_run_ranks_gives_each_rank_torchruns_environment_and_reports_a_failing_r
         AssertionError, match=r"rank_script.py on 2 ranks: torchrun exited 1(.|\n)*rank 1 fails on purpose"
     ):
         run_ranks(script, 2, [tmp_path, 1])
+
+
+def test_op_names_records_each_aten_op_in_order_and_leaves_results_alone():
+    with OpNames() as ops:
+        t = torch.zeros(3)
+        t.add_(2.0)
+        out = t * 3
+    assert ops.names == ["zeros.default", "add_.Tensor", "mul.Tensor"]
+    assert out.tolist() == [6.0, 6.0, 6.0]
+    torch.ones(1)  # outside the mode: not recorded
+    assert len(ops.names) == 3

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._nested import hex_bits, nested_leaves
 
@@ -35,6 +36,7 @@ __all__ = [
     "run_ranks",
     "DivergenceReport",
     "Difference",
+    "OpNames",
 ]
 
 # det_core.testing.divergence (the divergence finder, a subpackage) loads on first use: the
@@ -296,3 +298,23 @@ def run_in_fresh_process(
     if not lines:
         raise AssertionError("fresh process printed nothing")
     return lines[-1]
+
+
+class OpNames(TorchDispatchMode):
+    """A dispatch mode that records the name of every aten op run inside it, in call order.
+
+    ``with OpNames() as ops: ...`` then ``ops.names``: overload names such as ``"add_.Tensor"`` or
+    ``"zeros.default"``, for tests that say which ops a path runs (or never runs). Each op runs
+    unchanged. Any active dispatch mode changes some paths, this one too: det-train's ops and
+    AdamWSR's step take their custom-op route under one (AdamWSR's step also leaves its recorded
+    launches), which tests use to reach that route.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        """Record ``func``'s name, then run it as it is."""
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
