@@ -21,8 +21,8 @@ def who(acc, param: torch.Tensor | None, op: str | None) -> str:
     index = None if param is None else acc._index.get(id(param))
     if index is None and param is not None:  # FSDP2: the unsharded parameter of a tracked one
         index = next((i for i, f in acc._fsdp.items() if getattr(f, "_unsharded_param", None) is param), None)
-    if param is None:
-        return f"a parameter ({op or 'an op'})"
+    if param is None:  # the token count micro_batch(num_tokens=...) was given, or an op's
+        return op if op and op.startswith("micro_batch") else f"a parameter ({op or 'an op'})"
     name = "an untracked parameter" if index is None else acc._names[index]
     return f"{name} ({op or 'an op'})"
 

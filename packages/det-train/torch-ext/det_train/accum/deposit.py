@@ -24,11 +24,12 @@ from collections.abc import Callable
 
 import torch
 from det_core.reduce import TreePartial
+from det_core.runtime import plain_eager
 
 from ._open_leaf import LeafFold
 from .grad_accum import DEFAULT_LEAF_TOKENS, current_accumulator
 
-__all__ = ["LeafSums", "accumulation", "leaf_tokens", "rows", "ticket"]
+__all__ = ["LeafSums", "accumulation", "fixed_fold", "fold_wanted", "leaf_tokens", "rows", "ticket"]
 
 # An op's leaf-sum function: (leaf_tokens, global index of the first leaf, rows of whole leaves) ->
 # partial tree of the leaf sums over those rows (only the last leaf of the global batch may be short).
@@ -71,6 +72,44 @@ def accumulation() -> tuple[int, bool]:
     if acc is None:
         return DEFAULT_LEAF_TOKENS, False
     return acc.leaf_tokens, True
+
+
+def fixed_fold(op: str, weight: torch.Tensor, tokens: int) -> torch.Tensor | None:
+    """The active accumulator's fixed fold of ``weight`` (``CanonicalGradAccumulator.fixed_folds``),
+    read when the forward runs (or is traced), or None (no accumulator active, or no fixed fold).
+
+    Args:
+        op: the public name of the op, for the message.
+        weight: the parameter as the forward received it.
+        tokens: the rows of the forward's call (the micro-batch's tokens).
+
+    Raises:
+        ValueError: ``tokens`` differs from the micro-batch's ``num_tokens``.
+
+    **Determinism:** a lookup; it chooses where the weight's open leaf is folded, not the order.
+    """
+    acc = current_accumulator()
+    return None if acc is None else acc._fixed_fold_of(weight, tokens, op)
+
+
+def fold_wanted(op: str, weight: torch.Tensor, dy: torch.Tensor) -> bool:
+    """Whether the backward continues ``weight``'s fixed fold. Under a trace (``torch.compile``)
+    always; in eager execution, checked as a deposit is: an accumulator is active, and the running
+    backward accumulates into ``weight`` (not ``torch.autograd.grad`` of other tensors).
+
+    Raises:
+        RuntimeError: the backward runs outside every micro-batch (eager).
+        ValueError: the fold was already continued in this micro-batch (the weight used twice, or
+            a second backward; eager).
+
+    **Determinism:** a yes / no from the engine's graph, no value read.
+    """
+    if not plain_eager((dy,)):
+        return True
+    acc = current_accumulator()
+    if acc is None:
+        raise _outside(op)
+    return acc._backward_wants(weight) and acc._fixed_fold_once(weight, op)
 
 
 def _outside(op: str) -> RuntimeError:

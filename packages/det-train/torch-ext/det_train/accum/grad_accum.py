@@ -33,6 +33,7 @@ from det_core.runtime import as_index
 
 from . import _reduce, dp_reduce
 from ._backward import WantedGradients, graph_task_id, in_compiled_autograd, queue_callback
+from ._fixed_folds import FixedFolds
 from ._messages import (
     check_not_open,
     failed_backward,
@@ -206,6 +207,7 @@ class CanonicalGradAccumulator:
         self._groups: dict[tuple[int, int], int] = {}
         self._new_groups: dict[tuple[int, int], int] = {}
         self._by_storage: dict[tuple, torch.Tensor] = {}  # tracked tensors by memory (``tracked``)
+        self._fixed: FixedFolds | None = None  # fixed_folds: the Linear weights' fixed-address folds
 
     def track_fsdp(self, module: torch.nn.Module) -> CanonicalGradAccumulator:
         """Accept deposits for FSDP2's unsharded parameters of ``module`` (``fully_shard``).
@@ -227,9 +229,98 @@ class CanonicalGradAccumulator:
             )
         return self
 
+    def fixed_folds(self, module: torch.nn.Module) -> CanonicalGradAccumulator:
+        """Fold the weight gradient of every ``det_train.Linear`` of ``module`` into a buffer of fixed
+        address: deposits a CUDA graph can hold (``torch.compile(mode="reduce-overhead")``) and no host
+        bookkeeping per deposit. Returns ``self``.
+
+        Each such weight this accumulator tracks gets one fp32 buffer of its shape, allocated here
+        and kept for the accumulator's life (4 bytes per weight element, also between steps). Its
+        forward passes the buffer to the backward, whose ``det_train::linear_fold_weight`` op
+        continues the open leaf's fold in it; ``micro_batch`` zeroes the buffers when a micro-batch
+        starts a leaf and, when one ends a leaf, adds a copy of each buffer to its weight's tree.
+        The micro-batches must then give ``num_tokens`` and each lie inside one leaf (micro-batch
+        sizes that divide ``leaf_tokens``), and a weight is folded only through its module's forward,
+        once per micro-batch. What differs from the plain deposit path: a fixed-fold weight counts as
+        used in every micro-batch (a module skipped in one adds nothing to its fold, and a weight
+        never used gets a zero gradient instead of ``reduce``'s error), and under ``torch.compile``
+        a backward that does not accumulate into the weights (``torch.autograd.grad`` of other
+        tensors) still folds them (eager execution checks it, as the plain path).
+
+        Args:
+            module: the model (or part of it) whose ``det_train.Linear`` modules get fixed folds;
+                Linears whose weight is not tracked or is shared with another Linear are left on the
+                plain path (a tied embedding table may be shared: its lookup deposits as before).
+
+        Raises:
+            ValueError: the accumulator was built with ``recoverable=True`` (a fold continued in
+                place cannot be undone: build it with ``recoverable=False``); it holds deposits or
+                open leaves (call this before a step's first micro-batch, or after ``reduce`` /
+                ``reset``); ``module`` has no ``det_train.Linear`` with a tracked, unshared weight;
+                the weights are FSDP2-sharded (``track_fsdp``: not supported with fixed folds).
+
+        **Determinism:** the same kernel and fold order as the plain path (a leaf's fold from a
+        zeroed buffer has the bits of a fold from zero), the same leaves and tree: ``p.grad`` has the
+        plain path's bits for any split into micro-batches that fit (a weight's fold and its other
+        uses' trees are added in a fixed order; with at most two uses, the order of the plain path's
+        roots gives the same sum).
+        """
+        from ..ops.linear import Linear, fixed_fold_step  # (ops import the accumulator)
+
+        if self.recoverable:
+            raise ValueError(
+                "fixed_folds continues each Linear weight's fold in place, which an undo log cannot undo: "
+                "build the accumulator with CanonicalGradAccumulator(..., recoverable=False)"
+            )
+        if self._partials or self._carry or self._spans or _ACTIVE:
+            raise ValueError(
+                "fixed_folds: this accumulator holds deposits of a step in progress: call it before the "
+                "step's first micro-batch (or after reduce / reset)"
+            )
+        linears = [m for m in module.modules() if isinstance(m, Linear)]
+        uses: dict[int, int] = {}
+        for m in linears:
+            uses[id(m.weight)] = uses.get(id(m.weight), 0) + 1
+        chosen = [m.weight for m in linears if uses[id(m.weight)] == 1 and id(m.weight) in self._index]
+        if any(self._index[id(w)] in self._fsdp for w in chosen):
+            raise ValueError("fixed_folds: FSDP2-sharded weights (track_fsdp) do not take fixed folds")
+        if not chosen:
+            raise ValueError(
+                f"fixed_folds: {type(module).__name__} has no det_train.Linear whose weight this accumulator "
+                "tracks (and no other Linear shares): convert the model first (det_train.convert) and build "
+                "the accumulator from its parameters"
+            )
+        self._fixed = self._fixed or FixedFolds()
+        for weight in chosen:
+            self._fixed.add(self._index[id(weight)], weight, fixed_fold_step(weight))
+        return self
+
+    def _fixed_fold_of(self, weight: torch.Tensor, tokens: int, op: str) -> torch.Tensor | None:
+        """``weight``'s fixed fold (``fixed_folds``) for a forward over ``tokens`` rows, or None.
+        Raises ValueError when ``tokens`` is not the micro-batch's ``num_tokens``."""
+        fold = None if self._fixed is None else self._fixed.by_id.get(id(weight))
+        if fold is not None and tokens != self._tokens:
+            raise ValueError(token_mismatch(self, tokens, weight, op))
+        return fold
+
+    def _fixed_fold_once(self, weight: torch.Tensor, op: str) -> bool:
+        """True at the first fold of ``weight``'s fixed fold in this micro-batch (eager); raises
+        ValueError at a second one (two uses of the weight, or a second backward)."""
+        if not self._fixed.first_use(id(weight)):
+            name = self._names[self._index[id(weight)]]
+            raise ValueError(
+                f"{name} ({op}): its fixed fold was continued twice in this micro-batch (the weight used by "
+                "two ops, or a second backward): fixed folds take one use per micro-batch, in token order. "
+                "Build the accumulator without fixed_folds for this model, or run each token range in its "
+                "own micro_batch"
+            )
+        return True
+
     # ------------------------------------------------------------------ micro-batches
     @contextlib.contextmanager
-    def micro_batch(self, token_offset: int) -> Iterator[CanonicalGradAccumulator]:
+    def micro_batch(
+        self, token_offset: int, num_tokens: int | None = None
+    ) -> Iterator[CanonicalGradAccumulator]:
         """Make this accumulator active for one micro-batch starting at global token ``token_offset``.
 
         The micro-batch may have any number of tokens, and micro-batches may come in any order,
@@ -237,10 +328,16 @@ class CanonicalGradAccumulator:
         rank ended (the pieces of a leaf are summed in token order); every other micro-batch starts
         on a leaf boundary.
 
+        ``num_tokens`` (optional; required with ``fixed_folds``): the micro-batch's token count,
+        which every op that deposits must then see (a ValueError otherwise). With fixed folds the
+        micro-batch must lie inside one leaf and, if it continues a leaf, start on a multiple of the
+        folds' token step (64).
+
         Raises:
-            TypeError: ``token_offset`` not an integer.
+            TypeError: ``token_offset`` or ``num_tokens`` not an integer.
             ValueError: ``token_offset`` negative, or inside a leaf where no earlier micro-batch on
-                this rank ended.
+                this rank ended; ``num_tokens`` not positive, missing with fixed folds, or (fixed
+                folds) a micro-batch that crosses a leaf boundary or continues a leaf off the step.
             RuntimeError: another micro-batch context is active; a tracked parameter has a tensor
                 hook (``register_hook``) or a post-accumulate-grad hook
                 (``register_post_accumulate_grad_hook``): it would see ``None``, det's gradient going
@@ -258,9 +355,19 @@ class CanonicalGradAccumulator:
         into micro-batches, their order or their sizes (the canonical order of ``det_core.reduce``).
         """
         token_offset = as_index(token_offset, "token_offset", "micro_batch")  # TypeError
+        if num_tokens is not None:
+            num_tokens = as_index(num_tokens, "num_tokens", "micro_batch")
         self._check_poisoned()  # before any other error: the step must be run again
         if token_offset < 0:
             raise ValueError(f"token_offset must be a non-negative int, got {token_offset!r}")
+        if num_tokens is not None and num_tokens <= 0:
+            raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
+        fixed = self._fixed
+        if fixed is not None and num_tokens is None:
+            raise ValueError(
+                "this accumulator has fixed folds (fixed_folds): pass the micro-batch's token count, "
+                "acc.micro_batch(token_offset, num_tokens=...)"
+            )
         if token_offset % self.leaf_tokens and token_offset not in self._open_ends:
             ends = sorted(self._open_ends)
             raise ValueError(
@@ -278,12 +385,16 @@ class CanonicalGradAccumulator:
         ]
         if hooked:
             raise RuntimeError(gradient_hooks(hooked))
+        if fixed is not None:
+            fixed.begin(self, token_offset, num_tokens)  # checks; zeroes the folds at a leaf's start
         self._token_offset = token_offset
         self._tokens = None
         self._uses = {}  # (the undo log is new: each micro-batch's ``finally`` and ``_clear`` make it)
         self._new_groups = {}
         self._unfinished = set()  # graph tasks that deposited and have not finished without an error
         spans, max_end = len(self._spans), self._max_end
+        if num_tokens is not None:  # every depositing op must see these tokens
+            self._note_tokens(num_tokens, None, "micro_batch(num_tokens=...)")
         _ACTIVE.append(self)
         try:
             yield self
@@ -291,7 +402,7 @@ class CanonicalGradAccumulator:
                 raise RuntimeError(failed_backward(self, token_offset))
         except BaseException as err:
             self.pending_copies = []
-            if self.recoverable or not self._uses:  # no deposit began: nothing was written in place
+            if self.recoverable or not (self._uses or fixed):  # nothing was written in place
                 self._undo(spans, max_end)  # a micro-batch that raises leaves no deposit: run it again
             else:  # its folds and nodes were written in place: refuse every later call (no silent sum)
                 self._poisoned = poisoned(self, token_offset, err)
@@ -299,6 +410,8 @@ class CanonicalGradAccumulator:
         else:
             self.flush()  # the micro-batch's tensors can go: their open-leaf rows are copied
             self._groups.update(self._new_groups)
+            if fixed is not None:  # a completed leaf's folds join the trees, an open one is carried
+                fixed.end(self, token_offset, num_tokens)
             if self._tokens is not None:  # ops deposited: the leaf it continued is no longer open here
                 self._open_ends.discard(token_offset)
                 if (token_offset + self._tokens) % self.leaf_tokens:

@@ -38,7 +38,9 @@ class GradPlan:
 
     ``leaf_tokens``: the canonical order's leaf (the accumulator's, else ``DEFAULT_LEAF_TOKENS``);
     ``weight`` / ``bias``: deposit that gradient into the active accumulator (the autograd gradient
-    is then None) instead of returning it; ``ticket``: the deposit ops' mutated ticket, or None.
+    is then None) instead of returning it; ``ticket``: the deposit ops' mutated ticket, or None;
+    ``fold``: the weight's fixed fold (``CanonicalGradAccumulator.fixed_folds``), which the backward
+    continues in place instead of depositing through the ticket's ops, or None.
 
     **Determinism:** part of the op's schema arguments (so of a compiled graph): the leaf size is
     part of the canonical order; depositing or returning gives the same sums for a leaf-aligned
@@ -49,6 +51,7 @@ class GradPlan:
     weight: bool = False
     bias: bool = False
     ticket: torch.Tensor | None = None
+    fold: torch.Tensor | None = None
 
 
 def plan_grads(tokens: int, weight: torch.Tensor, bias: torch.Tensor | None) -> GradPlan:
@@ -90,19 +93,41 @@ def grad_plan(leaf_tokens: int, weight: bool, bias: bool, ticket: torch.Tensor |
     return plan if plan is not None else _GRAD_PLANS.put(key, GradPlan(leaf_tokens, weight, bias, ticket))
 
 
+def fixed_plan(plan: GradPlan, weight: torch.Tensor, tokens: int) -> GradPlan:
+    """``plan`` with the weight's fixed fold when the active accumulator has one for it (then the
+    ticket only for a deposited bias); ``plan`` itself otherwise. Raises ValueError when ``tokens``
+    is not the micro-batch's ``num_tokens``.
+
+    **Determinism:** chooses where the weight's leaf folds are kept, not their order or bits."""
+    if not plan.weight:
+        return plan
+    fold = deposit.fixed_fold("det_train.linear", weight, tokens)
+    if fold is None:
+        return plan
+    return GradPlan(plan.leaf_tokens, True, plan.bias, plan.ticket if plan.bias else None, fold)
+
+
+def fixed_fold_step(weight: torch.Tensor) -> int:
+    """The token step of ``weight``'s dW fold (``weight_grad_config``'s ``block_t``): a fixed fold's
+    leaf may be continued only at multiples of it."""
+    return weight_grad_config(weight.dtype, weight.shape[0], weight.shape[1]).block_t
+
+
 @Op("linear")
 def linear_op(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     ticket: torch.Tensor | None,
+    fold: torch.Tensor | None,
     leaf_tokens: int,
     deposit_weight: bool,
     deposit_bias: bool,
 ) -> torch.Tensor:
     """The ``det_train::linear`` op: ``y = x @ weight.T + bias`` (``linear`` after its checks).
 
-    ``ticket``, ``leaf_tokens`` and the ``deposit_*`` flags are ``plan_grads``'s, for the backward.
+    ``ticket``, ``fold``, ``leaf_tokens`` and the ``deposit_*`` flags are ``fixed_plan``'s, for the
+    backward.
     """
     return affine_rows(x, weight.shape[0], bias, lambda x2d, y: launch_linear(x2d, weight, y, bias))
 
@@ -121,16 +146,19 @@ def affine_rows(x: torch.Tensor, n: int, bias: torch.Tensor | None, launch) -> t
 
 
 @linear_op.register_fake
-def _(x, weight, bias, ticket, leaf_tokens, deposit_weight, deposit_bias):
+def _(x, weight, bias, ticket, fold, leaf_tokens, deposit_weight, deposit_bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def _linear_setup(ctx, inputs, output):
-    x, weight, bias, ticket, leaf_tokens, deposit_weight, deposit_bias = inputs
+    x, weight, bias, ticket, fold, leaf_tokens, deposit_weight, deposit_bias = inputs
     ctx.save_for_backward(x, weight, bias)  # a saved leaf unpacks as the Parameter itself
     ctx.has_bias = bias is not None
-    # the ticket is mutated by the backward's deposit ops: not saved (saving checks its version)
-    ctx.plan = grad_plan(leaf_tokens, deposit_weight, deposit_bias, ticket)
+    # the ticket and the fold are mutated by the backward: not saved (saving checks their versions)
+    if fold is None:
+        ctx.plan = grad_plan(leaf_tokens, deposit_weight, deposit_bias, ticket)
+    else:
+        ctx.plan = GradPlan(leaf_tokens, deposit_weight, deposit_bias, ticket, fold)
 
 
 def _linear_backward(ctx, dy):
@@ -144,7 +172,7 @@ def _linear_backward(ctx, dy):
         grad_x = matmul_rows(dy2d, weight).view(x.shape)  # the rows of dy2d @ W
     want_b = ctx.has_bias and ctx.needs_input_grad[2]
     grad_w, grad_b = param_grads(dy2d, x2d, weight, bias, ctx.needs_input_grad[1], want_b, ctx.plan)
-    return grad_x, grad_w, grad_b, None, None, None, None
+    return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
@@ -194,6 +222,19 @@ def _(dy, x, weight, ticket):
     return None
 
 
+@Op("linear_fold_weight", ("fold",))
+def fold_weight_op(dy: torch.Tensor, x: torch.Tensor, fold: torch.Tensor) -> None:
+    """The ``det_train::linear_fold_weight`` op: ``fold`` += dW = dY^T X of this micro-batch's rows,
+    continued in place (a fixed fold, ``CanonicalGradAccumulator.fixed_folds``): one kernel, no host
+    bookkeeping, so a CUDA graph may hold it (not tagged ``cudagraph_unsafe``)."""
+    weight_grad_fold(dy, x, fold, out=fold)
+
+
+@fold_weight_op.register_fake
+def _(dy, x, fold):
+    return None
+
+
 @Op("linear_deposit_bias", ("ticket",))
 def deposit_bias_op(dy: torch.Tensor, bias: torch.Tensor, ticket: torch.Tensor) -> None:
     """The ``det_train::linear_deposit_bias`` op: deposit db = the sum of ``dy``'s rows into the
@@ -233,7 +274,10 @@ def param_grads(
     """
     grad_w = grad_b = None
     if want_w:
-        if plan.weight:
+        if plan.fold is not None:
+            if deposit.fold_wanted("det_train.linear", weight, dy2d):
+                fold_weight_op(dy2d, x2d, plan.fold)
+        elif plan.weight:
             deposit_weight_op(dy2d, x2d, weight, plan.ticket)
         else:
             grad_w = weight_grad_op(dy2d, x2d, plan.leaf_tokens, weight.dtype)
@@ -362,8 +406,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Nondeterminism in LLM Inference", 2025); canonical pairwise tree (Higham, SISC 1993).
     """
     check_linear(x, weight, bias)
-    plan = plan_grads(math.prod(x.shape[:-1]), weight, bias)
-    return linear_op(x, weight, bias, plan.ticket, plan.leaf_tokens, plan.weight, plan.bias)
+    tokens = math.prod(x.shape[:-1])
+    plan = fixed_plan(plan_grads(tokens, weight, bias), weight, tokens)
+    return linear_op(x, weight, bias, plan.ticket, plan.fold, plan.leaf_tokens, plan.weight, plan.bias)
 
 
 class Linear(torch.nn.Linear):

@@ -1,0 +1,119 @@
+"""Fixed-address folds (``CanonicalGradAccumulator.fixed_folds``): each registered Linear weight's
+open leaf is one fp32 buffer allocated once, so a micro-batch's weight-gradient deposit is one
+kernel launch into fixed memory with no host bookkeeping per call.
+
+Why: a deposit through ``deposit.rows`` decides on the host, at every call, where its rows go (which
+leaf, a new fold or a continued one, a node of the tree), so no CUDA graph can hold it
+(``torch.compile(mode="reduce-overhead")`` runs it between graph partitions) and its Python is host
+time at every call. With fixed folds the forward hands the op the weight's buffer (a graph input
+under ``torch.compile``), the backward's ``det_train::linear_fold_weight`` continues it in place,
+and the bookkeeping runs once per micro-batch, here: ``begin`` zeroes the buffers when a micro-batch
+starts a leaf, ``end`` hands a completed leaf to the tree (a copy: the buffer is the next leaf's) or
+records how far the open one reaches.
+
+Between micro-batches the open leaf is an ordinary ``OpenFold`` carry entry of slot ``(index,
+FIXED_USE)`` whose fold is the buffer itself, so ``reduce``'s checks and the data-parallel reduction
+see it as any open leaf (a short last leaf is closed there, as a copy).
+
+**Determinism:** the kernel continues the buffer from +0.0 at a leaf's start exactly as a fold from
+zero starts (``weight_grad_fold``'s ``RESUME`` from a zeroed buffer adds the same products to the same
++0.0), resumed at multiples of its token step, so a leaf's node has the bits of one fold; the nodes
+join the parameter's canonical tree as any leaf's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._open_leaf import OpenFold
+
+__all__ = ["FIXED_USE", "FixedFolds"]
+
+# The use number of a fixed fold's slot: before every deposit's use (0, 1, ...), so its root is added
+# first. A weight's other uses keep their numbers (a tied embedding table: use 0).
+FIXED_USE = -1
+
+
+def _not_advanced(rows: tuple, state) -> None:
+    raise AssertionError("a fixed fold is continued by its op's kernel, never through deposit_rows")
+
+
+def _node(fold: torch.Tensor) -> torch.Tensor:
+    return fold.clone()  # the leaf's node: a copy, the buffer holds the next leaf
+
+
+class FixedFolds:
+    """The fixed folds of one accumulator: ``folds[index]`` (fp32, the weight's shape) and the token
+    step each is folded in; ``by_id`` finds a weight's fold from the Parameter the forward sees."""
+
+    __slots__ = ("folds", "steps", "by_id", "seen")
+
+    def __init__(self) -> None:
+        self.folds: dict[int, torch.Tensor] = {}  # tracked parameter index -> its fp32 fold
+        self.steps: dict[int, int] = {}  # index -> the op's token step (a continued leaf's offsets)
+        self.by_id: dict[int, torch.Tensor] = {}  # id(parameter) -> its fold
+        self.seen: set[int] = set()  # id(parameter) of the folds continued in this micro-batch (eager)
+
+    def first_use(self, key: int) -> bool:
+        """True the first time ``key`` (a weight's id) is folded in this micro-batch."""
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+    def add(self, index: int, param: torch.Tensor, step: int) -> None:
+        if index not in self.folds:
+            fold = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+            self.folds[index], self.steps[index], self.by_id[id(param)] = fold, step, fold
+
+    def begin(self, acc, offset: int, tokens: int) -> None:
+        """Before a micro-batch of ``tokens`` tokens at ``offset``: check it stays inside one leaf and
+        continues its leaf at a step boundary; zero the folds when it starts a leaf. Raises
+        ValueError (nothing changed) when it does not fit."""
+        leaf = acc.leaf_tokens
+        self.seen = set()
+        if offset % leaf + tokens > leaf:
+            raise ValueError(
+                f"micro_batch(token_offset={offset}, num_tokens={tokens}) crosses a leaf boundary "
+                f"(leaf_tokens {leaf}), and this accumulator has fixed folds, which hold one open leaf: "
+                "use micro-batches inside one leaf each (micro-batch tokens dividing leaf_tokens), or an "
+                "accumulator without fixed_folds"
+            )
+        if offset % leaf == 0:
+            open_keys = [key for key in acc._carry if key[1] == FIXED_USE]
+            if open_keys:  # (micro_batch refuses a second micro-batch at a leaf start while one is open)
+                raise ValueError(f"fixed folds: leaf {open_keys[0][2]} is still open")
+            torch._foreach_zero_(list(self.folds.values()))
+            return
+        misaligned = sorted({step for step in self.steps.values() if offset % step})
+        if misaligned:
+            raise ValueError(
+                f"micro_batch(token_offset={offset}) continues a leaf at a token that is not a multiple "
+                f"of the fixed folds' token step {misaligned[0]} (the previous micro-batch's num_tokens "
+                "was not): a fold resumes only at whole steps. Use micro-batch sizes that are multiples "
+                f"of {misaligned[0]} tokens inside a leaf (only the batch's last micro-batch may be shorter)"
+            )
+        for index in self.folds:
+            key = (index, FIXED_USE, offset // leaf)
+            if key not in acc._carry or acc._carry[key].end != offset:
+                raise ValueError(
+                    f"{acc._names[index]}: the fixed fold of leaf {offset // leaf} does not end at token "
+                    f"{offset}: fixed_folds was called inside a step; call it before the step's first "
+                    "micro-batch"
+                )
+
+    def end(self, acc, offset: int, tokens: int) -> None:
+        """After a micro-batch that succeeded: a leaf it completed joins each weight's tree (a copy of
+        the fold); an open one is recorded as the weight's carry entry up to ``offset + tokens``."""
+        leaf = acc.leaf_tokens
+        end, j = offset + tokens, offset // leaf
+        start = j * leaf
+        for index, fold in self.folds.items():
+            key = (index, FIXED_USE, j)
+            if end % leaf == 0:
+                if key in acc._carry:
+                    acc._set_carry(key, None)
+                acc._add_node(key[:2], j, _node(fold))
+            else:
+                state = OpenFold(start, (self.steps[index], _not_advanced, _node), end, fold)
+                acc._set_carry(key, state)
