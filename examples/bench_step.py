@@ -85,6 +85,7 @@ def make_step(
     probe: Callable[[str], None] | None = None,
     recoverable: bool = True,
     main_grad: bool = False,
+    fixed_folds: bool = False,
 ) -> Step:
     """A closure running one full training step of ``cfg`` (det or torch), and its tokens per step.
 
@@ -103,6 +104,9 @@ def make_step(
     per parameter, as Megatron-LM's fp32 "main grad" (a post-accumulate-grad hook adds each bf16
     ``p.grad`` into it and drops ``p.grad``), cast into bf16 ``p.grad`` one parameter at a time
     before the optimizer step: the gradient memory of a torch user who accumulates in fp32.
+    ``fixed_folds`` (det only): the accumulator built with ``recoverable=False`` and
+    ``fixed_folds(model)`` (every Linear weight's open leaf in a fixed fp32 buffer, its deposits one
+    kernel each), micro-batches given their ``num_tokens``.
 
     Raises:
         ValueError: ``state_dtype`` with the torch optimizer (its states take the params' dtype);
@@ -127,7 +131,11 @@ def make_step(
     if cfg.kernels == "det":
         from det_train import CanonicalGradAccumulator as Acc
 
-        acc = Acc(model.named_parameters(), leaf_tokens=cfg.leaf_tokens, recoverable=recoverable)
+        acc = Acc(
+            model.named_parameters(), leaf_tokens=cfg.leaf_tokens, recoverable=recoverable and not fixed_folds
+        )
+        if fixed_folds:
+            acc.fixed_folds(model)
     train, _ = tg.load_corpus()
     starts = tg.batch_starts(len(train), cfg.seq_len, cfg.batch_seqs, cfg.seed, 0)
     x, y = tg.get_batch(train, starts, cfg.seq_len, device)
@@ -150,7 +158,7 @@ def make_step(
             if acc is None:
                 run(xs, ys, num_global_tokens=n_tokens)[1].backward()
             else:
-                with acc.micro_batch(token_offset=m * per * cfg.seq_len):
+                with acc.micro_batch(m * per * cfg.seq_len, per * cfg.seq_len if fixed_folds else None):
                     run(xs, ys, num_global_tokens=n_tokens)[1].backward()
         note("backward")
         if main_grad:  # one parameter at a time, each fp32 buffer freed once its bf16 p.grad exists

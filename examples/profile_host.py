@@ -75,14 +75,16 @@ def keep_freed_memory() -> None:
     libc.mallopt(m_trim_threshold, 1 << 30)
 
 
-def make_step(width: int, layers: int, micro_batches: int = 2, leaf_seqs: int = 8) -> bench_step.Step:
+def make_step(
+    width: int, layers: int, micro_batches: int = 2, leaf_seqs: int = 8, fixed_folds: bool = False
+) -> bench_step.Step:
     if width < 256:  # every Linear in the large shape class, as at the gpu preset's widths
         importlib.import_module("det_train.ops.configs").shape_class = lambda n, k: "large"
     cfg = tg.make_config(
         "gpu", d_model=width, n_head=width // 64, d_ff=width, seq_len=64, batch_seqs=32,
         micro_batch_seqs=32 // micro_batches, leaf_tokens=64 * leaf_seqs, n_layer=layers,
     )  # fmt: skip
-    return bench_step.make_step(cfg, micro_batches, torch.device("cpu"))
+    return bench_step.make_step(cfg, micro_batches, torch.device("cpu"), fixed_folds=fixed_folds)
 
 
 def main(argv=None) -> int:
@@ -93,6 +95,9 @@ def main(argv=None) -> int:
     p.add_argument("--leaf-seqs", type=int, default=8, help="sequences per canonical leaf (preset: 8)")
     p.add_argument("--steps", type=int, default=5, help="steps per timed repeat")
     p.add_argument("--repeats", type=int, default=5, help="the minimum over repeats is reported")
+    p.add_argument(
+        "--fixed-folds", action="store_true", help="the accumulator's fixed_folds (recoverable=False)"
+    )
     p.add_argument("--top", type=int, default=25, help="Python functions listed (0: none)")
     p.add_argument("--sort", default="tottime", help="cProfile sort key (tottime, cumtime, ...)")
     args = p.parse_args(argv)
@@ -101,7 +106,7 @@ def main(argv=None) -> int:
     stub_launches()
     if 32 % args.micro_batches:
         p.error(f"--micro-batches must divide the 32 sequences, got {args.micro_batches}")
-    step = make_step(args.width, args.layers, args.micro_batches, args.leaf_seqs)
+    step = make_step(args.width, args.layers, args.micro_batches, args.leaf_seqs, args.fixed_folds)
     for _ in range(3):  # plans, caches and optimizer states
         step.run()
     times = []
