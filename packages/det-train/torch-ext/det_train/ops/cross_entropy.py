@@ -111,7 +111,11 @@ _LANES = 128  # changes bits of the loss sum (fixed)
 
 
 # ----------------------------------------------------------------------------- torch.library ops
-@Op("cross_entropy")
+# Both ops read values on the host (the forward its targets for the range check and count and it
+# returns the CPU denominator; the backward that denominator): data_dependent, so CUDA-graph trees
+# run them between graph partitions rather than replay captured values (and no CPU tensor is a
+# partition's input or output, which CUDA-graph trees refuse).
+@Op("cross_entropy", data_dependent=True)
 def cross_entropy_op(
     logits2: torch.Tensor,
     targets1: torch.Tensor,
@@ -201,7 +205,7 @@ cross_entropy_op.register_autograd(
 )
 
 
-@Op("cross_entropy_backward")
+@Op("cross_entropy_backward", data_dependent=True)
 def cross_entropy_backward_op(
     grad_out: torch.Tensor,
     logits2: torch.Tensor,
