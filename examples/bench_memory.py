@@ -7,8 +7,11 @@
 The step is examples/bench_step.py's eager step (``make_step``: the same models, batch, micro-batch
 loop and optimizers), for each model (``100m``: the gpu preset at batch 32; ``0.4b``: bench_step.py's
 0.4 B width at batch 16), each micro-batch count of ``--counts`` that divides the batch, and the
-setups of ``--setups`` (default all five): **torch** (``torch``: fused ``torch.optim.AdamW``, its
-moments take the bf16 params' dtype), **det, fp32 states** (``det_fp32``: AdamWSR's default
+setups of ``--setups`` (default all six): **torch** (``torch``: fused ``torch.optim.AdamW``, its
+moments take the bf16 params' dtype, micro-batches summed into bf16 ``p.grad`` by autograd), **torch,
+fp32 main grads** (``torch_main_grad``: the same optimizer, micro-batches summed into one fp32 buffer
+per parameter, Megatron-LM's "main grad", cast into bf16 ``p.grad`` before the step: what a torch user
+who accumulates in fp32 holds), **det, fp32 states** (``det_fp32``: AdamWSR's default
 moments), **det, bf16 states** (``det_bf16``: AdamWSR with ``state_dtype=torch.bfloat16``, torch's
 optimizer-state bytes) and **det, bf16 states, recoverable=False** (``det_bf16_noundo``: the same,
 with ``CanonicalGradAccumulator(..., recoverable=False)``, no undo log: open folds continued in
@@ -26,8 +29,9 @@ one measured step, reading the CUDA caching allocator (``torch.cuda.memory_alloc
 * **gradient path B/param**: allocated right after the last micro-batch's backward minus allocated
   before the first micro-batch (weights, optimizer state and batch; ``p.grad`` None), per parameter:
   torch's bf16 ``p.grad``; det's accumulator state carried to ``reduce`` (fp32 partial sums);
-* **reduce peak B/param** (det): the peak during ``acc.reduce`` (peak counter reset right before it)
-  minus the same pre-step baseline, per parameter;
+* **reduce peak B/param** (det; torch with main grads): the peak during ``acc.reduce`` (the main
+  grads' cast into ``p.grad``; peak counter reset right before it) minus the same pre-step baseline,
+  per parameter;
 * **optimizer state B/param**: the optimizer's state tensors after the step, per parameter.
 
 No timing: each row is two steps. Writes ``DIR/main-job_memory.md`` and ``.json``.
@@ -51,16 +55,18 @@ import bench_step  # noqa: E402
 import train_gpt as tg  # noqa: E402  (the package sources come from PYTHONPATH: nox -s bench)
 
 TORCH, DET_FP32, DET_BF16 = "torch (fused AdamW)", "det, fp32 states", "det, bf16 states"
+TORCH_MAIN_GRAD = "torch (fused AdamW), fp32 main grads"
 DET_BF16_NOUNDO = "det, bf16 states, recoverable=False"
 DET_BF16_ONE_LEAF = "det, bf16 states, recoverable=False, one leaf per step"
 # --setups key -> (row name, kernels, AdamWSR state_dtype, the accumulator's recoverable,
-# leaf_tokens: None keeps the config's, "step" is the step's tokens, one leaf)
+# leaf_tokens: None keeps the config's, "step" is the step's tokens, one leaf; torch's fp32 main grads)
 SETUPS = {
-    "torch": (TORCH, "torch", None, True, None),
-    "det_fp32": (DET_FP32, "det", None, True, None),
-    "det_bf16": (DET_BF16, "det", torch.bfloat16, True, None),
-    "det_bf16_noundo": (DET_BF16_NOUNDO, "det", torch.bfloat16, False, None),
-    "det_bf16_one_leaf": (DET_BF16_ONE_LEAF, "det", torch.bfloat16, False, "step"),
+    "torch": (TORCH, "torch", None, True, None, False),
+    "torch_main_grad": (TORCH_MAIN_GRAD, "torch", None, True, None, True),
+    "det_fp32": (DET_FP32, "det", None, True, None, False),
+    "det_bf16": (DET_BF16, "det", torch.bfloat16, True, None, False),
+    "det_bf16_noundo": (DET_BF16_NOUNDO, "det", torch.bfloat16, False, None, False),
+    "det_bf16_one_leaf": (DET_BF16_ONE_LEAF, "det", torch.bfloat16, False, "step", False),
 }
 BATCH = {"100m": 32, "0.4b": 16}  # global batch in sequences of 1024 tokens, per --models entry
 GIB = 2**30
@@ -118,17 +124,29 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
 
 
 def measure_row(
-    cfg: tg.TrainConfig, micro_batches: int, state_dtype, device, meter: Meter, recoverable: bool = True
+    cfg: tg.TrainConfig,
+    micro_batches: int,
+    state_dtype,
+    device,
+    meter: Meter,
+    recoverable: bool = True,
+    main_grad: bool = False,
 ) -> dict:
     """One warm-up step, then the readings of one step of ``cfg`` in ``micro_batches`` micro-batches
-    (``recoverable``: the det accumulator's, ``make_step``'s).
+    (``recoverable``: the det accumulator's; ``main_grad``: torch's fp32 main grads; ``make_step``'s).
 
     Returns ``peak_gib``, ``grad_bytes_per_param``, ``reduce_peak_bytes_per_param`` (None without
     an accumulator), ``state_bytes_per_param``, ``baseline_gib`` and ``n_params``.
     """
     readings = StepReadings(meter)
     s = bench_step.make_step(
-        cfg, micro_batches, device, state_dtype=state_dtype, probe=readings, recoverable=recoverable
+        cfg,
+        micro_batches,
+        device,
+        state_dtype=state_dtype,
+        probe=readings,
+        recoverable=recoverable,
+        main_grad=main_grad,
     )
     s.run()  # optimizer states, kernel compilation, launch caches
     meter.synchronize()
@@ -138,7 +156,7 @@ def measure_row(
     meter.synchronize()
     v = readings.values
     n = sum(p.numel() for p in s.model.parameters())
-    reduce_peak = v.get("peak_reduce")
+    reduce_peak = v.get("peak_reduce")  # det's reduce, or the main grads' cast into p.grad
     return {
         "peak_gib": max(v["peak_to_backward"], meter.peak()) / GIB,
         "grad_bytes_per_param": (v["after_backward"] - v["base"]) / n,
@@ -162,8 +180,9 @@ def model_rows(
     model: str, det_cfg, torch_cfg, counts: list[int], device, meter: Meter, torch_context=None, setups=None
 ) -> list[dict]:
     """The rows of one model: per micro-batch count dividing the batch, one per setup of ``setups``
-    (``SETUPS`` keys, in that order; default all). ``peak_over_torch``: a det row's peak over the
-    torch row of its count (None without one).
+    (``SETUPS`` keys, in that order; default all). ``peak_over_torch``: a row's peak over the
+    torch row of its count (None without one); ``peak_over_torch_main_grad``: a det row's peak over
+    the torch row with fp32 main grads (None without one).
 
     ``torch_context`` (a no-argument callable giving a context manager) surrounds torch's rows (the
     benchmark's SDPA backend). Each row starts after ``gc.collect()`` and ``empty_cache()``: the
@@ -180,7 +199,7 @@ def model_rows(
             continue
         group = []
         for key in setups:
-            name, kernels, state_dtype, recoverable, leaf_tokens = SETUPS[key]
+            name, kernels, state_dtype, recoverable, leaf_tokens, main_grad = SETUPS[key]
             cfg = torch_cfg if kernels == "torch" else det_cfg
             cfg = dataclasses.replace(cfg, micro_batch_seqs=cfg.batch_seqs // mb)
             if leaf_tokens == "step":
@@ -191,12 +210,17 @@ def model_rows(
             row["allocated_before_gib"] = meter.allocated() / GIB
             use_torch_context = torch_context is not None and cfg.kernels == "torch"
             with torch_context() if use_torch_context else contextlib.nullcontext():
-                row.update(measure_row(cfg, mb, state_dtype, device, meter, recoverable))
+                row.update(measure_row(cfg, mb, state_dtype, device, meter, recoverable, main_grad))
             print(f"{model}, {mb} micro-batches, {name}: {row}", flush=True)
             group.append(row)
         ref = next((r for r in group if r["optimizer"] == TORCH), None)
+        ref_main = next((r for r in group if r["optimizer"] == TORCH_MAIN_GRAD), None)
         for row in group:
             row["peak_over_torch"] = None if ref is None or row is ref else row["peak_gib"] / ref["peak_gib"]
+            det_row = row is not ref and row is not ref_main
+            row["peak_over_torch_main_grad"] = (
+                row["peak_gib"] / ref_main["peak_gib"] if ref_main is not None and det_row else None
+            )
         rows += group
     return rows
 
@@ -206,15 +230,18 @@ def format_table(rows: list[dict], title: str) -> str:
     lines = [
         f"**{title}**",
         "",
-        "| model | micro-batches | optimizer | peak GiB | peak / torch's | gradient path B/param "
-        "| reduce peak B/param | optimizer state B/param |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | micro-batches | optimizer | peak GiB | peak / torch's | peak / torch fp32 main grads' "
+        "| gradient path B/param | reduce peak B/param | optimizer state B/param |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ratio = "-" if r["peak_over_torch"] is None else f"{r['peak_over_torch']:.2f}x"
+        main = r.get("peak_over_torch_main_grad")
+        ratio_main = "-" if main is None else f"{main:.2f}x"
         reduce = r["reduce_peak_bytes_per_param"]
         lines.append(
-            f"| {r['model']} | {r['micro_batches']} | {r['optimizer']} | {r['peak_gib']:.2f} | {ratio} "
+            f"| {r['model']} | {r['micro_batches']} | {r['optimizer']} | {r['peak_gib']:.2f} "
+            f"| {ratio} | {ratio_main} "
             f"| {r['grad_bytes_per_param']:.2f} | {'-' if reduce is None else f'{reduce:.2f}'} "
             f"| {r['state_bytes_per_param']:.2f} |"
         )
@@ -223,7 +250,8 @@ def format_table(rows: list[dict], title: str) -> str:
         "One eager step after one warm-up step, read from the CUDA caching allocator. Peak: "
         "max_memory_allocated over the step. Gradient path: memory_allocated after the last micro-batch's "
         "backward minus before the first (weights, optimizer state, batch; p.grad None), per parameter: "
-        "torch's bf16 p.grad, det's accumulator state carried to reduce. Reduce peak (det): "
+        "torch's bf16 p.grad (fp32 main grads: the fp32 buffers), det's accumulator state carried to "
+        "reduce. Reduce peak (det; torch with fp32 main grads: their cast into p.grad): "
         "max_memory_allocated during acc.reduce (reset right before it) minus the same baseline, per "
         "parameter. Optimizer state: the optimizer's state tensors per parameter (torch's AdamW moments "
         "take the bf16 params' dtype; det's bf16 states: AdamWSR state_dtype=torch.bfloat16; "

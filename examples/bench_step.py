@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -84,6 +85,7 @@ def make_step(
     probe: Callable[[str], None] | None = None,
     recoverable: bool = True,
     mark: str = "step",
+    main_grad: bool = False,
 ) -> Step:
     """A closure running one full training step of ``cfg`` (det or torch), and its tokens per step.
 
@@ -96,16 +98,24 @@ def make_step(
     default: the optimizer's fp32). ``recoverable``: the det accumulator's (False: no undo log, the
     least gradient memory, same bits). ``probe`` is called on the host at the step's points (memory
     readings, examples/bench_memory.py): ``"start"`` (``p.grad`` None), ``"backward"`` (after the last
-    micro-batch's backward), ``"reduced"`` (det: after ``acc.reduce``), ``"end"`` (after ``zero_grad``).
+    micro-batch's backward), ``"reduced"`` (det: after ``acc.reduce``; ``main_grad``: after the
+    cast into ``p.grad``), ``"end"`` (after ``zero_grad``).
     ``mark``: where CUDA-graph trees (compile mode ``reduce-overhead`` / ``max-autotune``) start a
     generation, ``torch.compiler.cudagraph_mark_step_begin()``: before each ``"step"`` or each
     ``"micro-batch"``.
+    ``main_grad`` (torch kernels only): accumulate the micro-batches' gradients in one fp32 buffer
+    per parameter, as Megatron-LM's fp32 "main grad" (a post-accumulate-grad hook adds each bf16
+    ``p.grad`` into it and drops ``p.grad``), cast into bf16 ``p.grad`` one parameter at a time
+    before the optimizer step: the gradient memory of a torch user who accumulates in fp32.
 
     Raises:
-        ValueError: ``state_dtype`` with the torch optimizer (its states take the params' dtype).
+        ValueError: ``state_dtype`` with the torch optimizer (its states take the params' dtype);
+            ``main_grad`` with det kernels (the accumulator already sums in fp32).
     """
     if state_dtype is not None and cfg.optimizer != "adamw_sr":
         raise ValueError(f"state_dtype is AdamWSR's option; cfg.optimizer is {cfg.optimizer!r}")
+    if main_grad and cfg.kernels == "det":
+        raise ValueError("main_grad is for torch kernels: det's accumulator sums in fp32 already")
     model = tg.build_model(cfg, device)
     run = model if compile_options is None else torch.compile(model, **compile_options)
     # CUDA-graph trees: marked per micro-batch, torch's model fails (its first micro-batch's gradients,
@@ -132,6 +142,10 @@ def make_step(
     params = list(model.parameters())
     grad_buffers = [torch.empty_like(p) for p in params] if graph and acc is not None else None
     note = probe or (lambda point: None)
+    main_grads: list[torch.Tensor | None] = [None] * len(params)
+    if main_grad:
+        for i, p in enumerate(params):
+            p.register_post_accumulate_grad_hook(functools.partial(_add_to_main_grad, main_grads, i))
 
     def step():
         if mark_step:
@@ -147,6 +161,10 @@ def make_step(
                 with acc.micro_batch(token_offset=m * per * cfg.seq_len):
                     run(xs, ys, num_global_tokens=n_tokens)[1].backward()
         note("backward")
+        if main_grad:  # one parameter at a time, each fp32 buffer freed once its bf16 p.grad exists
+            for i, p in enumerate(params):
+                p.grad, main_grads[i] = main_grads[i].to(p.dtype), None
+            note("reduced")
         if acc is not None:
             acc.reduce(total_tokens=n_tokens)
             note("reduced")
@@ -159,6 +177,15 @@ def make_step(
         note("end")
 
     return Step(step, n_tokens, x, y, model, opt)
+
+
+def _add_to_main_grad(main_grads: list, i: int, p: torch.Tensor) -> None:
+    """``make_step``'s ``main_grad`` hook: add ``p.grad`` into parameter ``i``'s fp32 buffer, drop it."""
+    if main_grads[i] is None:
+        main_grads[i] = p.grad.float()
+    else:
+        main_grads[i].add_(p.grad)
+    p.grad = None
 
 
 def _sdpa_backend():

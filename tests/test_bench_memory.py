@@ -89,13 +89,19 @@ def test_memory_rows_read_what_each_point_holds():
 
     assert [(r["micro_batches"], r["optimizer"]) for r in rows] == [
         (2, bench_memory.TORCH),
+        (2, bench_memory.TORCH_MAIN_GRAD),
         (2, bench_memory.DET_FP32),
         (2, bench_memory.DET_BF16),
         (2, bench_memory.DET_BF16_NOUNDO),
         (2, bench_memory.DET_BF16_ONE_LEAF),
     ]
-    torch_row, fp32, bf16, noundo, one_leaf = rows
+    torch_row, main_grad, fp32, bf16, noundo, one_leaf = rows
     n = torch_row["n_params"]
+    # torch with fp32 main grads: one fp32 buffer per parameter, as det with one leaf per step
+    assert main_grad["grad_bytes_per_param"] == 4.0
+    assert main_grad["peak_over_torch"] == main_grad["peak_gib"] / torch_row["peak_gib"] > 1
+    assert main_grad["peak_over_torch_main_grad"] is None is torch_row["peak_over_torch_main_grad"]
+    assert one_leaf["peak_over_torch_main_grad"] == one_leaf["peak_gib"] / main_grad["peak_gib"]
     # torch: the bf16 p.grad; det: after 4 leaves the canonical tree holds one fp32 node per element
     assert torch_row["grad_bytes_per_param"] == 2.0
     assert fp32["grad_bytes_per_param"] == bf16["grad_bytes_per_param"] == 4.0
@@ -120,8 +126,9 @@ def test_memory_rows_read_what_each_point_holds():
     assert all(r["allocated_before_gib"] * bench_memory.GIB < 2 * n for r in rows)
 
     table = bench_memory.format_table(rows, "tiny")
-    assert "| tiny | 2 | torch (fused AdamW) | 0.00 | - | 2.00 | - | 4.00 |" in table
-    assert f"| tiny | 2 | det, bf16 states | 0.00 | {bf16['peak_over_torch']:.2f}x | 4.00 |" in table
+    assert "| tiny | 2 | torch (fused AdamW) | 0.00 | - | - | 2.00 | - | 4.00 |" in table
+    ratios = f"{bf16['peak_over_torch']:.2f}x | {bf16['peak_over_torch_main_grad']:.2f}x"
+    assert f"| tiny | 2 | det, bf16 states | 0.00 | {ratios} | 4.00 |" in table
 
 
 def test_setups_choose_the_rows():
@@ -134,10 +141,45 @@ def test_setups_choose_the_rows():
     assert row["grad_bytes_per_param"] == 2.0  # torch's bf16 p.grad
     assert list(bench_memory.SETUPS) == [
         "torch",
+        "torch_main_grad",
         "det_fp32",
         "det_bf16",
         "det_bf16_noundo",
         "det_bf16_one_leaf",
     ]
-    assert bench_memory.SETUPS["det_bf16_noundo"][1:] == ("det", torch.bfloat16, False, None)
-    assert bench_memory.SETUPS["det_bf16_one_leaf"][1:] == ("det", torch.bfloat16, False, "step")
+    assert bench_memory.SETUPS["torch_main_grad"][1:] == ("torch", None, True, None, True)
+    assert bench_memory.SETUPS["det_bf16_noundo"][1:] == ("det", torch.bfloat16, False, None, False)
+    assert bench_memory.SETUPS["det_bf16_one_leaf"][1:] == ("det", torch.bfloat16, False, "step", False)
+
+
+def test_torch_main_grad_sums_micro_batches_in_fp32():
+    """``main_grad``: the torch step holds one fp32 buffer per parameter after the backward (4 B/param,
+    ``p.grad`` None), its bf16 cast reaches the optimizer, and that gradient is the fp32 sum of the
+    micro-batches' bf16 gradients rounded once (not autograd's bf16 running sum)."""
+    det, ref = _tiny_configs()
+    ref = bench_memory.dataclasses.replace(ref, micro_batch_seqs=1)
+    row = bench_memory.measure_row(ref, 4, None, "cpu", LiveMeter().meter(), main_grad=True)
+    assert row["grad_bytes_per_param"] == 4.0
+    with pytest.raises(ValueError, match="main_grad is for torch kernels"):
+        bench_step.make_step(det, 2, "cpu", main_grad=True)
+
+    seen = {}
+    step = bench_step.make_step(ref, 4, "cpu", main_grad=True)
+    params = list(step.model.parameters())
+    before = [p.detach().clone() for p in params]
+    step.opt.step = lambda: seen.update(grads=[p.grad.clone() for p in params])  # the gradient it gets
+    step.run()
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))  # the optimizer never ran
+    # the same micro-batches on a model without the hooks (same seed, same weights), each gradient
+    # taken alone, summed in fp32 and rounded once
+    plain = bench_step.make_step(ref, 4, "cpu").model
+    assert all(torch.equal(p, b) for p, b in zip(plain.parameters(), before, strict=True))
+    expected = [torch.zeros_like(p, dtype=torch.float32) for p in plain.parameters()]
+    for m in range(4):
+        plain.zero_grad(set_to_none=True)
+        plain(step.x[m : m + 1], step.y[m : m + 1], num_global_tokens=4 * ref.seq_len)[1].backward()
+        for e, p in zip(expected, plain.parameters(), strict=True):
+            e.add_(p.grad)
+    for got, e in zip(seen["grads"], expected, strict=True):
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, e.to(torch.bfloat16))

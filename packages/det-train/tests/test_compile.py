@@ -24,6 +24,7 @@ from det_train import CanonicalGradAccumulator, layers
 from det_train.accum import deposit
 from det_train.ops._library import NAMESPACE
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch.utils._python_dispatch import TorchDispatchMode
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BF16 = torch.bfloat16
@@ -663,6 +664,50 @@ def test_deposit_ops_are_tagged_cudagraph_unsafe_and_the_others_are_not():
     assert torch._dynamo.utils.get_static_address_type(deposit.ticket()) == "unguarded"
 
 
+class _OpNames(TorchDispatchMode):
+    """The names of the aten ops run inside it; any dispatch mode also routes det ops to the operator."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("path", ["eager", "operator"])
+def test_an_undefined_output_gradient_counts_as_zeros(path):
+    """Output 0 of an op with saved statistics may get no gradient (a downstream Function that
+    returned ``None``): its backward then runs with zeros, as autograd would pass them, and the
+    inputs get the gradient of the other paths alone (here ``x.sum()``'s ones)."""
+
+    class NoGradient(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, y):
+            return y * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return None
+
+    x = _randn(8, 32, seed=1, requires_grad=True)
+    w = (1 + 0.1 * _randn(32, seed=2, dtype=torch.float32)).to(BF16).requires_grad_()
+    b = _randn(32, seed=3, requires_grad=True)
+    targets = torch.randint(0, 32, (8,), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    ops = {
+        "rms_norm": lambda: det_train.rms_norm(x, w, 1e-6),
+        "layer_norm": lambda: det_train.layer_norm(x, 32, w, b, 1e-5),
+        "cross_entropy": lambda: det_train.cross_entropy(x, targets, reduction="sum"),
+    }
+    for name, op in ops.items():
+        with _OpNames() if path == "operator" else contextlib.nullcontext():
+            out = op()
+        loss = NoGradient.apply(out).float().sum() + x.float().sum()
+        gx = torch.autograd.grad(loss, x)[0]
+        assert_bitwise_equal(gx, torch.ones_like(x), f"{name}: dx with output 0's gradient undefined")
+
+
 @pytest.mark.parametrize("path", ["eager", "operator"])
 def test_saved_statistics_get_no_zero_gradient_in_the_backward(path):
     """The ops whose extra outputs are saved statistics (RMSNorm's rstd, LayerNorm's mean and rstd,
@@ -670,17 +715,6 @@ def test_saved_statistics_get_no_zero_gradient_in_the_backward(path):
     backward allocates and fills no zero tensor for them (on the GPU a launch per output and call),
     in plain eager and through the operator (a dispatch mode routes the forward to it); the
     gradients are those of the unfused composition of the same ops."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.__name__)
-            return func(*args, **(kwargs or {}))
-
     x = _randn(48, 32, seed=1, requires_grad=True)
     w = (1 + 0.1 * _randn(32, seed=2, dtype=torch.float32)).to(BF16).requires_grad_()
     b = _randn(32, seed=3, requires_grad=True)
@@ -693,10 +727,10 @@ def test_saved_statistics_get_no_zero_gradient_in_the_backward(path):
 
     grads = {}
     for mode in ("eager", path):
-        forward_mode = Ops() if mode == "operator" else contextlib.nullcontext()
+        forward_mode = _OpNames() if mode == "operator" else contextlib.nullcontext()
         with forward_mode:
             loss = loss_fn()
-        with Ops() as backward_ops:
+        with _OpNames() as backward_ops:
             grads[mode] = torch.autograd.grad(loss, (x, w, b))
         fills = ("zeros", "zero_", "fill_", "zeros_like")
         filled = [n for n in backward_ops.names if n.split(".")[0] in fills]

@@ -358,7 +358,8 @@ def test_missing_leaves_duplicates_and_overrun():
     acc = CanonicalGradAccumulator([("w", w)], leaf_tokens=LEAF)
     with acc.micro_batch(token_offset=0):
         toy_scale(x[:8], w).backward(dy[:8])
-    with pytest.raises(ValueError, match=r"w \(use 0\): tree node \(0, 1\) supplied twice.*reduce\(\)"):
+    overlap = r"w \(use 0\): tree node \(0, 1\) supplied twice: leaves \[1, 2\).*token_offset.*reduce\(\)"
+    with pytest.raises(ValueError, match=overlap):
         with acc.micro_batch(token_offset=4):  # overlaps leaf 1 of the first micro-batch
             toy_scale(x[4:12], w).backward(dy[4:12])
     acc = CanonicalGradAccumulator([("w", w)], leaf_tokens=LEAF)

@@ -263,12 +263,137 @@ def test_compiled_autograd_backwards_are_not_taken_for_failed_ones():
     _assert_same({n: p.grad for n, p in model.named_parameters()}, want, "compiled autograd")
 
 
+@pytest.mark.parametrize("how", ["autograd.grad", "backward(inputs=)"])
+def test_an_input_gradient_inside_the_micro_batch_deposits_nothing(how):
+    """An adversarial (FGSM) step takes the input gradient inside the micro-batch, then trains on the
+    perturbed input: the first backward computes dX through the det ops, which would deposit their
+    weight gradients too; autograd leaves ``p.grad`` alone there, and so does the accumulator (the
+    gradient is the perturbed batch's alone, bit for bit)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(det_train.RMSNorm(D, eps=1e-6), det_train.Linear(D, H, bias=True))
+    x = torch.randn(T, D, dtype=torch.bfloat16)
+
+    def input_grad(xs):
+        xs = xs.detach().requires_grad_()
+        loss = model(xs).float().square().sum()
+        if how == "autograd.grad":
+            return torch.autograd.grad(loss, xs)[0]
+        loss.backward(inputs=[xs])
+        return xs.grad
+
+    def step(inside: bool) -> dict[str, torch.Tensor]:
+        acc = det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF)
+        for lo, hi in zip(BOUNDS[:-1], BOUNDS[1:], strict=True):
+            gx = None if inside else input_grad(x[lo:hi])  # outside: no accumulator active
+            with acc.micro_batch(token_offset=lo):
+                gx = input_grad(x[lo:hi]) if inside else gx
+                adversarial = (x[lo:hi] + 0.01 * gx.sign()).to(torch.bfloat16)
+                model(adversarial).float().square().sum().backward()
+        acc.reduce(total_tokens=T)
+        grads = {name: p.grad for name, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    _assert_same(step(inside=True), step(inside=False), f"FGSM with {how} inside the micro-batch")
+
+
+def test_input_gradients_over_part_of_the_micro_batch_and_after_a_dtype_round_trip():
+    """An input gradient over the micro-batch's first leaf only (the norms' whole-leaf path) deposits
+    nothing and records no token count; a model cast to float64 and back between steps (new
+    AccumulateGrad nodes) keeps depositing with the same accumulator: one-batch bits both times."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(det_train.RMSNorm(D, eps=1e-6), det_train.Linear(D, H, bias=True))
+    x = torch.randn(2 * LEAF, D)
+
+    def step(acc, probe: bool) -> dict[str, torch.Tensor]:
+        with acc.micro_batch(token_offset=0):
+            if probe:  # e.g. a saliency map of the first sequence
+                first = x[:LEAF].clone().requires_grad_()
+                torch.autograd.grad(model(first).square().sum(), first)
+            model(x).square().sum().backward()
+        acc.reduce(total_tokens=2 * LEAF)
+        grads = {name: p.grad for name, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    want = step(det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF), False)
+    acc = det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF)
+    _assert_same(step(acc, True), want, "input gradient over the first leaf")
+    model.double()
+    model.float()
+    _assert_same(step(acc, True), want, "after model.double().float()")
+
+
+def _grad_accumulator(p: torch.Tensor):
+    return p.view_as(p).grad_fn.next_functions[0][0]
+
+
+@pytest.mark.parametrize("recoverable", [True, False])
+def test_no_autograd_node_outlives_the_micro_batch(recoverable):
+    """The accumulator asks autograd's engine whether the running backward accumulates into each
+    parameter, through the parameter's AccumulateGrad node; it must not keep that node alive past
+    the micro-batch. torch makes a new node for the next forward once the graph is gone, on the
+    stream current then; a kept one would be reused with the stream it was made on, and the engine
+    syncs that stream at the end of every backward (inside a CUDA graph capture after a warm-up on a
+    side stream: a wait on uncaptured work, ``cudaErrorStreamCaptureIsolation``)."""
+    model, ids = _model(), _tokens()
+    acc = det_train.CanonicalGradAccumulator(
+        model.named_parameters(), leaf_tokens=LEAF, recoverable=recoverable
+    )
+    with acc.micro_batch(token_offset=0):
+        loss = _loss(model, ids[:LEAF])
+        for p in model.parameters():  # the nodes of this micro-batch's graph, marked
+            _grad_accumulator(p).metadata["marked"] = True
+        loss.backward()
+    del loss
+    kept = [n for n, p in model.named_parameters() if "marked" in _grad_accumulator(p).metadata]
+    assert kept == [], f"AccumulateGrad nodes kept alive after the micro-batch: {kept}"
+    acc.reduce(total_tokens=LEAF)
+
+
+def test_autograd_grad_of_a_tracked_parameter_inside_the_micro_batch_is_refused():
+    """``torch.autograd.grad(loss, [p])`` would return None for a tracked parameter (its gradient goes
+    to the accumulator) and deposit it besides: refused, naming the parameter; the micro-batch is
+    undone and the step can go on."""
+    model, ids = _model(), _tokens()
+    acc = det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF)
+    with pytest.raises(RuntimeError, match=r"asks for 2\.weight's gradient, but det_train ops send"):
+        with acc.micro_batch(token_offset=0):
+            torch.autograd.grad(_loss(model, ids[:LEAF]), [model[2].weight])
+    _assert_same(_grads(BOUNDS, True, model=model, acc=acc), _grads(BOUNDS, True), "after the refusal")
+
+
+@pytest.mark.parametrize("kind", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_a_gradient_hook_on_a_tracked_parameter_is_refused(kind):
+    """A tensor hook on a tracked parameter would receive ``None`` (the det ops' weight gradient goes to
+    the accumulator, not through autograd): a mask or scale it applies would be skipped silently; a
+    post-accumulate-grad hook (optimizer-in-backward, per-parameter clipping) would see ``p.grad``
+    None. The micro-batch refuses to start, naming the parameter; without the hook it runs."""
+    model, ids = _model(), _tokens()
+    acc = det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF)
+    if kind == "register_hook":
+        handle = model[0].weight.register_hook(lambda grad: grad * 0)  # e.g. freezing embedding rows
+    else:
+        handle = model[2].weight.register_post_accumulate_grad_hook(lambda p: p.grad.clamp_(-1, 1))
+    name = "0.weight" if kind == "register_hook" else "2.weight"
+    with pytest.raises(RuntimeError, match=rf"gradient hooks \(register_hook or .*\): {name}\. .*see None"):
+        with acc.micro_batch(token_offset=0):
+            _loss(model, ids[:LEAF]).backward()
+    assert all(p.grad is None for p in model.parameters())
+    handle.remove()
+    _assert_same(_grads(BOUNDS, True, model=model, acc=acc), _grads(BOUNDS, True), "after the hook's removal")
+
+
 def test_bad_recoverable_and_params():
     with pytest.raises(TypeError, match="recoverable must be True or False"):
         det_train.CanonicalGradAccumulator(_model().parameters(), recoverable=0)
     for params in (_model(), 3):  # a module itself, a non-iterable: what to pass instead
         with pytest.raises(TypeError, match=r"takes the parameters to track.*model\.named_parameters\(\)"):
             det_train.CanonicalGradAccumulator(params)
+    with pytest.raises(TypeError, match="takes the parameters to track, got Parameter"):
+        det_train.CanonicalGradAccumulator(_model()[2].weight)  # one Parameter: not its rows
+    with pytest.raises(TypeError, match=r"params\[0\]: a Parameter or a \(name, Parameter\), got 3 items"):
+        det_train.CanonicalGradAccumulator([("w", _model()[2].weight, 1)])
     listed = torch.nn.ParameterList(_model().parameters())  # a module that is a list of Parameters
     assert len(det_train.CanonicalGradAccumulator(listed)._params) == 4
     acc = det_train.CanonicalGradAccumulator(_model().parameters())

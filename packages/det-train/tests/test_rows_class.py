@@ -105,10 +105,11 @@ def test_fold_tiles_do_not_change_bits():
     """The fold's table entries (mid 64 x 128, large 128 x 128 in 3 stages, the dW entries' 128 x
     128 and 128 x 256; TMA loads) resumed at the token step give the leaf node of
     weight_grad_partial; the mid entry serves the main job's 768 x 768 and 256 x 768 weights, the
-    large one its qkv, gate|up and down, block_t is the dW entry's everywhere."""
+    large one its qkv, gate|up and down and the wide layers (4096 x 4096 and up), the small class
+    folds in its dW entry's tiles; block_t is the dW entry's everywhere."""
     b16 = torch.bfloat16
     shapes = [(768, 768, "mid"), (256, 768, "mid"), (2304, 768, "large"), (768, 2560, "large")]
-    shapes += [(5120, 768, "large"), (4096, 4096, "dW"), (64, 768, "dW")]
+    shapes += [(5120, 768, "large"), (4096, 4096, "large"), (14336, 4096, "large"), (64, 768, "dW")]
     for n, k, cls in shapes:
         fold, dw = configs.weight_grad_fold_config(b16, n, k), configs.weight_grad_config(b16, n, k)
         assert fold.block_t == dw.block_t == configs.BLOCK_T[b16]

@@ -116,9 +116,12 @@ class TreePartial:
     def _insert(self, level: int, index: int, value: torch.Tensor, combine: Combine | None = None) -> None:
         nodes = self.nodes
         if (level, index) in nodes or self._covered(level, index):
+            first, stop = index << level, (index + 1) << level
             raise ValueError(
-                f"tree node {(level, index)} supplied twice: two partials cover the same leaves (overlapping "
-                "micro-batches or ranks, or a new step's deposits before the last step's reduce())"
+                f"tree node {(level, index)} supplied twice: leaves [{first}, {stop}) (leaf i holds tokens "
+                "[i * leaf_tokens, (i + 1) * leaf_tokens) of the step) are covered by two partials: "
+                "overlapping micro-batches or ranks (token_offset ranges that overlap), or a new step's "
+                "deposits before the last step's reduce()"
             )
         # combine with the sibling while it is present (a right child is added to its left sibling);
         # the parent is new: an ancestor present would have covered this node
@@ -171,7 +174,8 @@ class TreePartial:
         if root is None or nodes:
             raise ValueError(
                 f"canonical tree over {total_leaves} leaves is incomplete: partials cover "
-                f"{keys}; merge every worker's partial before result()"
+                f"{keys}: some leaves have no partial (one of the workers' partials not merged before "
+                "result(), or a micro-batch that deposited nothing)"
             )
         return root
 

@@ -8,6 +8,11 @@ import torch
 __all__ = ["check_not_open", "failed_backward", "poisoned", "token_mismatch", "who"]
 
 
+def _listed(names: list[str]) -> str:
+    """Up to 8 names, then how many more."""
+    return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+
+
 def who(acc, param: torch.Tensor | None, op: str | None) -> str:
     """``"<parameter name> (<op>)"`` of a deposit: the tracked name of ``param`` (FSDP2's unsharded
     parameter named as its sharded one), else "an untracked parameter" / "a parameter"."""
@@ -31,7 +36,10 @@ def token_mismatch(acc, n: int, param: torch.Tensor | None, op: str | None) -> s
         "det_train.rms_norm takes rows_per_token=H); one that sees fewer is given indices broadcast "
         "over the batch (a learned position embedding looked up with (1, T) position ids: pass "
         "position_ids of the batch's shape, position_ids=torch.arange(T).expand(B, T); "
-        "det_train.convert does it for GPT-2-style models)"
+        "det_train.convert does it for GPT-2-style models) or sees pooled or selected rows by design "
+        "(a classification head on each sequence's last token): the canonical order is per token, so "
+        "keep such a head a torch module and leave its parameters out of the accumulator (autograd then "
+        "sums its gradient in micro-batch order, which is not invariant to the split)"
     )
 
 
@@ -54,8 +62,7 @@ def leaf_gap(name: str, use: int, offset: int, leaf: int, open_leaf) -> str:
 def failed_backward(acc, token_offset: int) -> str:
     """The error of a micro-batch (at ``token_offset``) whose context exits normally although a
     backward in it raised after its first deposit (the error caught inside the ``with`` block)."""
-    names = sorted(acc._names[i] for i in acc._uses)
-    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    shown = _listed(sorted(acc._names[i] for i in acc._uses))
     return (
         f"the micro-batch at token_offset {token_offset}: a backward in it raised after it began "
         f"depositing (for {shown}), and the error was caught inside `with acc.micro_batch(...)`. Its "
@@ -67,11 +74,35 @@ def failed_backward(acc, token_offset: int) -> str:
     )
 
 
+def gradient_hooks(names: list[str]) -> str:
+    """The error of a micro-batch entered while tracked parameters have tensor hooks (``register_hook``)
+    or post-accumulate-grad hooks (``register_post_accumulate_grad_hook``)."""
+    shown = _listed(names)
+    return (
+        f"tracked parameters have gradient hooks (register_hook or register_post_accumulate_grad_hook): "
+        f"{shown}. The det_train ops send their gradients to this accumulator, not through autograd, so "
+        "such a hook would see None (p.grad is written by acc.reduce(), after the last micro-batch): a "
+        "hook that masks, scales, clips or steps with the gradient would silently do nothing. Remove the "
+        "hook and apply it to p.grad after acc.reduce(), or leave the parameter out of the accumulator"
+    )
+
+
+def grad_of_tracked(name: str) -> str:
+    """The error of ``torch.autograd.grad`` asking for a tracked parameter's gradient in a micro-batch."""
+    return (
+        f"torch.autograd.grad(..., inputs=[...]) asks for {name}'s gradient, but det_train ops send a "
+        "tracked parameter's gradient to the active CanonicalGradAccumulator, not to autograd (it would "
+        "return None here, and the deposit would count the gradient again at the next backward). Inside "
+        "a micro-batch take gradients with respect to activations or inputs only, or compute this one "
+        "outside acc.micro_batch(...) (no accumulator active: the ops then return ordinary autograd "
+        "gradients)"
+    )
+
+
 def poisoned(acc, token_offset: int, error: BaseException) -> str:
     """The error of a call to an accumulator built with ``recoverable=False`` after a micro-batch
     (starting at ``token_offset``) raised ``error`` once its deposits had begun."""
-    names = sorted(acc._names[i] for i in acc._uses)
-    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    shown = _listed(sorted(acc._names[i] for i in acc._uses))
     return (
         f"this CanonicalGradAccumulator (recoverable=False) is poisoned: the micro-batch at token_offset "
         f"{token_offset} raised {type(error).__name__}: {error} after its deposits began, and without an "

@@ -141,7 +141,10 @@ def rows(
 
     Raises:
         RuntimeError: no micro-batch is active (the backward runs outside the forward's
-            ``micro_batch``).
+            ``micro_batch``); the backward is ``torch.autograd.grad`` with the parameter among its
+            inputs (autograd would return None for it). A backward that does not accumulate into
+            the parameter (``autograd.grad`` of other tensors, ``backward(inputs=...)`` without it)
+            deposits nothing.
         ValueError: what ``deposit_rows`` raises (an untracked parameter, rows of another length
             than another op of this micro-batch saw, an open leaf the parameter did not continue).
 
@@ -158,8 +161,11 @@ def rows(
     leaf = acc.leaf_tokens
     if whole is not None:
         n = rows[0].shape[0]
-        # whole leaves: the op's own subtrees
+        # whole leaves: the op's own subtrees (deposit_rows, below, asks itself; leaf_span must not
+        # count the tokens of a backward that leaves this parameter's gradient alone)
         if acc.token_offset % leaf == 0 and n % (leaf * rows_per_token) == 0:
+            if not acc._backward_wants(param):
+                return
             first_leaf, _ = acc.leaf_span(n // rows_per_token, param, op)
             acc.deposit_partial(param, whole(first_leaf))
             return

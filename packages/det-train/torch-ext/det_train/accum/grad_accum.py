@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -33,7 +32,16 @@ from det_core.reduce import TreePartial, num_leaves
 from det_core.runtime import as_index
 
 from . import _reduce, dp_reduce
-from ._messages import check_not_open, failed_backward, leaf_gap, poisoned, token_mismatch, who
+from ._backward import WantedGradients, graph_task_id, in_compiled_autograd, queue_callback
+from ._messages import (
+    check_not_open,
+    failed_backward,
+    gradient_hooks,
+    leaf_gap,
+    poisoned,
+    token_mismatch,
+    who,
+)
 from ._open_leaf import LeafFold, LeafPartial, OpenFold, OpenLeaf, foreach_copy, token_rows
 from ._undo_log import NoUndoLog, UndoLog
 
@@ -50,17 +58,6 @@ DEFAULT_LEAF_TOKENS = 8192
 # The active accumulator. A plain module global, not thread-local: autograd runs CUDA backward
 # functions on its own device threads, which must still see the accumulator of `micro_batch`.
 _ACTIVE: list[CanonicalGradAccumulator] = []
-# the running autograd graph task (-1 outside a backward) and the engine's end-of-backward
-# callbacks, which run only when that backward finishes without an error
-_graph_task_id = torch._C._current_graph_task_id
-_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
-
-
-def _in_compiled_autograd() -> bool:
-    """True while a compiled-autograd graph runs (``torch._dynamo.config.compiled_autograd``), whose
-    engine does not run the callbacks queued inside it; not imported unless it is in use."""
-    module = sys.modules.get("torch._dynamo.compiled_autograd")
-    return bool(module is not None and getattr(module, "in_compiled_autograd_region", False))
 
 
 def current_accumulator() -> CanonicalGradAccumulator | None:
@@ -144,8 +141,8 @@ class CanonicalGradAccumulator:
         RuntimeError: deposits outside ``micro_batch``; a tracked parameter without deposits at
             ``reduce``; ``p.grad`` already holding a non-zero gradient at ``reduce``; any call after
             a micro-batch raised under ``recoverable=False`` (until ``reset``).
-        TypeError: ``recoverable`` not a bool; ``params`` a module (pass ``model.named_parameters()``)
-            or not an iterable, or an item not a tensor.
+        TypeError: ``recoverable`` not a bool; ``params`` a module (pass ``model.named_parameters()``),
+            one tensor or not an iterable; an item not a tensor or a ``(name, tensor)`` pair.
 
     Method: pairwise summation with the tree fixed by global index (Higham, SISC 1993), as in
     det_core.reduce and DESIGN.md's canonical reduction order.
@@ -166,12 +163,14 @@ class CanonicalGradAccumulator:
         self._names: list[str] = []
         self._index: dict[int, int] = {}
         module = isinstance(params, torch.nn.Module) and not isinstance(params, torch.nn.ParameterList)
-        if module or not isinstance(params, Iterable):
+        if module or isinstance(params, torch.Tensor) or not isinstance(params, Iterable):
             raise TypeError(
                 f"CanonicalGradAccumulator takes the parameters to track, got {type(params).__name__}: "
                 "pass model.named_parameters() (or model.parameters(), a list of Parameters)"
             )
         for i, item in enumerate(params):
+            if isinstance(item, tuple) and len(item) != 2:
+                raise TypeError(f"params[{i}]: a Parameter or a (name, Parameter), got {len(item)} items")
             name, p = item if isinstance(item, tuple) else (f"param[{i}]", item)
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"{name}: expected a torch.Tensor / Parameter, got {type(p).__name__}")
@@ -184,6 +183,7 @@ class CanonicalGradAccumulator:
         self._partials: dict[tuple[int, int], TreePartial] = {}
         self._uses: dict[int, int] = {}  # deposits per parameter in the current micro-batch
         self._unfinished: set[int] = set()  # autograd graph tasks of this micro-batch not yet finished
+        self._wanted = WantedGradients()  # which parameters the running backward accumulates into
         self._spans: list[tuple[int, int]] = []  # (token_offset, tokens) seen by the ops
         self._token_offset: int | None = None
         self._tokens: int | None = None  # tokens of the active micro-batch, as the ops report them
@@ -240,7 +240,10 @@ class CanonicalGradAccumulator:
             TypeError: ``token_offset`` not an integer.
             ValueError: ``token_offset`` negative, or inside a leaf where no earlier micro-batch on
                 this rank ended.
-            RuntimeError: another micro-batch context is active; the accumulator is poisoned; on
+            RuntimeError: another micro-batch context is active; a tracked parameter has a tensor
+                hook (``register_hook``) or a post-accumulate-grad hook
+                (``register_post_accumulate_grad_hook``): it would see ``None``, det's gradient going
+                to the accumulator; the accumulator is poisoned; on
                 exit, a backward in the micro-batch raised after its first deposit and the error was
                 caught inside the context (its deposits are partial, and a forward and backward run
                 again there would deposit twice): the micro-batch is then treated as one that raised.
@@ -267,6 +270,13 @@ class CanonicalGradAccumulator:
             )
         if _ACTIVE:
             raise RuntimeError("a micro_batch context is already active; micro-batches cannot be nested")
+        hooked = [
+            name
+            for name, p in zip(self._names, self._params, strict=True)
+            if p._backward_hooks or p._post_accumulate_grad_hooks
+        ]
+        if hooked:
+            raise RuntimeError(gradient_hooks(hooked))
         self._token_offset = token_offset
         self._tokens = None
         self._uses = {}  # (the undo log is new: each micro-batch's ``finally`` and ``_clear`` make it)
@@ -295,6 +305,7 @@ class CanonicalGradAccumulator:
         finally:
             _ACTIVE.pop()
             self._token_offset = None
+            self._wanted.forget()  # no AccumulateGrad node outlives the micro-batch (see WantedGradients)
             # the log holds the replaced trees and folds: let them go (memory of one step, not two)
             if self.recoverable:
                 self._log = UndoLog()
@@ -377,6 +388,10 @@ class CanonicalGradAccumulator:
         return offset // self.leaf_tokens, num_leaves(num_tokens, self.leaf_tokens)
 
     # ------------------------------------------------------------------ deposits
+    def _backward_wants(self, param: torch.Tensor) -> bool:
+        """False inside a backward that leaves ``param``'s gradient alone (``WantedGradients``)."""
+        return self._wanted(param, self._index.get(id(param)), self._names)
+
     def _slot(self, param: torch.Tensor) -> tuple[int, int]:
         self._check_poisoned()
         if self._token_offset is None:
@@ -393,10 +408,10 @@ class CanonicalGradAccumulator:
                 f"deposit for a parameter of shape {tuple(param.shape)} that this accumulator does not "
                 "track; pass it in CanonicalGradAccumulator(params)"
             )
-        task = _graph_task_id()
-        if task >= 0 and task not in self._unfinished and not _in_compiled_autograd():
+        task = graph_task_id()
+        if task >= 0 and task not in self._unfinished and not in_compiled_autograd():
             self._unfinished.add(task)
-            _queue_callback(functools.partial(self._unfinished.discard, task))
+            queue_callback(functools.partial(self._unfinished.discard, task))
         use = self._uses.get(index, 0)
         self._uses[index] = use + 1
         self._shapes[index] = param.shape
@@ -444,6 +459,10 @@ class CanonicalGradAccumulator:
         copied) and the next micro-batch's ``fold_fn`` continues it; without, its rows are copied
         and kept, the next micro-batch prepends them to its own rows of that leaf, and one
         ``leaf_partial`` call sums them. ``reduce`` finishes a leaf that ends the global batch.
+        Inside a backward that does not accumulate into ``param`` (``torch.autograd.grad``, or
+        ``backward(inputs=...)`` without it) the call deposits nothing, as autograd leaves
+        ``p.grad`` alone there (``deposit`` and ``deposit_partial`` likewise); inside
+        ``torch.autograd.grad(..., inputs=[param])`` it raises a RuntimeError.
 
         **Determinism:** ``leaf_partial`` sees the rows of whole leaves (and of the short last
         leaf) exactly as one unsplit micro-batch would give them, and ``fold_fn`` continues a leaf
@@ -458,7 +477,8 @@ class CanonicalGradAccumulator:
                 earlier calls'; an open leaf of ``param``
                 that does not end where this micro-batch starts (the parameter skipped a
                 micro-batch); an unaligned start with nothing to continue.
-            RuntimeError: outside ``micro_batch``.
+            RuntimeError: outside ``micro_batch``; inside ``torch.autograd.grad`` with ``param``
+                among its inputs (autograd would return None for it).
         """
         # Host work per call is O(1) in the rows and the leaves: a few views, one leaf-sum or fold
         # call, no device value read.
@@ -466,6 +486,8 @@ class CanonicalGradAccumulator:
         for r in rows:
             if r.shape[0] != n:
                 raise ValueError(f"deposit_rows: rows of different lengths {[int(r.shape[0]) for r in rows]}")
+        if not self._backward_wants(param):
+            return
         group = rows_per_token
         if group != 1:  # tokens x group rows: dim 0 becomes tokens (views), the op's functions see rows
             if isinstance(group, bool) or not isinstance(group, int) or group < 1 or n % group:
@@ -605,6 +627,8 @@ class CanonicalGradAccumulator:
             raise ValueError(
                 f"leaf_sums must have shape (n_leaves, *{tuple(param.shape)}), got {tuple(leaf_sums.shape)}"
             )
+        if not self._backward_wants(param):
+            return
         slot = self._slot(param)
         try:
             self._tree(slot).add_leaves(first_leaf, leaf_sums)
@@ -620,7 +644,8 @@ class CanonicalGradAccumulator:
                     f"node {key} must be float32 of shape {tuple(param.shape)}, "
                     f"got {value.dtype} {tuple(value.shape)}"
                 )
-        self._merge(self._slot(param), partial)
+        if self._backward_wants(param):
+            self._merge(self._slot(param), partial)
 
     # ------------------------------------------------------------------ reduce
     # a graph boundary under torch.compile: host bookkeeping and collectives, always run eagerly

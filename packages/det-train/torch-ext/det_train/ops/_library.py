@@ -116,7 +116,8 @@ class Op:
         statistics); both Functions mark them so, and pass ``None`` for their gradients rather than
         zeros (``set_materialize_grads(False)``: autograd would allocate and fill a zero tensor per
         such output and call, a launch each on the GPU). Output 0 must be the only differentiable
-        output of such an op: its gradient is then always defined when the backward runs.
+        output of such an op; ``backward`` always gets a tensor for it (zeros where autograd gives
+        none: a downstream Function that returned ``None`` for it).
         """
         impl, nondiff, user_backward, overload = self.impl, nondifferentiable, backward, self.overload
         public = f"det_train.{self.name}"
@@ -125,6 +126,18 @@ class Op:
             if nondiff:
                 ctx.mark_non_differentiable(*(output[i] for i in nondiff))
                 ctx.set_materialize_grads(False)
+                ctx.output0 = (output[0].shape, output[0].dtype, output[0].device)
+
+        if nondiff:
+
+            def op_backward(ctx, *grads):
+                if grads[0] is None:  # undefined, not materialized: the zeros autograd would pass
+                    shape, dtype, device = ctx.output0
+                    grads = (torch.zeros(shape, dtype=dtype, device=device), *grads[1:])
+                return user_backward(ctx, *grads)
+
+        else:
+            op_backward = user_backward
 
         class _Function(torch.autograd.Function):
             @staticmethod
@@ -134,7 +147,7 @@ class Op:
                 mark_statistics(ctx, output)
                 return output
 
-            backward = staticmethod(user_backward)  # called as it is: one Python frame less
+            backward = staticmethod(op_backward)  # the op's own, called as it is where it can be
 
         class _Dispatched(torch.autograd.Function):
             """The Autograd kernel's Function: forward and setup_context apart (functorch's grad /
@@ -152,7 +165,7 @@ class Op:
                 setup_context(ctx, inputs, output)
                 mark_statistics(ctx, output)
 
-            backward = staticmethod(user_backward)
+            backward = staticmethod(op_backward)
 
         def autograd_kernel(*args):
             check_no_functorch_autodiff(public, args)  # also for calls that reach the operator directly

@@ -198,8 +198,8 @@ _WEIGHT_GRAD_TABLE: dict[tuple[str, str], WeightGradConfig] = {
 
 # The open leaf's fold (one program per output tile, all of a micro-batch's tokens of the leaf in
 # sequence): large-class layers below FOLD_MID_MAX_ELEMENTS (the main job's 768 x 768 and 256 x 768:
-# 36 and 12 tiles of 128 x 128 for 132 SMs) fold in smaller tiles, the other large-class layers below
-# WIDE_MIN_ELEMENTS in the "large" fold entry, the rest in their dW entry's tiles.
+# 36 and 12 tiles of 128 x 128 for 132 SMs) fold in smaller tiles, the other large-class layers
+# (wide ones too: their dW entry's 128 x 256 tiles were slower, ablate_fold.py) in the "large" entry.
 # The token step is the dW entry's (block_t 64), so the fold's bits are unchanged.
 FOLD_MID_MAX_ELEMENTS = 1 << 20
 _WEIGHT_GRAD_FOLD_TABLE: dict[tuple[str, str], WeightGradConfig] = {
@@ -296,10 +296,10 @@ def weight_grad_fold_config(dtype: torch.dtype, n: int, k: int) -> WeightGradCon
     """The tiles of the open leaf's dW fold (``weight_grad_fold``) for ``dW (N, K)``: the
     ``("half", "mid")`` fold entry for large-class layers with ``n * k < FOLD_MID_MAX_ELEMENTS``
     (few output tiles: smaller ones keep more SMs busy), the ``("half", "large")`` one for the
-    other large-class layers below ``WIDE_MIN_ELEMENTS``, else ``weight_grad_config``'s entry.
+    other large-class layers (wide ones included), else ``weight_grad_config``'s entry.
     ``block_t`` is always ``weight_grad_config``'s, so the fold has the bits of the dW kernels."""
     base = weight_grad_config(dtype, n, k)
-    if _dtype_group(dtype) == "half" and shape_class(n, k) == "large" and n * k < WIDE_MIN_ELEMENTS:
+    if _dtype_group(dtype) == "half" and shape_class(n, k) == "large":
         return _WEIGHT_GRAD_FOLD_TABLE[("half", "mid" if n * k < FOLD_MID_MAX_ELEMENTS else "large")]
     return base
 
