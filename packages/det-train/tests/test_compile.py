@@ -115,6 +115,13 @@ def _opcheck_cases():
         ("embedding_backward", (ids, _randn(2, 3, 16), 7, 2, 8192, BF16), False),
         ("cross_entropy", (logits, targets, -100, "mean", None), False),
         ("cross_entropy", (logits, targets, -100, "none", None), False),
+        ("cross_entropy_fixed_scale", (logits, targets, -100, "mean", 5), False),
+        ("cross_entropy_fixed_scale", (logits, targets, -100, "sum", 0), False),
+        (
+            "cross_entropy_fixed_scale_backward",
+            (torch.ones((), device=DEVICE), logits.detach(), targets, lse, -100, "mean", 5),
+            False,
+        ),
         (
             "cross_entropy_backward",
             (torch.ones((), device=DEVICE), logits.detach(), targets, lse, count, -100, "mean"),
@@ -646,10 +653,13 @@ def test_deposit_ops_are_tagged_cudagraph_unsafe_and_the_others_are_not():
     namespace = getattr(torch.ops, NAMESPACE)
     deposits = {"linear_deposit_weight", "linear_deposit_bias", "rms_norm_backward_deposit",
                 "embedding_deposit", "layer_norm_backward_deposit", "moe_experts_deposit"}  # fmt: skip
-    # MoE's experts size their launches by the tokens per expert, read on the host; cross-entropy
-    # checks its targets and counts tokens there, and passes the denominator as a CPU tensor
+    # MoE's experts size their launches by the tokens per expert, read on the host; cross-entropy's
+    # counting pair counts tokens there and passes the denominator as a CPU tensor (its fixed-scale
+    # pair, num_global_tokens given, returns CUDA tensors only and is captured)
     data_dependent = {"moe_experts", "moe_experts_backward", "cross_entropy", "cross_entropy_backward"}
     others = (
+        "cross_entropy_fixed_scale",
+        "cross_entropy_fixed_scale_backward",
         "linear",
         "linear_weight_grad",
         "rms_norm",
