@@ -343,7 +343,7 @@ def test_missing_leaves_duplicates_and_overrun():
     acc = CanonicalGradAccumulator([("w", w)], leaf_tokens=LEAF)
     with acc.micro_batch(token_offset=0):
         toy_scale(x[:8], w).backward(dy[:8])
-    with pytest.raises(ValueError, match=r"w .*tokens \[8, 16\) of total_tokens=16 received no micro-batch"):
+    with pytest.raises(ValueError, match=r"w .*tokens \[8, 16\) of total_tokens=16 received no deposit"):
         acc.reduce(total_tokens=16)  # leaves 2, 3 never deposited
     with acc.micro_batch(token_offset=8):  # the refused reduce kept the deposits: the rest can come
         toy_scale(x[8:], w).backward(dy[8:])

@@ -384,6 +384,50 @@ def test_a_gradient_hook_on_a_tracked_parameter_is_refused(kind):
     _assert_same(_grads(BOUNDS, True, model=model, acc=acc), _grads(BOUNDS, True), "after the hook's removal")
 
 
+def test_a_hook_registered_inside_the_micro_batch_is_refused_at_its_first_deposit():
+    """The micro-batch's entry check cannot see a hook registered after it (between the forward and
+    the backward, or by a module's forward pre-hook): the deposit for that parameter refuses it, before
+    the hook would run with ``None``; the micro-batch is undone, and without the hook it runs again."""
+    model, ids = _model(), _tokens()
+    acc = det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF)
+    with pytest.raises(RuntimeError, match=r"gradient hooks \(register_hook or .*\): 0\.weight\."):
+        with acc.micro_batch(token_offset=0):
+            loss = _loss(model, ids[:LEAF])
+            handle = model[0].weight.register_hook(lambda grad: grad * 0)
+            loss.backward()
+    handle.remove()
+    assert all(p.grad is None for p in model.parameters())
+    _assert_same(_grads(BOUNDS, True, model=model, acc=acc), _grads(BOUNDS, True), "after the hook's removal")
+
+
+def test_a_parameter_frozen_after_the_accumulator_was_built_is_named_as_the_likely_cause():
+    """A tracked parameter frozen (``requires_grad_(False)``) before or during the step deposits
+    nothing from then on; ``reduce``'s refusal names it as the likely cause. A parameter frozen when
+    the accumulator was built is not tracked: its deposit, once unfrozen, says so."""
+    model, ids = _model(), _tokens()
+    acc = det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF)
+    with acc.micro_batch(token_offset=0):
+        _loss(model, ids[:LEAF]).backward()
+    model[1].weight.requires_grad_(False)
+    with acc.micro_batch(token_offset=LEAF):
+        _loss(model, ids[LEAF:]).backward()
+    with pytest.raises(
+        ValueError,
+        match=r"1\.weight \(use 0\): tokens \[64, 212\) .*Likely cause: "
+        r"requires_grad=False on 1\.weight, set after this accumulator was built",
+    ):
+        acc.reduce(total_tokens=T)
+    model[1].weight.requires_grad_(True)
+    acc.reset()
+    model.zero_grad(set_to_none=True)
+    model[1].weight.requires_grad_(False)
+    frozen_at_build = det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF)
+    model[1].weight.requires_grad_(True)
+    with pytest.raises(ValueError, match=r"does not track: .*requires_grad=False when the accumulator"):
+        with frozen_at_build.micro_batch(token_offset=0):
+            _loss(model, ids[:LEAF]).backward()
+
+
 def test_bad_recoverable_and_params():
     with pytest.raises(TypeError, match="recoverable must be True or False"):
         det_train.CanonicalGradAccumulator(_model().parameters(), recoverable=0)

@@ -3,9 +3,11 @@ them (kept out of grad_accum.py, which holds the bookkeeping); plain functions o
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-__all__ = ["check_not_open", "failed_backward", "poisoned", "token_mismatch", "who"]
+__all__ = ["check_not_open", "failed_backward", "frozen_hint", "poisoned", "token_mismatch", "who"]
 
 
 def _listed(names: list[str]) -> str:
@@ -39,7 +41,9 @@ def token_mismatch(acc, n: int, param: torch.Tensor | None, op: str | None) -> s
         "det_train.convert does it for GPT-2-style models) or sees pooled or selected rows by design "
         "(a classification head on each sequence's last token): the canonical order is per token, so "
         "keep such a head a torch module and leave its parameters out of the accumulator (autograd then "
-        "sums its gradient in micro-batch order, which is not invariant to the split)"
+        "sums its gradient in micro-batch order, which is not invariant to the split). If both ops are "
+        "the same parameter's, a second forward and backward over other tokens ran in this micro-batch: "
+        "give each token range its own micro_batch(token_offset=...)"
     )
 
 
@@ -126,3 +130,21 @@ def check_not_open(acc, slot: tuple[int, int], start: int, end: int) -> None:
                 f"{acc._names[slot[0]]} (use {slot[1]}): leaf {j} already holds tokens "
                 f"[{held.start}, {held.end}) of an earlier micro-batch: micro-batches overlap"
             )
+
+
+@contextlib.contextmanager
+def frozen_hint(names: list[str], params: list[torch.Tensor]):
+    """Re-raise a ``reduce`` check's error with its likely cause when tracked parameters were frozen
+    (``requires_grad=False``) after the accumulator was built: their ops deposit nothing from then on,
+    so the checks see missing leaves or no deposit and would name other causes."""
+    try:
+        yield
+    except (ValueError, RuntimeError) as err:
+        frozen = [name for name, p in zip(names, params, strict=True) if not p.requires_grad]
+        if not frozen:
+            raise
+        raise type(err)(
+            f"{err}. Likely cause: requires_grad=False on {_listed(frozen)}, set after this "
+            "accumulator was built (their ops deposit nothing since): build the accumulator from the "
+            "parameters that train (acc.reset() drops this step's deposits)"
+        ) from err

@@ -205,8 +205,11 @@ def checked_roots(trees: dict, total_tokens: int, *, leaf_tokens: int, names: li
         except ValueError as err:
             raise ValueError(
                 f"{name} (use {use}): {_uncovered_tokens(tree, total_tokens, leaf_tokens)} "
-                f"of total_tokens={total_tokens} received no micro-batch on any rank: check "
-                f"total_tokens, that every micro-batch ran its backward and used this parameter ({err})"
+                f"of total_tokens={total_tokens} received no deposit for it on any rank: check "
+                f"total_tokens, that every micro-batch ran its backward and used this parameter, and "
+                f"that each forward and backward over other tokens ran in its own "
+                f"micro_batch(token_offset=...) (two passes in one micro-batch are taken as two uses of "
+                f"the parameter on the same tokens, as a tied weight's) ({err})"
             ) from None
     used = {index for index, _ in trees}
     missing = [names[i] for i in range(len(names)) if i not in used]

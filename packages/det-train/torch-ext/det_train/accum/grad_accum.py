@@ -36,6 +36,7 @@ from ._backward import WantedGradients, graph_task_id, in_compiled_autograd, que
 from ._messages import (
     check_not_open,
     failed_backward,
+    frozen_hint,
     gradient_hooks,
     leaf_gap,
     poisoned,
@@ -406,8 +407,12 @@ class CanonicalGradAccumulator:
         if index is None:
             raise ValueError(
                 f"deposit for a parameter of shape {tuple(param.shape)} that this accumulator does not "
-                "track; pass it in CanonicalGradAccumulator(params)"
+                "track: pass it in CanonicalGradAccumulator(params) (parameters with requires_grad=False "
+                "when the accumulator was built are left out: build it after unfreezing them)"
             )
+        tracked = self._params[index]
+        if tracked._backward_hooks or tracked._post_accumulate_grad_hooks:  # registered inside the context
+            raise RuntimeError(gradient_hooks([self._names[index]]))
         task = graph_task_id()
         if task >= 0 and task not in self._unfinished and not in_compiled_autograd():
             self._unfinished.add(task)
@@ -703,16 +708,8 @@ class CanonicalGradAccumulator:
         state = dict(leaf_tokens=leaf_tokens, names=names, carry=self._carry)
         checks = dict(state, params=params, spans=self._spans, max_end=self._max_end)
         if dp_reduce.group_size(group) == 1:  # one process: one parameter finished (and freed) at a time
-            _reduce.local_checks(total_tokens, **checks)  # (a stale p.grad first: it names its cause)
-            if params and not self._partials and not self._carry:
-                raise RuntimeError(
-                    "reduce: nothing was deposited since this accumulator was built, reset or last "
-                    "reduced: run the step's micro-batches first (each forward and its backward inside "
-                    "`with acc.micro_batch(...)`), then reduce once per step"
-                )
-            write = functools.partial(_reduce.write_grad, self)  # p.grad of each finished gradient
-            _reduce.finish_one_process(total_tokens, partials=self._partials, write=write, **state)
-            self._clear()
+            with frozen_hint(names, params):
+                self._finish_one_process(total_tokens, checks, state)
             return
         try:  # this rank's checks: under data parallelism every rank learns of a refusal (no hang)
             local = _reduce.local_partials(total_tokens, partials=self._partials, **checks)
@@ -720,19 +717,33 @@ class CanonicalGradAccumulator:
         except (ValueError, RuntimeError) as err:
             local, refusal = {}, err
         # data parallel: every rank's nodes go to their owners
-        grads = _reduce.reduce_across_ranks(
-            group,
-            local,
-            refusal,
-            total_tokens,
-            leaf_tokens=leaf_tokens,
-            names=names,
-            params=params,
-            fsdp=self._fsdp,
-        )
+        with frozen_hint(names, params):
+            grads = _reduce.reduce_across_ranks(
+                group,
+                local,
+                refusal,
+                total_tokens,
+                leaf_tokens=leaf_tokens,
+                names=names,
+                params=params,
+                fsdp=self._fsdp,
+            )
         for index, grad in grads.items():
             p = params[index]
             p.grad = dp_reduce.fsdp_shard(self._fsdp[index], grad) if index in self._fsdp else grad
+        self._clear()
+
+    def _finish_one_process(self, total_tokens: int, checks: dict, state: dict) -> None:
+        """``reduce`` in one process: the checks, then one parameter finished (and freed) at a time."""
+        _reduce.local_checks(total_tokens, **checks)  # (a stale p.grad first: it names its cause)
+        if self._params and not self._partials and not self._carry:
+            raise RuntimeError(
+                "reduce: nothing was deposited since this accumulator was built, reset or last "
+                "reduced: run the step's micro-batches first (each forward and its backward inside "
+                "`with acc.micro_batch(...)`), then reduce once per step"
+            )
+        write = functools.partial(_reduce.write_grad, self)  # p.grad of each finished gradient
+        _reduce.finish_one_process(total_tokens, partials=self._partials, write=write, **state)
         self._clear()
 
     def _clear(self) -> None:

@@ -199,7 +199,7 @@ _WEIGHT_GRAD_TABLE: dict[tuple[str, str], WeightGradConfig] = {
 # The open leaf's fold (one program per output tile, all of a micro-batch's tokens of the leaf in
 # sequence): large-class layers below FOLD_MID_MAX_ELEMENTS (the main job's 768 x 768 and 256 x 768:
 # 36 and 12 tiles of 128 x 128 for 132 SMs) fold in smaller tiles, the other large-class layers
-# (wide ones too: their dW entry's 128 x 256 tiles were slower, ablate_fold.py) in the "large" entry.
+# (wide ones too: their dW entry's 128 x 256 tiles were slower or even, ablate_fold.py) in the "large" entry.
 # The token step is the dW entry's (block_t 64), so the fold's bits are unchanged.
 FOLD_MID_MAX_ELEMENTS = 1 << 20
 _WEIGHT_GRAD_FOLD_TABLE: dict[tuple[str, str], WeightGradConfig] = {
