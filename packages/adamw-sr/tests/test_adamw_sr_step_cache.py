@@ -155,6 +155,31 @@ def test_a_param_changed_in_place_after_recorded_steps_is_rejected_untouched(swa
     assert digest({"params": [p.detach()], "state": opt.state_dict()}) == before
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, "8bit"])
+@pytest.mark.parametrize("change", ["param resized", "moment replaced"])
+def test_moments_of_another_shape_than_the_param_are_rejected_untouched(change, state_dtype):
+    """After recorded steps, a param grown in place (``p.data`` replaced by a larger tensor, as a
+    resized vocabulary) or a moment replaced by a tensor of another size would make the kernel read
+    and write the moments out of bounds: the step refuses, naming both shapes, before anything is
+    written (the moments cannot be carried over; ``torch.optim.AdamW`` raises too)."""
+    p = torch.nn.Parameter(torch.randn(64, 64).bfloat16())
+    opt = AdamWSR([p], lr=0.1, state_dtype=state_dtype)
+    for _ in range(2):
+        p.grad = torch.ones_like(p)
+        opt.step()
+    if change == "param resized":
+        p.data = torch.randn(256, 64).bfloat16()
+        want = r"state 'exp_avg' must have shape \(256, 64\) for a param of shape \(256, 64\), got \(64, 64\)"
+    else:
+        opt.state[p]["exp_avg"] = torch.zeros(3, dtype=opt.state[p]["exp_avg"].dtype)
+        want = r"state 'exp_avg' must have shape \(64, 64\) for a param of shape \(64, 64\), got \(3,\)"
+    p.grad = torch.ones_like(p)
+    before = digest({"params": [p.detach()], "state": opt.state_dict()})
+    with pytest.raises(RuntimeError, match=want + r": the param's shape changed .*del opt.state\[p\]"):
+        opt.step()
+    assert digest({"params": [p.detach()], "state": opt.state_dict()}) == before
+
+
 def test_a_deep_copy_steps_like_the_original():
     params = _params()
     opt = AdamWSR(params, **HYPER)

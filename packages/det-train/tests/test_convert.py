@@ -236,6 +236,9 @@ def test_gpt2_conv1d_and_layer_norm_are_converted():
     with torch.no_grad():
         want = model(input_ids=ids).logits
     det_train.convert(model, allow=[""])
+    # GPT2LMHeadModel's loss_type is None (no "ForCausalLM" in its name): transformers' loss_function
+    # falls back to ForCausalLMLoss, a mean over each micro-batch; converted like every causal LM's
+    assert model.loss_function is det_train.causal_lm_loss
     assert type(model.transformer.h[0].attn.c_attn) is det_train.Conv1D
     assert type(model.transformer.h[0].ln_1) is det_train.LayerNorm
     assert model.lm_head.weight is model.transformer.wte.weight

@@ -175,13 +175,22 @@ def check_state(p: torch.Tensor, state: dict, state_dtype, amsgrad: bool) -> Non
                 f"AdamWSR: state of a param of shape {tuple(p.shape)} lacks '{key}' "
                 f"(state_dtype={state_dtype!r})"
             )
-        if value.dtype != want_dtype or tuple(value.shape) != want_shape:
+        if value.dtype != want_dtype:
             raise RuntimeError(
                 f"AdamWSR: state '{key}' must be {want_dtype} of shape {want_shape} for "
                 f"state_dtype={state_dtype!r}, got {value.dtype} {tuple(value.shape)}: a group's "
                 "state_dtype was changed after its states were made, or a state tensor was replaced; "
                 "moments are not converted between formats: set state_dtype before the first step "
                 "(or start a new optimizer for this group)"
+            )
+        if tuple(value.shape) != want_shape:
+            raise RuntimeError(
+                f"AdamWSR: state '{key}' must have shape {want_shape} for a param of shape "
+                f"{tuple(p.shape)}, got {tuple(value.shape)}: the param's shape changed after its "
+                "states were made (p.data replaced, e.g. a resized embedding), the state was loaded "
+                "from a checkpoint of other parameter shapes, or a state tensor was replaced; the "
+                "moments cannot be carried over: drop this param's state (del opt.state[p]) to start "
+                "it afresh, or load a checkpoint of this model"
             )
 
 

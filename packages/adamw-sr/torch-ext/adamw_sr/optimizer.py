@@ -58,8 +58,9 @@ class AdamWSR(torch.optim.Optimizer):
             (or ``None``) per param, the global index of its first element; the ranges
             ``[base_index, base_index + numel)`` of all params (defaults included) must be disjoint.
         lr: learning rate, float or 1-element tensor (a CUDA tensor for graph capture).
-        betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW`` (decoupled decay
-            ``p *= 1 - lr * weight_decay``).
+        betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW`` (decoupled decay,
+            computed as ``p - p * (lr * weight_decay)``, not ``p * (1 - lr * weight_decay)``: see
+            docs/adamw-sr.md).
         foreach: ``None`` only. The step is always one fused launch: ``False`` raises, and so does
             ``True`` (torch's multi-tensor implementation, which torch.optim.AdamW also refuses
             together with ``fused=True``).
@@ -162,7 +163,7 @@ class AdamWSR(torch.optim.Optimizer):
     ):
         if isinstance(lr, torch.Tensor) and lr.numel() == 1 and not 0.0 <= float(lr):
             # torch.optim.AdamW reads a tensor lr here too (a one-off sync at construction)
-            raise ValueError(f"AdamWSR: Invalid learning rate: {float(lr)}; it must be >= 0")
+            raise ValueError(f"AdamWSR: Invalid learning rate: {float(lr):.7g}; it must be >= 0")
         check_hyperparameters(lr, betas, eps, weight_decay, "AdamWSR")
         seed = rng.as_seed(seed, "AdamWSR")
         if stochastic_rounding not in (None, True, False):
@@ -544,6 +545,10 @@ class AdamWSR(torch.optim.Optimizer):
                 continue
             with_grad = [p for p in group["params"] if p.grad is not None]
             check_grads(with_grad)
+            if not check_states:  # the record did not hold: a state or a param may have changed
+                for p in with_grad:
+                    if self.state.get(p):  # moments at the param's shape, before the kernel reads them
+                        _states.check_state(p, self.state[p], group["state_dtype"], group["amsgrad"])
             if with_grad:  # CPU params need the Triton interpreter: say so before any state is touched
                 runtime.check_kernel_device(*(local_tensor(p) for p in with_grad), op="AdamWSR.step")
                 if not compiling and group["capturable"] and local_tensor(with_grad[0]).device.type != "cuda":

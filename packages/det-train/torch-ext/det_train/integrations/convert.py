@@ -547,10 +547,19 @@ def _det_attn_head_dims(fn) -> tuple[int, ...]:
 
 def _loss_plan(module: nn.Module) -> str | None:
     """``"replace"`` if ``module`` is a transformers model with the causal-LM loss, a reason if its
-    built-in loss is another plain-torch loss, None if it has none."""
-    loss_type = getattr(module, "loss_type", None)
-    if loss_type is None or "_loss_function" in module.__dict__:
+    built-in loss is another plain-torch loss, None if it has none (or its loss was set by hand).
+
+    transformers sets ``loss_type`` from the class name and its ``loss_function`` falls back to
+    ``ForCausalLMLoss`` when that is None or unknown (``GPT2LMHeadModel``: no "ForCausalLM" in the
+    name), so those take the causal-LM loss too."""
+    if not hasattr(module, "loss_type") or "_loss_function" in module.__dict__:
         return None
+    # transformers' table of loss types, loaded with the model's module (not imported here: a Hub
+    # kernel imports only the standard library, torch and triton)
+    known = getattr(sys.modules.get("transformers.loss.loss_utils"), "LOSS_MAPPING", None)
+    loss_type = module.loss_type
+    if loss_type is None or (known is not None and loss_type not in known):
+        loss_type = "ForCausalLM"  # transformers' own default (PreTrainedModel.loss_function)
     if loss_type in _CAUSAL_LM_LOSS:
         return "replace"
     return (
