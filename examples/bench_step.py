@@ -84,6 +84,7 @@ def make_step(
     state_dtype: torch.dtype | None = None,
     probe: Callable[[str], None] | None = None,
     recoverable: bool = True,
+    mark: str = "step",
     main_grad: bool = False,
     fixed_folds: bool = False,
 ) -> Step:
@@ -100,6 +101,9 @@ def make_step(
     readings, examples/bench_memory.py): ``"start"`` (``p.grad`` None), ``"backward"`` (after the last
     micro-batch's backward), ``"reduced"`` (det: after ``acc.reduce``; ``main_grad``: after the
     cast into ``p.grad``), ``"end"`` (after ``zero_grad``).
+    ``mark``: where CUDA-graph trees (compile mode ``reduce-overhead`` / ``max-autotune``) start a
+    generation, ``torch.compiler.cudagraph_mark_step_begin()``: before each ``"step"`` or each
+    ``"micro-batch"``.
     ``main_grad`` (torch kernels only): accumulate the micro-batches' gradients in one fp32 buffer
     per parameter, as Megatron-LM's fp32 "main grad" (a post-accumulate-grad hook adds each bf16
     ``p.grad`` into it and drops ``p.grad``), cast into bf16 ``p.grad`` one parameter at a time
@@ -118,10 +122,12 @@ def make_step(
         raise ValueError("main_grad is for torch kernels: det's accumulator sums in fp32 already")
     model = tg.build_model(cfg, device)
     run = model if compile_options is None else torch.compile(model, **compile_options)
-    # CUDA-graph trees (mode="reduce-overhead") start a generation once per training step: marked
-    # per micro-batch, torch's model fails (the backward's gradient outputs, accumulated into
-    # p.grad across micro-batches, are overwritten by the next micro-batch's replay)
-    mark_step = (compile_options or {}).get("mode") in ("reduce-overhead", "max-autotune")
+    # CUDA-graph trees: marked per micro-batch, torch's model fails (its first micro-batch's gradients,
+    # graph outputs that became p.grad, are freed by the next generation); the det model runs both ways
+    if mark not in ("step", "micro-batch"):
+        raise ValueError(f"mark must be 'step' or 'micro-batch', got {mark!r}")
+    trees = (compile_options or {}).get("mode") in ("reduce-overhead", "max-autotune")
+    mark_step, mark_micro_batch = trees and mark == "step", trees and mark == "micro-batch"
     # capturable (step counts on the device) is for CUDA: both optimizers refuse it for CPU params
     opt = tg.build_optimizer(cfg, model, capturable=graph and torch.device(device).type == "cuda")
     if state_dtype is not None:  # AdamWSR reads its groups' values at each step
@@ -154,6 +160,8 @@ def make_step(
             torch.compiler.cudagraph_mark_step_begin()
         note("start")
         for m in range(micro_batches):
+            if mark_micro_batch:
+                torch.compiler.cudagraph_mark_step_begin()
             xs, ys = x[m * per : (m + 1) * per], y[m * per : (m + 1) * per]
             if acc is None:
                 run(xs, ys, num_global_tokens=n_tokens)[1].backward()
@@ -309,7 +317,9 @@ def _time_compiled(name: str, cfg: tg.TrainConfig, micro_batches: int, compiled:
     try:
         with sdpa_kernel([backend]) if cfg.kernels == "torch" else contextlib.nullcontext():
             options = _compile_options(args) if compiled else None
-            s = make_step(cfg, micro_batches, torch.device("cuda"), compile_options=options)
+            s = make_step(
+                cfg, micro_batches, torch.device("cuda"), compile_options=options, mark=args.cudagraph_mark
+            )
             with _inductor_casts(args, cfg):
                 for _ in range(args.compile_warmup):  # compiles (forward and backward graphs) here
                     s.run()
@@ -333,13 +343,14 @@ def _time_compiled(name: str, cfg: tg.TrainConfig, micro_batches: int, compiled:
 
 
 def compiled_matches_eager(
-    cfg: tg.TrainConfig, micro_batches: int, device, compile_options: dict, steps: int = 2
+    cfg: tg.TrainConfig, micro_batches: int, device, compile_options: dict, steps: int = 2, mark: str = "step"
 ) -> str | None:
     """None when ``steps`` steps of the det step with its model compiled leave every weight bitwise
-    equal to the eager det step's (same initial weights and batch), else the first differing one."""
+    equal to the eager det step's (same initial weights and batch), else the first differing one.
+    ``mark``: ``make_step``'s (CUDA-graph trees' generations per step or per micro-batch)."""
     torch._dynamo.reset()
     eager = make_step(cfg, micro_batches, device)
-    compiled = make_step(cfg, micro_batches, device, compile_options=compile_options)
+    compiled = make_step(cfg, micro_batches, device, compile_options=compile_options, mark=mark)
     for _ in range(steps):
         eager.run()
         compiled.run()
@@ -402,6 +413,7 @@ def compile_main(args, det_cfg, torch_cfg, n_params: int, backend) -> int:
                 counts[0],
                 "cuda",
                 _compile_options(args),
+                mark=args.cudagraph_mark,
             )
         bits = "every weight bitwise equal" if differs is None else f"**differ** (first: {differs})"
     except Exception as exc:
@@ -411,7 +423,8 @@ def compile_main(args, det_cfg, torch_cfg, n_params: int, backend) -> int:
         "",
         "torch.compile: the model's forward and backward compiled (Inductor, "
         f"mode={args.compile_mode!r}, graph_partition={torch._inductor.config.graph_partition}, "
-        f"fullgraph={not args.allow_graph_breaks}, dynamic=False, det with "
+        + (f"cudagraph_mark_step_begin per {args.cudagraph_mark}, " if _graph_trees(args) else "")
+        + f"fullgraph={not args.allow_graph_breaks}, dynamic=False, det with "
         f"emulate_precision_casts={args.emulate_precision_casts}; compilation in "
         f"{args.compile_warmup} warm-up steps, not timed); micro-batch loop, backward() calls, "
         "gradient reduction and optimizer step eager.",
@@ -607,8 +620,14 @@ def main(argv=None) -> int:
         "--compile-mode",
         default="default",
         choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
-        help="--compile: torch.compile's mode for both models (reduce-overhead: CUDA-graph trees, "
-        "cudagraph_mark_step_begin() before each step)",
+        help="--compile: torch.compile's mode for both models (reduce-overhead: CUDA-graph trees)",
+    )
+    p.add_argument(
+        "--cudagraph-mark",
+        default="step",
+        choices=("step", "micro-batch"),
+        help="--compile under CUDA-graph trees: cudagraph_mark_step_begin() before each step (default) or "
+        "each micro-batch (torch's model then fails: its p.grad, a graph output, is freed by the next mark)",
     )
     p.add_argument(
         "--bits-check",

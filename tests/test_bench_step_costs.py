@@ -132,11 +132,11 @@ def test_compile_table_has_host_and_launch_columns(tmp_path, monkeypatch):
         )
 
     monkeypatch.setattr(bench_step, "_time_compiled", time_compiled)
-    monkeypatch.setattr(bench_step, "compiled_matches_eager", lambda *a: None)
+    monkeypatch.setattr(bench_step, "compiled_matches_eager", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
     args = _args(
         tmp_path, compile_micro_batches="2", batch=4, compile_mode="default", allow_graph_breaks=False,
-        bits_check=True, emulate_precision_casts=True, compile_warmup=3,
+        bits_check=True, emulate_precision_casts=True, compile_warmup=3, cudagraph_mark="step",
     )  # fmt: skip
     assert bench_step.compile_main(args, cfg, ref, 1000, types.SimpleNamespace(name="FLASH_ATTENTION")) == 0
 

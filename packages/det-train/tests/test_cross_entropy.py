@@ -107,6 +107,40 @@ def test_fresh_process_cold_cache():
     assert run_in_fresh_process(code, env={"TRITON_INTERPRET": "1"}) == digest(list(_loss_and_grad(x, t)))
 
 
+@pytest.mark.parametrize("ignore", [False, True])
+def test_counted_and_given_denominators_take_two_ops_with_the_same_bits(ignore):
+    """``reduction="mean"`` without ``num_global_tokens`` counts the tokens on the host (the counting
+    op, a CPU denominator: CUDA-graph trees run it between graphs); with it, the fixed-scale op (no
+    count, no CPU output: captured). Same kernels and arithmetic: the loss and dlogits of one are
+    the other's, bit for bit, and each call runs the op its arguments say."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "det_train":
+                self.names.append(func._opname)
+            return func(*args, **(kwargs or {}))
+
+    logits, targets = _inputs(37, 19, dtype=torch.float32)
+    if ignore:
+        targets[::3] = -100
+    count = int((targets != -100).sum())
+    with Ops() as counted_ops:
+        counted = _loss_and_grad(logits, targets)
+    with Ops() as given_ops:
+        given = _loss_and_grad(logits, targets, num_global_tokens=count)
+    assert "cross_entropy" in counted_ops.names and "cross_entropy_backward" in counted_ops.names
+    assert "cross_entropy_fixed_scale" in given_ops.names
+    assert "cross_entropy_fixed_scale_backward" in given_ops.names
+    assert "cross_entropy" not in given_ops.names
+    for got, want, what in zip(given, counted, ("loss", "dlogits"), strict=True):
+        assert_bitwise_equal(got, want, f"num_global_tokens={count} against the counted mean: {what}")
+
+
 def test_micro_batch_invariance_with_num_global_tokens():
     n, v = 24, 40
     logits, targets = _inputs(n, v, seed=3)

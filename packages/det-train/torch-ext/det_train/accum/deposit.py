@@ -35,17 +35,24 @@ __all__ = ["LeafSums", "accumulation", "fixed_fold", "fold_wanted", "leaf_tokens
 # partial tree of the leaf sums over those rows (only the last leaf of the global batch may be short).
 LeafSums = Callable[[int, int, tuple], TreePartial]
 
-# One int64 counter for every deposit op: each op adds 1 (its value counts deposits made through the
-# ops, nothing reads it). What matters is that it is a tensor every deposit op declares mutated.
-_TICKET = torch.zeros((), dtype=torch.int64)
+# One tensor for every deposit op: what matters is that each deposit op declares it mutated (each
+# "adds 1" to it); it carries no value. It is empty: a forward op that may deposit takes it, so under
+# torch.compile(mode="reduce-overhead") it is an input of a CUDA-graph partition, which also returns
+# it (an input the partition does not free), and CUDA-graph trees refuse a partition input or output
+# that is not CUDA memory ("These storage data ptrs are not allocated in pool ... but should be",
+# "Expected all cuda outputs") unless its storage is empty. Static: they then pass it as it is,
+# instead of copying it into their pool before each replay.
+_TICKET = torch.zeros((0,), dtype=torch.int64)
+torch._dynamo.mark_static_address(_TICKET)
 
 
 def ticket() -> torch.Tensor:
-    """The tensor the deposit ops declare mutated (a CPU int64 counter of deposits).
+    """The tensor the deposit ops declare mutated (an empty CPU int64 tensor).
 
     Returns:
-        The process-wide 0-d int64 ticket. Passed to a forward op, it reaches that op's backward,
-        whose deposit op adds 1 to it. Raises nothing.
+        The process-wide ticket, empty (no memory: CUDA-graph trees accept it as a graph's input
+        and output) and a static input for ``torch.compile``. Passed to a forward op, it reaches that
+        op's backward, whose deposit op "adds 1" to it (writes no element). Raises nothing.
 
     **Determinism:** the ticket carries no value into any result; it only makes the deposits of a
     compiled graph one chain (each deposit op reads what the previous one wrote), so Inductor keeps

@@ -111,26 +111,22 @@ _LANES = 128  # changes bits of the loss sum (fixed)
 
 
 # ----------------------------------------------------------------------------- torch.library ops
-@Op("cross_entropy")
-def cross_entropy_op(
-    logits2: torch.Tensor,
-    targets1: torch.Tensor,
-    ignore_index: int,
-    reduction: str,
-    num_global_tokens: int | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The ``det_train::cross_entropy`` op on ``(N, V)`` logits and ``(N,)`` int64 targets
-    (``cross_entropy`` after its checks): ``(loss, lse, denominator)``, ``loss`` the fp32 per-token
-    losses (``"none"``) or their canonical sum (``"sum"``) or mean (``"mean"``), ``lse (N,)`` fp32
-    for the backward, ``denominator`` a CPU int64 scalar (``num_global_tokens``, else the counted
-    tokens; 0 when unused). The target range check and the token count read device values here
-    (one host sync), skipped during CUDA graph capture."""
+# Two op pairs with one implementation. The counting pair (reduction "mean" without
+# num_global_tokens) counts the non-ignored targets on the host and returns that denominator as a
+# CPU tensor for the backward: data_dependent, so CUDA-graph trees run it between graph partitions
+# (they refuse a CPU tensor as a partition's input or output). The fixed-scale pair (reduction
+# "none" or "sum", or "mean" with num_global_tokens: every accumulator micro-batch) takes the
+# denominator as an int and returns CUDA tensors only, so CUDA-graph trees capture it with the ops
+# around it; its only host read is the target range check, skipped during capture as the
+# counting pair's. Same kernels, same arithmetic: the same bits.
+def _forward(logits2, targets1, ignore_index: int, reduction: str, denominator: int | None):
+    """``(loss, lse, denominator)``; ``denominator`` None: count the non-ignored targets (host)."""
     n, v = logits2.shape
     count = None
     if logits2.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         # CUDA graph capture: reading a device value (the range check, the token count) is
         # impossible here; the graph replays the kernels on whatever targets the buffer holds
-        if reduction == "mean" and num_global_tokens is None and targets1.numel():
+        if reduction == "mean" and denominator is None and targets1.numel():
             raise RuntimeError(
                 "cross_entropy: reduction='mean' without num_global_tokens counts the non-ignored tokens "
                 "on the host, which CUDA graph capture cannot do; pass num_global_tokens"
@@ -139,16 +135,17 @@ def cross_entropy_op(
         valid = targets1 != ignore_index
         # one host sync for the range check and (mean without num_global_tokens) the token count
         bad = (valid & ((targets1 < 0) | (targets1 >= v))).any()
-        if reduction == "mean" and num_global_tokens is None:
+        if reduction == "mean" and denominator is None:
             n_bad, count = torch.stack([bad.to(torch.int64), valid.sum()]).tolist()
         else:
             n_bad = int(bad)
         if n_bad:
             first = int(targets1[valid & ((targets1 < 0) | (targets1 >= v))][0])
             raise ValueError(f"cross_entropy: target {first} is outside [0, {v}) and is not ignore_index")
-    denominator = 0
-    if reduction == "mean":
-        denominator = num_global_tokens if num_global_tokens is not None else int(count or 0)
+    if reduction != "mean":
+        denominator = 0
+    elif denominator is None:
+        denominator = int(count or 0)
     loss = torch.empty((n,), dtype=torch.float32, device=logits2.device)
     lse = torch.empty((n,), dtype=torch.float32, device=logits2.device)
     if n:
@@ -165,20 +162,41 @@ def cross_entropy_op(
             BLOCK_V=_fwd_config(v)[0],
             num_warps=_fwd_config(v)[1],
         )
-    count_t = torch.tensor(denominator, dtype=torch.int64)  # a CPU scalar: no device copy
     if reduction == "none":
-        return loss, lse, count_t
+        return loss, lse, denominator
     total = _canonical_token_sum(loss)
     # a Python int divisor, as before (on CUDA a CPU scalar divides as a * (1 / b), a device one does not)
-    return (total if reduction == "sum" else total / denominator), lse, count_t
+    return (total if reduction == "sum" else total / denominator), lse, denominator
+
+
+def _loss_fake(logits2, reduction: str) -> torch.Tensor:
+    n = logits2.shape[0]
+    return logits2.new_empty((n,) if reduction == "none" else (), dtype=torch.float32)
+
+
+@Op("cross_entropy", data_dependent=True)
+def cross_entropy_op(
+    logits2: torch.Tensor,
+    targets1: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    num_global_tokens: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``det_train::cross_entropy`` op on ``(N, V)`` logits and ``(N,)`` int64 targets
+    (``cross_entropy`` after its checks; the counting path, ``reduction="mean"`` without
+    ``num_global_tokens``, though it accepts any): ``(loss, lse, denominator)``, ``loss`` the fp32
+    per-token losses (``"none"``) or their canonical sum (``"sum"``) or mean (``"mean"``), ``lse
+    (N,)`` fp32 for the backward, ``denominator`` a CPU int64 scalar (``num_global_tokens``, else
+    the counted tokens; 0 when unused). The target range check and the token count read device
+    values here (one host sync), skipped during CUDA graph capture."""
+    loss, lse, denominator = _forward(logits2, targets1, ignore_index, reduction, num_global_tokens)
+    return loss, lse, torch.tensor(denominator, dtype=torch.int64)  # a CPU scalar: no device copy
 
 
 @cross_entropy_op.register_fake
 def _(logits2, targets1, ignore_index, reduction, num_global_tokens):
-    n = logits2.shape[0]
-    loss = logits2.new_empty((n,) if reduction == "none" else (), dtype=torch.float32)
     count = torch.empty((), dtype=torch.int64, device="cpu")
-    return loss, logits2.new_empty((n,), dtype=torch.float32), count
+    return _loss_fake(logits2, reduction), logits2.new_empty((logits2.shape[0],), dtype=torch.float32), count
 
 
 def _cross_entropy_setup(ctx, inputs, output):
@@ -201,19 +219,49 @@ cross_entropy_op.register_autograd(
 )
 
 
-@Op("cross_entropy_backward")
-def cross_entropy_backward_op(
-    grad_out: torch.Tensor,
+@Op("cross_entropy_fixed_scale")
+def cross_entropy_fixed_scale_op(
     logits2: torch.Tensor,
     targets1: torch.Tensor,
-    lse: torch.Tensor,
-    denominator: torch.Tensor,
     ignore_index: int,
     reduction: str,
-) -> torch.Tensor:
-    """The ``det_train::cross_entropy_backward`` op: dlogits ``(N, V)`` = ``(softmax - onehot) * scale``,
-    one fp32 scale per token (``"none"``) or for all (``grad_out``, divided by ``denominator`` for
-    ``"mean"``)."""
+    denominator: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``det_train::cross_entropy_fixed_scale`` op: ``(loss, lse)`` as ``cross_entropy_op``'s,
+    the mean divided by ``denominator`` (``num_global_tokens``; unused for ``"none"`` / ``"sum"``),
+    no token count and no CPU output: what CUDA-graph trees can capture."""
+    loss, lse, _ = _forward(logits2, targets1, ignore_index, reduction, denominator)
+    return loss, lse
+
+
+@cross_entropy_fixed_scale_op.register_fake
+def _(logits2, targets1, ignore_index, reduction, denominator):
+    return _loss_fake(logits2, reduction), logits2.new_empty((logits2.shape[0],), dtype=torch.float32)
+
+
+def _fixed_scale_setup(ctx, inputs, output):
+    logits2, targets1, ignore_index, reduction, denominator = inputs
+    ctx.save_for_backward(logits2, targets1, output[1])
+    ctx.ignore_index, ctx.reduction, ctx.denominator = ignore_index, reduction, denominator
+
+
+def _fixed_scale_backward(ctx, grad_out, _dlse):
+    runtime.check_first_order("det_train.cross_entropy")
+    logits2, targets1, lse = ctx.saved_tensors
+    dx = cross_entropy_fixed_scale_backward_op(
+        grad_out, logits2, targets1, lse, ctx.ignore_index, ctx.reduction, ctx.denominator
+    )
+    return dx, None, None, None, None
+
+
+cross_entropy_fixed_scale_op.register_autograd(
+    _fixed_scale_backward, setup_context=_fixed_scale_setup, nondifferentiable=(1,)
+)
+
+
+def _backward(grad_out, logits2, targets1, lse, ignore_index: int, reduction: str, denominator: int):
+    """dlogits ``(N, V)`` = ``(softmax - onehot) * scale``, one fp32 scale per token (``"none"``) or
+    for all (``grad_out``, divided by ``denominator`` for ``"mean"``)."""
     n, v = logits2.shape
     dx = torch.empty_like(logits2, memory_format=torch.contiguous_format)
     if reduction == "none":
@@ -222,7 +270,7 @@ def cross_entropy_backward_op(
         scale, scale_stride = grad_out.to(torch.float32).reshape(1), 0
     else:
         # the same fp32 scalar for every token of every micro-batch: elementwise, so split-invariant
-        scale, scale_stride = (grad_out.to(torch.float32) / int(denominator)).reshape(1), 0
+        scale, scale_stride = (grad_out.to(torch.float32) / denominator).reshape(1), 0
     if n:
         block = min(MAX_BWD_BLOCK_V, runtime.next_power_of_2(v))
         grid = (n, runtime.cdiv(v, block))
@@ -244,8 +292,43 @@ def cross_entropy_backward_op(
     return dx
 
 
+@Op("cross_entropy_backward", data_dependent=True)
+def cross_entropy_backward_op(
+    grad_out: torch.Tensor,
+    logits2: torch.Tensor,
+    targets1: torch.Tensor,
+    lse: torch.Tensor,
+    denominator: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+) -> torch.Tensor:
+    """The ``det_train::cross_entropy_backward`` op (the counting path's): dlogits ``(N, V)``, the
+    mean's scale divided by the CPU ``denominator``'s value (a host read)."""
+    return _backward(grad_out, logits2, targets1, lse, ignore_index, reduction, int(denominator))
+
+
 @cross_entropy_backward_op.register_fake
 def _(grad_out, logits2, targets1, lse, denominator, ignore_index, reduction):
+    return torch.empty_like(logits2, memory_format=torch.contiguous_format)
+
+
+@Op("cross_entropy_fixed_scale_backward")
+def cross_entropy_fixed_scale_backward_op(
+    grad_out: torch.Tensor,
+    logits2: torch.Tensor,
+    targets1: torch.Tensor,
+    lse: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    denominator: int,
+) -> torch.Tensor:
+    """The ``det_train::cross_entropy_fixed_scale_backward`` op: dlogits ``(N, V)`` as
+    ``cross_entropy_backward_op``'s, the mean's scale divided by the int ``denominator``."""
+    return _backward(grad_out, logits2, targets1, lse, ignore_index, reduction, denominator)
+
+
+@cross_entropy_fixed_scale_backward_op.register_fake
+def _(grad_out, logits2, targets1, lse, ignore_index, reduction, denominator):
     return torch.empty_like(logits2, memory_format=torch.contiguous_format)
 
 
@@ -378,5 +461,9 @@ def cross_entropy(
         logits2 = logits2.contiguous()
     targets1 = targets.reshape(-1).to(torch.int64).contiguous()
     # the target range check and the token count read device values: in the op, when it runs
-    out = cross_entropy_op(logits2, targets1, int(ignore_index), reduction, num_global_tokens)[0]
+    if reduction == "mean" and num_global_tokens is None:
+        out = cross_entropy_op(logits2, targets1, int(ignore_index), reduction, None)[0]
+    else:  # the denominator known (or none needed): the op CUDA-graph trees capture
+        denominator = num_global_tokens if num_global_tokens is not None else 0
+        out = cross_entropy_fixed_scale_op(logits2, targets1, int(ignore_index), reduction, denominator)[0]
     return out.view(targets.shape) if reduction == "none" else out
