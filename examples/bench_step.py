@@ -263,7 +263,8 @@ def _time_step(name: str, cfg: tg.TrainConfig, mode: str, args, backend) -> dict
     from torch.nn.attention import sdpa_kernel
 
     with sdpa_kernel([backend]) if cfg.kernels == "torch" else contextlib.nullcontext():
-        s = make_step(cfg, args.micro_batches, torch.device("cuda"), graph=mode == GRAPH)
+        fixed = args.fixed_folds and cfg.kernels == "det"
+        s = make_step(cfg, args.micro_batches, torch.device("cuda"), graph=mode == GRAPH, fixed_folds=fixed)
         fn = graphed(s) if mode == GRAPH else s.run
         if mode == EAGER_1T:  # autograd's CUDA device thread adds host time to Python backward nodes
             fn = _on_calling_thread(s.run)
@@ -318,7 +319,12 @@ def _time_compiled(name: str, cfg: tg.TrainConfig, micro_batches: int, compiled:
         with sdpa_kernel([backend]) if cfg.kernels == "torch" else contextlib.nullcontext():
             options = _compile_options(args) if compiled else None
             s = make_step(
-                cfg, micro_batches, torch.device("cuda"), compile_options=options, mark=args.cudagraph_mark
+                cfg,
+                micro_batches,
+                torch.device("cuda"),
+                compile_options=options,
+                mark=args.cudagraph_mark,
+                fixed_folds=args.fixed_folds and cfg.kernels == "det",
             )
             with _inductor_casts(args, cfg):
                 for _ in range(args.compile_warmup):  # compiles (forward and backward graphs) here
@@ -343,14 +349,23 @@ def _time_compiled(name: str, cfg: tg.TrainConfig, micro_batches: int, compiled:
 
 
 def compiled_matches_eager(
-    cfg: tg.TrainConfig, micro_batches: int, device, compile_options: dict, steps: int = 2, mark: str = "step"
+    cfg: tg.TrainConfig,
+    micro_batches: int,
+    device,
+    compile_options: dict,
+    steps: int = 2,
+    mark: str = "step",
+    fixed_folds: bool = False,
 ) -> str | None:
     """None when ``steps`` steps of the det step with its model compiled leave every weight bitwise
     equal to the eager det step's (same initial weights and batch), else the first differing one.
-    ``mark``: ``make_step``'s (CUDA-graph trees' generations per step or per micro-batch)."""
+    ``mark``: ``make_step``'s (CUDA-graph trees' generations per step or per micro-batch);
+    ``fixed_folds``: the compiled step's accumulator has fixed folds (the eager one does not)."""
     torch._dynamo.reset()
     eager = make_step(cfg, micro_batches, device)
-    compiled = make_step(cfg, micro_batches, device, compile_options=compile_options, mark=mark)
+    compiled = make_step(
+        cfg, micro_batches, device, compile_options=compile_options, mark=mark, fixed_folds=fixed_folds
+    )
     for _ in range(steps):
         eager.run()
         compiled.run()
@@ -414,6 +429,7 @@ def compile_main(args, det_cfg, torch_cfg, n_params: int, backend) -> int:
                 "cuda",
                 _compile_options(args),
                 mark=args.cudagraph_mark,
+                fixed_folds=args.fixed_folds,
             )
         bits = "every weight bitwise equal" if differs is None else f"**differ** (first: {differs})"
     except Exception as exc:
@@ -628,6 +644,12 @@ def main(argv=None) -> int:
         choices=("step", "micro-batch"),
         help="--compile under CUDA-graph trees: cudagraph_mark_step_begin() before each step (default) or "
         "each micro-batch (torch's model then fails: its p.grad, a graph output, is freed by the next mark)",
+    )
+    p.add_argument(
+        "--fixed-folds",
+        action="store_true",
+        help="det steps: the accumulator's fixed_folds (recoverable=False; Linear weight deposits one kernel "
+        "each, graph-safe); the bits check compares with the plain eager det step",
     )
     p.add_argument(
         "--bits-check",

@@ -82,6 +82,9 @@ def _opcheck_cases():
         _, mean, lrstd = _op("layer_norm")(x2, nw, nw.new_ones(16), 1e-5, 16, None, 8192, False, False)
         lse, count = _op("cross_entropy")(logits, targets, -100, "mean", None)[1:]
     ticket = deposit.ticket()
+    fold = _randn(8, 16, dtype=torch.float32, seed=19)  # a Linear weight's fixed fold
+    sub_folds = _randn(2, 16, dtype=torch.float32, seed=20)  # an RMSNorm weight's: 2048-token leaves
+    fold_pos = torch.tensor(512, device=DEVICE)  # the micro-batch's first token in its leaf
     # mixture of experts: 6 tokens, 4 experts (one gets no token), top 2, hidden 16, intermediate 8
     router_logits = _randn(6, 4, seed=13, requires_grad=True)
     experts_idx = torch.tensor([[0, 1], [1, 0], [3, 0], [0, 3], [1, 3], [3, 1]], device=DEVICE)
@@ -99,7 +102,7 @@ def _opcheck_cases():
     cases = [
         ("matmul", (_randn(3, 4, 16), _randn(16, 5)), False),
         ("matmul_partial", (_randn(3, 64), _randn(64, 5), None, None, False), False),
-        ("linear", (x, w, b, None, 8192, False, False), False),
+        ("linear", (x, w, b, None, None, 8192, False, False), False),
         ("linear_weight_grad", (dy, x2, 8192, BF16), False),
         ("linear_bias_grad", (dy, 8192, BF16), False),
         ("rms_norm", (x, nw, 1e-6, 16, 0.0, None, 8192, False), False),
@@ -132,7 +135,12 @@ def _opcheck_cases():
         # inside a micro-batch: the forward ops' backward deposits, and the deposit ops themselves
         # (backward and deposit ops are first order: no input requires grad; a detached parameter
         # is found by its storage, as a compiled backward's saved tensor)
-        ("linear", (x, w, b, ticket, 4, True, True), True),
+        ("linear", (x, w, b, ticket, None, 4, True, True), True),
+        # fixed folds (CanonicalGradAccumulator.fixed_folds): the forward carries the weight's fold
+        ("linear", (x, w, b, ticket, fold, 4, True, True), True),
+        ("linear_fold_weight", (dy, x2, fold), False),
+        ("rms_norm", (x, nw, 1e-6, 16, 0.0, None, 2048, True, 1, sub_folds, fold_pos), True),
+        ("rms_norm_backward_fold", (x2, x2, nw.detach(), rstd, 0.0, 2048, sub_folds, fold_pos), False),
         ("rms_norm", (x, nw, 1e-6, 16, 0.0, ticket, 4, True), True),
         ("embedding", (ids, emb, None, ticket, 4, True), True),
         ("linear_deposit_weight", (dy, x2, w.detach(), ticket), True),
@@ -657,6 +665,8 @@ def test_deposit_ops_are_tagged_cudagraph_unsafe_and_the_others_are_not():
     # pair, num_global_tokens given, returns CUDA tensors only and is captured)
     data_dependent = {"moe_experts", "moe_experts_backward", "cross_entropy", "cross_entropy_backward"}
     others = (
+        "linear_fold_weight",
+        "rms_norm_backward_fold",
         "cross_entropy_fixed_scale",
         "cross_entropy_fixed_scale_backward",
         "linear",

@@ -23,6 +23,9 @@ join the parameter's canonical tree as any leaf's.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 
 from ._open_leaf import OpenFold
@@ -38,21 +41,26 @@ def _not_advanced(rows: tuple, state) -> None:
     raise AssertionError("a fixed fold is continued by its op's kernel, never through deposit_rows")
 
 
-def _node(fold: torch.Tensor) -> torch.Tensor:
-    return fold.clone()  # the leaf's node: a copy, the buffer holds the next leaf
+# An op's fixed fold: (buffer shape, token step, close(buffer, tokens) -> the leaf's fp32 node, a new
+# tensor: the buffer holds the next leaf), from the op's ``fixed_fold_spec(param, leaf_tokens)``.
+FoldSpec = tuple
 
 
 class FixedFolds:
-    """The fixed folds of one accumulator: ``folds[index]`` (fp32, the weight's shape) and the token
-    step each is folded in; ``by_id`` finds a weight's fold from the Parameter the forward sees."""
+    """The fixed folds of one accumulator: ``folds[index]`` (fp32), the token step each is continued
+    in and its close; ``by_id`` finds a parameter's fold from the Parameter the forward sees; ``pos``
+    (int64, on the folds' device) holds the micro-batch's first token within its leaf, for kernels
+    that place rows by it (the norms' sub-leaves)."""
 
-    __slots__ = ("folds", "steps", "by_id", "seen")
+    __slots__ = ("folds", "steps", "closes", "by_id", "seen", "pos")
 
     def __init__(self) -> None:
         self.folds: dict[int, torch.Tensor] = {}  # tracked parameter index -> its fp32 fold
         self.steps: dict[int, int] = {}  # index -> the op's token step (a continued leaf's offsets)
+        self.closes: dict[int, Callable] = {}  # index -> close(fold, tokens) -> the leaf's node
         self.by_id: dict[int, torch.Tensor] = {}  # id(parameter) -> its fold
         self.seen: set[int] = set()  # id(parameter) of the folds continued in this micro-batch (eager)
+        self.pos: torch.Tensor | None = None
 
     def first_use(self, key: int) -> bool:
         """True the first time ``key`` (a weight's id) is folded in this micro-batch."""
@@ -61,10 +69,20 @@ class FixedFolds:
         self.seen.add(key)
         return True
 
-    def add(self, index: int, param: torch.Tensor, step: int) -> None:
-        if index not in self.folds:
-            fold = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
-            self.folds[index], self.steps[index], self.by_id[id(param)] = fold, step, fold
+    def add(self, index: int, param: torch.Tensor, spec: FoldSpec) -> None:
+        if index in self.folds:
+            return
+        shape, step, close = spec
+        fold = torch.zeros(shape, dtype=torch.float32, device=param.device)
+        if self.pos is None:
+            self.pos = _static(torch.zeros((), dtype=torch.int64, device=param.device))
+        elif self.pos.device != fold.device:
+            raise ValueError(
+                f"fixed folds on {self.pos.device} and {fold.device}: one accumulator's fixed folds live "
+                "on one device"
+            )
+        self.folds[index], self.steps[index], self.closes[index] = _static(fold), step, close
+        self.by_id[id(param)] = fold
 
     def begin(self, acc, offset: int, tokens: int) -> None:
         """Before a micro-batch of ``tokens`` tokens at ``offset``: check it stays inside one leaf and
@@ -84,6 +102,7 @@ class FixedFolds:
             if open_keys:  # (micro_batch refuses a second micro-batch at a leaf start while one is open)
                 raise ValueError(f"fixed folds: leaf {open_keys[0][2]} is still open")
             torch._foreach_zero_(list(self.folds.values()))
+            self.pos.zero_()
             return
         misaligned = sorted({step for step in self.steps.values() if offset % step})
         if misaligned:
@@ -101,6 +120,7 @@ class FixedFolds:
                     f"{offset}: fixed_folds was called inside a step; call it before the step's first "
                     "micro-batch"
                 )
+        self.pos.fill_(offset % leaf)
 
     def end(self, acc, offset: int, tokens: int) -> None:
         """After a micro-batch that succeeded: a leaf it completed joins each weight's tree (a copy of
@@ -110,10 +130,17 @@ class FixedFolds:
         start = j * leaf
         for index, fold in self.folds.items():
             key = (index, FIXED_USE, j)
+            close = functools.partial(self.closes[index], tokens=end - start)
             if end % leaf == 0:
                 if key in acc._carry:
                     acc._set_carry(key, None)
-                acc._add_node(key[:2], j, _node(fold))
-            else:
-                state = OpenFold(start, (self.steps[index], _not_advanced, _node), end, fold)
-                acc._set_carry(key, state)
+                acc._add_node(key[:2], j, close(fold))
+            else:  # (a short last leaf is closed by reduce, through the carry entry's close)
+                acc._set_carry(key, OpenFold(start, (self.steps[index], _not_advanced, close), end, fold))
+
+
+def _static(t: torch.Tensor) -> torch.Tensor:
+    """``t`` marked as a static input of compiled graphs: its address never changes, so CUDA-graph
+    trees read it in place (no copy into the graph's pool) and may capture kernels that write it."""
+    torch._dynamo.mark_static_address(t)
+    return t

@@ -31,8 +31,10 @@ __all__ = [
     "finish_param_grad",
     "fold_chunks",
     "fold_chunks_resume",
+    "fold_into_sub_leaves",
     "leaf_layout",
     "leaf_subtrees",
+    "sub_leaves_node",
     "sub_leaf_tokens",
     "tree_in_place",
 ]
@@ -278,6 +280,66 @@ def fold_chunks_resume(
         bound = _bind(key, grid, _fold_chunks_resume_kernel, 3, (n_chunks, n, skip), **meta)
     bound[1](bound[0], partials, init if resume else partials, out)
     return out
+
+
+@triton.jit
+def _fold_into_sub_leaves_kernel(
+    partial_ptr, fold_ptr, pos_ptr, n_chunks, N, ROWS: tl.constexpr, CHUNKS_PER_SUB: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Add chunk sums ``partial (n_chunks, N)`` to the sub-leaf folds ``fold (ratio, N)`` in chunk
+    order: chunk ``c`` is chunk ``pos // ROWS + c`` of the leaf (``pos``: the call's first token in
+    its leaf, read from device memory, so one captured launch serves every micro-batch)."""
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    first = tl.load(pos_ptr) // ROWS
+    for s in range(first // CHUNKS_PER_SUB, (first + n_chunks - 1) // CHUNKS_PER_SUB + 1):
+        acc = tl.load(fold_ptr + s * N + cols, mask=mask, other=0.0)
+        lo = tl.maximum(s * CHUNKS_PER_SUB - first, 0)
+        hi = tl.minimum((s + 1) * CHUNKS_PER_SUB - first, n_chunks)
+        for c in range(lo, hi):
+            acc += tl.load(partial_ptr + c * N + cols, mask=mask, other=0.0)
+        tl.store(fold_ptr + s * N + cols, acc, mask=mask)
+
+
+def fold_into_sub_leaves(
+    partials: torch.Tensor, folds: torch.Tensor, pos: torch.Tensor, rows_per_chunk: int, chunks_per_sub: int
+) -> None:
+    """Continue a leaf's sub-leaf folds in place (a fixed fold, ``CanonicalGradAccumulator.fixed_folds``).
+
+    Args:
+        partials: fp32 ``(n_chunks, N)`` chunk sums of ``rows_per_chunk`` tokens each, the call's
+            chunks in token order (the first aligned to a chunk of the leaf).
+        folds: fp32 ``(leaf_tokens / sub, N)`` contiguous: sub-leaf ``s``'s fold so far (zeros at
+            the leaf's start); written in place.
+        pos: int64 0-d tensor on the device: the call's first token within its leaf.
+        rows_per_chunk, chunks_per_sub: the op's chunk and sub-leaf sizes (``_layout``).
+
+    Raises nothing (the callers' layout). **Determinism:** each sub-leaf's fold adds the chunk sums
+    in chunk order to the stored value, from +0.0 at the leaf's start: the adds of
+    ``fold_chunks_resume``, so the bits of ``SubLeafFold`` for any split at chunk boundaries.
+    """
+    partials = partials.contiguous()
+    n_chunks, n = partials.shape
+    if not n_chunks or not n:
+        return
+    key = ("fold_into", n_chunks, n, rows_per_chunk, chunks_per_sub)
+    bound = _BOUND.get(key)
+    if bound is None:
+        block = min(1024, max(16, runtime.next_power_of_2(n)))
+        grid = (runtime.cdiv(n, block),)
+        meta = dict(ROWS=rows_per_chunk, CHUNKS_PER_SUB=chunks_per_sub, BLOCK=block)
+        bound = _bind(key, grid, _fold_into_sub_leaves_kernel, 3, (n_chunks, n), **meta)
+    bound[1](bound[0], partials, folds, pos)
+
+
+def sub_leaves_node(folds: torch.Tensor, tokens: int, sub: int, shape: torch.Size) -> torch.Tensor:
+    """A leaf's fp32 node from its fixed sub-leaf folds ``folds (ratio, N)`` over its first ``tokens``
+    tokens: the canonical tree over the ``ceil(tokens / sub)`` sub-leaves present, as
+    ``SubLeafFold.close`` (same bits); a new tensor (the folds hold the next leaf)."""
+    k = num_leaves(tokens, sub)
+    node = folds[0].clone() if k == 1 else tree_in_place(folds[:k].clone(), 0, torch.float32)
+    return node if node.shape == shape else node.view(shape)
 
 
 class SubLeafFold:

@@ -29,7 +29,16 @@ from det_core.runtime import plain_eager
 from ._open_leaf import LeafFold
 from .grad_accum import DEFAULT_LEAF_TOKENS, current_accumulator
 
-__all__ = ["LeafSums", "accumulation", "fixed_fold", "fold_wanted", "leaf_tokens", "rows", "ticket"]
+__all__ = [
+    "LeafSums",
+    "accumulation",
+    "fixed_fold",
+    "fixed_fold_pos",
+    "fold_wanted",
+    "leaf_tokens",
+    "rows",
+    "ticket",
+]
 
 # An op's leaf-sum function: (leaf_tokens, global index of the first leaf, rows of whole leaves) ->
 # partial tree of the leaf sums over those rows (only the last leaf of the global batch may be short).
@@ -97,6 +106,17 @@ def fixed_fold(op: str, weight: torch.Tensor, tokens: int) -> torch.Tensor | Non
     """
     acc = current_accumulator()
     return None if acc is None else acc._fixed_fold_of(weight, tokens, op)
+
+
+def fixed_fold_pos() -> torch.Tensor:
+    """The active accumulator's int64 0-d device tensor holding the micro-batch's first token within
+    its leaf (``fixed_folds``; written at ``micro_batch`` entry), for kernels that place rows in a
+    fixed fold by it. Call only after ``fixed_fold`` returned a fold. Raises nothing.
+
+    **Determinism:** a position, read by the kernel from device memory so that one captured launch
+    places every micro-batch's rows.
+    """
+    return current_accumulator()._fixed.pos
 
 
 def fold_wanted(op: str, weight: torch.Tensor, dy: torch.Tensor) -> bool:

@@ -230,15 +230,17 @@ class CanonicalGradAccumulator:
         return self
 
     def fixed_folds(self, module: torch.nn.Module) -> CanonicalGradAccumulator:
-        """Fold the weight gradient of every ``det_train.Linear`` of ``module`` into a buffer of fixed
-        address: deposits a CUDA graph can hold (``torch.compile(mode="reduce-overhead")``) and no host
-        bookkeeping per deposit. Returns ``self``.
+        """Fold the weight gradient of every ``det_train.Linear`` and ``det_train.RMSNorm`` (without
+        ``heads``) of ``module`` into a buffer of fixed address: deposits a CUDA graph can hold
+        (``torch.compile(mode="reduce-overhead")``) and no host bookkeeping per deposit. Returns ``self``.
 
-        Each such weight this accumulator tracks gets one fp32 buffer of its shape, allocated here
-        and kept for the accumulator's life (4 bytes per weight element, also between steps). Its
-        forward passes the buffer to the backward, whose ``det_train::linear_fold_weight`` op
-        continues the open leaf's fold in it; ``micro_batch`` zeroes the buffers when a micro-batch
-        starts a leaf and, when one ends a leaf, adds a copy of each buffer to its weight's tree.
+        Each such weight this accumulator tracks gets one fp32 buffer, allocated here and kept for
+        the accumulator's life, also between steps: a Linear weight's is of its shape (4 bytes per
+        element), an RMSNorm weight's holds its leaf's sub-leaf folds (``leaf_tokens / 1024`` rows of
+        its size at leaves over 1024 tokens). The forward passes the buffer to the backward, whose op
+        (``det_train::linear_fold_weight``, ``rms_norm_backward_fold``) continues the open leaf's fold
+        in it; ``micro_batch`` zeroes the buffers when a micro-batch starts a leaf and, when one ends
+        a leaf, adds each weight's leaf node (a new tensor) to its tree.
         The micro-batches must then give ``num_tokens`` and each lie inside one leaf (micro-batch
         sizes that divide ``leaf_tokens``), and a weight is folded only through its module's forward,
         once per micro-batch. What differs from the plain deposit path: a fixed-fold weight counts as
@@ -248,15 +250,15 @@ class CanonicalGradAccumulator:
         tensors) still folds them (eager execution checks it, as the plain path).
 
         Args:
-            module: the model (or part of it) whose ``det_train.Linear`` modules get fixed folds;
-                Linears whose weight is not tracked or is shared with another Linear are left on the
-                plain path (a tied embedding table may be shared: its lookup deposits as before).
+            module: the model (or part of it) whose ``det_train.Linear`` / ``det_train.RMSNorm``
+                modules get fixed folds; those whose weight is not tracked or is held by another
+                module too (tied weights) are left on the plain deposit path.
 
         Raises:
             ValueError: the accumulator was built with ``recoverable=True`` (a fold continued in
                 place cannot be undone: build it with ``recoverable=False``); it holds deposits or
                 open leaves (call this before a step's first micro-batch, or after ``reduce`` /
-                ``reset``); ``module`` has no ``det_train.Linear`` with a tracked, unshared weight;
+                ``reset``); ``module`` has no such module with a tracked, unshared weight;
                 the weights are FSDP2-sharded (``track_fsdp``: not supported with fixed folds).
 
         **Determinism:** the same kernel and fold order as the plain path (a leaf's fold from a
@@ -265,7 +267,7 @@ class CanonicalGradAccumulator:
         uses' trees are added in a fixed order; with at most two uses, the order of the plain path's
         roots gives the same sum).
         """
-        from ..ops.linear import Linear, fixed_fold_step  # (ops import the accumulator)
+        from ..ops import linear, rms_norm  # (the ops import the accumulator)
 
         if self.recoverable:
             raise ValueError(
@@ -277,22 +279,28 @@ class CanonicalGradAccumulator:
                 "fixed_folds: this accumulator holds deposits of a step in progress: call it before the "
                 "step's first micro-batch (or after reduce / reset)"
             )
-        linears = [m for m in module.modules() if isinstance(m, Linear)]
+        found = [  # (weight, its op module's fixed_fold_spec)
+            (m.weight, op.fixed_fold_spec)
+            for m in module.modules()
+            for op in (linear, rms_norm)
+            if op.takes_fixed_fold(m)
+        ]
         uses: dict[int, int] = {}
-        for m in linears:
-            uses[id(m.weight)] = uses.get(id(m.weight), 0) + 1
-        chosen = [m.weight for m in linears if uses[id(m.weight)] == 1 and id(m.weight) in self._index]
-        if any(self._index[id(w)] in self._fsdp for w in chosen):
+        for m in module.modules():  # every module holding the weight, det or not
+            for p in m.parameters(recurse=False):
+                uses[id(p)] = uses.get(id(p), 0) + 1
+        chosen = [(w, spec) for w, spec in found if uses[id(w)] == 1 and id(w) in self._index]
+        if any(self._index[id(w)] in self._fsdp for w, _ in chosen):
             raise ValueError("fixed_folds: FSDP2-sharded weights (track_fsdp) do not take fixed folds")
         if not chosen:
             raise ValueError(
-                f"fixed_folds: {type(module).__name__} has no det_train.Linear whose weight this accumulator "
-                "tracks (and no other Linear shares): convert the model first (det_train.convert) and build "
-                "the accumulator from its parameters"
+                f"fixed_folds: {type(module).__name__} has no det_train.Linear or det_train.RMSNorm whose "
+                "weight this accumulator tracks (and no other module shares): convert the model first "
+                "(det_train.convert) and build the accumulator from its parameters"
             )
         self._fixed = self._fixed or FixedFolds()
-        for weight in chosen:
-            self._fixed.add(self._index[id(weight)], weight, fixed_fold_step(weight))
+        for weight, spec in chosen:
+            self._fixed.add(self._index[id(weight)], weight, spec(weight, self.leaf_tokens))
         return self
 
     def _fixed_fold_of(self, weight: torch.Tensor, tokens: int, op: str) -> torch.Tensor | None:
@@ -306,6 +314,8 @@ class CanonicalGradAccumulator:
     def _fixed_fold_once(self, weight: torch.Tensor, op: str) -> bool:
         """True at the first fold of ``weight``'s fixed fold in this micro-batch (eager); raises
         ValueError at a second one (two uses of the weight, or a second backward)."""
+        if self._fixed is None:  # a fold passed to the op by hand (tests): nothing to count
+            return True
         if not self._fixed.first_use(id(weight)):
             name = self._names[self._index[id(weight)]]
             raise ValueError(

@@ -107,10 +107,21 @@ def fixed_plan(plan: GradPlan, weight: torch.Tensor, tokens: int) -> GradPlan:
     return GradPlan(plan.leaf_tokens, True, plan.bias, plan.ticket if plan.bias else None, fold)
 
 
-def fixed_fold_step(weight: torch.Tensor) -> int:
-    """The token step of ``weight``'s dW fold (``weight_grad_config``'s ``block_t``): a fixed fold's
-    leaf may be continued only at multiples of it."""
-    return weight_grad_config(weight.dtype, weight.shape[0], weight.shape[1]).block_t
+def takes_fixed_fold(module: torch.nn.Module) -> bool:
+    """Whether ``CanonicalGradAccumulator.fixed_folds`` gives ``module``'s weight a fixed fold here:
+    a ``det_train.Linear``."""
+    return isinstance(module, Linear)
+
+
+def fixed_fold_spec(weight: torch.Tensor, leaf_tokens: int) -> tuple:
+    """``(shape, step, close)`` of a Linear weight's fixed fold: fp32 of the weight's shape, continued
+    at multiples of the dW fold's token step (``weight_grad_config``'s ``block_t``), closed as a copy."""
+    step = weight_grad_config(weight.dtype, weight.shape[0], weight.shape[1]).block_t
+    return weight.shape, step, _fold_node
+
+
+def _fold_node(fold: torch.Tensor, tokens: int) -> torch.Tensor:
+    return fold.clone()  # the leaf's node: the fold itself (a copy: the buffer holds the next leaf)
 
 
 @Op("linear")

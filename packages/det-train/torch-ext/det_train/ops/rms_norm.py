@@ -34,7 +34,15 @@ from det_core.launch import BoundLaunch, PlanCache
 from det_core.runtime import check_kernel_device
 
 from ..accum import deposit
-from ..accum._leaf_sums import SubLeafFold, chunk_subtrees, finish_param_grad, fold_chunks, sub_leaf_tokens
+from ..accum._leaf_sums import (
+    SubLeafFold,
+    chunk_subtrees,
+    finish_param_grad,
+    fold_chunks,
+    fold_into_sub_leaves,
+    sub_leaf_tokens,
+    sub_leaves_node,
+)
 from ._library import Op
 from ._norm_tiles import chunk_tile, forward_rows
 from ._rms_norm_kernels import (
@@ -133,11 +141,15 @@ def rms_norm_op(
     leaf_tokens: int,
     deposit: bool,
     rows_per_token: int = 1,
+    fold: torch.Tensor | None = None,
+    fold_pos: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``det_train::rms_norm`` op: ``(y, rstd)`` (``rms_norm`` after its checks; ``rstd (M,)`` fp32
     is saved for the backward). ``ticket`` / ``leaf_tokens`` / ``deposit``: what the forward decided
     for the weight gradient (deposit it into the active accumulator, or return it); ``rows_per_token``:
-    the rows of one token (a per-head norm's heads)."""
+    the rows of one token (a per-head norm's heads); ``fold`` / ``fold_pos``: the weight's fixed
+    sub-leaf folds and the micro-batch's first token in its leaf (``CanonicalGradAccumulator.fixed_folds``:
+    the backward continues them in place instead of depositing), or None."""
     x2 = _rows_of(x, d)
     m = x2.shape[0]
     # not a view: FSDP2 hooks want a base
@@ -160,14 +172,17 @@ def rms_norm_op(
 
 
 @rms_norm_op.register_fake
-def _(x, weight, eps, d, offset, ticket, leaf_tokens, deposit, rows_per_token=1):
+def _(x, weight, eps, d, offset, ticket, leaf_tokens, deposit, rows_per_token=1, fold=None, fold_pos=None):
     y = x.new_empty(x.shape, dtype=_out_dtype(x, weight))
     return y, x.new_empty((x.numel() // d,), dtype=torch.float32)
 
 
 def _rms_norm_setup(ctx, inputs, output):
-    x, weight, eps, d, offset, ticket, leaf_tokens, deposit, *rest = inputs  # rows_per_token may be left out
+    x, weight, eps, d, offset, ticket, leaf_tokens, deposit, *rest = (
+        inputs  # trailing defaults may be left out
+    )
     rows_per_token = rest[0] if rest else 1
+    ctx.fold, ctx.fold_pos = (rest[1], rest[2]) if len(rest) > 2 else (None, None)  # mutated: not saved
     ctx.save_for_backward(x, weight, output[1])  # a saved leaf unpacks as the Parameter itself
     ctx.d, ctx.offset, ctx.leaf_tokens, ctx.deposit = d, offset, leaf_tokens, deposit
     ctx.rows_per_token, ctx.n_rest = rows_per_token, len(inputs) - 2  # the gradients after dX, dweight
@@ -183,6 +198,11 @@ def _rms_norm_backward(ctx, dy, _drstd):
         dw = torch.zeros_like(weight) if want_w else None
         return torch.empty(x.shape, dtype=x.dtype, device=x.device), dw, *(None,) * ctx.n_rest
     x2, dy2 = _rows_of(x, d), _rows_of(dy, d)
+    if want_w and ctx.fold is not None:
+        if deposit.fold_wanted("det_train.rms_norm", weight, dy2):
+            args = (dy2, x2, weight, rstd, ctx.offset, ctx.leaf_tokens, ctx.fold, ctx.fold_pos)
+            return rms_norm_backward_fold_op(*args).view(x.shape), None, *(None,) * ctx.n_rest
+        want_w = False  # a backward that leaves the weight's gradient alone: dX only
     if want_w and ctx.deposit:
         dx = rms_norm_backward_deposit_op(dy2, x2, weight, rstd, ctx.offset, ctx.ticket, ctx.rows_per_token)
         return dx.view(x.shape), None, *(None,) * ctx.n_rest
@@ -255,6 +275,52 @@ def rms_norm_backward_deposit_op(
 @rms_norm_backward_deposit_op.register_fake
 def _(dy2, x2, weight, rstd, offset, ticket, rows_per_token=1):
     return x2.new_empty(x2.shape)
+
+
+@Op("rms_norm_backward_fold", ("fold",))
+def rms_norm_backward_fold_op(
+    dy2: torch.Tensor,
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    offset: float,
+    leaf_tokens: int,
+    fold: torch.Tensor,
+    fold_pos: torch.Tensor,
+) -> torch.Tensor:
+    """The ``det_train::rms_norm_backward_fold`` op: dX, with dweight's chunk sums added to the
+    weight's fixed sub-leaf folds in place (``CanonicalGradAccumulator.fixed_folds``): two kernels and
+    no host bookkeeping, so a CUDA graph may hold it (not tagged ``cudagraph_unsafe``)."""
+    sub, rows = _layout(leaf_tokens)
+    dx, partial = _backward(dy2, x2, weight, rstd, rows, offset)
+    fold_into_sub_leaves(partial, fold, fold_pos, rows, sub // rows)
+    return dx
+
+
+@rms_norm_backward_fold_op.register_fake
+def _(dy2, x2, weight, rstd, offset, leaf_tokens, fold, fold_pos):
+    return x2.new_empty(x2.shape)
+
+
+def takes_fixed_fold(module: torch.nn.Module) -> bool:
+    """Whether ``CanonicalGradAccumulator.fixed_folds`` gives ``module``'s weight a fixed fold here:
+    a ``det_train.RMSNorm`` with a weight and one row per token (no ``heads``)."""
+    return (
+        isinstance(module, RMSNorm) and module.weight is not None and getattr(module, "heads", None) is None
+    )
+
+
+def fixed_fold_spec(weight: torch.Tensor, leaf_tokens: int) -> tuple:
+    """``(shape, step, close)`` of an RMSNorm weight's fixed fold: its leaf's sub-leaf folds
+    ``(leaf_tokens / sub, *weight.shape)`` fp32, continued at multiples of the chunk rows, closed by
+    the canonical tree over the sub-leaves present (``SubLeafFold.close``'s bits)."""
+    sub, rows = _layout(leaf_tokens)
+    close = functools.partial(_sub_leaves_node, sub=sub, shape=weight.shape)
+    return (leaf_tokens // sub, weight.numel()), rows, close
+
+
+def _sub_leaves_node(fold: torch.Tensor, tokens: int, sub: int, shape: torch.Size) -> torch.Tensor:
+    return sub_leaves_node(fold, tokens, sub, shape)
 
 
 def _prefetch() -> int:
@@ -390,8 +456,15 @@ def rms_norm(
     d, eps, offset = checked
     leaf, active = deposit.accumulation()
     deposits = active and weight is not None and weight.is_leaf and x.numel() > 0
-    ticket = deposit.ticket() if deposits else None
-    return rms_norm_op(x, weight, eps, d, offset, ticket, leaf, deposits, int(rows_per_token))[0]
+    fold = fold_pos = None
+    if deposits and rows_per_token == 1:
+        fold = deposit.fixed_fold("det_train.rms_norm", weight, x.numel() // d)
+        if fold is not None:
+            fold_pos = deposit.fixed_fold_pos()
+    ticket = deposit.ticket() if deposits and fold is None else None
+    return rms_norm_op(
+        x, weight, eps, d, offset, ticket, leaf, deposits, int(rows_per_token), fold, fold_pos
+    )[0]
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

@@ -1,0 +1,243 @@
+"""``CanonicalGradAccumulator.fixed_folds``: the Linear and RMSNorm weights' open leaves in buffers
+of fixed address, continued in place by one op each (no host bookkeeping per deposit).
+
+The gradients keep the plain accumulator's bits (and one batch's) for micro-batches inside leaves
+(any sizes on the folds' steps, several micro-batches per leaf, whole leaves, a short last leaf,
+RMSNorm weights with several sub-leaves per leaf), over steps that reuse the buffers, eager and under
+``torch.compile`` (AOTAutograd keeps the fold ops' writes in the backward; Inductor too). Bad use is
+refused with the remedy and without a partial write; a micro-batch that raises poisons the
+accumulator until ``reset``; a backward that leaves the weights alone folds nothing (eager).
+"""
+
+from __future__ import annotations
+
+import det_train
+import pytest
+import torch
+from det_core.testing import assert_bitwise_equal
+from det_train import CanonicalGradAccumulator
+from det_train.accum import _leaf_sums
+from torch._dynamo.testing import CompileCounterWithBackend
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BF16 = torch.bfloat16
+V, D, FF = 64, 32, 64
+
+
+class _Block(torch.nn.Module):
+    """Embedding (plain deposits), RMSNorm and two Linears with a bias (fixed folds), a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        kw = dict(dtype=BF16, device=DEVICE)
+        self.emb = det_train.Embedding(V, D, **kw)
+        self.norm = det_train.RMSNorm(D, **kw)
+        self.up = det_train.Linear(D, FF, bias=True, **kw)
+        self.down = det_train.Linear(FF, D, bias=False, **kw)
+        self.head = det_train.Linear(D, V, bias=False, **kw)
+
+    def forward(self, ids, targets, n):
+        h = self.emb(ids)
+        h = h + self.down(self.up(self.norm(h)))
+        logits = self.head(h)
+        return det_train.cross_entropy(logits.flatten(0, -2), targets.flatten(), num_global_tokens=n)
+
+
+def _batch(tokens: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (1, tokens), generator=g).to(DEVICE)
+    return ids, torch.randint(0, V, (1, tokens), generator=g).to(DEVICE)
+
+
+def _model() -> _Block:
+    torch.manual_seed(0)
+    return _Block()
+
+
+def _grads(sizes, leaf, fixed, steps=1, run=None, model=None):
+    """The gradients after each of ``steps`` steps of micro-batches of ``sizes`` tokens."""
+    model = _model() if model is None else model
+    run = model if run is None else run
+    tokens = sum(sizes)
+    ids, targets = _batch(tokens)
+    acc = CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=leaf, recoverable=not fixed)
+    if fixed:
+        acc.fixed_folds(model)
+    out = []
+    for _ in range(steps):
+        lo = 0
+        for n in sizes:
+            with acc.micro_batch(lo, num_tokens=n if fixed else None):
+                run(ids[:, lo : lo + n], targets[:, lo : lo + n], tokens).backward()
+            lo += n
+        acc.reduce(tokens)
+        out.append({name: p.grad for name, p in model.named_parameters()})
+        model.zero_grad(set_to_none=True)
+    return out
+
+
+def _assert_grads(got: list[dict], want: dict, what: str) -> None:
+    for step, grads in enumerate(got):
+        assert grads.keys() == want.keys()
+        for name in want:
+            assert_bitwise_equal(grads[name], want[name], f"{what}, step {step}: {name}")
+
+
+@pytest.mark.parametrize(
+    ("sizes", "leaf", "steps"),
+    [
+        ([256], 256, 1),  # one micro-batch of one leaf
+        ([64] * 4, 128, 2),  # two micro-batches per leaf, over two steps (the buffers reused)
+        ([64, 128, 64], 256, 1),  # unequal sizes inside a leaf, on the Linear fold's 64-token step
+        ([128, 128, 64], 128, 1),  # whole leaves, then a short last leaf
+        ([128, 64, 32], 128, 1),  # a short last leaf cut in two micro-batches
+    ],
+)
+def test_fixed_folds_give_the_plain_accumulators_bits(sizes, leaf, steps):
+    want = _grads([sum(sizes)], leaf, fixed=False)[0]  # one micro-batch, the plain path
+    _assert_grads(_grads(sizes, leaf, fixed=True, steps=steps), want, f"fixed folds {sizes}, leaf {leaf}")
+
+
+def test_rms_norm_fixed_fold_spans_sub_leaves(monkeypatch):
+    """Leaves of two sub-leaves (of 128 tokens here, 1024 by default), each filled by two
+    micro-batches of 64 tokens, and the leaf's node the tree over both; a short last leaf of half a
+    sub-leaf closes over the one present."""
+    monkeypatch.setattr(_leaf_sums, "SUB_LEAF_TOKENS", 128)
+    sizes = [64] * 5
+    want = _grads([sum(sizes)], 256, fixed=False)[0]
+    _assert_grads(_grads(sizes, 256, fixed=True), want, "fixed folds, two sub-leaves per leaf")
+
+
+def test_compiled_model_with_fixed_folds_gives_the_eager_bits():
+    """Under torch.compile (Inductor) the forward hands the folds to the backward as graph inputs,
+    which the fold ops write in the backward graph (AOTAutograd keeps a backward's input mutations
+    there); one compiled graph serves every micro-batch and step."""
+    backend = CompileCounterWithBackend("inductor")
+    sizes, leaf = [64] * 4, 128
+    want = _grads([sum(sizes)], leaf, fixed=False)[0]
+    torch._dynamo.reset()
+    model = _model()
+    run = torch.compile(model, backend=backend, fullgraph=True)
+    got = _grads(sizes, leaf, fixed=True, steps=2, run=run, model=model)
+    _assert_grads(got, want, "compiled (Inductor) with fixed folds")
+    assert backend.frame_count == 1, f"{backend.frame_count} graphs compiled for 8 micro-batches"
+    torch._dynamo.reset()
+
+
+def test_fixed_folds_are_the_linear_and_norm_weights_not_tied_ones():
+    model = _model()
+    model.head.weight = model.emb.weight  # tied: the embedding table deposits as before
+    acc = CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=128, recoverable=False)
+    acc.fixed_folds(model)
+    names = sorted(acc._names[i] for i in acc._fixed.folds)
+    assert names == ["down.weight", "norm.weight", "up.weight"]
+    sizes = [64] * 4
+    ids, targets = _batch(256)
+    with torch.no_grad():
+        model.head.weight.mul_(0.5)
+    lo = 0
+    for n in sizes:
+        with acc.micro_batch(lo, num_tokens=n):
+            model(ids[:, lo : lo + n], targets[:, lo : lo + n], 256).backward()
+        lo += n
+    acc.reduce(256)
+    got = {name: p.grad for name, p in model.named_parameters()}
+    ref = _model()
+    ref.head.weight = ref.emb.weight
+    with torch.no_grad():
+        ref.head.weight.mul_(0.5)
+    plain = CanonicalGradAccumulator(ref.named_parameters(), leaf_tokens=128)
+    with plain.micro_batch(0):
+        ref(ids, targets, 256).backward()
+    plain.reduce(256)
+    for name, p in ref.named_parameters():
+        assert_bitwise_equal(got[name], p.grad, f"tied model, fixed folds: {name}")
+
+
+def _fixed_acc(leaf=256):
+    model = _model()
+    acc = CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=leaf, recoverable=False)
+    return model, acc.fixed_folds(model)
+
+
+def test_fixed_folds_refuse_what_they_cannot_hold():
+    model = _model()
+    with pytest.raises(ValueError, match="recoverable=False"):
+        CanonicalGradAccumulator(model.named_parameters()).fixed_folds(model)
+    torch_only = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="no det_train.Linear or det_train.RMSNorm"):
+        CanonicalGradAccumulator(torch_only.named_parameters(), recoverable=False).fixed_folds(torch_only)
+    model, acc = _fixed_acc()
+    ids, targets = _batch(512)
+    with pytest.raises(ValueError, match="num_tokens=..."):
+        acc.micro_batch(0).__enter__()
+    with pytest.raises(ValueError, match="crosses a leaf boundary"):
+        acc.micro_batch(0, num_tokens=384).__enter__()
+    with acc.micro_batch(0, num_tokens=96):  # 96 tokens: the next one would resume off the 64-step
+        model(ids[:, :96], targets[:, :96], 512).backward()
+    with pytest.raises(ValueError, match="not a multiple of the fixed folds' token step 64"):
+        acc.micro_batch(96, num_tokens=32).__enter__()
+    acc.reset()
+    with acc.micro_batch(0, num_tokens=128):
+        model(ids[:, :128], targets[:, :128], 512).backward()
+    with pytest.raises(ValueError, match="holds deposits of a step in progress"):
+        acc.fixed_folds(model)
+
+
+def test_an_op_over_other_tokens_than_num_tokens_is_refused():
+    model, acc = _fixed_acc()
+    ids, targets = _batch(512)
+    with pytest.raises(ValueError, match=r"saw 64 tokens .* but micro_batch\(num_tokens=...\) saw 128"):
+        with acc.micro_batch(0, num_tokens=128):
+            model(ids[:, :64], targets[:, :64], 512).backward()
+
+
+def test_a_weight_folded_twice_in_a_micro_batch_is_refused():
+    """Two uses of a fixed-fold weight in one micro-batch would fold their rows interleaved by
+    micro-batch (not the canonical order of either use): eager execution refuses the second."""
+    model, acc = _fixed_acc()
+    ids, targets = _batch(128)
+    with pytest.raises(ValueError, match="continued twice in this micro-batch"):
+        with acc.micro_batch(0, num_tokens=128):
+            h = model.emb(ids)
+            loss = (
+                model.up(model.norm(h)).float().sum() + det_train.linear(model.norm(h), model.up.weight).sum()
+            )
+            loss.backward()
+    with pytest.raises(RuntimeError, match="poisoned"):
+        acc.micro_batch(0, num_tokens=128).__enter__()
+
+
+def test_a_micro_batch_that_raises_poisons_until_reset_and_the_step_runs_again():
+    model, acc = _fixed_acc(leaf=128)
+    sizes = [64] * 4
+    ids, targets = _batch(256)
+    with pytest.raises(KeyError):
+        with acc.micro_batch(0, num_tokens=64):
+            model(ids[:, :64], targets[:, :64], 256).backward()
+            raise KeyError("after the backward: the folds were written in place")
+    with pytest.raises(RuntimeError, match="poisoned"):
+        acc.reduce(256)
+    acc.reset()
+    lo = 0
+    for n in sizes:
+        with acc.micro_batch(lo, num_tokens=n):
+            model(ids[:, lo : lo + n], targets[:, lo : lo + n], 256).backward()
+        lo += n
+    acc.reduce(256)
+    want = _grads([256], 128, fixed=False)[0]
+    for name, p in model.named_parameters():
+        assert_bitwise_equal(p.grad, want[name], f"after reset: {name}")
+
+
+def test_autograd_grad_of_the_input_folds_nothing():
+    """``torch.autograd.grad`` of an activation inside a micro-batch leaves the weights' folds as they
+    were (eager; as the plain path leaves their deposits)."""
+    model, acc = _fixed_acc()
+    ids, targets = _batch(128)
+    with acc.micro_batch(0, num_tokens=128):
+        h = model.emb(ids).detach().requires_grad_()
+        (gx,) = torch.autograd.grad(model.up(model.norm(h)).float().sum(), h)
+    assert gx.shape == h.shape
+    for index, fold in acc._fixed.folds.items():
+        assert not fold.any(), f"{acc._names[index]}: folded inside torch.autograd.grad"
