@@ -241,3 +241,29 @@ def test_autograd_grad_of_the_input_folds_nothing():
     assert gx.shape == h.shape
     for index, fold in acc._fixed.folds.items():
         assert not fold.any(), f"{acc._names[index]}: folded inside torch.autograd.grad"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mark", ["micro-batch", "step"])
+def test_gpu_reduce_overhead_with_fixed_folds_gives_the_eager_bits(mark):
+    """``torch.compile(mode="reduce-overhead")`` (CUDA-graph trees) with fixed folds: the fold ops are
+    not ``cudagraph_unsafe``, so the graphs hold them (only the embedding table's deposit runs between
+    partitions); three steps (warm-up, recording, replays) of four micro-batches give the
+    eager whole batch's gradients bit for bit, the graphs marked per micro-batch or per step."""
+    sizes, leaf = [64] * 4, 128
+    want = _grads([sum(sizes)], leaf, fixed=False)[0]
+    torch._dynamo.reset()
+    model = _model()
+    calls = [0]
+
+    def marked(*args):  # CUDA-graph trees' generations: per micro-batch, or per step of four
+        if mark == "micro-batch" or calls[0] % len(sizes) == 0:
+            torch.compiler.cudagraph_mark_step_begin()
+        calls[0] += 1
+        return run(*args)
+
+    with torch._inductor.config.patch(emulate_precision_casts=True, graph_partition=True):
+        run = torch.compile(model, fullgraph=True, dynamic=False, mode="reduce-overhead")
+        got = _grads(sizes, leaf, fixed=True, steps=3, run=marked, model=model)
+    _assert_grads(got, want, f"reduce-overhead with fixed folds, marked per {mark}")
+    torch._dynamo.reset()
