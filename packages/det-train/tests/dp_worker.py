@@ -124,6 +124,24 @@ def case_ops_accum_odd(rank, world):
     return {name: p.grad for name, p in model.named_parameters()}
 
 
+def case_ops_accum_fixed(rank, world):
+    """As ops_accum with fixed folds (``recoverable=False``): the RMSNorm weight's leaves folded in
+    its fixed buffer, one micro-batch per leaf; the batch's short last leaf is still open at
+    ``reduce`` (closed there, on the rank that holds it)."""
+    tokens = 46
+    ids, targets = _lm_batch(tokens)
+    model = TinyLM(torch.bfloat16).to(DEVICE)
+    acc = CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF, recoverable=False)
+    acc.fixed_folds(model)
+    start, end = contiguous_splits(48, world, LEAF)[rank]
+    for s in range(start, min(end, tokens), LEAF):
+        e = min(s + LEAF, tokens)
+        with acc.micro_batch(s, num_tokens=e - s):
+            model(ids[s:e], targets[s:e], tokens).backward()
+    acc.reduce(total_tokens=tokens)
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
 def _reduce_refused(rank: int, shard: tuple[int, int], total_tokens: int, want: str) -> int:
     """One rank's micro-batch over ``shard`` of a 32-token toy batch, then ``reduce``: 1 if it raised
     a ValueError matching ``want``, 2 for another message (printed), 0 if it did not raise."""

@@ -15,10 +15,11 @@ from det_core.reduce import canonical_sum
 from det_core.testing import assert_bitwise_equal, run_processes
 
 CASES = {
-    1: "accum_contiguous,accum_interleaved,ops_accum,ops_accum_odd,hook8,hook12",
-    2: "accum_contiguous,accum_interleaved,ops_accum,ops_accum_odd,fsdp_accum,hook8,refused,total_mismatch",
-    3: "accum_contiguous,accum_interleaved,ops_accum,ops_accum_odd,fsdp_accum,hook12",
-    4: "accum_contiguous,accum_interleaved,ops_accum,ops_accum_odd,fsdp_accum,hook8",
+    1: "accum_contiguous,accum_interleaved,ops_accum,ops_accum_odd,ops_accum_fixed,hook8,hook12",
+    2: "accum_contiguous,accum_interleaved,ops_accum,ops_accum_odd,ops_accum_fixed,fsdp_accum,hook8,refused,"
+    "total_mismatch",
+    3: "accum_contiguous,accum_interleaved,ops_accum,ops_accum_odd,ops_accum_fixed,fsdp_accum,hook12",
+    4: "accum_contiguous,accum_interleaved,ops_accum,ops_accum_odd,ops_accum_fixed,fsdp_accum,hook8",
 }
 
 
@@ -72,6 +73,17 @@ def test_ops_through_accumulator_dp_1_2_3_4():
     ref = assert_same_on_all("ops_accum", (1, 2, 3, 4))
     assert ref["ops_accum/emb.weight"].dtype == torch.bfloat16
     assert bool(ref["ops_accum/norm.weight"].abs().gt(0).all())
+
+
+def test_fixed_folds_give_the_same_gradients_dp_1_2_3_4():
+    """With fixed folds (the RMSNorm weight's) every rank of DP 1-4 gets the plain accumulator's
+    gradients: the fixed folds' nodes, and the short last leaf's open fold, reduce as any."""
+    ref = {k.replace("ops_accum/", ""): v for k, v in run_ranks(1)[0].items() if k.startswith("ops_accum/")}
+    for world in (1, 2, 3, 4):
+        for rank, got in enumerate(run_ranks(world)):
+            for name, value in ref.items():
+                where = f"{name}, DP={world}, rank {rank}"
+                assert_bitwise_equal(got[f"ops_accum_fixed/{name}"], value, where)
 
 
 def test_odd_micro_batches_carry_open_leaves_dp_1_2_3_4():

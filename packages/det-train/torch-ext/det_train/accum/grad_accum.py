@@ -107,6 +107,10 @@ class CanonicalGradAccumulator:
                 model(batch).backward()                # det_train ops deposit leaf sums
         acc.reduce(total_tokens=T)                     # merge across ranks, write p.grad
 
+    Under CUDA graphs (``torch.compile(mode="reduce-overhead")``) build it with ``recoverable=False``,
+    call ``acc.fixed_folds(model)`` and give each micro-batch its ``num_tokens``: the Linear and
+    RMSNorm weights' deposits are then kernels into buffers of fixed address (``fixed_folds``).
+
     Ops call ``deposit_rows`` (or, for leaf-aligned micro-batches only, ``leaf_span`` then
     ``deposit`` / ``deposit_partial``) and return None as the autograd gradient of the parameter.
     A parameter used k times in one forward (tied weights, a layer applied twice) gets k deposits
