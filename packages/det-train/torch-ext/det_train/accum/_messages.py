@@ -7,12 +7,25 @@ import contextlib
 
 import torch
 
-__all__ = ["check_not_open", "failed_backward", "frozen_hint", "poisoned", "token_mismatch", "who"]
+__all__ = [
+    "check_not_open",
+    "failed_backward",
+    "frozen_hint",
+    "poisoned",
+    "slot_name",
+    "token_mismatch",
+    "who",
+]
 
 
 def _listed(names: list[str]) -> str:
     """Up to 8 names, then how many more."""
     return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+
+
+def slot_name(name: str, use: int) -> str:
+    """``"<name> (use <u>)"`` of a parameter's use, or ``"<name> (fixed fold)"`` (``fixed_folds``' slot)."""
+    return f"{name} (fixed fold)" if use < 0 else f"{name} (use {use})"
 
 
 def who(acc, param: torch.Tensor | None, op: str | None) -> str:
@@ -105,8 +118,10 @@ def grad_of_tracked(name: str) -> str:
 
 def poisoned(acc, token_offset: int, error: BaseException) -> str:
     """The error of a call to an accumulator built with ``recoverable=False`` after a micro-batch
-    (starting at ``token_offset``) raised ``error`` once its deposits had begun."""
-    shown = _listed(sorted(acc._names[i] for i in acc._uses))
+    (starting at ``token_offset``) raised ``error`` once its deposits had begun (with fixed folds: at
+    any point inside it, their buffers being written by the backward without a host step)."""
+    fixed = acc._fixed.folds if acc._fixed is not None else {}
+    shown = _listed(sorted(acc._names[i] for i in {*acc._uses, *fixed}))
     return (
         f"this CanonicalGradAccumulator (recoverable=False) is poisoned: the micro-batch at token_offset "
         f"{token_offset} raised {type(error).__name__}: {error} after its deposits began, and without an "

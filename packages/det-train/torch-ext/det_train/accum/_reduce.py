@@ -24,6 +24,7 @@ import torch.distributed as dist
 from det_core.reduce import TreePartial, num_leaves
 
 from . import dp_reduce
+from ._messages import slot_name
 from ._open_leaf import OpenFold, OpenLeaf
 
 __all__ = [
@@ -73,7 +74,7 @@ def local_partials(
         try:
             tree.merge(_closed(open_leaf, leaf))
         except ValueError as err:
-            raise ValueError(f"{names[index]} (use {use}): {err}") from None
+            raise ValueError(f"{slot_name(names[index], use)}: {err}") from None
     return local
 
 
@@ -104,7 +105,7 @@ def local_checks(
         start, end = open_leaf.start, open_leaf.end
         if end != total_tokens:
             raise ValueError(
-                f"{names[index]} (use {use}): leaf {start // leaf_tokens} (tokens "
+                f"{slot_name(names[index], use)}: leaf {start // leaf_tokens} (tokens "
                 f"[{start}, {start + leaf_tokens})) is open, this rank's micro-batches end at "
                 f"token {end} inside it, and total_tokens={total_tokens}: a leaf must be completed "
                 "on one rank (data-parallel shards are multiples of leaf_tokens), micro-batches "
@@ -165,7 +166,7 @@ def finish_one_process(
         try:
             keys.setdefault((index, use), TreePartial()).add_node(0, leaf, _KEY_ONLY)
         except ValueError as err:
-            raise ValueError(f"{names[index]} (use {use}): {err}") from None
+            raise ValueError(f"{slot_name(names[index], use)}: {err}") from None
     checked_roots(dict(sorted(keys.items())), total_tokens, leaf_tokens=leaf_tokens, names=names)
     total_leaves = num_leaves(total_tokens, leaf_tokens)
     leaves_of: dict[Slot, list] = {}
@@ -204,7 +205,7 @@ def checked_roots(trees: dict, total_tokens: int, *, leaf_tokens: int, names: li
             roots[index, use] = tree.result(total_leaves)
         except ValueError as err:
             raise ValueError(
-                f"{name} (use {use}): {_uncovered_tokens(tree, total_tokens, leaf_tokens)} "
+                f"{slot_name(name, use)}: {_uncovered_tokens(tree, total_tokens, leaf_tokens)} "
                 f"of total_tokens={total_tokens} received no deposit for it on any rank: check "
                 f"total_tokens, that every micro-batch ran its backward and used this parameter, and "
                 f"that each forward and backward over other tokens ran in its own "

@@ -41,6 +41,7 @@ from ._messages import (
     gradient_hooks,
     leaf_gap,
     poisoned,
+    slot_name,
     token_mismatch,
     who,
 )
@@ -732,7 +733,7 @@ class CanonicalGradAccumulator:
         try:
             tree.merge(partial, self._log.combine)
         except ValueError as err:
-            raise ValueError(f"{self._names[slot[0]]} (use {slot[1]}): {err}") from None
+            raise ValueError(f"{slot_name(self._names[slot[0]], slot[1])}: {err}") from None
         if own:
             partial.nodes = {}
         self._log.compact(tree)
@@ -742,7 +743,7 @@ class CanonicalGradAccumulator:
         try:
             self._tree(slot).add_node(0, leaf, value, self._log.combine)
         except ValueError as err:
-            raise ValueError(f"{self._names[slot[0]]} (use {slot[1]}): {err}") from None
+            raise ValueError(f"{slot_name(self._names[slot[0]], slot[1])}: {err}") from None
 
     def deposit(self, param: torch.Tensor, first_leaf: int, leaf_sums: torch.Tensor) -> None:
         """Add leaves ``first_leaf, first_leaf + 1, ...`` of ``param``'s gradient.
@@ -765,7 +766,7 @@ class CanonicalGradAccumulator:
         try:
             self._tree(slot).add_leaves(first_leaf, leaf_sums)
         except ValueError as err:
-            raise ValueError(f"{self._names[slot[0]]} (use {slot[1]}): {err}") from None
+            raise ValueError(f"{slot_name(self._names[slot[0]], slot[1])}: {err}") from None
 
     def deposit_partial(self, param: torch.Tensor, partial: TreePartial) -> None:
         """Add an already combined partial tree (fp32 nodes of ``param``'s shape) of ``param``'s gradient."""
