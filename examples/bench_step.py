@@ -441,7 +441,9 @@ def compile_main(args, det_cfg, torch_cfg, n_params: int, backend) -> int:
         f"mode={args.compile_mode!r}, graph_partition={torch._inductor.config.graph_partition}, "
         + (f"cudagraph_mark_step_begin per {args.cudagraph_mark}, " if _graph_trees(args) else "")
         + f"fullgraph={not args.allow_graph_breaks}, dynamic=False, det with "
-        f"emulate_precision_casts={args.emulate_precision_casts}; compilation in "
+        f"emulate_precision_casts={args.emulate_precision_casts}"
+        + (" and the accumulator's fixed folds (recoverable=False)" if args.fixed_folds else "")
+        + "; compilation in "
         f"{args.compile_warmup} warm-up steps, not timed); micro-batch loop, backward() calls, "
         "gradient reduction and optimizer step eager.",
         "",
@@ -522,6 +524,7 @@ def counts_main(args, det_cfg, torch_cfg, n_params: int, backend) -> int:
         f"d_model {det_cfg.d_model}, head dim {det_cfg.d_model // det_cfg.n_head}), bf16 weights, "
         f"batch {args.batch} x {det_cfg.seq_len} tokens, {torch.cuda.get_device_name()}, "
         f"torch {torch.__version__}"
+        + (", det with the accumulator's fixed folds" if args.fixed_folds else "")
     )
     head = "| micro-batches | det eager ms | torch eager ms | det / torch eager |"
     rule = "|---|---|---|---|"

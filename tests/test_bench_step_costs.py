@@ -56,7 +56,9 @@ def test_kernel_launches_profiles_one_call_on_the_host():
 
 
 def _args(tmp_path, **extra):
-    return argparse.Namespace(out=str(tmp_path), warmup_ms=1.0, rep_ms=1.0, **extra)
+    return argparse.Namespace(
+        **{"out": str(tmp_path), "warmup_ms": 1.0, "rep_ms": 1.0, "fixed_folds": False, **extra}
+    )
 
 
 def test_counts_table_has_host_and_launch_columns_measured_after_every_timed_row(tmp_path, monkeypatch):
