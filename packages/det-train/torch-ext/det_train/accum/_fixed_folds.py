@@ -28,9 +28,10 @@ from collections.abc import Callable
 
 import torch
 
+from ._messages import token_mismatch
 from ._open_leaf import OpenFold
 
-__all__ = ["FIXED_USE", "FixedFolds"]
+__all__ = ["FIXED_USE", "FixedFolds", "fold_for", "fold_once", "register"]
 
 # The use number of a fixed fold's slot: before every deposit's use (0, 1, ...), so its root is added
 # first. A weight's other uses keep their numbers (a tied embedding table: use 0).
@@ -144,3 +145,66 @@ def _static(t: torch.Tensor) -> torch.Tensor:
     trees read it in place (no copy into the graph's pool) and may capture kernels that write it."""
     torch._dynamo.mark_static_address(t)
     return t
+
+
+def register(acc, module: torch.nn.Module) -> None:
+    """``CanonicalGradAccumulator.fixed_folds``: a fixed fold for every eligible weight of ``module``
+    (its checks and errors are documented there)."""
+    from ..ops import linear, rms_norm  # (the ops import the accumulator)
+
+    if acc.recoverable:
+        raise ValueError(
+            "fixed_folds continues each weight's fold in place, which an undo log cannot undo: build the "
+            "accumulator with CanonicalGradAccumulator(..., recoverable=False)"
+        )
+    if acc._partials or acc._carry or acc._spans or acc._token_offset is not None:
+        raise ValueError(
+            "fixed_folds: this accumulator holds deposits of a step in progress: call it before the "
+            "step's first micro-batch (or after reduce / reset)"
+        )
+    found = [  # (weight, its op module's fixed_fold_spec)
+        (m.weight, op.fixed_fold_spec)
+        for m in module.modules()
+        for op in (linear, rms_norm)
+        if op.takes_fixed_fold(m)
+    ]
+    holders: dict[int, int] = {}
+    for m in module.modules():  # every module holding the weight, det or not
+        for p in m.parameters(recurse=False):
+            holders[id(p)] = holders.get(id(p), 0) + 1
+    chosen = [(w, spec) for w, spec in found if holders[id(w)] == 1 and id(w) in acc._index]
+    if any(acc._index[id(w)] in acc._fsdp for w, _ in chosen):
+        raise ValueError("fixed_folds: FSDP2-sharded weights (track_fsdp) do not take fixed folds")
+    if not chosen:
+        raise ValueError(
+            f"fixed_folds: {type(module).__name__} has no det_train.Linear or det_train.RMSNorm whose "
+            "weight this accumulator tracks (and no other module shares): convert the model first "
+            "(det_train.convert) and build the accumulator from its parameters"
+        )
+    acc._fixed = acc._fixed or FixedFolds()
+    for weight, spec in chosen:
+        acc._fixed.add(acc._index[id(weight)], weight, spec(weight, acc.leaf_tokens))
+
+
+def fold_for(acc, weight: torch.Tensor, tokens: int, op: str) -> torch.Tensor | None:
+    """``weight``'s fixed fold in ``acc`` for a forward over ``tokens`` rows, or None. Raises
+    ValueError when ``tokens`` is not the micro-batch's ``num_tokens``."""
+    fold = None if acc._fixed is None else acc._fixed.by_id.get(id(weight))
+    if fold is not None and tokens != acc._tokens:
+        raise ValueError(token_mismatch(acc, tokens, weight, op))
+    return fold
+
+
+def fold_once(acc, weight: torch.Tensor, op: str) -> bool:
+    """True at the first fold of ``weight``'s fixed fold in this micro-batch (eager); raises
+    ValueError at a second one (two uses of the weight, or a second backward)."""
+    if acc._fixed is None:  # a fold passed to the op by hand (tests): nothing to count
+        return True
+    if not acc._fixed.first_use(id(weight)):
+        name = acc._names[acc._index[id(weight)]]
+        raise ValueError(
+            f"{name} ({op}): its fixed fold was continued twice in this micro-batch (the weight used by two "
+            "ops, or a second backward): fixed folds take one use per micro-batch, in token order. Build the "
+            "accumulator without fixed_folds for this model, or run each token range in its own micro_batch"
+        )
+    return True

@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from det_core.runtime import as_index
 
 __all__ = [
+    "check_micro_batch",
     "check_not_open",
     "failed_backward",
     "frozen_hint",
@@ -163,3 +165,40 @@ def frozen_hint(names: list[str], params: list[torch.Tensor]):
             "accumulator was built (their ops deposit nothing since): build the accumulator from the "
             "parameters that train (acc.reset() drops this step's deposits)"
         ) from err
+
+
+def check_micro_batch(acc, token_offset, num_tokens, nested: bool) -> tuple[int, int | None]:
+    """``CanonicalGradAccumulator.micro_batch``'s checks of its arguments and of the accumulator
+    (``nested``: another micro-batch is active), in the order its Raises lists them; returns
+    ``(token_offset, num_tokens)`` as ints."""
+    token_offset = as_index(token_offset, "token_offset", "micro_batch")  # TypeError
+    if num_tokens is not None:
+        num_tokens = as_index(num_tokens, "num_tokens", "micro_batch")
+    acc._check_poisoned()  # before any other error: the step must be run again
+    if token_offset < 0:
+        raise ValueError(f"token_offset must be a non-negative int, got {token_offset!r}")
+    if num_tokens is not None and num_tokens <= 0:
+        raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
+    if acc._fixed is not None and num_tokens is None:
+        raise ValueError(
+            "this accumulator has fixed folds (fixed_folds): pass the micro-batch's token count, "
+            "acc.micro_batch(token_offset, num_tokens=...)"
+        )
+    if token_offset % acc.leaf_tokens and token_offset not in acc._open_ends:
+        ends = sorted(acc._open_ends)
+        raise ValueError(
+            f"token_offset {token_offset} is not a multiple of leaf_tokens {acc.leaf_tokens} and no "
+            f"earlier micro-batch on this rank ended there (open leaves end at {ends}): a micro-batch "
+            "starts on a leaf boundary unless it continues one that ended inside a leaf "
+            "(data-parallel shards are multiples of leaf_tokens)"
+        )
+    if nested:
+        raise RuntimeError("a micro_batch context is already active; micro-batches cannot be nested")
+    hooked = [
+        name
+        for name, p in zip(acc._names, acc._params, strict=True)
+        if p._backward_hooks or p._post_accumulate_grad_hooks
+    ]
+    if hooked:
+        raise RuntimeError(gradient_hooks(hooked))
+    return token_offset, num_tokens

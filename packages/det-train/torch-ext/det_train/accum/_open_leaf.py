@@ -15,7 +15,9 @@ from collections.abc import Callable
 import torch
 from det_core.reduce import TreePartial
 
-__all__ = ["LeafFold", "LeafPartial", "OpenFold", "OpenLeaf", "foreach_copy", "token_rows"]
+from ._messages import check_not_open, leaf_gap
+
+__all__ = ["LeafFold", "LeafPartial", "OpenFold", "OpenLeaf", "foreach_copy", "place_rows", "token_rows"]
 
 # A leaf-sum function of an op: (global index of the first leaf, rows of whole leaves) -> partial tree.
 LeafPartial = Callable[[int, tuple], TreePartial]
@@ -148,3 +150,61 @@ def token_rows(leaf_partial: LeafPartial, fold: LeafFold | None, group: int) -> 
         return fold_fn(flat(rows), state, **out)
 
     return partial, (step // math.gcd(step, group), fold_tokens, *fold[2:])
+
+
+def place_rows(acc, slot: tuple[int, int], rows: tuple, n: int, leaf_partial: LeafPartial, fold) -> None:
+    """``CanonicalGradAccumulator.deposit_rows``' placement of ``n`` token rows of ``slot`` (checked, the
+    use counted): the leaf an earlier micro-batch left open is continued (its fold advanced, or its
+    rows appended) and, once complete, added to the tree; whole leaves are summed by ``leaf_partial``
+    and merged; a leaf this micro-batch leaves open is carried (its fold, or a copy of its rows).
+
+    Raises ValueError: the open leaf does not end where this micro-batch starts (``leaf_gap``), or a
+    leaf this call starts is open already (overlapping micro-batches)."""
+    offset = acc._token_offset
+    leaf = acc.leaf_tokens
+    pos = 0  # own rows consumed so far
+    if offset % leaf:  # continue the open leaf an earlier micro-batch left
+        key = (*slot, offset // leaf)
+        open_leaf = acc._carry.get(key)
+        if open_leaf is None or open_leaf.end != offset:
+            raise ValueError(leaf_gap(acc._names[slot[0]], slot[1], offset, leaf, open_leaf))
+        pos = min(n, open_leaf.start + leaf - offset)  # own rows that belong to the open leaf
+        head = rows if pos == n else tuple(r[:pos] for r in rows)
+        done = open_leaf.start + leaf == offset + pos
+        if isinstance(open_leaf, OpenFold):  # recoverable=False: continued in its buffer
+            advanced = open_leaf.advance(head, done, fold, in_place=not acc.recoverable)
+            if not done:  # the leaf stays open: its new state replaces the old (logged) one
+                acc._log.log_carry(acc._carry, key)
+                acc._carry[key] = advanced
+                return
+            if len(fold or open_leaf.fold) == 2 and not (acc.recoverable and advanced is open_leaf.acc):
+                acc._log.own(advanced)  # no undo log keeps it: the leaf's sum may carry up in it
+            acc._add_node(slot, offset // leaf, advanced)
+            del advanced  # the tree holds its sum (the leaf's fold is free once added up)
+        else:
+            acc._log.log_fill(open_leaf)
+            open_leaf.append(head, leaf_partial, acc)
+            if not done:  # still open: this micro-batch ended inside it
+                return
+            acc.flush()
+            leaf_rows = open_leaf.rows()
+            acc._merge(slot, leaf_partial(offset // leaf, leaf_rows), leaf_rows)
+        acc._set_carry(key, None)
+        open_leaf = None  # its fold is free (unless the tree holds it) before a new leaf opens
+        if pos == n:  # this micro-batch ended with the leaf it continued
+            return
+    full = (n - pos) // leaf * leaf
+    start = offset + pos  # the first token of the leaves this call starts
+    if acc._open_leaves.get(slot):  # none of them may be open already (overlapping micro-batches)
+        check_not_open(acc, slot, start, offset + n)
+    if full:
+        whole = rows if full == n else tuple(r[pos : pos + full] for r in rows)
+        acc._merge(slot, leaf_partial(start // leaf, whole), whole)
+    if pos + full < n:
+        start += full
+        tail = rows if pos + full == 0 else tuple(r[pos + full :] for r in rows)
+        if fold is not None:
+            state = OpenFold(start, fold).advance(tail, False)
+        else:
+            state = OpenLeaf(start, tail, leaf, leaf_partial, acc)
+        acc._set_carry((*slot, start // leaf), state)

@@ -17,6 +17,7 @@ det_core.reduce; across ranks an owner-computes reduction (``dp_reduce``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -33,6 +34,7 @@ __all__ = [
     "local_checks",
     "local_partials",
     "reduce_across_ranks",
+    "reduce_one_process",
     "write_grad",
 ]
 
@@ -135,6 +137,22 @@ def _closed(open_leaf: OpenLeaf | OpenFold, leaf: int) -> TreePartial:
     if isinstance(open_leaf, OpenFold):
         return TreePartial().add_node(0, leaf, open_leaf.advance((), True))
     return open_leaf.leaf_partial(leaf, open_leaf.rows())
+
+
+def reduce_one_process(acc, total_tokens: int, checks: dict, state: dict) -> None:
+    """``CanonicalGradAccumulator.reduce`` in one process: ``local_checks(total_tokens, **checks)``,
+    then ``finish_one_process`` with ``state``, writing each ``p.grad``; ``acc`` is emptied after.
+    Raises RuntimeError when nothing was deposited, and what the checks raise (nothing written)."""
+    local_checks(total_tokens, **checks)  # (a stale p.grad first: it names its cause)
+    if acc._params and not acc._partials and not acc._carry:
+        raise RuntimeError(
+            "reduce: nothing was deposited since this accumulator was built, reset or last "
+            "reduced: run the step's micro-batches first (each forward and its backward inside "
+            "`with acc.micro_batch(...)`), then reduce once per step"
+        )
+    write = functools.partial(write_grad, acc)  # p.grad of each finished gradient
+    finish_one_process(total_tokens, partials=acc._partials, write=write, **state)
+    acc._clear()
 
 
 def finish_one_process(

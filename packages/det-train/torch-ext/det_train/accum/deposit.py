@@ -26,6 +26,7 @@ import torch
 from det_core.reduce import TreePartial
 from det_core.runtime import plain_eager
 
+from ._fixed_folds import fold_for, fold_once
 from ._open_leaf import LeafFold
 from .grad_accum import DEFAULT_LEAF_TOKENS, current_accumulator
 
@@ -105,7 +106,7 @@ def fixed_fold(op: str, weight: torch.Tensor, tokens: int) -> torch.Tensor | Non
     **Determinism:** a lookup; it chooses where the weight's open leaf is folded, not the order.
     """
     acc = current_accumulator()
-    return None if acc is None else acc._fixed_fold_of(weight, tokens, op)
+    return None if acc is None else fold_for(acc, weight, tokens, op)
 
 
 def fixed_fold_pos() -> torch.Tensor:
@@ -136,7 +137,7 @@ def fold_wanted(op: str, weight: torch.Tensor, dy: torch.Tensor) -> bool:
     acc = current_accumulator()
     if acc is None:
         raise _outside(op)
-    return acc._backward_wants(weight) and acc._fixed_fold_once(weight, op)
+    return acc._backward_wants(weight) and fold_once(acc, weight, op)
 
 
 def _outside(op: str) -> RuntimeError:

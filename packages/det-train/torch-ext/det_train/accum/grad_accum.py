@@ -33,19 +33,18 @@ from det_core.runtime import as_index
 
 from . import _reduce, dp_reduce
 from ._backward import WantedGradients, graph_task_id, in_compiled_autograd, queue_callback
-from ._fixed_folds import FixedFolds
+from ._fixed_folds import FixedFolds, register
 from ._messages import (
-    check_not_open,
+    check_micro_batch,
     failed_backward,
     frozen_hint,
     gradient_hooks,
-    leaf_gap,
     poisoned,
     slot_name,
     token_mismatch,
     who,
 )
-from ._open_leaf import LeafFold, LeafPartial, OpenFold, OpenLeaf, foreach_copy, token_rows
+from ._open_leaf import LeafFold, LeafPartial, OpenFold, OpenLeaf, foreach_copy, place_rows, token_rows
 from ._undo_log import NoUndoLog, UndoLog
 
 __all__ = ["DEFAULT_LEAF_TOKENS", "CanonicalGradAccumulator", "current_accumulator"]
@@ -197,7 +196,9 @@ class CanonicalGradAccumulator:
         self._tokens_by: tuple = (None, None)  # (parameter, op) of the op that reported them first
         self._open_ends: set[int] = set()  # tokens where micro-batches ended inside a leaf
         self._max_end = 0  # the last token + 1 any deposit covered
-        self._carry: dict[tuple[int, int, int], OpenLeaf] = {}  # (param index, use, leaf) -> its rows
+        self._carry: dict[
+            tuple[int, int, int], OpenLeaf | OpenFold
+        ] = {}  # (param index, use, leaf) -> its rows
         # (destination, source) row copies into open leaves, queued by ``OpenLeaf``, run by ``flush`` as
         # one _foreach_copy_: at the micro-batch's end, before a leaf's rows are read or a deposit returns
         self.pending_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -272,64 +273,8 @@ class CanonicalGradAccumulator:
         uses' trees are added in a fixed order; with at most two uses, the order of the plain path's
         roots gives the same sum).
         """
-        from ..ops import linear, rms_norm  # (the ops import the accumulator)
-
-        if self.recoverable:
-            raise ValueError(
-                "fixed_folds continues each Linear weight's fold in place, which an undo log cannot undo: "
-                "build the accumulator with CanonicalGradAccumulator(..., recoverable=False)"
-            )
-        if self._partials or self._carry or self._spans or _ACTIVE:
-            raise ValueError(
-                "fixed_folds: this accumulator holds deposits of a step in progress: call it before the "
-                "step's first micro-batch (or after reduce / reset)"
-            )
-        found = [  # (weight, its op module's fixed_fold_spec)
-            (m.weight, op.fixed_fold_spec)
-            for m in module.modules()
-            for op in (linear, rms_norm)
-            if op.takes_fixed_fold(m)
-        ]
-        uses: dict[int, int] = {}
-        for m in module.modules():  # every module holding the weight, det or not
-            for p in m.parameters(recurse=False):
-                uses[id(p)] = uses.get(id(p), 0) + 1
-        chosen = [(w, spec) for w, spec in found if uses[id(w)] == 1 and id(w) in self._index]
-        if any(self._index[id(w)] in self._fsdp for w, _ in chosen):
-            raise ValueError("fixed_folds: FSDP2-sharded weights (track_fsdp) do not take fixed folds")
-        if not chosen:
-            raise ValueError(
-                f"fixed_folds: {type(module).__name__} has no det_train.Linear or det_train.RMSNorm whose "
-                "weight this accumulator tracks (and no other module shares): convert the model first "
-                "(det_train.convert) and build the accumulator from its parameters"
-            )
-        self._fixed = self._fixed or FixedFolds()
-        for weight, spec in chosen:
-            self._fixed.add(self._index[id(weight)], weight, spec(weight, self.leaf_tokens))
+        register(self, module)
         return self
-
-    def _fixed_fold_of(self, weight: torch.Tensor, tokens: int, op: str) -> torch.Tensor | None:
-        """``weight``'s fixed fold (``fixed_folds``) for a forward over ``tokens`` rows, or None.
-        Raises ValueError when ``tokens`` is not the micro-batch's ``num_tokens``."""
-        fold = None if self._fixed is None else self._fixed.by_id.get(id(weight))
-        if fold is not None and tokens != self._tokens:
-            raise ValueError(token_mismatch(self, tokens, weight, op))
-        return fold
-
-    def _fixed_fold_once(self, weight: torch.Tensor, op: str) -> bool:
-        """True at the first fold of ``weight``'s fixed fold in this micro-batch (eager); raises
-        ValueError at a second one (two uses of the weight, or a second backward)."""
-        if self._fixed is None:  # a fold passed to the op by hand (tests): nothing to count
-            return True
-        if not self._fixed.first_use(id(weight)):
-            name = self._names[self._index[id(weight)]]
-            raise ValueError(
-                f"{name} ({op}): its fixed fold was continued twice in this micro-batch (the weight used by "
-                "two ops, or a second backward): fixed folds take one use per micro-batch, in token order. "
-                "Build the accumulator without fixed_folds for this model, or run each token range in its "
-                "own micro_batch"
-            )
-        return True
 
     # ------------------------------------------------------------------ micro-batches
     @contextlib.contextmanager
@@ -369,37 +314,8 @@ class CanonicalGradAccumulator:
         (``token_offset`` onward), so the final gradients do not depend on how the tokens were cut
         into micro-batches, their order or their sizes (the canonical order of ``det_core.reduce``).
         """
-        token_offset = as_index(token_offset, "token_offset", "micro_batch")  # TypeError
-        if num_tokens is not None:
-            num_tokens = as_index(num_tokens, "num_tokens", "micro_batch")
-        self._check_poisoned()  # before any other error: the step must be run again
-        if token_offset < 0:
-            raise ValueError(f"token_offset must be a non-negative int, got {token_offset!r}")
-        if num_tokens is not None and num_tokens <= 0:
-            raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
+        token_offset, num_tokens = check_micro_batch(self, token_offset, num_tokens, nested=bool(_ACTIVE))
         fixed = self._fixed
-        if fixed is not None and num_tokens is None:
-            raise ValueError(
-                "this accumulator has fixed folds (fixed_folds): pass the micro-batch's token count, "
-                "acc.micro_batch(token_offset, num_tokens=...)"
-            )
-        if token_offset % self.leaf_tokens and token_offset not in self._open_ends:
-            ends = sorted(self._open_ends)
-            raise ValueError(
-                f"token_offset {token_offset} is not a multiple of leaf_tokens {self.leaf_tokens} and no "
-                f"earlier micro-batch on this rank ended there (open leaves end at {ends}): a micro-batch "
-                "starts on a leaf boundary unless it continues one that ended inside a leaf "
-                "(data-parallel shards are multiples of leaf_tokens)"
-            )
-        if _ACTIVE:
-            raise RuntimeError("a micro_batch context is already active; micro-batches cannot be nested")
-        hooked = [
-            name
-            for name, p in zip(self._names, self._params, strict=True)
-            if p._backward_hooks or p._post_accumulate_grad_hooks
-        ]
-        if hooked:
-            raise RuntimeError(gradient_hooks(hooked))
         if fixed is not None:
             fixed.begin(self, token_offset, num_tokens)  # checks; zeroes the folds at a leaf's start
         self._token_offset = token_offset
@@ -643,54 +559,7 @@ class CanonicalGradAccumulator:
                 "between the micro-batches of a step"
             )
         self._new_groups[slot] = group
-        offset = self._token_offset
-        leaf = self.leaf_tokens
-        pos = 0  # own rows consumed so far
-        if offset % leaf:  # continue the open leaf an earlier micro-batch left
-            key = (*slot, offset // leaf)
-            open_leaf = self._carry.get(key)
-            if open_leaf is None or open_leaf.end != offset:
-                raise ValueError(leaf_gap(self._names[slot[0]], slot[1], offset, leaf, open_leaf))
-            pos = min(n, open_leaf.start + leaf - offset)  # own rows that belong to the open leaf
-            head = rows if pos == n else tuple(r[:pos] for r in rows)
-            done = open_leaf.start + leaf == offset + pos
-            if isinstance(open_leaf, OpenFold):  # recoverable=False: continued in its buffer
-                advanced = open_leaf.advance(head, done, fold, in_place=not self.recoverable)
-                if not done:  # the leaf stays open: its new state replaces the old (logged) one
-                    self._log.log_carry(self._carry, key)
-                    self._carry[key] = advanced
-                    return
-                if len(fold or open_leaf.fold) == 2 and not (self.recoverable and advanced is open_leaf.acc):
-                    self._log.own(advanced)  # no undo log keeps it: the leaf's sum may carry up in it
-                self._add_node(slot, offset // leaf, advanced)
-                del advanced  # the tree holds its sum (the leaf's fold is free once added up)
-            else:
-                self._log.log_fill(open_leaf)
-                open_leaf.append(head, leaf_partial, self)
-                if not done:  # still open: this micro-batch ended inside it
-                    return
-                self.flush()
-                leaf_rows = open_leaf.rows()
-                self._merge(slot, leaf_partial(offset // leaf, leaf_rows), leaf_rows)
-            self._set_carry(key, None)
-            open_leaf = None  # its fold is free (unless the tree holds it) before a new leaf opens
-            if pos == n:  # this micro-batch ended with the leaf it continued
-                return
-        full = (n - pos) // leaf * leaf
-        start = offset + pos  # the first token of the leaves this call starts
-        if self._open_leaves.get(slot):  # none of them may be open already (overlapping micro-batches)
-            check_not_open(self, slot, start, offset + n)
-        if full:
-            whole = rows if full == n else tuple(r[pos : pos + full] for r in rows)
-            self._merge(slot, leaf_partial(start // leaf, whole), whole)
-        if pos + full < n:
-            start += full
-            tail = rows if pos + full == 0 else tuple(r[pos + full :] for r in rows)
-            if fold is not None:
-                state = OpenFold(start, fold).advance(tail, False)
-            else:
-                state = OpenLeaf(start, tail, leaf, leaf_partial, self)
-            self._set_carry((*slot, start // leaf), state)
+        place_rows(self, slot, rows, n, leaf_partial, fold)
 
     def _note_tokens(self, n: int, param: torch.Tensor | None, op: str | None) -> None:
         """Record the micro-batch's token count; every canonical-order op must report the same.
@@ -837,7 +706,7 @@ class CanonicalGradAccumulator:
         checks = dict(state, params=params, spans=self._spans, max_end=self._max_end)
         if dp_reduce.group_size(group) == 1:  # one process: one parameter finished (and freed) at a time
             with frozen_hint(names, params):
-                self._finish_one_process(total_tokens, checks, state)
+                _reduce.reduce_one_process(self, total_tokens, checks, state)
             return
         try:  # this rank's checks: under data parallelism every rank learns of a refusal (no hang)
             local = _reduce.local_partials(total_tokens, partials=self._partials, **checks)
@@ -859,19 +728,6 @@ class CanonicalGradAccumulator:
         for index, grad in grads.items():
             p = params[index]
             p.grad = dp_reduce.fsdp_shard(self._fsdp[index], grad) if index in self._fsdp else grad
-        self._clear()
-
-    def _finish_one_process(self, total_tokens: int, checks: dict, state: dict) -> None:
-        """``reduce`` in one process: the checks, then one parameter finished (and freed) at a time."""
-        _reduce.local_checks(total_tokens, **checks)  # (a stale p.grad first: it names its cause)
-        if self._params and not self._partials and not self._carry:
-            raise RuntimeError(
-                "reduce: nothing was deposited since this accumulator was built, reset or last "
-                "reduced: run the step's micro-batches first (each forward and its backward inside "
-                "`with acc.micro_batch(...)`), then reduce once per step"
-            )
-        write = functools.partial(_reduce.write_grad, self)  # p.grad of each finished gradient
-        _reduce.finish_one_process(total_tokens, partials=self._partials, write=write, **state)
         self._clear()
 
     def _clear(self) -> None:
