@@ -85,6 +85,10 @@ def _opcheck_cases():
     fold = _randn(8, 16, dtype=torch.float32, seed=19)  # a Linear weight's fixed fold
     sub_folds = _randn(2, 16, dtype=torch.float32, seed=20)  # an RMSNorm weight's: 2048-token leaves
     fold_pos = torch.tensor(512, device=DEVICE)  # the micro-batch's first token in its leaf
+    emb_fold = (  # an embedding table's: the rows of 1024-token leaves
+        torch.zeros(1024, dtype=torch.int64, device=DEVICE),
+        torch.zeros(1024, 16, dtype=BF16, device=DEVICE),
+    )
     # mixture of experts: 6 tokens, 4 experts (one gets no token), top 2, hidden 16, intermediate 8
     router_logits = _randn(6, 4, seed=13, requires_grad=True)
     experts_idx = torch.tensor([[0, 1], [1, 0], [3, 0], [0, 3], [1, 3], [3, 1]], device=DEVICE)
@@ -141,6 +145,8 @@ def _opcheck_cases():
         ("linear_fold_weight", (dy, x2, fold), False),
         ("rms_norm", (x, nw, 1e-6, 16, 0.0, None, 2048, True, 1, sub_folds, fold_pos), True),
         ("rms_norm_backward_fold", (x2, x2, nw.detach(), rstd, 0.0, 2048, sub_folds, fold_pos), False),
+        ("embedding", (ids, emb, None, None, 8, True, *emb_fold, fold_pos), True),
+        ("embedding_fold_rows", (ids, _randn(2, 3, 16), 2, *emb_fold, fold_pos), False),
         ("rms_norm", (x, nw, 1e-6, 16, 0.0, ticket, 4, True), True),
         ("embedding", (ids, emb, None, ticket, 4, True), True),
         ("linear_deposit_weight", (dy, x2, w.detach(), ticket), True),
@@ -667,6 +673,7 @@ def test_deposit_ops_are_tagged_cudagraph_unsafe_and_the_others_are_not():
     others = (
         "linear_fold_weight",
         "rms_norm_backward_fold",
+        "embedding_fold_rows",
         "cross_entropy_fixed_scale",
         "cross_entropy_fixed_scale_backward",
         "linear",

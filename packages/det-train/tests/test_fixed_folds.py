@@ -25,7 +25,7 @@ V, D, FF = 64, 32, 64
 
 
 class _Block(torch.nn.Module):
-    """Embedding (plain deposits), RMSNorm and two Linears with a bias (fixed folds), a head."""
+    """Embedding, RMSNorm, two Linears (the first with a bias, deposited plainly), a head."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -124,13 +124,17 @@ def test_compiled_model_with_fixed_folds_gives_the_eager_bits():
     torch._dynamo.reset()
 
 
-def test_fixed_folds_are_the_linear_and_norm_weights_not_tied_ones():
+def test_fixed_folds_are_the_weights_no_other_module_holds():
     model = _model()
     model.head.weight = model.emb.weight  # tied: the embedding table deposits as before
     acc = CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=128, recoverable=False)
     acc.fixed_folds(model)
     names = sorted(acc._names[i] for i in acc._fixed.folds)
-    assert names == ["down.weight", "norm.weight", "up.weight"]
+    assert names == ["down.weight", "norm.weight", "up.weight"]  # not the tied emb.weight / head.weight
+    untied = _model()
+    plain = CanonicalGradAccumulator(untied.named_parameters(), leaf_tokens=128, recoverable=False)
+    names = sorted(plain._names[i] for i in plain.fixed_folds(untied)._fixed.folds)
+    assert names == ["down.weight", "emb.weight", "head.weight", "norm.weight", "up.weight"]
     sizes = [64] * 4
     ids, targets = _batch(256)
     with torch.no_grad():
@@ -240,7 +244,8 @@ def test_autograd_grad_of_the_input_folds_nothing():
         (gx,) = torch.autograd.grad(model.up(model.norm(h)).float().sum(), h)
     assert gx.shape == h.shape
     for index, fold in acc._fixed.folds.items():
-        assert not fold.any(), f"{acc._names[index]}: folded inside torch.autograd.grad"
+        for buffer in fold if isinstance(fold, tuple) else (fold,):  # (the embedding's: its rows)
+            assert not buffer.any(), f"{acc._names[index]}: folded inside torch.autograd.grad"
 
 
 @pytest.mark.gpu
@@ -267,3 +272,29 @@ def test_gpu_reduce_overhead_with_fixed_folds_gives_the_eager_bits(mark):
         got = _grads(sizes, leaf, fixed=True, steps=3, run=marked, model=model)
     _assert_grads(got, want, f"reduce-overhead with fixed folds, marked per {mark}")
     torch._dynamo.reset()
+
+
+def test_embedding_fixed_fold_with_padding_and_a_short_leaf():
+    """An embedding table's fixed fold holds its open leaf's rows (padded tokens' rows zeroed, as
+    the plain path's copies): the table's gradient has the plain bits, a short last leaf included."""
+
+    def grads(sizes, fixed):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            det_train.Embedding(V, D, padding_idx=3, dtype=BF16, device=DEVICE),
+            det_train.Linear(D, V, bias=False, dtype=BF16, device=DEVICE),
+        )
+        ids, _ = _batch(sum(sizes))
+        ids[0, ::5] = 3  # padded tokens
+        acc = CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=128, recoverable=not fixed)
+        if fixed:
+            acc.fixed_folds(model)
+        lo = 0
+        for n in sizes:
+            with acc.micro_batch(lo, num_tokens=n if fixed else None):
+                model(ids[:, lo : lo + n]).float().square().sum().backward()
+            lo += n
+        acc.reduce(sum(sizes))
+        return {name: p.grad for name, p in model.named_parameters()}
+
+    _assert_grads([grads([64, 64, 64, 32], fixed=True)], grads([224], fixed=False), "padded embedding")

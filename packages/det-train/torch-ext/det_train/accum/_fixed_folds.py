@@ -42,8 +42,11 @@ def _not_advanced(rows: tuple, state) -> None:
     raise AssertionError("a fixed fold is continued by its op's kernel, never through deposit_rows")
 
 
-# An op's fixed fold: (buffer shape, token step, close(buffer, tokens) -> the leaf's fp32 node, a new
-# tensor: the buffer holds the next leaf), from the op's ``fixed_fold_spec(param, leaf_tokens)``.
+# An op's fixed fold, from its ``fixed_fold_spec(param, leaf_tokens)``: (buffer shape, token step,
+# close(buffer, tokens) -> the leaf's fp32 node, a new tensor: the buffer holds the next leaf). A shape
+# gives one fp32 buffer, zeroed when a leaf starts; a callable ``make(param)`` gives the op's own
+# buffers (a tuple of tensors, e.g. an embedding table's rows), which are not zeroed (the op writes
+# every row it reads).
 FoldSpec = tuple
 
 
@@ -56,10 +59,10 @@ class FixedFolds:
     __slots__ = ("folds", "steps", "closes", "by_id", "seen", "pos")
 
     def __init__(self) -> None:
-        self.folds: dict[int, torch.Tensor] = {}  # tracked parameter index -> its fp32 fold
+        self.folds: dict[int, torch.Tensor | tuple] = {}  # tracked parameter index -> its fold buffer(s)
         self.steps: dict[int, int] = {}  # index -> the op's token step (a continued leaf's offsets)
         self.closes: dict[int, Callable] = {}  # index -> close(fold, tokens) -> the leaf's node
-        self.by_id: dict[int, torch.Tensor] = {}  # id(parameter) -> its fold
+        self.by_id: dict[int, torch.Tensor | tuple] = {}  # id(parameter) -> its fold buffer(s)
         self.seen: set[int] = set()  # id(parameter) of the folds continued in this micro-batch (eager)
         self.pos: torch.Tensor | None = None
 
@@ -74,15 +77,18 @@ class FixedFolds:
         if index in self.folds:
             return
         shape, step, close = spec
-        fold = torch.zeros(shape, dtype=torch.float32, device=param.device)
+        if callable(shape):
+            fold = tuple(_static(t) for t in shape(param))
+        else:
+            fold = _static(torch.zeros(shape, dtype=torch.float32, device=param.device))
         if self.pos is None:
             self.pos = _static(torch.zeros((), dtype=torch.int64, device=param.device))
-        elif self.pos.device != fold.device:
+        elif self.pos.device != param.device:
             raise ValueError(
-                f"fixed folds on {self.pos.device} and {fold.device}: one accumulator's fixed folds live "
+                f"fixed folds on {self.pos.device} and {param.device}: one accumulator's fixed folds live "
                 "on one device"
             )
-        self.folds[index], self.steps[index], self.closes[index] = _static(fold), step, close
+        self.folds[index], self.steps[index], self.closes[index] = fold, step, close
         self.by_id[id(param)] = fold
 
     def begin(self, acc, offset: int, tokens: int) -> None:
@@ -102,7 +108,7 @@ class FixedFolds:
             open_keys = [key for key in acc._carry if key[1] == FIXED_USE]
             if open_keys:  # (micro_batch refuses a second micro-batch at a leaf start while one is open)
                 raise ValueError(f"fixed folds: leaf {open_keys[0][2]} is still open")
-            torch._foreach_zero_(list(self.folds.values()))
+            torch._foreach_zero_([f for f in self.folds.values() if isinstance(f, torch.Tensor)])
             self.pos.zero_()
             return
         misaligned = sorted({step for step in self.steps.values() if offset % step})
@@ -150,7 +156,7 @@ def _static(t: torch.Tensor) -> torch.Tensor:
 def register(acc, module: torch.nn.Module) -> None:
     """``CanonicalGradAccumulator.fixed_folds``: a fixed fold for every eligible weight of ``module``
     (its checks and errors are documented there)."""
-    from ..ops import linear, rms_norm  # (the ops import the accumulator)
+    from ..ops import embedding, linear, rms_norm  # (the ops import the accumulator)
 
     if acc.recoverable:
         raise ValueError(
@@ -165,7 +171,7 @@ def register(acc, module: torch.nn.Module) -> None:
     found = [  # (weight, its op module's fixed_fold_spec)
         (m.weight, op.fixed_fold_spec)
         for m in module.modules()
-        for op in (linear, rms_norm)
+        for op in (linear, rms_norm, embedding)
         if op.takes_fixed_fold(m)
     ]
     holders: dict[int, int] = {}

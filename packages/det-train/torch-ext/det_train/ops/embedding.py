@@ -229,10 +229,16 @@ def embedding_op(
     ticket: torch.Tensor | None,
     leaf_tokens: int,
     deposit: bool,
+    fold_ids: torch.Tensor | None = None,
+    fold_rows: torch.Tensor | None = None,
+    fold_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The ``det_train::embedding`` op: ``weight[ids]`` after the id range check (``embedding``'s
     ValueError; one host sync, skipped during CUDA graph capture), ``ids`` int64. ``ticket`` /
-    ``leaf_tokens`` / ``deposit``: what the forward decided for the weight gradient."""
+    ``leaf_tokens`` / ``deposit``: what the forward decided for the weight gradient; ``fold_ids`` /
+    ``fold_rows`` / ``fold_pos``: the table's fixed fold (``CanonicalGradAccumulator.fixed_folds``:
+    its open leaf's rows and the micro-batch's first token in the leaf), which the backward fills
+    instead of depositing, or None."""
     # no device value can be read during CUDA graph capture: the range check is skipped there
     capturing = ids.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if ids.numel() and not capturing:
@@ -243,27 +249,34 @@ def embedding_op(
 
 
 @embedding_op.register_fake
-def _(ids, weight, padding_idx, ticket, leaf_tokens, deposit):
+def _(ids, weight, padding_idx, ticket, leaf_tokens, deposit, fold_ids=None, fold_rows=None, fold_pos=None):
     return weight.new_empty((*ids.shape, weight.shape[1]))
 
 
 def _embedding_setup(ctx, inputs, output):
-    ids, weight, padding_idx, ticket, leaf_tokens, deposit = inputs
+    ids, weight, padding_idx, ticket, leaf_tokens, deposit, *fold = inputs  # the fold's may be left out
     ctx.save_for_backward(ids, weight)  # a saved leaf unpacks as the Parameter itself
     ctx.padding_idx, ctx.leaf_tokens, ctx.deposit = padding_idx, leaf_tokens, deposit
     ctx.ticket = ticket  # mutated by the deposit op: not saved (saving checks its version)
+    ctx.fold = tuple(fold) if len(fold) == 3 and fold[0] is not None else None  # mutated: not saved
+    ctx.n_inputs = len(inputs)
 
 
 def _embedding_backward(ctx, dy):
     runtime.check_first_order("det_train.embedding")
     ids, weight = ctx.saved_tensors
+    none = (None,) * ctx.n_inputs
     if not ctx.needs_input_grad[1]:
-        return (None,) * 6
+        return none
+    if ctx.fold is not None:
+        if deposit.fold_wanted("det_train.embedding", weight, dy):
+            embedding_fold_rows_op(ids, dy, ctx.padding_idx, *ctx.fold)
+        return none
     if ctx.deposit:
         embedding_deposit_op(ids, dy, weight, ctx.padding_idx, ctx.ticket)
-        return (None,) * 6
+        return none
     grad = embedding_backward_op(ids, dy, weight.shape[0], ctx.padding_idx, ctx.leaf_tokens, weight.dtype)
-    return None, grad, *(None,) * 4
+    return None, grad, *none[2:]
 
 
 embedding_op.register_autograd(_embedding_backward, setup_context=_embedding_setup)
@@ -308,6 +321,56 @@ def embedding_deposit_op(
 @embedding_deposit_op.register_fake
 def _(ids, dy, weight, padding_idx, ticket):
     return None
+
+
+@Op("embedding_fold_rows", ("fold_ids", "fold_rows"))
+def embedding_fold_rows_op(
+    ids: torch.Tensor,
+    dy: torch.Tensor,
+    padding_idx: int | None,
+    fold_ids: torch.Tensor,
+    fold_rows: torch.Tensor,
+    fold_pos: torch.Tensor,
+) -> None:
+    """The ``det_train::embedding_fold_rows`` op: this micro-batch's gradient rows (ids and ``dy``,
+    padded tokens' rows zeroed) copied into the table's fixed fold at its leaf position ``fold_pos``
+    (a device scalar: one captured launch serves every micro-batch); the leaf is summed from them
+    when it completes (``fixed_folds``). No host bookkeeping: not tagged ``cudagraph_unsafe``."""
+    flat, dy2 = _grad_rows(ids, dy, fold_rows.shape[1], padding_idx)
+    at = torch.arange(flat.shape[0], device=flat.device) + fold_pos  # distinct rows: a plain copy
+    fold_ids.index_copy_(0, at, flat)
+    fold_rows.index_copy_(0, at, dy2.to(fold_rows.dtype))
+
+
+@embedding_fold_rows_op.register_fake
+def _(ids, dy, padding_idx, fold_ids, fold_rows, fold_pos):
+    return None
+
+
+def takes_fixed_fold(module: torch.nn.Module) -> bool:
+    """Whether ``CanonicalGradAccumulator.fixed_folds`` gives ``module``'s table a fixed fold here: a
+    ``det_train.Embedding``."""
+    return isinstance(module, Embedding)
+
+
+def fixed_fold_spec(weight: torch.Tensor, leaf_tokens: int) -> tuple:
+    """``(make, step, close)`` of an embedding table's fixed fold: its open leaf's rows, ids int64
+    ``(leaf_tokens,)`` and ``dy (leaf_tokens, D)`` in the table's dtype (made by ``make(weight)``),
+    continued at any token, closed by the leaf sum of the rows present (``_leaf_tables``: the bits of
+    the plain path, which sums an open leaf from its copied rows)."""
+    v, d = weight.shape
+
+    def make(param: torch.Tensor) -> tuple:
+        ids = torch.zeros((leaf_tokens,), dtype=torch.int64, device=param.device)
+        return ids, torch.zeros((leaf_tokens, d), dtype=param.dtype, device=param.device)
+
+    return make, 1, functools.partial(_rows_node, v=v, leaf=leaf_tokens)
+
+
+def _rows_node(fold: tuple, tokens: int, v: int, leaf: int) -> torch.Tensor:
+    """The leaf's fp32 node from the first ``tokens`` rows of a fixed fold (a new tensor)."""
+    (node,) = _leaf_tables(v, leaf, 0, (fold[0][:tokens], fold[1][:tokens])).nodes.values()
+    return node
 
 
 def _leaf_tables(v: int, leaf: int, first_leaf: int, rows: tuple) -> TreePartial:
@@ -382,9 +445,11 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None =
         padding_idx %= weight.shape[0]
     leaf, active = deposit.accumulation()
     deposits = active and weight.is_leaf and ids.numel() > 0
-    ticket = deposit.ticket() if deposits else None
+    fold = deposit.fixed_fold("det_train.embedding", weight, ids.numel()) if deposits else None
+    ticket = deposit.ticket() if deposits and fold is None else None
+    fold_args = (None, None, None) if fold is None else (*fold, deposit.fixed_fold_pos())
     # the id range check runs in the op (a device value: read when the op runs, also compiled)
-    return embedding_op(ids.to(torch.int64), weight, padding_idx, ticket, leaf, deposits)
+    return embedding_op(ids.to(torch.int64), weight, padding_idx, ticket, leaf, deposits, *fold_args)
 
 
 class Embedding(torch.nn.Embedding):
