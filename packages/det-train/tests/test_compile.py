@@ -85,6 +85,7 @@ def _opcheck_cases():
     fold = _randn(8, 16, dtype=torch.float32, seed=19)  # a Linear weight's fixed fold
     sub_folds = _randn(2, 16, dtype=torch.float32, seed=20)  # an RMSNorm weight's: 2048-token leaves
     fold_pos = torch.tensor(512, device=DEVICE)  # the micro-batch's first token in its leaf
+    fold_count = torch.zeros((), dtype=torch.int64, device=DEVICE)  # a fixed fold's counter
     emb_fold = (  # an embedding table's: the rows of 1024-token leaves
         torch.zeros(1024, dtype=torch.int64, device=DEVICE),
         torch.zeros(1024, 16, dtype=BF16, device=DEVICE),
@@ -106,7 +107,7 @@ def _opcheck_cases():
     cases = [
         ("matmul", (_randn(3, 4, 16), _randn(16, 5)), False),
         ("matmul_partial", (_randn(3, 64), _randn(64, 5), None, None, False), False),
-        ("linear", (x, w, b, None, None, 8192, False, False), False),
+        ("linear", (x, w, b, None, None, None, 8192, False, False), False),
         ("linear_weight_grad", (dy, x2, 8192, BF16), False),
         ("linear_bias_grad", (dy, 8192, BF16), False),
         ("rms_norm", (x, nw, 1e-6, 16, 0.0, None, 8192, False), False),
@@ -139,14 +140,18 @@ def _opcheck_cases():
         # inside a micro-batch: the forward ops' backward deposits, and the deposit ops themselves
         # (backward and deposit ops are first order: no input requires grad; a detached parameter
         # is found by its storage, as a compiled backward's saved tensor)
-        ("linear", (x, w, b, ticket, None, 4, True, True), True),
+        ("linear", (x, w, b, ticket, None, None, 4, True, True), True),
         # fixed folds (CanonicalGradAccumulator.fixed_folds): the forward carries the weight's fold
-        ("linear", (x, w, b, ticket, fold, 4, True, True), True),
-        ("linear_fold_weight", (dy, x2, fold), False),
-        ("rms_norm", (x, nw, 1e-6, 16, 0.0, None, 2048, True, 1, sub_folds, fold_pos), True),
-        ("rms_norm_backward_fold", (x2, x2, nw.detach(), rstd, 0.0, 2048, sub_folds, fold_pos), False),
-        ("embedding", (ids, emb, None, None, 8, True, *emb_fold, fold_pos), True),
-        ("embedding_fold_rows", (ids, _randn(2, 3, 16), 2, *emb_fold, fold_pos), False),
+        ("linear", (x, w, b, ticket, fold, fold_count, 4, True, True), True),
+        ("linear_fold_weight", (dy, x2, fold, fold_count), True),
+        ("rms_norm", (x, nw, 1e-6, 16, 0.0, None, 2048, True, 1, sub_folds, fold_pos, fold_count), True),
+        (
+            "rms_norm_backward_fold",
+            (x2, x2, nw.detach(), rstd, 0.0, 2048, sub_folds, fold_pos, fold_count),
+            True,
+        ),
+        ("embedding", (ids, emb, None, None, 8, True, *emb_fold, fold_pos, fold_count), True),
+        ("embedding_fold_rows", (ids, _randn(2, 3, 16), 2, *emb_fold, fold_pos, fold_count), True),
         ("rms_norm", (x, nw, 1e-6, 16, 0.0, ticket, 4, True), True),
         ("embedding", (ids, emb, None, ticket, 4, True), True),
         ("linear_deposit_weight", (dy, x2, w.detach(), ticket), True),

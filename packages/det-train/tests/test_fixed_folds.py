@@ -298,3 +298,129 @@ def test_embedding_fixed_fold_with_padding_and_a_short_leaf():
         return {name: p.grad for name, p in model.named_parameters()}
 
     _assert_grads([grads([64, 64, 64, 32], fixed=True)], grads([224], fixed=False), "padded embedding")
+
+
+def _step(model, acc, sizes, ids, targets, run=None, skip=()):
+    """One step of micro-batches of ``sizes`` through ``run`` (default: the model); the micro-batches
+    at the offsets in ``skip`` run their forward only."""
+    run = model if run is None else run
+    lo, total = 0, sum(sizes)
+    for n in sizes:
+        with acc.micro_batch(lo, num_tokens=n):
+            loss = run(ids[:, lo : lo + n], targets[:, lo : lo + n], total)
+            if lo not in skip:
+                loss.backward()
+        lo += n
+
+
+def test_reduce_refuses_a_fold_missing_or_repeated_in_a_micro_batch():
+    """Every fixed-fold weight must be folded once per micro-batch (the folds count on the device,
+    read once by ``reduce``): a micro-batch without its backward, a weight frozen after
+    ``fixed_folds``, are refused there, naming the weights; ``reset`` then starts the step over."""
+    model, acc = _fixed_acc(leaf=128)
+    ids, targets = _batch(256)
+    _step(model, acc, [64] * 4, ids, targets, skip={64})
+    with pytest.raises(ValueError, match=r"not folded exactly once in each of this step's 4 micro-batches"):
+        acc.reduce(256)
+    acc.reset()
+    model.up.weight.requires_grad_(False)
+    _step(model, acc, [64] * 4, ids, targets)
+    with pytest.raises(ValueError, match=r"up\.weight 0x.*frozen after fixed_folds"):
+        acc.reduce(256)
+    model.up.weight.requires_grad_(True)
+    acc.reset()
+    _step(model, acc, [64] * 4, ids, targets)
+    acc.reduce(256)
+    want = _grads([256], 128, fixed=False)[0]
+    for name, p in model.named_parameters():
+        assert_bitwise_equal(p.grad, want[name], f"after the refusals: {name}")
+
+
+def test_compiled_backward_after_the_micro_batch_raises():
+    """Under torch.compile (outside CUDA graphs) the fold ops' bodies run: a backward after its
+    micro-batch's ``with`` block raises as in eager, instead of folding into the next leaf."""
+    model, acc = _fixed_acc(leaf=128)
+    ids, targets = _batch(64)
+    run = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with acc.micro_batch(0, num_tokens=64):
+        loss = run(ids, targets, 64)
+    with pytest.raises(RuntimeError, match="backward runs outside every micro_batch"):
+        loss.backward()
+    torch._dynamo.reset()
+
+
+def test_checkpointed_weight_used_twice_is_refused_and_once_gives_the_bits():
+    """Non-reentrant activation checkpointing recomputes the forward in the backward: a weight used
+    once inside it folds once (the plain accumulator's bits); used twice, the second fold is refused."""
+    from torch.utils.checkpoint import checkpoint
+
+    def loss_of(model, twice):
+        def body(h):
+            h = model.down(model.up(model.norm(h)))
+            return model.down(model.up(h)) if twice else h
+
+        def run(ids, targets, n):
+            logits = model.head(checkpoint(body, model.emb(ids), use_reentrant=False))
+            return det_train.cross_entropy(logits.flatten(0, -2), targets.flatten(), num_global_tokens=n)
+
+        return run
+
+    ids, targets = _batch(256)
+    grads = []
+    for fixed, sizes in ((False, [256]), (True, [64] * 4)):
+        model = _model()
+        acc = CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=128, recoverable=not fixed)
+        if fixed:
+            acc.fixed_folds(model)
+        lo = 0
+        for n in sizes:
+            with acc.micro_batch(lo, num_tokens=n):
+                loss_of(model, twice=False)(ids[:, lo : lo + n], targets[:, lo : lo + n], 256).backward()
+            lo += n
+        acc.reduce(256)
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    _assert_grads(grads[1:], grads[0], "checkpointed, fixed folds")
+    model, acc = _fixed_acc(leaf=128)
+    with pytest.raises(ValueError, match="continued twice in this micro-batch"):
+        _step(model, acc, [64], ids, targets, run=loss_of(model, twice=True))
+
+
+def test_a_module_used_twice_stays_on_the_plain_path():
+    block = det_train.Linear(D, D, bias=False, dtype=BF16, device=DEVICE)
+    model = torch.nn.Sequential(block, block, det_train.Linear(D, D, bias=False, dtype=BF16, device=DEVICE))
+    acc = CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=128, recoverable=False)
+    assert [acc._names[i] for i in acc.fixed_folds(model)._fixed.folds] == ["2.weight"]
+
+
+def test_refusals_at_micro_batch_entry_name_the_cause_and_change_nothing():
+    model, acc = _fixed_acc(leaf=128)
+    ids, targets = _batch(256)
+    for lo in (0, 64):  # leaf 0 in two micro-batches
+        if lo == 64:
+            with pytest.raises(
+                ValueError, match=r"starts leaf 1 while leaf 0 is open \(tokens \[0, 64\) so far"
+            ):
+                acc.micro_batch(128, num_tokens=64).__enter__()
+        with acc.micro_batch(lo, num_tokens=64):
+            model(ids[:, lo : lo + 64], targets[:, lo : lo + 64], 256).backward()
+    with pytest.raises(ValueError, match="leaf 0 .* was already folded by an earlier micro-batch"):
+        acc.micro_batch(0, num_tokens=64).__enter__()
+    with torch.no_grad():  # an evaluation forward over other tokens: no fold, no refusal
+        with acc.micro_batch(128, num_tokens=64):
+            model(ids[:, :8], targets[:, :8], 8)
+    model.to(torch.float32)
+    with pytest.raises(
+        ValueError, match=r"dtype changed after fixed_folds \(torch.bfloat16 -> torch.float32\)"
+    ):
+        acc.micro_batch(128, num_tokens=64).__enter__()
+
+
+def test_the_poisoning_message_names_the_fixed_folds():
+    model, acc = _fixed_acc(leaf=128)
+    with pytest.raises(KeyError):
+        with acc.micro_batch(0, num_tokens=64):
+            raise KeyError("before the backward")
+    with pytest.raises(
+        RuntimeError, match=r"raised KeyError: 'before the backward' inside it .* down\.weight"
+    ):
+        acc.reduce(64)

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from ._messages import token_mismatch
+from ._messages import slot_name, token_mismatch
 from ._open_leaf import OpenFold
 
 __all__ = ["FIXED_USE", "FixedFolds", "fold_for", "fold_once", "register"]
@@ -51,27 +51,37 @@ FoldSpec = tuple
 
 
 class FixedFolds:
-    """The fixed folds of one accumulator: ``folds[index]`` (fp32), the token step each is continued
-    in and its close; ``by_id`` finds a parameter's fold from the Parameter the forward sees; ``pos``
-    (int64, on the folds' device) holds the micro-batch's first token within its leaf, for kernels
-    that place rows by it (the norms' sub-leaves)."""
+    """The fixed folds of one accumulator, by tracked parameter index: ``folds`` (the buffer, or the
+    op's buffers), the token step each is continued in, its close, its ``counts`` (an int64 device
+    scalar each fold op adds 1 to, read once at ``reduce``: every weight folded once per micro-batch)
+    and the dtype it was made for; ``by_id`` finds a weight's index from the Parameter the forward
+    sees; ``pos`` (int64, on the folds' device) holds the micro-batch's first token within its leaf,
+    for kernels that place rows by it."""
 
-    __slots__ = ("folds", "steps", "closes", "by_id", "seen", "pos")
+    __slots__ = (
+        "folds",
+        "steps",
+        "closes",
+        "counts",
+        "dtypes",
+        "by_id",
+        "by_count",
+        "seen",
+        "pos",
+        "micro_batches",
+    )
 
     def __init__(self) -> None:
         self.folds: dict[int, torch.Tensor | tuple] = {}  # tracked parameter index -> its fold buffer(s)
         self.steps: dict[int, int] = {}  # index -> the op's token step (a continued leaf's offsets)
         self.closes: dict[int, Callable] = {}  # index -> close(fold, tokens) -> the leaf's node
-        self.by_id: dict[int, torch.Tensor | tuple] = {}  # id(parameter) -> its fold buffer(s)
-        self.seen: set[int] = set()  # id(parameter) of the folds continued in this micro-batch (eager)
+        self.counts: dict[int, torch.Tensor] = {}  # index -> folds made since the last reduce (device)
+        self.dtypes: dict[int, torch.dtype] = {}  # index -> the weight's dtype when its fold was made
+        self.by_id: dict[int, int] = {}  # id(parameter) -> index
+        self.by_count: dict[int, int] = {}  # id(count tensor) -> index (what a fold op receives)
+        self.seen: set[int] = set()  # the indices folded in this micro-batch (op bodies that ran)
         self.pos: torch.Tensor | None = None
-
-    def first_use(self, key: int) -> bool:
-        """True the first time ``key`` (a weight's id) is folded in this micro-batch."""
-        if key in self.seen:
-            return False
-        self.seen.add(key)
-        return True
+        self.micro_batches = 0  # micro-batches completed since the last reduce or reset
 
     def add(self, index: int, param: torch.Tensor, spec: FoldSpec) -> None:
         if index in self.folds:
@@ -88,15 +98,30 @@ class FixedFolds:
                 f"fixed folds on {self.pos.device} and {param.device}: one accumulator's fixed folds live "
                 "on one device"
             )
+        count = _static(torch.zeros((), dtype=torch.int64, device=param.device))
         self.folds[index], self.steps[index], self.closes[index] = fold, step, close
-        self.by_id[id(param)] = fold
+        self.counts[index], self.dtypes[index] = count, param.dtype
+        self.by_id[id(param)], self.by_count[id(count)] = index, index
+
+    def clear(self) -> None:
+        """After a reduce or a reset: no fold counted, no micro-batch."""
+        torch._foreach_zero_(list(self.counts.values()))
+        self.micro_batches = 0
 
     def begin(self, acc, offset: int, tokens: int) -> None:
-        """Before a micro-batch of ``tokens`` tokens at ``offset``: check it stays inside one leaf and
-        continues its leaf at a step boundary; zero the folds when it starts a leaf. Raises
-        ValueError (nothing changed) when it does not fit."""
-        leaf = acc.leaf_tokens
-        self.seen = set()
+        """Before a micro-batch of ``tokens`` tokens at ``offset``: check it stays inside one leaf,
+        continues its leaf at a step boundary (or starts a leaf no micro-batch filled), and that the
+        weights kept their dtypes; zero the folds when it starts a leaf. Raises ValueError (nothing
+        changed) when it does not fit."""
+        leaf, j = acc.leaf_tokens, offset // acc.leaf_tokens
+        changed = [i for i, dtype in self.dtypes.items() if acc._params[i].dtype != dtype]
+        if changed:
+            i = changed[0]
+            raise ValueError(
+                f"{acc._names[i]}: its dtype changed after fixed_folds ({self.dtypes[i]} -> "
+                f"{acc._params[i].dtype}), and its fold was laid out for the old one: build a new "
+                "accumulator (and call fixed_folds) after casting the model"
+            )
         if offset % leaf + tokens > leaf:
             raise ValueError(
                 f"micro_batch(token_offset={offset}, num_tokens={tokens}) crosses a leaf boundary "
@@ -106,32 +131,45 @@ class FixedFolds:
             )
         if offset % leaf == 0:
             open_keys = [key for key in acc._carry if key[1] == FIXED_USE]
-            if open_keys:  # (micro_batch refuses a second micro-batch at a leaf start while one is open)
-                raise ValueError(f"fixed folds: leaf {open_keys[0][2]} is still open")
+            if open_keys:
+                held = acc._carry[open_keys[0]]
+                raise ValueError(
+                    f"micro_batch(token_offset={offset}) starts leaf {j} while leaf {open_keys[0][2]} is "
+                    f"open (tokens [{held.start}, {held.end}) so far): fixed folds hold one open leaf, so "
+                    f"complete it first (the next micro-batch starts at token {held.end}), or use an "
+                    "accumulator without fixed_folds for micro-batches in another order"
+                )
+            filled = [acc._names[i] for i in self.folds if _covers(acc._partials.get((i, FIXED_USE)), j)]
+            if filled:
+                raise ValueError(
+                    f"{slot_name(filled[0], FIXED_USE)}: leaf {j} (tokens [{offset}, {offset + leaf})) was "
+                    "already folded by an earlier micro-batch of this step: micro-batches overlap"
+                )
             torch._foreach_zero_([f for f in self.folds.values() if isinstance(f, torch.Tensor)])
             self.pos.zero_()
-            return
-        misaligned = sorted({step for step in self.steps.values() if offset % step})
-        if misaligned:
-            raise ValueError(
-                f"micro_batch(token_offset={offset}) continues a leaf at a token that is not a multiple "
-                f"of the fixed folds' token step {misaligned[0]} (the previous micro-batch's num_tokens "
-                "was not): a fold resumes only at whole steps. Use micro-batch sizes that are multiples "
-                f"of {misaligned[0]} tokens inside a leaf (only the batch's last micro-batch may be shorter)"
-            )
-        for index in self.folds:
-            key = (index, FIXED_USE, offset // leaf)
-            if key not in acc._carry or acc._carry[key].end != offset:
+        else:
+            misaligned = sorted({step for step in self.steps.values() if offset % step})
+            if misaligned:
+                step = misaligned[0]
                 raise ValueError(
-                    f"{acc._names[index]}: the fixed fold of leaf {offset // leaf} does not end at token "
-                    f"{offset}: fixed_folds was called inside a step; call it before the step's first "
-                    "micro-batch"
+                    f"micro_batch(token_offset={offset}) continues a leaf at a token that is not a "
+                    f"multiple of the fixed folds' token step {step} (the previous micro-batch's "
+                    "num_tokens was not): a fold resumes only at whole steps. Use micro-batch sizes that "
+                    f"are multiples of {step} tokens inside a leaf (only the batch's last may be shorter)"
                 )
-        self.pos.fill_(offset % leaf)
+            for index in self.folds:
+                key = (index, FIXED_USE, j)
+                if key not in acc._carry or acc._carry[key].end != offset:
+                    raise ValueError(
+                        f"{acc._names[index]}: the fixed fold of leaf {j} does not end at token {offset}: "
+                        "fixed_folds was called inside a step; call it before the step's first micro-batch"
+                    )
+            self.pos.fill_(offset % leaf)
+        self.seen = set()
 
     def end(self, acc, offset: int, tokens: int) -> None:
-        """After a micro-batch that succeeded: a leaf it completed joins each weight's tree (a copy of
-        the fold); an open one is recorded as the weight's carry entry up to ``offset + tokens``."""
+        """After a micro-batch that succeeded: a leaf it completed joins each weight's tree (its node,
+        a new tensor); an open one is recorded as the weight's carry entry up to ``offset + tokens``."""
         leaf = acc.leaf_tokens
         end, j = offset + tokens, offset // leaf
         start = j * leaf
@@ -144,6 +182,32 @@ class FixedFolds:
                 acc._add_node(key[:2], j, close(fold))
             else:  # (a short last leaf is closed by reduce, through the carry entry's close)
                 acc._set_carry(key, OpenFold(start, (self.steps[index], _not_advanced, close), end, fold))
+        self.micro_batches += 1
+
+    def check_counts(self, acc) -> None:
+        """At ``reduce``: every fixed-fold weight was folded once in each micro-batch of the step (one
+        device read). Raises ValueError naming those that were not."""
+        if not self.counts:
+            return
+        counts = torch.stack(list(self.counts.values())).tolist()
+        wrong = [
+            (acc._names[i], n) for i, n in zip(self.counts, counts, strict=True) if n != self.micro_batches
+        ]
+        if wrong:
+            shown = ", ".join(f"{name} {n}x" for name, n in wrong[:8]) + (" ..." if len(wrong) > 8 else "")
+            raise ValueError(
+                f"fixed folds: {len(wrong)} weight(s) were not folded exactly once in each of this step's "
+                f"{self.micro_batches} micro-batches ({shown}): a micro-batch whose backward did not "
+                "run, a module skipped, a weight frozen after fixed_folds (requires_grad=False), used "
+                "twice, or a backward run after its micro-batch. Their gradients are not the batch's: "
+                "acc.reset() and run the step again with each weight used once per micro-batch (or use "
+                "an accumulator without fixed_folds for such a model)"
+            )
+
+
+def _covers(tree, leaf: int) -> bool:
+    """Whether a partial tree holds a node whose leaves include ``leaf``."""
+    return tree is not None and any(index == leaf >> level for level, index in tree.nodes)
 
 
 def _static(t: torch.Tensor) -> torch.Tensor:
@@ -175,7 +239,7 @@ def register(acc, module: torch.nn.Module) -> None:
         if op.takes_fixed_fold(m)
     ]
     holders: dict[int, int] = {}
-    for m in module.modules():  # every module holding the weight, det or not
+    for _, m in module.named_modules(remove_duplicate=False):  # every holder, a module used twice too
         for p in m.parameters(recurse=False):
             holders[id(p)] = holders.get(id(p), 0) + 1
     chosen = [(w, spec) for w, spec in found if holders[id(w)] == 1 and id(w) in acc._index]
@@ -192,25 +256,34 @@ def register(acc, module: torch.nn.Module) -> None:
         acc._fixed.add(acc._index[id(weight)], weight, spec(weight, acc.leaf_tokens))
 
 
-def fold_for(acc, weight: torch.Tensor, tokens: int, op: str) -> torch.Tensor | None:
-    """``weight``'s fixed fold in ``acc`` for a forward over ``tokens`` rows, or None. Raises
-    ValueError when ``tokens`` is not the micro-batch's ``num_tokens``."""
-    fold = None if acc._fixed is None else acc._fixed.by_id.get(id(weight))
-    if fold is not None and tokens != acc._tokens:
+def fold_for(acc, weight: torch.Tensor, tokens: int, op: str) -> tuple | None:
+    """``(fold, count)`` of ``weight`` in ``acc`` for a forward over ``tokens`` rows that records
+    autograd (a forward under ``no_grad`` gets none), or None. Raises ValueError when ``tokens`` is
+    not the micro-batch's ``num_tokens``."""
+    if acc._fixed is None or not torch.is_grad_enabled():
+        return None
+    index = acc._fixed.by_id.get(id(weight))
+    if index is None:
+        return None
+    if tokens != acc._tokens:
         raise ValueError(token_mismatch(acc, tokens, weight, op))
-    return fold
+    return acc._fixed.folds[index], acc._fixed.counts[index]
 
 
-def fold_once(acc, weight: torch.Tensor, op: str) -> bool:
-    """True at the first fold of ``weight``'s fixed fold in this micro-batch (eager); raises
-    ValueError at a second one (two uses of the weight, or a second backward)."""
-    if acc._fixed is None:  # a fold passed to the op by hand (tests): nothing to count
-        return True
-    if not acc._fixed.first_use(id(weight)):
-        name = acc._names[acc._index[id(weight)]]
+def fold_once(acc, count: torch.Tensor, op: str) -> None:
+    """A fold op's check when its body runs (eager, and compiled graphs outside CUDA graphs): the
+    fold identified by its ``count`` is continued once in this micro-batch; raises ValueError at a
+    second time (two uses of the weight, or a second backward). A count ``acc`` did not make (a test
+    calling the op directly) is not checked."""
+    fixed = acc._fixed
+    index = None if fixed is None else fixed.by_count.get(id(count))
+    if index is None:
+        return
+    if index in fixed.seen:
         raise ValueError(
-            f"{name} ({op}): its fixed fold was continued twice in this micro-batch (the weight used by two "
-            "ops, or a second backward): fixed folds take one use per micro-batch, in token order. Build the "
-            "accumulator without fixed_folds for this model, or run each token range in its own micro_batch"
+            f"{acc._names[index]} ({op}): its fixed fold was continued twice in this micro-batch (the weight "
+            "used by two ops, or a second backward): fixed folds take one use per micro-batch, in token "
+            "order. Build the accumulator without fixed_folds for this model, or run each token range in "
+            "its own micro_batch"
         )
-    return True
+    fixed.seen.add(index)

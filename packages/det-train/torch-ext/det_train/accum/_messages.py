@@ -124,14 +124,22 @@ def poisoned(acc, token_offset: int, error: BaseException) -> str:
     any point inside it, their buffers being written by the backward without a host step)."""
     fixed = acc._fixed.folds if acc._fixed is not None else {}
     shown = _listed(sorted(acc._names[i] for i in {*acc._uses, *fixed}))
+    when = "inside it (its fixed folds are written in place by the backward, with no host step to tell when)"
+    retry = (
+        "build it without fixed_folds and with recoverable=True (the default; one or two more fp32 buffers "
+        "per parameter, docs/det-train.md, 'Gradient memory')"
+        if fixed
+        else "build the accumulator with recoverable=True (the default; one or two more fp32 buffers per "
+        "parameter, docs/det-train.md, 'Gradient memory')"
+    )
     return (
         f"this CanonicalGradAccumulator (recoverable=False) is poisoned: the micro-batch at token_offset "
-        f"{token_offset} raised {type(error).__name__}: {error} after its deposits began, and without an "
-        "undo log its folds and tree nodes were written in place, so these parameters may hold partial "
-        f"sums: {shown}. Nothing is reduced or deposited until acc.reset() (drops every deposit of the "
-        "step) or a new accumulator; then run the whole step's micro-batches again. To retry a single "
-        "micro-batch instead, build the accumulator with recoverable=True (the default; one or two "
-        "more fp32 buffers per parameter, docs/det-train.md, 'Gradient memory')"
+        f"{token_offset} raised {type(error).__name__}: {error} "
+        + (when if fixed else "after its deposits began")
+        + ", and without an undo log its folds and tree nodes were written in place, so these parameters "
+        f"may hold partial sums: {shown}. Nothing is reduced or deposited until acc.reset() (drops every "
+        "deposit of the step) or a new accumulator; then run the whole step's micro-batches again. To "
+        f"retry a single micro-batch instead, {retry}"
     )
 
 

@@ -91,9 +91,11 @@ def accumulation() -> tuple[int, bool]:
     return acc.leaf_tokens, True
 
 
-def fixed_fold(op: str, weight: torch.Tensor, tokens: int) -> torch.Tensor | None:
-    """The active accumulator's fixed fold of ``weight`` (``CanonicalGradAccumulator.fixed_folds``),
-    read when the forward runs (or is traced), or None (no accumulator active, or no fixed fold).
+def fixed_fold(op: str, weight: torch.Tensor, tokens: int) -> tuple | None:
+    """``(fold, count)`` of ``weight`` in the active accumulator (``CanonicalGradAccumulator.fixed_folds``:
+    its fold buffer, or buffers, and the device counter its fold op adds 1 to), read when the forward
+    runs (or is traced); None without an active accumulator, a fixed fold for ``weight``, or autograd
+    recording (a forward under ``no_grad`` has no backward to fold).
 
     Args:
         op: the public name of the op, for the message.
@@ -121,23 +123,35 @@ def fixed_fold_pos() -> torch.Tensor:
 
 
 def fold_wanted(op: str, weight: torch.Tensor, dy: torch.Tensor) -> bool:
-    """Whether the backward continues ``weight``'s fixed fold. Under a trace (``torch.compile``)
-    always; in eager execution, checked as a deposit is: an accumulator is active, and the running
-    backward accumulates into ``weight`` (not ``torch.autograd.grad`` of other tensors).
-
-    Raises:
-        RuntimeError: the backward runs outside every micro-batch (eager).
-        ValueError: the fold was already continued in this micro-batch (the weight used twice, or
-            a second backward; eager).
+    """Whether the backward continues ``weight``'s fixed fold: under a trace (``torch.compile``)
+    always; in eager execution only when the running backward accumulates into ``weight`` (not
+    ``torch.autograd.grad`` of other tensors), as a deposit. Raises nothing (``fold_checked``, in the
+    fold op, raises outside a micro-batch).
 
     **Determinism:** a yes / no from the engine's graph, no value read.
     """
     if not plain_eager((dy,)):
         return True
     acc = current_accumulator()
+    return acc is None or acc._backward_wants(weight)
+
+
+def fold_checked(op: str, count: torch.Tensor) -> None:
+    """A fold op's checks where its body runs (eager, and compiled graphs outside CUDA graphs, whose
+    replays run no Python): an accumulator is active, and the fold (identified by its ``count``) is
+    continued once in this micro-batch.
+
+    Raises:
+        RuntimeError: the backward runs outside every micro-batch.
+        ValueError: the fold was already continued in this micro-batch (the weight used twice, or a
+            second backward).
+
+    **Determinism:** checks only.
+    """
+    acc = current_accumulator()
     if acc is None:
         raise _outside(op)
-    return acc._backward_wants(weight) and fold_once(acc, weight, op)
+    fold_once(acc, count, op)
 
 
 def _outside(op: str) -> RuntimeError:

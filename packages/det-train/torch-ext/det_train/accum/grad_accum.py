@@ -704,11 +704,16 @@ class CanonicalGradAccumulator:
         names, params, leaf_tokens = self._names, self._params, self.leaf_tokens
         state = dict(leaf_tokens=leaf_tokens, names=names, carry=self._carry)
         checks = dict(state, params=params, spans=self._spans, max_end=self._max_end)
+        fixed = self._fixed
         if dp_reduce.group_size(group) == 1:  # one process: one parameter finished (and freed) at a time
+            if fixed is not None:  # every fixed fold once per micro-batch (one device read)
+                fixed.check_counts(self)
             with frozen_hint(names, params):
                 _reduce.reduce_one_process(self, total_tokens, checks, state)
             return
         try:  # this rank's checks: under data parallelism every rank learns of a refusal (no hang)
+            if fixed is not None:
+                fixed.check_counts(self)
             local = _reduce.local_partials(total_tokens, partials=self._partials, **checks)
             refusal = None
         except (ValueError, RuntimeError) as err:
@@ -732,6 +737,8 @@ class CanonicalGradAccumulator:
 
     def _clear(self) -> None:
         """Empty (after a reduce, or ``reset``): no partial tree, span, open leaf or poisoning."""
+        if self._fixed is not None:
+            self._fixed.clear()
         self._partials, self._spans, self._carry, self._open_ends, self._max_end = {}, [], {}, set(), 0
         self._open_leaves, self._groups, self.pending_copies, self._poisoned = {}, {}, [], None
         self._log = UndoLog() if self.recoverable else NoUndoLog()

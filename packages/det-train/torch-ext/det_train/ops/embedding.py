@@ -232,13 +232,14 @@ def embedding_op(
     fold_ids: torch.Tensor | None = None,
     fold_rows: torch.Tensor | None = None,
     fold_pos: torch.Tensor | None = None,
+    fold_count: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The ``det_train::embedding`` op: ``weight[ids]`` after the id range check (``embedding``'s
     ValueError; one host sync, skipped during CUDA graph capture), ``ids`` int64. ``ticket`` /
     ``leaf_tokens`` / ``deposit``: what the forward decided for the weight gradient; ``fold_ids`` /
-    ``fold_rows`` / ``fold_pos``: the table's fixed fold (``CanonicalGradAccumulator.fixed_folds``:
-    its open leaf's rows and the micro-batch's first token in the leaf), which the backward fills
-    instead of depositing, or None."""
+    ``fold_rows`` / ``fold_pos`` / ``fold_count``: the table's fixed fold
+    (``CanonicalGradAccumulator.fixed_folds``: its open leaf's rows, the micro-batch's first token in
+    the leaf and the fold's counter), which the backward fills instead of depositing, or None."""
     # no device value can be read during CUDA graph capture: the range check is skipped there
     capturing = ids.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if ids.numel() and not capturing:
@@ -249,7 +250,7 @@ def embedding_op(
 
 
 @embedding_op.register_fake
-def _(ids, weight, padding_idx, ticket, leaf_tokens, deposit, fold_ids=None, fold_rows=None, fold_pos=None):
+def _(ids, weight, padding_idx, ticket, leaf_tokens, deposit, *fold):
     return weight.new_empty((*ids.shape, weight.shape[1]))
 
 
@@ -258,7 +259,7 @@ def _embedding_setup(ctx, inputs, output):
     ctx.save_for_backward(ids, weight)  # a saved leaf unpacks as the Parameter itself
     ctx.padding_idx, ctx.leaf_tokens, ctx.deposit = padding_idx, leaf_tokens, deposit
     ctx.ticket = ticket  # mutated by the deposit op: not saved (saving checks its version)
-    ctx.fold = tuple(fold) if len(fold) == 3 and fold[0] is not None else None  # mutated: not saved
+    ctx.fold = tuple(fold) if len(fold) == 4 and fold[0] is not None else None  # mutated: not saved
     ctx.n_inputs = len(inputs)
 
 
@@ -323,7 +324,7 @@ def _(ids, dy, weight, padding_idx, ticket):
     return None
 
 
-@Op("embedding_fold_rows", ("fold_ids", "fold_rows"))
+@Op("embedding_fold_rows", ("fold_ids", "fold_rows", "fold_count"))
 def embedding_fold_rows_op(
     ids: torch.Tensor,
     dy: torch.Tensor,
@@ -331,19 +332,23 @@ def embedding_fold_rows_op(
     fold_ids: torch.Tensor,
     fold_rows: torch.Tensor,
     fold_pos: torch.Tensor,
+    fold_count: torch.Tensor,
 ) -> None:
     """The ``det_train::embedding_fold_rows`` op: this micro-batch's gradient rows (ids and ``dy``,
     padded tokens' rows zeroed) copied into the table's fixed fold at its leaf position ``fold_pos``
-    (a device scalar: one captured launch serves every micro-batch); the leaf is summed from them
-    when it completes (``fixed_folds``). No host bookkeeping: not tagged ``cudagraph_unsafe``."""
+    (a device scalar: one captured launch serves every micro-batch), and 1 added to ``fold_count``;
+    the leaf is summed from the rows when it completes (``fixed_folds``). No host bookkeeping: not
+    tagged ``cudagraph_unsafe``."""
+    deposit.fold_checked("det_train.embedding", fold_count)
     flat, dy2 = _grad_rows(ids, dy, fold_rows.shape[1], padding_idx)
     at = torch.arange(flat.shape[0], device=flat.device) + fold_pos  # distinct rows: a plain copy
     fold_ids.index_copy_(0, at, flat)
     fold_rows.index_copy_(0, at, dy2.to(fold_rows.dtype))
+    fold_count.add_(1)
 
 
 @embedding_fold_rows_op.register_fake
-def _(ids, dy, padding_idx, fold_ids, fold_rows, fold_pos):
+def _(ids, dy, padding_idx, fold_ids, fold_rows, fold_pos, fold_count):
     return None
 
 
@@ -445,9 +450,9 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None =
         padding_idx %= weight.shape[0]
     leaf, active = deposit.accumulation()
     deposits = active and weight.is_leaf and ids.numel() > 0
-    fold = deposit.fixed_fold("det_train.embedding", weight, ids.numel()) if deposits else None
-    ticket = deposit.ticket() if deposits and fold is None else None
-    fold_args = (None, None, None) if fold is None else (*fold, deposit.fixed_fold_pos())
+    fixed = deposit.fixed_fold("det_train.embedding", weight, ids.numel()) if deposits else None
+    ticket = deposit.ticket() if deposits and fixed is None else None
+    fold_args = (None,) * 4 if fixed is None else (*fixed[0], deposit.fixed_fold_pos(), fixed[1])
     # the id range check runs in the op (a device value: read when the op runs, also compiled)
     return embedding_op(ids.to(torch.int64), weight, padding_idx, ticket, leaf, deposits, *fold_args)
 

@@ -39,8 +39,9 @@ class GradPlan:
     ``leaf_tokens``: the canonical order's leaf (the accumulator's, else ``DEFAULT_LEAF_TOKENS``);
     ``weight`` / ``bias``: deposit that gradient into the active accumulator (the autograd gradient
     is then None) instead of returning it; ``ticket``: the deposit ops' mutated ticket, or None;
-    ``fold``: the weight's fixed fold (``CanonicalGradAccumulator.fixed_folds``), which the backward
-    continues in place instead of depositing through the ticket's ops, or None.
+    ``fold`` / ``fold_count``: the weight's fixed fold (``CanonicalGradAccumulator.fixed_folds``), which
+    the backward continues in place instead of depositing through the ticket's ops, and its counter,
+    or None.
 
     **Determinism:** part of the op's schema arguments (so of a compiled graph): the leaf size is
     part of the canonical order; depositing or returning gives the same sums for a leaf-aligned
@@ -52,6 +53,7 @@ class GradPlan:
     bias: bool = False
     ticket: torch.Tensor | None = None
     fold: torch.Tensor | None = None
+    fold_count: torch.Tensor | None = None
 
 
 def plan_grads(tokens: int, weight: torch.Tensor, bias: torch.Tensor | None) -> GradPlan:
@@ -101,10 +103,10 @@ def fixed_plan(plan: GradPlan, weight: torch.Tensor, tokens: int) -> GradPlan:
     **Determinism:** chooses where the weight's leaf folds are kept, not their order or bits."""
     if not plan.weight:
         return plan
-    fold = deposit.fixed_fold("det_train.linear", weight, tokens)
-    if fold is None:
+    fixed = deposit.fixed_fold("det_train.linear", weight, tokens)
+    if fixed is None:
         return plan
-    return GradPlan(plan.leaf_tokens, True, plan.bias, plan.ticket if plan.bias else None, fold)
+    return GradPlan(plan.leaf_tokens, True, plan.bias, plan.ticket if plan.bias else None, *fixed)
 
 
 def takes_fixed_fold(module: torch.nn.Module) -> bool:
@@ -131,14 +133,15 @@ def linear_op(
     bias: torch.Tensor | None,
     ticket: torch.Tensor | None,
     fold: torch.Tensor | None,
+    fold_count: torch.Tensor | None,
     leaf_tokens: int,
     deposit_weight: bool,
     deposit_bias: bool,
 ) -> torch.Tensor:
     """The ``det_train::linear`` op: ``y = x @ weight.T + bias`` (``linear`` after its checks).
 
-    ``ticket``, ``fold``, ``leaf_tokens`` and the ``deposit_*`` flags are ``fixed_plan``'s, for the
-    backward.
+    ``ticket``, ``fold``, ``fold_count``, ``leaf_tokens`` and the ``deposit_*`` flags are
+    ``fixed_plan``'s, for the backward.
     """
     return affine_rows(x, weight.shape[0], bias, lambda x2d, y: launch_linear(x2d, weight, y, bias))
 
@@ -157,19 +160,19 @@ def affine_rows(x: torch.Tensor, n: int, bias: torch.Tensor | None, launch) -> t
 
 
 @linear_op.register_fake
-def _(x, weight, bias, ticket, fold, leaf_tokens, deposit_weight, deposit_bias):
+def _(x, weight, bias, ticket, fold, fold_count, leaf_tokens, deposit_weight, deposit_bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def _linear_setup(ctx, inputs, output):
-    x, weight, bias, ticket, fold, leaf_tokens, deposit_weight, deposit_bias = inputs
+    x, weight, bias, ticket, fold, fold_count, leaf_tokens, deposit_weight, deposit_bias = inputs
     ctx.save_for_backward(x, weight, bias)  # a saved leaf unpacks as the Parameter itself
     ctx.has_bias = bias is not None
     # the ticket and the fold are mutated by the backward: not saved (saving checks their versions)
     if fold is None:
         ctx.plan = grad_plan(leaf_tokens, deposit_weight, deposit_bias, ticket)
     else:
-        ctx.plan = GradPlan(leaf_tokens, deposit_weight, deposit_bias, ticket, fold)
+        ctx.plan = GradPlan(leaf_tokens, deposit_weight, deposit_bias, ticket, fold, fold_count)
 
 
 def _linear_backward(ctx, dy):
@@ -183,7 +186,7 @@ def _linear_backward(ctx, dy):
         grad_x = matmul_rows(dy2d, weight).view(x.shape)  # the rows of dy2d @ W
     want_b = ctx.has_bias and ctx.needs_input_grad[2]
     grad_w, grad_b = param_grads(dy2d, x2d, weight, bias, ctx.needs_input_grad[1], want_b, ctx.plan)
-    return grad_x, grad_w, grad_b, None, None, None, None, None
+    return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
@@ -233,16 +236,18 @@ def _(dy, x, weight, ticket):
     return None
 
 
-@Op("linear_fold_weight", ("fold",))
-def fold_weight_op(dy: torch.Tensor, x: torch.Tensor, fold: torch.Tensor) -> None:
+@Op("linear_fold_weight", ("fold", "fold_count"))
+def fold_weight_op(dy: torch.Tensor, x: torch.Tensor, fold: torch.Tensor, fold_count: torch.Tensor) -> None:
     """The ``det_train::linear_fold_weight`` op: ``fold`` += dW = dY^T X of this micro-batch's rows,
-    continued in place (a fixed fold, ``CanonicalGradAccumulator.fixed_folds``): one kernel, no host
-    bookkeeping, so a CUDA graph may hold it (not tagged ``cudagraph_unsafe``)."""
+    continued in place (a fixed fold, ``CanonicalGradAccumulator.fixed_folds``), and 1 added to
+    ``fold_count``: no host bookkeeping, so a CUDA graph may hold it (not tagged ``cudagraph_unsafe``)."""
+    deposit.fold_checked("det_train.linear", fold_count)
     weight_grad_fold(dy, x, fold, out=fold)
+    fold_count.add_(1)
 
 
 @fold_weight_op.register_fake
-def _(dy, x, fold):
+def _(dy, x, fold, fold_count):
     return None
 
 
@@ -287,7 +292,7 @@ def param_grads(
     if want_w:
         if plan.fold is not None:
             if deposit.fold_wanted("det_train.linear", weight, dy2d):
-                fold_weight_op(dy2d, x2d, plan.fold)
+                fold_weight_op(dy2d, x2d, plan.fold, plan.fold_count)
         elif plan.weight:
             deposit_weight_op(dy2d, x2d, weight, plan.ticket)
         else:
@@ -419,7 +424,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     check_linear(x, weight, bias)
     tokens = math.prod(x.shape[:-1])
     plan = fixed_plan(plan_grads(tokens, weight, bias), weight, tokens)
-    return linear_op(x, weight, bias, plan.ticket, plan.fold, plan.leaf_tokens, plan.weight, plan.bias)
+    return linear_op(
+        x, weight, bias, plan.ticket, plan.fold, plan.fold_count, plan.leaf_tokens, plan.weight, plan.bias
+    )
 
 
 class Linear(torch.nn.Linear):

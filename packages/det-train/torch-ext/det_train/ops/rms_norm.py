@@ -143,13 +143,15 @@ def rms_norm_op(
     rows_per_token: int = 1,
     fold: torch.Tensor | None = None,
     fold_pos: torch.Tensor | None = None,
+    fold_count: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``det_train::rms_norm`` op: ``(y, rstd)`` (``rms_norm`` after its checks; ``rstd (M,)`` fp32
     is saved for the backward). ``ticket`` / ``leaf_tokens`` / ``deposit``: what the forward decided
     for the weight gradient (deposit it into the active accumulator, or return it); ``rows_per_token``:
-    the rows of one token (a per-head norm's heads); ``fold`` / ``fold_pos``: the weight's fixed
-    sub-leaf folds and the micro-batch's first token in its leaf (``CanonicalGradAccumulator.fixed_folds``:
-    the backward continues them in place instead of depositing), or None."""
+    the rows of one token (a per-head norm's heads); ``fold`` / ``fold_pos`` / ``fold_count``: the
+    weight's fixed sub-leaf folds, the micro-batch's first token in its leaf and the fold's counter
+    (``CanonicalGradAccumulator.fixed_folds``: the backward continues them in place instead of
+    depositing), or None."""
     x2 = _rows_of(x, d)
     m = x2.shape[0]
     # not a view: FSDP2 hooks want a base
@@ -172,7 +174,7 @@ def rms_norm_op(
 
 
 @rms_norm_op.register_fake
-def _(x, weight, eps, d, offset, ticket, leaf_tokens, deposit, rows_per_token=1, fold=None, fold_pos=None):
+def _(x, weight, eps, d, offset, ticket, leaf_tokens, deposit, rows_per_token=1, *fold):
     y = x.new_empty(x.shape, dtype=_out_dtype(x, weight))
     return y, x.new_empty((x.numel() // d,), dtype=torch.float32)
 
@@ -182,7 +184,7 @@ def _rms_norm_setup(ctx, inputs, output):
         inputs  # trailing defaults may be left out
     )
     rows_per_token = rest[0] if rest else 1
-    ctx.fold, ctx.fold_pos = (rest[1], rest[2]) if len(rest) > 2 else (None, None)  # mutated: not saved
+    ctx.fold = tuple(rest[1:4]) if len(rest) > 3 and rest[1] is not None else None  # mutated: not saved
     ctx.save_for_backward(x, weight, output[1])  # a saved leaf unpacks as the Parameter itself
     ctx.d, ctx.offset, ctx.leaf_tokens, ctx.deposit = d, offset, leaf_tokens, deposit
     ctx.rows_per_token, ctx.n_rest = rows_per_token, len(inputs) - 2  # the gradients after dX, dweight
@@ -200,7 +202,7 @@ def _rms_norm_backward(ctx, dy, _drstd):
     x2, dy2 = _rows_of(x, d), _rows_of(dy, d)
     if want_w and ctx.fold is not None:
         if deposit.fold_wanted("det_train.rms_norm", weight, dy2):
-            args = (dy2, x2, weight, rstd, ctx.offset, ctx.leaf_tokens, ctx.fold, ctx.fold_pos)
+            args = (dy2, x2, weight, rstd, ctx.offset, ctx.leaf_tokens, *ctx.fold)
             return rms_norm_backward_fold_op(*args).view(x.shape), None, *(None,) * ctx.n_rest
         want_w = False  # a backward that leaves the weight's gradient alone: dX only
     if want_w and ctx.deposit:
@@ -277,7 +279,7 @@ def _(dy2, x2, weight, rstd, offset, ticket, rows_per_token=1):
     return x2.new_empty(x2.shape)
 
 
-@Op("rms_norm_backward_fold", ("fold",))
+@Op("rms_norm_backward_fold", ("fold", "fold_count"))
 def rms_norm_backward_fold_op(
     dy2: torch.Tensor,
     x2: torch.Tensor,
@@ -287,18 +289,21 @@ def rms_norm_backward_fold_op(
     leaf_tokens: int,
     fold: torch.Tensor,
     fold_pos: torch.Tensor,
+    fold_count: torch.Tensor,
 ) -> torch.Tensor:
     """The ``det_train::rms_norm_backward_fold`` op: dX, with dweight's chunk sums added to the
-    weight's fixed sub-leaf folds in place (``CanonicalGradAccumulator.fixed_folds``): two kernels and
-    no host bookkeeping, so a CUDA graph may hold it (not tagged ``cudagraph_unsafe``)."""
+    weight's fixed sub-leaf folds in place (``CanonicalGradAccumulator.fixed_folds``) and 1 to
+    ``fold_count``: no host bookkeeping, so a CUDA graph may hold it (not tagged ``cudagraph_unsafe``)."""
+    deposit.fold_checked("det_train.rms_norm", fold_count)
     sub, rows = _layout(leaf_tokens)
     dx, partial = _backward(dy2, x2, weight, rstd, rows, offset)
     fold_into_sub_leaves(partial, fold, fold_pos, rows, sub // rows)
+    fold_count.add_(1)
     return dx
 
 
 @rms_norm_backward_fold_op.register_fake
-def _(dy2, x2, weight, rstd, offset, leaf_tokens, fold, fold_pos):
+def _(dy2, x2, weight, rstd, offset, leaf_tokens, fold, fold_pos, fold_count):
     return x2.new_empty(x2.shape)
 
 
@@ -456,15 +461,12 @@ def rms_norm(
     d, eps, offset = checked
     leaf, active = deposit.accumulation()
     deposits = active and weight is not None and weight.is_leaf and x.numel() > 0
-    fold = fold_pos = None
+    fixed = None
     if deposits and rows_per_token == 1:
-        fold = deposit.fixed_fold("det_train.rms_norm", weight, x.numel() // d)
-        if fold is not None:
-            fold_pos = deposit.fixed_fold_pos()
-    ticket = deposit.ticket() if deposits and fold is None else None
-    return rms_norm_op(
-        x, weight, eps, d, offset, ticket, leaf, deposits, int(rows_per_token), fold, fold_pos
-    )[0]
+        fixed = deposit.fixed_fold("det_train.rms_norm", weight, x.numel() // d)
+    ticket = deposit.ticket() if deposits and fixed is None else None
+    fold = (None, None, None) if fixed is None else (fixed[0], deposit.fixed_fold_pos(), fixed[1])
+    return rms_norm_op(x, weight, eps, d, offset, ticket, leaf, deposits, int(rows_per_token), *fold)[0]
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
