@@ -108,8 +108,8 @@ class CanonicalGradAccumulator:
         acc.reduce(total_tokens=T)                     # merge across ranks, write p.grad
 
     Under CUDA graphs (``torch.compile(mode="reduce-overhead")``) build it with ``recoverable=False``,
-    call ``acc.fixed_folds(model)`` and give each micro-batch its ``num_tokens``: the Linear and
-    RMSNorm weights' deposits are then kernels into buffers of fixed address (``fixed_folds``).
+    call ``acc.fixed_folds(model)`` and give each micro-batch its ``num_tokens``: the Linear, RMSNorm
+    and Embedding weights' deposits are then kernels into buffers of fixed address (``fixed_folds``).
 
     Ops call ``deposit_rows`` (or, for leaf-aligned micro-batches only, ``leaf_span`` then
     ``deposit`` / ``deposit_partial``) and return None as the autograd gradient of the parameter.
@@ -213,7 +213,7 @@ class CanonicalGradAccumulator:
         self._groups: dict[tuple[int, int], int] = {}
         self._new_groups: dict[tuple[int, int], int] = {}
         self._by_storage: dict[tuple, torch.Tensor] = {}  # tracked tensors by memory (``tracked``)
-        self._fixed: FixedFolds | None = None  # fixed_folds: the Linear weights' fixed-address folds
+        self._fixed: FixedFolds | None = None  # fixed_folds: the weights' fixed-address folds
 
     def track_fsdp(self, module: torch.nn.Module) -> CanonicalGradAccumulator:
         """Accept deposits for FSDP2's unsharded parameters of ``module`` (``fully_shard``).
@@ -236,29 +236,30 @@ class CanonicalGradAccumulator:
         return self
 
     def fixed_folds(self, module: torch.nn.Module) -> CanonicalGradAccumulator:
-        """Fold the weight gradient of every ``det_train.Linear`` and ``det_train.RMSNorm`` (without
-        ``heads``) of ``module`` into a buffer of fixed address: deposits a CUDA graph can hold
-        (``torch.compile(mode="reduce-overhead")``) and no host bookkeeping per deposit. Returns ``self``.
+        """Fold the weight gradient of every ``det_train.Linear``, ``det_train.RMSNorm`` (without
+        ``heads``) and ``det_train.Embedding`` of ``module`` into buffers of fixed address: deposits
+        a CUDA graph can hold (``torch.compile(mode="reduce-overhead")``) and no host bookkeeping per
+        deposit. Returns ``self``.
 
-        Each such weight this accumulator tracks gets one fp32 buffer, allocated here and kept for
-        the accumulator's life, also between steps: a Linear weight's is of its shape (4 bytes per
-        element), an RMSNorm weight's holds its leaf's sub-leaf folds (``leaf_tokens / 1024`` rows of
-        its size at leaves over 1024 tokens). The forward passes the buffer to the backward, whose op
-        (``det_train::linear_fold_weight``, ``rms_norm_backward_fold``) continues the open leaf's fold
-        in it; ``micro_batch`` zeroes the buffers when a micro-batch starts a leaf and, when one ends
-        a leaf, adds each weight's leaf node (a new tensor) to its tree.
-        The micro-batches must then give ``num_tokens`` and each lie inside one leaf (micro-batch
-        sizes that divide ``leaf_tokens``), and a weight is folded only through its module's forward,
-        once per micro-batch. What differs from the plain deposit path: a fixed-fold weight counts as
-        used in every micro-batch (a module skipped in one adds nothing to its fold, and a weight
-        never used gets a zero gradient instead of ``reduce``'s error), and under ``torch.compile``
-        a backward that does not accumulate into the weights (``torch.autograd.grad`` of other
-        tensors) still folds them (eager execution checks it, as the plain path).
+        Each such weight this accumulator tracks gets its buffers here, kept for the accumulator's
+        life (also between steps): a Linear weight's open leaf's fp32 fold (its shape: 4 bytes per
+        element); an RMSNorm weight's fp32 sub-leaf folds (``leaf_tokens / 1024`` rows of its size at
+        leaves over 1024 tokens); an embedding table's open leaf's rows (ids and ``dy``,
+        ``leaf_tokens`` rows of its width). The forward passes them to the backward, whose op
+        (``det_train::linear_fold_weight``, ``rms_norm_backward_fold``, ``embedding_fold_rows``)
+        continues the open leaf in them and adds 1 to the weight's device counter; ``micro_batch``
+        zeroes the folds when a micro-batch starts a leaf and, when one ends a leaf, adds each
+        weight's leaf node (a new tensor) to its tree; ``reduce`` checks the counters (one device
+        read): every weight folded once in each micro-batch of the step. The micro-batches must give
+        ``num_tokens`` and each lie inside one leaf (micro-batch sizes that divide ``leaf_tokens``),
+        a leaf's micro-batches in token order. Under ``torch.compile`` a backward that does not
+        accumulate into the weights (``torch.autograd.grad`` of other tensors) still folds them
+        (eager execution checks it, as the plain path).
 
         Args:
-            module: the model (or part of it) whose ``det_train.Linear`` / ``det_train.RMSNorm``
+            module: the model (or part of it) whose ``det_train.Linear`` / ``RMSNorm`` / ``Embedding``
                 modules get fixed folds; those whose weight is not tracked or is held by another
-                module too (tied weights) are left on the plain deposit path.
+                module too (tied weights, a module used twice) stay on the plain deposit path.
 
         Raises:
             ValueError: the accumulator was built with ``recoverable=True`` (a fold continued in
@@ -266,12 +267,15 @@ class CanonicalGradAccumulator:
                 open leaves (call this before a step's first micro-batch, or after ``reduce`` /
                 ``reset``); ``module`` has no such module with a tracked, unshared weight;
                 the weights are FSDP2-sharded (``track_fsdp``: not supported with fixed folds).
+                Later, at ``reduce``: a weight not folded exactly once per micro-batch (named).
 
-        **Determinism:** the same kernel and fold order as the plain path (a leaf's fold from a
-        zeroed buffer has the bits of a fold from zero), the same leaves and tree: ``p.grad`` has the
-        plain path's bits for any split into micro-batches that fit (a weight's fold and its other
-        uses' trees are added in a fixed order; with at most two uses, the order of the plain path's
-        roots gives the same sum).
+        **Determinism:** the same kernels and fold order as the plain path (a leaf's fold from a
+        zeroed buffer has the bits of a fold from zero; an embedding leaf is summed from its rows by
+        the plain path's kernel), the same leaves and tree: ``p.grad`` has the plain path's bits for
+        any split into micro-batches that fit.
+
+        Method: the open leaf's "main grad" of gradient accumulation (Megatron-LM's ``main_grad``)
+        at a fixed address, as CUDA graphs need (PyTorch's CUDA-graph documentation: static inputs).
         """
         register(self, module)
         return self
@@ -290,14 +294,16 @@ class CanonicalGradAccumulator:
 
         ``num_tokens`` (optional; required with ``fixed_folds``): the micro-batch's token count,
         which every op that deposits must then see (a ValueError otherwise). With fixed folds the
-        micro-batch must lie inside one leaf and, if it continues a leaf, start on a multiple of the
-        folds' token step (64).
+        micro-batch must lie inside one leaf and either continue the open leaf on a multiple of the
+        folds' token step (64) or, with no leaf open, start a leaf this step has not folded; the
+        weights must have kept their dtypes.
 
         Raises:
             TypeError: ``token_offset`` or ``num_tokens`` not an integer.
             ValueError: ``token_offset`` negative, or inside a leaf where no earlier micro-batch on
                 this rank ended; ``num_tokens`` not positive, missing with fixed folds, or (fixed
-                folds) a micro-batch that crosses a leaf boundary or continues a leaf off the step.
+                folds) a micro-batch that crosses a leaf boundary, continues a leaf off the step,
+                starts a leaf while another is open or one already folded, or weights cast since.
             RuntimeError: another micro-batch context is active; a tracked parameter has a tensor
                 hook (``register_hook``) or a post-accumulate-grad hook
                 (``register_post_accumulate_grad_hook``): it would see ``None``, det's gradient going
