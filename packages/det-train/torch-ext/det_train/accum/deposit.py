@@ -35,6 +35,7 @@ __all__ = [
     "accumulation",
     "fixed_fold",
     "fixed_fold_pos",
+    "fold_checked",
     "fold_wanted",
     "leaf_tokens",
     "rows",
