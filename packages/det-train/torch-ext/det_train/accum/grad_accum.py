@@ -24,7 +24,6 @@ reduce time and the cross-rank reduction are in ``_reduce.py``, the error messag
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -32,19 +31,19 @@ from det_core.reduce import TreePartial, num_leaves
 from det_core.runtime import as_index
 
 from . import _reduce, dp_reduce
-from ._backward import WantedGradients, graph_task_id, in_compiled_autograd, queue_callback
+from ._backward import WantedGradients
 from ._fixed_folds import FixedFolds, register
 from ._messages import (
     check_micro_batch,
     failed_backward,
     frozen_hint,
-    gradient_hooks,
     poisoned,
     slot_name,
     token_mismatch,
     who,
 )
 from ._open_leaf import LeafFold, LeafPartial, OpenFold, OpenLeaf, foreach_copy, place_rows, token_rows
+from ._slots import take_slot, tracked_param
 from ._undo_log import NoUndoLog, UndoLog
 
 __all__ = ["DEFAULT_LEAF_TOKENS", "CanonicalGradAccumulator", "current_accumulator"]
@@ -73,10 +72,6 @@ def current_accumulator() -> CanonicalGradAccumulator | None:
     of returning a gradient, which is what makes their weight gradients micro-batch invariant.
     """
     return _ACTIVE[-1] if _ACTIVE else None
-
-
-def _storage_key(t: torch.Tensor) -> tuple:
-    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
 
 
 class CanonicalGradAccumulator:
@@ -203,7 +198,6 @@ class CanonicalGradAccumulator:
         # one _foreach_copy_: at the micro-batch's end, before a leaf's rows are read or a deposit returns
         self.pending_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._fsdp: dict[int, object] = {}  # param index -> FSDP2 FSDPParam (see track_fsdp)
-        self._shapes: dict[int, torch.Size] = {}  # param index -> full (unsharded) gradient shape
         # The active micro-batch's undo log (what its deposits replaced; its adds write only the sums
         # it made), or recoverable=False: a NoUndoLog per step, keeps nothing, adds write any own sum
         self._log = UndoLog() if recoverable else NoUndoLog()
@@ -402,15 +396,7 @@ class CanonicalGradAccumulator:
 
         **Determinism:** a lookup; it only chooses which parameter's tree a deposit joins.
         """
-        if id(t) in self._index:  # eager: the Parameter itself
-            return t
-        key = _storage_key(t)
-        hit = self._by_storage.get(key)
-        if hit is not None and _storage_key(hit) == key:
-            return hit
-        fsdp = (getattr(fp, "_unsharded_param", None) for fp in self._fsdp.values())
-        self._by_storage = {_storage_key(p): p for p in (*self._params, *(u for u in fsdp if u is not None))}
-        return self._by_storage.get(key, t)
+        return t if id(t) in self._index else tracked_param(self, t)  # eager: the Parameter itself
 
     def leaf_span(
         self, num_tokens: int, param: torch.Tensor | None = None, op: str | None = None
@@ -444,33 +430,7 @@ class CanonicalGradAccumulator:
         return self._wanted(param, self._index.get(id(param)), self._names)
 
     def _slot(self, param: torch.Tensor) -> tuple[int, int]:
-        self._check_poisoned()
-        if self._token_offset is None:
-            raise RuntimeError(
-                "deposit outside micro_batch(): wrap forward and backward in acc.micro_batch(...)"
-            )
-        index = self._index.get(id(param))
-        if index is None:  # FSDP2: the unsharded parameter of a tracked sharded one
-            index = next(
-                (i for i, fp in self._fsdp.items() if getattr(fp, "_unsharded_param", None) is param), None
-            )
-        if index is None:
-            raise ValueError(
-                f"deposit for a parameter of shape {tuple(param.shape)} that this accumulator does not "
-                "track: pass it in CanonicalGradAccumulator(params) (parameters with requires_grad=False "
-                "when the accumulator was built are left out: build it after unfreezing them)"
-            )
-        tracked = self._params[index]
-        if tracked._backward_hooks or tracked._post_accumulate_grad_hooks:  # registered inside the context
-            raise RuntimeError(gradient_hooks([self._names[index]]))
-        task = graph_task_id()
-        if task >= 0 and task not in self._unfinished and not in_compiled_autograd():
-            self._unfinished.add(task)
-            queue_callback(functools.partial(self._unfinished.discard, task))
-        use = self._uses.get(index, 0)
-        self._uses[index] = use + 1
-        self._shapes[index] = param.shape
-        return index, use
+        return take_slot(self, param)
 
     def deposit_rows(
         self,
