@@ -1,5 +1,5 @@
-"""``CanonicalGradAccumulator.fixed_folds``: the Linear and RMSNorm weights' open leaves in buffers
-of fixed address, continued in place by one op each (no host bookkeeping per deposit).
+"""``CanonicalGradAccumulator.fixed_folds``: the Linear, RMSNorm and Embedding weights' open leaves in
+buffers of fixed address, continued in place by one op each (no host bookkeeping per deposit).
 
 The gradients keep the plain accumulator's bits (and one batch's) for micro-batches inside leaves
 (any sizes on the folds' steps, several micro-batches per leaf, whole leaves, a short last leaf,
@@ -169,7 +169,7 @@ def test_fixed_folds_refuse_what_they_cannot_hold():
     with pytest.raises(ValueError, match="recoverable=False"):
         CanonicalGradAccumulator(model.named_parameters()).fixed_folds(model)
     torch_only = torch.nn.Linear(4, 4)
-    with pytest.raises(ValueError, match="no det_train.Linear or det_train.RMSNorm"):
+    with pytest.raises(ValueError, match="no det_train.Linear, RMSNorm or Embedding"):
         CanonicalGradAccumulator(torch_only.named_parameters(), recoverable=False).fixed_folds(torch_only)
     model, acc = _fixed_acc()
     ids, targets = _batch(512)
@@ -179,7 +179,9 @@ def test_fixed_folds_refuse_what_they_cannot_hold():
         acc.micro_batch(0, num_tokens=384).__enter__()
     with acc.micro_batch(0, num_tokens=96):  # 96 tokens: the next one would resume off the 64-step
         model(ids[:, :96], targets[:, :96], 512).backward()
-    with pytest.raises(ValueError, match="not a multiple of the fixed folds' token step 64"):
+    with pytest.raises(
+        ValueError, match=r"96 tokens in, not a multiple of the fixed folds' token steps \(\[64\]"
+    ):
         acc.micro_batch(96, num_tokens=32).__enter__()
     acc.reset()
     with acc.micro_batch(0, num_tokens=128):
@@ -252,9 +254,9 @@ def test_autograd_grad_of_the_input_folds_nothing():
 @pytest.mark.parametrize("mark", ["micro-batch", "step"])
 def test_gpu_reduce_overhead_with_fixed_folds_gives_the_eager_bits(mark):
     """``torch.compile(mode="reduce-overhead")`` (CUDA-graph trees) with fixed folds: the fold ops are
-    not ``cudagraph_unsafe``, so the graphs hold them (only the embedding table's deposit runs between
-    partitions); three steps (warm-up, recording, replays) of four micro-batches give the
-    eager whole batch's gradients bit for bit, the graphs marked per micro-batch or per step."""
+    not ``cudagraph_unsafe``, so the graphs hold them (no deposit runs between partitions); three
+    steps (warm-up, recording, replays) of four micro-batches give the eager whole batch's gradients
+    bit for bit, the graphs marked per micro-batch or per step."""
     sizes, leaf = [64] * 4, 128
     want = _grads([sum(sizes)], leaf, fixed=False)[0]
     torch._dynamo.reset()
@@ -410,7 +412,8 @@ def test_refusals_at_micro_batch_entry_name_the_cause_and_change_nothing():
             model(ids[:, :8], targets[:, :8], 8)
     model.to(torch.float32)
     with pytest.raises(
-        ValueError, match=r"dtype changed after fixed_folds \(torch.bfloat16 -> torch.float32\)"
+        ValueError,
+        match=r"dtype or shape changed after fixed_folds \(torch.bfloat16 \(64, 32\) -> torch.float32",
     ):
         acc.micro_batch(128, num_tokens=64).__enter__()
 
@@ -424,3 +427,45 @@ def test_the_poisoning_message_names_the_fixed_folds():
         RuntimeError, match=r"raised KeyError: 'before the backward' inside it .* down\.weight"
     ):
         acc.reduce(64)
+
+
+def test_a_leaf_is_resumed_on_its_own_steps_at_any_leaf_size():
+    """The fold step counts tokens inside the leaf, not the global offset: with 96-token leaves,
+    micro-batches of [96, 64, 32] resume leaf 1 at its token 64 (accepted, the plain bits) and
+    [96, 32, 64] at its token 32 (refused: off the Linear fold's 64-token step)."""
+    want = _grads([192], 96, fixed=False)[0]
+    _assert_grads(_grads([96, 64, 32], 96, fixed=True), want, "leaves of 96 tokens")
+    with pytest.raises(ValueError, match="32 tokens in, not a multiple of the fixed folds' token steps"):
+        _grads([96, 32, 64], 96, fixed=True)
+
+
+def test_a_weight_tied_across_kinds_of_ops_keeps_each_op_on_its_path():
+    """An embedding table that a Linear outside the registered module also uses: the lookup folds
+    into the table's fixed fold, the Linear deposits plainly (its kind of fold differs), and the
+    gradient is the plain accumulator's; a model whose only fixed fold is an embedding table runs."""
+
+    def grads(fixed):
+        torch.manual_seed(0)
+        emb = det_train.Embedding(V, D, dtype=BF16, device=DEVICE)
+        head = det_train.Linear(D, V, bias=False, dtype=BF16, device=DEVICE)
+        head.weight = emb.weight
+        ids, _ = _batch(256)
+        params = list(emb.named_parameters())
+        acc = CanonicalGradAccumulator(params, leaf_tokens=128, recoverable=not fixed)
+        if fixed:
+            assert [acc._names[i] for i in acc.fixed_folds(emb)._fixed.folds] == ["weight"]
+        for lo, n in ((0, 64), (64, 64), (128, 128)):
+            with acc.micro_batch(lo, num_tokens=n if fixed else None):
+                head(emb(ids[:, lo : lo + n])).float().square().sum().backward()
+        acc.reduce(256)
+        return {"weight": emb.weight.grad}
+
+    _assert_grads([grads(fixed=True)], grads(fixed=False), "tied across op kinds")
+
+
+def test_a_weight_resized_after_fixed_folds_is_refused_before_anything_changes():
+    model, acc = _fixed_acc(leaf=128)
+    with torch.no_grad():
+        model.emb.weight.data = torch.cat([model.emb.weight, model.emb.weight[:8]])  # a resized vocabulary
+    with pytest.raises(ValueError, match=r"emb\.weight: its dtype or shape changed after fixed_folds"):
+        acc.micro_batch(0, num_tokens=64).__enter__()

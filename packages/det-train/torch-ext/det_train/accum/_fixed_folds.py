@@ -24,6 +24,7 @@ join the parameter's canonical tree as any leaf's.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -63,7 +64,8 @@ class FixedFolds:
         "steps",
         "closes",
         "counts",
-        "dtypes",
+        "made_for",
+        "ops",
         "by_id",
         "by_count",
         "seen",
@@ -76,14 +78,15 @@ class FixedFolds:
         self.steps: dict[int, int] = {}  # index -> the op's token step (a continued leaf's offsets)
         self.closes: dict[int, Callable] = {}  # index -> close(fold, tokens) -> the leaf's node
         self.counts: dict[int, torch.Tensor] = {}  # index -> folds made since the last reduce (device)
-        self.dtypes: dict[int, torch.dtype] = {}  # index -> the weight's dtype when its fold was made
+        self.made_for: dict[int, tuple] = {}  # index -> the weight's (dtype, shape) when its fold was made
+        self.ops: dict[int, str] = {}  # index -> the op whose backward continues the fold
         self.by_id: dict[int, int] = {}  # id(parameter) -> index
         self.by_count: dict[int, int] = {}  # id(count tensor) -> index (what a fold op receives)
         self.seen: set[int] = set()  # the indices folded in this micro-batch (op bodies that ran)
         self.pos: torch.Tensor | None = None
         self.micro_batches = 0  # micro-batches completed since the last reduce or reset
 
-    def add(self, index: int, param: torch.Tensor, spec: FoldSpec) -> None:
+    def add(self, index: int, param: torch.Tensor, spec: FoldSpec, op: str) -> None:
         if index in self.folds:
             return
         shape, step, close = spec
@@ -100,7 +103,7 @@ class FixedFolds:
             )
         count = _static(torch.zeros((), dtype=torch.int64, device=param.device))
         self.folds[index], self.steps[index], self.closes[index] = fold, step, close
-        self.counts[index], self.dtypes[index] = count, param.dtype
+        self.counts[index], self.made_for[index], self.ops[index] = count, (param.dtype, param.shape), op
         self.by_id[id(param)], self.by_count[id(count)] = index, index
 
     def clear(self) -> None:
@@ -114,13 +117,16 @@ class FixedFolds:
         weights kept their dtypes; zero the folds when it starts a leaf. Raises ValueError (nothing
         changed) when it does not fit."""
         leaf, j = acc.leaf_tokens, offset // acc.leaf_tokens
-        changed = [i for i, dtype in self.dtypes.items() if acc._params[i].dtype != dtype]
+        changed = [
+            i for i, made in self.made_for.items() if (acc._params[i].dtype, acc._params[i].shape) != made
+        ]
         if changed:
             i = changed[0]
+            dtype, shape = self.made_for[i]
             raise ValueError(
-                f"{acc._names[i]}: its dtype changed after fixed_folds ({self.dtypes[i]} -> "
-                f"{acc._params[i].dtype}), and its fold was laid out for the old one: build a new "
-                "accumulator (and call fixed_folds) after casting the model"
+                f"{acc._names[i]}: its dtype or shape changed after fixed_folds ({dtype} {tuple(shape)} -> "
+                f"{acc._params[i].dtype} {tuple(acc._params[i].shape)}), and its fold was laid out for the "
+                "old one: build a new accumulator (and call fixed_folds) after casting or resizing the model"
             )
         if offset % leaf + tokens > leaf:
             raise ValueError(
@@ -143,19 +149,24 @@ class FixedFolds:
             if filled:
                 raise ValueError(
                     f"{slot_name(filled[0], FIXED_USE)}: leaf {j} (tokens [{offset}, {offset + leaf})) was "
-                    "already folded by an earlier micro-batch of this step: micro-batches overlap"
+                    "already folded by an earlier micro-batch of this step: micro-batches overlap (with "
+                    "fixed folds every micro_batch context counts, an evaluation forward inside one too: "
+                    "run it outside, or acc.reset() and run the step again)"
                 )
-            torch._foreach_zero_([f for f in self.folds.values() if isinstance(f, torch.Tensor)])
+            zeroed = [f for f in self.folds.values() if isinstance(f, torch.Tensor)]  # (not the rows)
+            if zeroed:
+                torch._foreach_zero_(zeroed)
             self.pos.zero_()
         else:
-            misaligned = sorted({step for step in self.steps.values() if offset % step})
+            misaligned = sorted({step for step in self.steps.values() if offset % leaf % step})
             if misaligned:
-                step = misaligned[0]
+                step = math.lcm(*self.steps.values())  # what every fold resumes on
                 raise ValueError(
-                    f"micro_batch(token_offset={offset}) continues a leaf at a token that is not a "
-                    f"multiple of the fixed folds' token step {step} (the previous micro-batch's "
-                    "num_tokens was not): a fold resumes only at whole steps. Use micro-batch sizes that "
-                    f"are multiples of {step} tokens inside a leaf (only the batch's last may be shorter)"
+                    f"micro_batch(token_offset={offset}) continues its leaf {offset % leaf} tokens in, not "
+                    f"a multiple of the fixed folds' token steps ({misaligned} do not divide it: the "
+                    "previous micro-batch's num_tokens did not): a fold resumes only at whole steps. Use "
+                    f"micro-batch sizes that are multiples of {step} tokens inside a leaf (only the "
+                    "batch's last may be shorter)"
                 )
             for index in self.folds:
                 key = (index, FIXED_USE, j)
@@ -232,8 +243,8 @@ def register(acc, module: torch.nn.Module) -> None:
             "fixed_folds: this accumulator holds deposits of a step in progress: call it before the "
             "step's first micro-batch (or after reduce / reset)"
         )
-    found = [  # (weight, its op module's fixed_fold_spec)
-        (m.weight, op.fixed_fold_spec)
+    found = [  # (weight, its op module's fixed_fold_spec, the op's public name)
+        (m.weight, op.fixed_fold_spec, f"det_train.{op.__name__.rsplit('.', 1)[-1]}")
         for m in module.modules()
         for op in (linear, rms_norm, embedding)
         if op.takes_fixed_fold(m)
@@ -242,18 +253,18 @@ def register(acc, module: torch.nn.Module) -> None:
     for _, m in module.named_modules(remove_duplicate=False):  # every holder, a module used twice too
         for p in m.parameters(recurse=False):
             holders[id(p)] = holders.get(id(p), 0) + 1
-    chosen = [(w, spec) for w, spec in found if holders[id(w)] == 1 and id(w) in acc._index]
-    if any(acc._index[id(w)] in acc._fsdp for w, _ in chosen):
+    chosen = [(w, spec, name) for w, spec, name in found if holders[id(w)] == 1 and id(w) in acc._index]
+    if any(acc._index[id(w)] in acc._fsdp for w, _, _ in chosen):
         raise ValueError("fixed_folds: FSDP2-sharded weights (track_fsdp) do not take fixed folds")
     if not chosen:
         raise ValueError(
-            f"fixed_folds: {type(module).__name__} has no det_train.Linear or det_train.RMSNorm whose "
+            f"fixed_folds: {type(module).__name__} has no det_train.Linear, RMSNorm or Embedding whose "
             "weight this accumulator tracks (and no other module shares): convert the model first "
             "(det_train.convert) and build the accumulator from its parameters"
         )
     acc._fixed = acc._fixed or FixedFolds()
-    for weight, spec in chosen:
-        acc._fixed.add(acc._index[id(weight)], weight, spec(weight, acc.leaf_tokens))
+    for weight, spec, name in chosen:
+        acc._fixed.add(acc._index[id(weight)], weight, spec(weight, acc.leaf_tokens), name)
 
 
 def fold_for(acc, weight: torch.Tensor, tokens: int, op: str) -> tuple | None:
@@ -263,7 +274,7 @@ def fold_for(acc, weight: torch.Tensor, tokens: int, op: str) -> tuple | None:
     if acc._fixed is None or not torch.is_grad_enabled():
         return None
     index = acc._fixed.by_id.get(id(weight))
-    if index is None:
+    if index is None or acc._fixed.ops[index] != op:  # a weight tied to another kind of op: plain
         return None
     if tokens != acc._tokens:
         raise ValueError(token_mismatch(acc, tokens, weight, op))
