@@ -1,24 +1,27 @@
-"""Fixed-address folds (``CanonicalGradAccumulator.fixed_folds``): each registered Linear weight's
-open leaf is one fp32 buffer allocated once, so a micro-batch's weight-gradient deposit is one
-kernel launch into fixed memory with no host bookkeeping per call.
+"""Fixed-address folds (``CanonicalGradAccumulator.fixed_folds``): each registered weight's open leaf
+lives in buffers allocated once (a Linear weight's fp32 fold, an RMSNorm weight's sub-leaf folds, an
+embedding table's rows), so a micro-batch's weight-gradient deposit is kernels into fixed memory with
+no host bookkeeping per call.
 
 Why: a deposit through ``deposit.rows`` decides on the host, at every call, where its rows go (which
 leaf, a new fold or a continued one, a node of the tree), so no CUDA graph can hold it
 (``torch.compile(mode="reduce-overhead")`` runs it between graph partitions) and its Python is host
-time at every call. With fixed folds the forward hands the op the weight's buffer (a graph input
-under ``torch.compile``), the backward's ``det_train::linear_fold_weight`` continues it in place,
-and the bookkeeping runs once per micro-batch, here: ``begin`` zeroes the buffers when a micro-batch
-starts a leaf, ``end`` hands a completed leaf to the tree (a copy: the buffer is the next leaf's) or
-records how far the open one reaches.
+time at every call. With fixed folds the forward hands the op the weight's buffers (graph inputs
+under ``torch.compile``), the backward's fold op continues them in place and adds 1 to the weight's
+device counter, and the bookkeeping runs once per micro-batch, here: ``begin`` checks the micro-batch
+and zeroes the folds when it starts a leaf, ``end`` hands a completed leaf's node to the tree (a new
+tensor: the buffers hold the next leaf) or records how far the open one reaches, and ``reduce``
+reads the counters once (``check_counts``).
 
 Between micro-batches the open leaf is an ordinary ``OpenFold`` carry entry of slot ``(index,
-FIXED_USE)`` whose fold is the buffer itself, so ``reduce``'s checks and the data-parallel reduction
-see it as any open leaf (a short last leaf is closed there, as a copy).
+FIXED_USE)`` whose state is the buffer itself, so ``reduce``'s checks and the data-parallel reduction
+see it as any open leaf (a short last leaf is closed there by the same close).
 
-**Determinism:** the kernel continues the buffer from +0.0 at a leaf's start exactly as a fold from
-zero starts (``weight_grad_fold``'s ``RESUME`` from a zeroed buffer adds the same products to the same
-+0.0), resumed at multiples of its token step, so a leaf's node has the bits of one fold; the nodes
-join the parameter's canonical tree as any leaf's.
+**Determinism:** a fold continues its buffer from +0.0 at a leaf's start exactly as a fold from zero
+starts (``weight_grad_fold``'s ``RESUME`` from a zeroed buffer adds the same products to the same
++0.0; the sub-leaf folds likewise), resumed at multiples of its token step inside the leaf, and an
+embedding leaf is summed from its rows by the plain path's kernel: a leaf's node has the plain
+path's bits, and the nodes join the parameter's canonical tree as any leaf's.
 """
 
 from __future__ import annotations
@@ -54,10 +57,10 @@ FoldSpec = tuple
 class FixedFolds:
     """The fixed folds of one accumulator, by tracked parameter index: ``folds`` (the buffer, or the
     op's buffers), the token step each is continued in, its close, its ``counts`` (an int64 device
-    scalar each fold op adds 1 to, read once at ``reduce``: every weight folded once per micro-batch)
-    and the dtype it was made for; ``by_id`` finds a weight's index from the Parameter the forward
-    sees; ``pos`` (int64, on the folds' device) holds the micro-batch's first token within its leaf,
-    for kernels that place rows by it."""
+    scalar each fold op adds 1 to, read once at ``reduce``: every weight folded once per micro-batch),
+    the weight's dtype and shape it was made for and the op that continues it; ``by_id`` finds a
+    weight's index from the Parameter the forward sees; ``pos`` (int64, on the folds' device) holds
+    the micro-batch's first token within its leaf, for kernels that place rows by it."""
 
     __slots__ = (
         "folds",
