@@ -154,6 +154,35 @@ def case_refused(rank, world):
     return {"refused": torch.tensor(_reduce_refused(rank, shard, 32, want))}
 
 
+def case_poisoned(rank, world):
+    """Rank 1's micro-batch raises after its deposits under recoverable=False (poisoned): its reduce
+    raises the poisoning error and rank 0's names rank 1's, instead of waiting in a collective."""
+    import re
+
+    from _canonical_toy import toy_scale_rows
+
+    g = torch.Generator().manual_seed(0)
+    x, dy = torch.randn(32, 5, generator=g), torch.randn(32, 5, generator=g)
+    w = torch.randn(5, generator=g).requires_grad_()
+    acc = CanonicalGradAccumulator([("w", w)], leaf_tokens=LEAF, recoverable=False)
+    start, end = (0, 16) if rank == 0 else (16, 32)
+    try:
+        with acc.micro_batch(token_offset=start):
+            toy_scale_rows(x[start:end], w).backward(dy[start:end])
+            if rank == 1:
+                raise KeyError("a simulated failure after the backward")
+    except KeyError:
+        pass
+    want = "is poisoned" if rank == 1 else "data-parallel rank 1 refused the reduce: RuntimeError: .*poisoned"
+    try:
+        acc.reduce(total_tokens=32)
+    except (ValueError, RuntimeError) as err:
+        if not re.search(want, str(err)):
+            print(f"rank {rank}: {err}", file=sys.stderr)
+        return {"poisoned": torch.tensor(1 if re.search(want, str(err)) else 2)}
+    return {"poisoned": torch.tensor(0)}
+
+
 def case_total_mismatch(rank, world):
     """The last rank passes another total_tokens to reduce (a user error): every rank raises the same
     ValueError naming each rank's value, before any data collective (none waits for another)."""

@@ -16,7 +16,8 @@ from det_core.testing import assert_bitwise_equal, run_processes
 
 CASES = {
     1: "accum_contiguous,accum_interleaved,ops_accum,ops_accum_odd,hook8,hook12",
-    2: "accum_contiguous,accum_interleaved,ops_accum,ops_accum_odd,fsdp_accum,hook8,refused,total_mismatch",
+    2: "accum_contiguous,accum_interleaved,ops_accum,ops_accum_odd,fsdp_accum,hook8,refused,total_mismatch,"
+    "poisoned",
     3: "accum_contiguous,accum_interleaved,ops_accum,ops_accum_odd,fsdp_accum,hook12",
     4: "accum_contiguous,accum_interleaved,ops_accum,ops_accum_odd,fsdp_accum,hook8",
 }
@@ -89,6 +90,13 @@ def test_a_refused_reduce_raises_on_every_rank_instead_of_hanging():
     rank 0's (both join the metadata all-gather first, so neither waits for the other)."""
     for rank, got in enumerate(run_ranks(2)):
         assert int(got["refused/refused"]) == 1, f"rank {rank}: code {int(got['refused/refused'])}"
+
+
+def test_a_poisoned_rank_refuses_with_the_others_instead_of_hanging():
+    """Rank 1's accumulator (recoverable=False) is poisoned: its reduce raises the poisoning error,
+    rank 0's a RuntimeError naming rank 1's (the poisoning travels with the first collective)."""
+    for rank, got in enumerate(run_ranks(2)):
+        assert int(got["poisoned/poisoned"]) == 1, f"rank {rank}: code {int(got['poisoned/poisoned'])}"
 
 
 def test_ranks_passing_different_total_tokens_all_raise_instead_of_hanging():

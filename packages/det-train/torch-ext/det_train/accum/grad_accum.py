@@ -700,18 +700,21 @@ class CanonicalGradAccumulator:
         """
         if _ACTIVE:
             raise RuntimeError("reduce() inside a micro_batch context; call it after the last micro-batch")
-        self._check_poisoned()
+        one_process = dp_reduce.group_size(group) == 1
+        if one_process:  # (under data parallelism the poisoning travels with the other refusals)
+            self._check_poisoned()
         total_tokens = as_index(total_tokens, "total_tokens", "reduce")  # TypeError
         if total_tokens <= 0:
             raise ValueError(f"total_tokens must be a positive int, got {total_tokens!r}")
         names, params, leaf_tokens = self._names, self._params, self.leaf_tokens
         state = dict(leaf_tokens=leaf_tokens, names=names, carry=self._carry)
         checks = dict(state, params=params, spans=self._spans, max_end=self._max_end)
-        if dp_reduce.group_size(group) == 1:  # one process: one parameter finished (and freed) at a time
+        if one_process:  # one parameter finished (and freed) at a time
             with frozen_hint(names, params):
                 self._finish_one_process(total_tokens, checks, state)
             return
         try:  # this rank's checks: under data parallelism every rank learns of a refusal (no hang)
+            self._check_poisoned()
             local = _reduce.local_partials(total_tokens, partials=self._partials, **checks)
             refusal = None
         except (ValueError, RuntimeError) as err:
