@@ -142,9 +142,12 @@ def case_ops_accum_fixed(rank, world):
     return {name: p.grad for name, p in model.named_parameters()}
 
 
-def _reduce_refused(rank: int, shard: tuple[int, int], total_tokens: int, want: str) -> int:
+def _reduce_refused(
+    rank: int, shard: tuple[int, int], total_tokens: int, want: str, poison: bool = False
+) -> int:
     """One rank's micro-batch over ``shard`` of a 32-token toy batch, then ``reduce``: 1 if it raised
-    a ValueError matching ``want``, 2 for another message (printed), 0 if it did not raise."""
+    an error matching ``want``, 2 for another message (printed), 0 if it did not raise. ``poison``:
+    the accumulator is ``recoverable=False`` and the micro-batch raises after its backward (caught)."""
     import re
 
     from _canonical_toy import toy_scale_rows
@@ -152,13 +155,18 @@ def _reduce_refused(rank: int, shard: tuple[int, int], total_tokens: int, want: 
     g = torch.Generator().manual_seed(0)
     x, dy = torch.randn(32, 5, generator=g), torch.randn(32, 5, generator=g)
     w = torch.randn(5, generator=g).requires_grad_()
-    acc = CanonicalGradAccumulator([("w", w)], leaf_tokens=LEAF)
+    acc = CanonicalGradAccumulator([("w", w)], leaf_tokens=LEAF, recoverable=not poison)
     start, end = shard
-    with acc.micro_batch(token_offset=start):
-        toy_scale_rows(x[start:end], w).backward(dy[start:end])
+    try:
+        with acc.micro_batch(token_offset=start):
+            toy_scale_rows(x[start:end], w).backward(dy[start:end])
+            if poison:
+                raise KeyError("a simulated failure after the backward")
+    except KeyError:
+        pass
     try:
         acc.reduce(total_tokens=total_tokens)
-    except ValueError as err:
+    except (ValueError, RuntimeError) as err:
         if not re.search(want, str(err)):
             print(f"rank {rank}: {err}", file=sys.stderr)
         return 1 if re.search(want, str(err)) else 2
@@ -175,30 +183,9 @@ def case_refused(rank, world):
 def case_poisoned(rank, world):
     """Rank 1's micro-batch raises after its deposits under recoverable=False (poisoned): its reduce
     raises the poisoning error and rank 0's names rank 1's, instead of waiting in a collective."""
-    import re
-
-    from _canonical_toy import toy_scale_rows
-
-    g = torch.Generator().manual_seed(0)
-    x, dy = torch.randn(32, 5, generator=g), torch.randn(32, 5, generator=g)
-    w = torch.randn(5, generator=g).requires_grad_()
-    acc = CanonicalGradAccumulator([("w", w)], leaf_tokens=LEAF, recoverable=False)
-    start, end = (0, 16) if rank == 0 else (16, 32)
-    try:
-        with acc.micro_batch(token_offset=start):
-            toy_scale_rows(x[start:end], w).backward(dy[start:end])
-            if rank == 1:
-                raise KeyError("a simulated failure after the backward")
-    except KeyError:
-        pass
     want = "is poisoned" if rank == 1 else "data-parallel rank 1 refused the reduce: RuntimeError: .*poisoned"
-    try:
-        acc.reduce(total_tokens=32)
-    except (ValueError, RuntimeError) as err:
-        if not re.search(want, str(err)):
-            print(f"rank {rank}: {err}", file=sys.stderr)
-        return {"poisoned": torch.tensor(1 if re.search(want, str(err)) else 2)}
-    return {"poisoned": torch.tensor(0)}
+    shard = (0, 16) if rank == 0 else (16, 32)
+    return {"poisoned": torch.tensor(_reduce_refused(rank, shard, 32, want, poison=rank == 1))}
 
 
 def case_total_mismatch(rank, world):
