@@ -320,12 +320,8 @@ def fixed_fold_spec(weight: torch.Tensor, leaf_tokens: int) -> tuple:
     ``(leaf_tokens / sub, *weight.shape)`` fp32, continued at multiples of the chunk rows, closed by
     the canonical tree over the sub-leaves present (``SubLeafFold.close``'s bits)."""
     sub, rows = _layout(leaf_tokens)
-    close = functools.partial(_sub_leaves_node, sub=sub, shape=weight.shape)
+    close = functools.partial(sub_leaves_node, sub=sub, shape=weight.shape)
     return (leaf_tokens // sub, weight.numel()), rows, close
-
-
-def _sub_leaves_node(fold: torch.Tensor, tokens: int, sub: int, shape: torch.Size) -> torch.Tensor:
-    return sub_leaves_node(fold, tokens, sub, shape)
 
 
 def _prefetch() -> int:
