@@ -18,30 +18,24 @@ leaves stay ``leaf_tokens`` tokens and micro-batch boundaries tokens, so the sum
 
 Interface: ``deposit_rows`` (any micro-batch boundaries; the ops reach it through ``deposit.rows``)
 and ``leaf_span`` + ``deposit`` / ``deposit_partial`` (leaf-aligned micro-batches). The checks at
-reduce time and the cross-rank reduction are in ``_reduce.py``, the error messages in ``_messages.py``.
+reduce time and the cross-rank reduction are in ``_reduce.py``, what entering and leaving a micro-batch
+does in ``_micro_batch.py``, the error messages in ``_messages.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 from det_core.reduce import TreePartial, num_leaves
 from det_core.runtime import as_index
 
-from . import _reduce, dp_reduce
+from . import _micro_batch, _reduce, dp_reduce
 from ._backward import WantedGradients
 from ._fixed_folds import FixedFolds, register
-from ._messages import (
-    check_micro_batch,
-    failed_backward,
-    frozen_hint,
-    poisoned,
-    slot_name,
-    token_mismatch,
-    who,
-)
+from ._messages import frozen_hint, slot_name, token_mismatch, who
+from ._micro_batch import ACTIVE as _ACTIVE  # the active accumulators, innermost last
 from ._open_leaf import LeafFold, LeafPartial, OpenFold, OpenLeaf, foreach_copy, place_rows, token_rows
 from ._slots import take_slot, tracked_param
 from ._undo_log import NoUndoLog, UndoLog
@@ -54,11 +48,6 @@ __all__ = ["DEFAULT_LEAF_TOKENS", "CanonicalGradAccumulator", "current_accumulat
 # size still split a batch freely (an unfinished leaf's rows are carried); data-parallel shards must
 # be multiples of it.
 DEFAULT_LEAF_TOKENS = 8192
-
-
-# The active accumulator. A plain module global, not thread-local: autograd runs CUDA backward
-# functions on its own device threads, which must still see the accumulator of `micro_batch`.
-_ACTIVE: list[CanonicalGradAccumulator] = []
 
 
 def current_accumulator() -> CanonicalGradAccumulator | None:
@@ -275,10 +264,9 @@ class CanonicalGradAccumulator:
         return self
 
     # ------------------------------------------------------------------ micro-batches
-    @contextlib.contextmanager
     def micro_batch(
         self, token_offset: int, num_tokens: int | None = None
-    ) -> Iterator[CanonicalGradAccumulator]:
+    ) -> contextlib.AbstractContextManager[CanonicalGradAccumulator]:
         """Make this accumulator active for one micro-batch starting at global token ``token_offset``.
 
         The micro-batch may have any number of tokens, and micro-batches may come in any order,
@@ -315,47 +303,7 @@ class CanonicalGradAccumulator:
         (``token_offset`` onward), so the final gradients do not depend on how the tokens were cut
         into micro-batches, their order or their sizes (the canonical order of ``det_core.reduce``).
         """
-        token_offset, num_tokens = check_micro_batch(self, token_offset, num_tokens, nested=bool(_ACTIVE))
-        fixed = self._fixed
-        if fixed is not None:
-            fixed.begin(self, token_offset, num_tokens)  # checks; zeroes the folds at a leaf's start
-        self._token_offset = token_offset
-        self._tokens = None
-        self._uses = {}  # (the undo log is new: each micro-batch's ``finally`` and ``_clear`` make it)
-        self._new_groups = {}
-        self._unfinished = set()  # graph tasks that deposited and have not finished without an error
-        spans, max_end = len(self._spans), self._max_end
-        if num_tokens is not None:  # every depositing op must see these tokens
-            self._note_tokens(num_tokens, None, "micro_batch(num_tokens=...)")
-        _ACTIVE.append(self)
-        try:
-            yield self
-            if self._unfinished:  # a backward raised after it deposited, and the error was caught inside
-                raise RuntimeError(failed_backward(self, token_offset))
-        except BaseException as err:
-            self.pending_copies = []
-            if self.recoverable or not (self._uses or fixed):  # nothing was written in place
-                self._undo(spans, max_end)  # a micro-batch that raises leaves no deposit: run it again
-            else:  # its folds and nodes were written in place: refuse every later call (no silent sum)
-                self._poisoned = poisoned(self, token_offset, err)
-            raise
-        else:
-            self.flush()  # the micro-batch's tensors can go: their open-leaf rows are copied
-            self._groups.update(self._new_groups)
-            if fixed is not None:  # a completed leaf's folds join the trees, an open one is carried
-                fixed.end(self, token_offset, num_tokens)
-            if self._tokens is not None:  # ops deposited: the leaf it continued is no longer open here
-                self._open_ends.discard(token_offset)
-                if (token_offset + self._tokens) % self.leaf_tokens:
-                    self._open_ends.add(token_offset + self._tokens)
-        finally:
-            _ACTIVE.pop()
-            self._token_offset = None
-            self._wanted.forget()  # no AccumulateGrad node outlives the micro-batch (see WantedGradients)
-            # the log holds the replaced trees and folds: let them go (memory of one step, not two)
-            if self.recoverable:
-                self._log = UndoLog()
-            self._new_groups = {}
+        return _micro_batch.micro_batch(self, token_offset, num_tokens)
 
     def _undo(self, spans: int, max_end: int) -> None:
         """Undo the active micro-batch's deposits (its undo log) and its spans and token range."""
