@@ -604,16 +604,9 @@ def test_gpu_main_job_step_with_inductor_gives_the_eager_bits():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "micro_batches",
-    [
-        2,
-        # run 22 (H100, torch 2.11): at 4 micro-batches CUDA-graph trees assert on a recorded
-        # partition output that is a tuple (a multi-output op's result split from its getitems by a
-        # partition boundary; cudagraph_trees.py CUDAGraphNode.__init__); not yet resolved
-        pytest.param(4, marks=pytest.mark.xfail(strict=True, raises=AssertionError)),
-    ],
-)
+# 4: run 22's assertion (a tuple among a partition's recorded outputs) came from the counting
+# cross-entropy pair; the model's loss now takes the fixed-scale pair, captured with the ops around it
+@pytest.mark.parametrize("micro_batches", [2, 4])
 def test_gpu_reduce_overhead_block_gives_the_eager_bits(micro_batches):
     """``torch.compile(mode="reduce-overhead")`` (CUDA-graph trees over Inductor's graph partitions,
     ``cudagraph_mark_step_begin`` before each micro-batch) of the block with det_attn, through the
