@@ -16,7 +16,7 @@ import pytest
 import torch
 from det_core.testing import assert_bitwise_equal
 from det_train import CanonicalGradAccumulator
-from det_train.accum import _leaf_sums
+from det_train.accum import _leaf_sums, deposit
 from torch._dynamo.testing import CompileCounterWithBackend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -336,6 +336,36 @@ def test_reduce_refuses_a_fold_missing_or_repeated_in_a_micro_batch():
     want = _grads([256], 128, fixed=False)[0]
     for name, p in model.named_parameters():
         assert_bitwise_equal(p.grad, want[name], f"after the refusals: {name}")
+
+
+def test_a_backward_after_its_micro_batch_is_refused_at_reduce_where_no_fold_op_checks(monkeypatch):
+    """Where a fold op's Python check does not run (a CUDA graph's replay), a backward run after its
+    micro-batch's ``with`` block folds into a leaf the block's end may have closed: each micro-batch's
+    end records on the device which counts were behind, and ``reduce`` refuses, naming the weights."""
+    monkeypatch.setattr(deposit, "fold_checked", lambda op, count: None)  # as in a CUDA graph's replay
+    model = _model()
+    model.up = det_train.Linear(D, FF, bias=False, dtype=BF16, device=DEVICE)  # every weight fixed-folded
+    acc = CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=128, recoverable=False)
+    acc.fixed_folds(model)
+    ids, targets = _batch(128)
+    with acc.micro_batch(0, num_tokens=64):
+        loss = model(ids[:, :64], targets[:, :64], 128)
+    loss.backward()  # late: after the block
+    with acc.micro_batch(64, num_tokens=64):
+        model(ids[:, 64:], targets[:, 64:], 128).backward()
+    with pytest.raises(ValueError, match=r"up\.weight 2x, one after its micro-batch"):
+        acc.reduce(128)
+    acc.reset()
+    _step(model, acc, [64, 64], ids, targets)
+    acc.reduce(128)
+    plain = CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=128)
+    got = {name: p.grad for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    with plain.micro_batch(0):
+        model(ids, targets, 128).backward()
+    plain.reduce(128)
+    for name, p in model.named_parameters():
+        assert_bitwise_equal(got[name], p.grad, f"after the refusal: {name}")
 
 
 def test_compiled_backward_after_the_micro_batch_raises():

@@ -74,6 +74,7 @@ class FixedFolds:
         "seen",
         "pos",
         "micro_batches",
+        "behind",
     )
 
     def __init__(self) -> None:
@@ -88,6 +89,8 @@ class FixedFolds:
         self.seen: set[int] = set()  # the indices folded in this micro-batch (op bodies that ran)
         self.pos: torch.Tensor | None = None
         self.micro_batches = 0  # micro-batches completed since the last reduce or reset
+        # (device, bool per fold) a fold's count was behind the micro-batches at some micro-batch's end
+        self.behind: torch.Tensor | None = None
 
     def add(self, index: int, param: torch.Tensor, spec: FoldSpec, op: str) -> None:
         if index in self.folds:
@@ -113,6 +116,7 @@ class FixedFolds:
         """After a reduce or a reset: no fold counted, no micro-batch."""
         torch._foreach_zero_(list(self.counts.values()))
         self.micro_batches = 0
+        self.behind = None
 
     def begin(self, acc, offset: int, tokens: int) -> None:
         """Before a micro-batch of ``tokens`` tokens at ``offset``: check it stays inside one leaf,
@@ -197,18 +201,27 @@ class FixedFolds:
             else:  # (a short last leaf is closed by reduce, through the carry entry's close)
                 acc._set_carry(key, OpenFold(start, (self.steps[index], _not_advanced, close), end, fold))
         self.micro_batches += 1
+        # recorded on the device (no host read): a count behind the micro-batches here means a fold
+        # missing, or made after its micro-batch (a backward run after the `with` block, where no fold
+        # op's Python check runs: a CUDA graph's replay), into a leaf this end may have closed
+        behind = torch.stack(list(self.counts.values())) != self.micro_batches
+        self.behind = behind if self.behind is None else self.behind.logical_or_(behind)
 
     def check_counts(self, acc) -> None:
-        """At ``reduce``: every fixed-fold weight was folded once in each micro-batch of the step (one
-        device read). Raises ValueError naming those that were not."""
+        """At ``reduce``: every fixed-fold weight was folded once in each micro-batch of the step, inside
+        it (one device read). Raises ValueError naming those that were not."""
         if not self.counts:
             return
-        counts = torch.stack(list(self.counts.values())).tolist()
+        counts = torch.stack(list(self.counts.values()))
+        behind = torch.zeros_like(counts) if self.behind is None else self.behind.to(torch.int64)
+        counts, behind = torch.stack([counts, behind]).tolist()
         wrong = [
-            (acc._names[i], n) for i, n in zip(self.counts, counts, strict=True) if n != self.micro_batches
+            (acc._names[i], f"{n}x" if n != self.micro_batches else f"{n}x, one after its micro-batch")
+            for i, n, late in zip(self.counts, counts, behind, strict=True)
+            if n != self.micro_batches or late
         ]
         if wrong:
-            shown = ", ".join(f"{name} {n}x" for name, n in wrong[:8]) + (" ..." if len(wrong) > 8 else "")
+            shown = ", ".join(f"{name} {n}" for name, n in wrong[:8]) + (" ..." if len(wrong) > 8 else "")
             raise ValueError(
                 f"fixed folds: {len(wrong)} weight(s) were not folded exactly once in each of this step's "
                 f"{self.micro_batches} micro-batches ({shown}): a micro-batch whose backward did not "
