@@ -139,11 +139,7 @@ def test_fixed_folds_are_the_weights_no_other_module_holds():
     ids, targets = _batch(256)
     with torch.no_grad():
         model.head.weight.mul_(0.5)
-    lo = 0
-    for n in sizes:
-        with acc.micro_batch(lo, num_tokens=n):
-            model(ids[:, lo : lo + n], targets[:, lo : lo + n], 256).backward()
-        lo += n
+    _step(model, acc, sizes, ids, targets)
     acc.reduce(256)
     got = {name: p.grad for name, p in model.named_parameters()}
     ref = _model()
@@ -225,11 +221,7 @@ def test_a_micro_batch_that_raises_poisons_until_reset_and_the_step_runs_again()
     with pytest.raises(RuntimeError, match="poisoned"):
         acc.reduce(256)
     acc.reset()
-    lo = 0
-    for n in sizes:
-        with acc.micro_batch(lo, num_tokens=n):
-            model(ids[:, lo : lo + n], targets[:, lo : lo + n], 256).backward()
-        lo += n
+    _step(model, acc, sizes, ids, targets)
     acc.reduce(256)
     want = _grads([256], 128, fixed=False)[0]
     for name, p in model.named_parameters():
