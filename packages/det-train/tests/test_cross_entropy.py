@@ -86,6 +86,18 @@ def test_accuracy_half(dtype):
     assert err < 1e-2 if dtype == torch.bfloat16 else err < 2e-3
 
 
+def test_bf16_gradient_rounds_to_nearest():
+    """dlogits in bf16 is the fp32 gradient rounded to nearest (the fp64 reference's rounding, but
+    for values within fp32 error of a tie), not toward zero (the interpreter's own cast, before
+    det_core.interpreter's)."""
+    logits, targets = _inputs(64, 300, seed=4)
+    _, grad = _loss_and_grad(logits, targets)
+    xd = logits.double().requires_grad_()
+    cross_entropy_reference(xd, targets).backward()
+    same = (grad == xd.grad.to(torch.bfloat16)).double().mean().item()
+    assert same > 0.99, f"{same:.1%} equal to the rounded fp64 reference"
+
+
 def test_run_to_run():
     logits, targets = _inputs(40, 500)
     assert_run_to_run(lambda: _loss_and_grad(logits, targets), repeats=3, name="cross_entropy")

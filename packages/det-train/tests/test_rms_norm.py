@@ -136,6 +136,23 @@ def test_accuracy_vs_fp64(dtype):
         assert err <= TOL[dtype], f"{name}: relative error {err:.3g} > {TOL[dtype]}"
 
 
+def test_bf16_outputs_round_to_nearest():
+    """y and dX in bf16 are the fp32 results rounded to nearest (the fp64 reference's rounding, but
+    for results within fp32 error of a tie), not toward zero (the interpreter's own cast, before
+    det_core.interpreter's): 100.0 normalizes to 0.9999996, which rounds to 1.0."""
+    one = det_train.rms_norm(torch.full((1, 1), 100.0, dtype=torch.bfloat16).to(_device()))
+    assert one.item() == 1.0
+    b = _rows(64, 256, torch.bfloat16, 5, _device())
+    w = torch.ones(256, dtype=torch.bfloat16, device=_device())
+    y, dx, _ = _fwd_bwd(b[:, 0], w, b[:, 1])
+    xd = b[:, 0].double().requires_grad_()
+    ref = rms_norm_reference(xd, w.double(), eps=torch.finfo(torch.bfloat16).eps)
+    ref.backward(b[:, 1].double())
+    for name, got, exp in (("y", y, ref.detach()), ("dx", dx, xd.grad)):
+        same = (got.cpu() == exp.to(torch.bfloat16)).double().mean().item()
+        assert same > 0.99, f"{name}: {same:.1%} equal to the rounded fp64 reference"
+
+
 def test_module_drop_in_and_no_weight():
     ref = torch.nn.RMSNorm(16, eps=1e-5)
     mod = det_train.RMSNorm(16, eps=1e-5)

@@ -19,6 +19,11 @@ with versions built only from separately rounded IEEE-754 operations (multiply, 
   the results are float32's correctly rounded values in all but a vanishing share of cases (and the
   same bits everywhere in every case).
 
+It also makes the interpreter's fp32 -> bf16 cast (every ``.to(tl.bfloat16)`` and every store of
+fp32 values into bf16 memory) round to nearest-even (``round_bf16``), as the GPU's
+``cvt.rn.bf16.f32`` and torch do: the interpreter's own cast truncates, so a kernel's bf16 output on
+CPU was the GPU's rounded toward zero.
+
 ``install()`` also spares the interpreter a cost that changes no value: Triton's interpreter patches
 ``triton.language`` for the interpreter at every launch (restored when the launch ends) and patches it
 again at every call of a nested ``triton.jit`` function, ``tl.zeros`` included (a scan of the
@@ -38,7 +43,7 @@ import math
 
 import numpy as np
 
-__all__ = ["exp", "exp2", "fixed_order_dot", "install", "log", "log2"]
+__all__ = ["exp", "exp2", "fixed_order_dot", "install", "log", "log2", "round_bf16"]
 
 _LN2 = math.log(2.0)
 _LOG2E = 1.0 / _LN2
@@ -133,8 +138,25 @@ def _bf16_bits_to_f32(data: np.ndarray) -> np.ndarray:
     return (data.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
+def round_bf16(x: np.ndarray) -> np.ndarray:
+    """fp32 ``x`` rounded to bf16, nearest-even (ties to the even pattern), as bf16 bit patterns
+    (uint16, the interpreter's storage of bf16), same shape. NaN -> ``0x7FC0`` (torch's quiet NaN);
+    values past bf16's largest finite one round to infinity. The interpreter's own cast truncates
+    (rounds toward zero), which the GPU's ``cvt.rn.bf16.f32`` does not. Raises nothing.
+
+    **Determinism:** integer arithmetic on the fp32 pattern: the same bits on every host, and those of
+    ``torch.Tensor.to(torch.bfloat16)``."""
+    x = np.asarray(x, dtype=np.float32)
+    bits = x.view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(
+        np.uint16
+    )  # no wrap: only NaN patterns lie within 0x7FFF of 2**32
+    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
+
+
 def install() -> None:
-    """Make the interpreter's dot, exp, exp2, log and log2 host-independent (idempotent).
+    """Make the interpreter's dot, exp, exp2, log and log2 host-independent, and its fp32 -> bf16
+    cast round to nearest-even as the GPU's ``cvt.rn.bf16.f32`` does (idempotent).
 
     Called by ``det_core.interpreter_mode`` when the interpreter is active. Integer and fp8 dots keep
     Triton's own path (integer sums are exact; fp8 is not used by our kernels). Also installs
@@ -148,7 +170,7 @@ def install() -> None:
     from triton.runtime import interpreter
 
     builder = interpreter.InterpreterBuilder
-    names = ("create_dot", "create_exp", "create_exp2", "create_log", "create_log2")
+    names = ("create_dot", "create_exp", "create_exp2", "create_log", "create_log2", "cast_impl")
     missing = [n for n in names if not hasattr(builder, n)]
     if missing or not hasattr(interpreter, "TensorHandle"):
         raise RuntimeError(
@@ -159,6 +181,7 @@ def install() -> None:
         return
     handle = interpreter.TensorHandle
     triton_dot = builder.create_dot
+    triton_cast = builder.cast_impl
 
     def operand(h):
         if h.dtype == tl.bfloat16:
@@ -174,11 +197,17 @@ def install() -> None:
     def unary(fn):
         return lambda self, arg: handle(fn(arg.data), arg.dtype.scalar)
 
+    def cast_impl(self, src, dst_type):  # every cast and store into bf16 goes through it
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return handle(round_bf16(src.data), dst_type.scalar)
+        return triton_cast(self, src, dst_type)
+
     builder.create_dot = create_dot
     builder.create_exp = unary(exp)
     builder.create_exp2 = unary(exp2)
     builder.create_log = unary(log)
     builder.create_log2 = unary(log2)
+    builder.cast_impl = cast_impl
     builder._det_core_host_independent = True
     _skip_repeated_patches(interpreter, tl)
 

@@ -63,3 +63,31 @@ def test_the_language_is_restored_after_a_launch_also_one_that_raised():
     out = torch.empty_like(x)
     _three_nested_calls_kernel[(1,)](x, out, BLOCK=16)  # a launch after the failed one patches afresh
     assert torch.equal(out, x + 3.0)
+
+
+@triton.jit
+def _to_bf16_kernel(x_ptr, cast_ptr, stored_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs)
+    tl.store(cast_ptr + offs, x.to(tl.bfloat16))  # an explicit cast
+    tl.store(stored_ptr + offs, x)  # fp32 values stored into bf16 memory
+
+
+def test_the_fp32_to_bf16_cast_rounds_to_nearest_even_as_torch_does():
+    """The interpreter's own cast truncates; the GPU's cvt.rn.bf16.f32 and torch round to nearest-even
+    (ties to even, overflow to infinity, NaN stays NaN)."""
+    g = torch.Generator().manual_seed(0)
+    tie_even = torch.tensor([0x3F808000, 0x3F818000, 0xBF808000], dtype=torch.int64).to(torch.int32)
+    special = torch.tensor(
+        [1.0, -1.0, 0.0, -0.0, float("inf"), float("-inf"), float("nan"), 3.3895314e38, -3.3895314e38, 1e-40]
+    )
+    x = torch.cat([torch.randn(1000, generator=g) * 100.0, tie_even.view(torch.float32), special])
+    x = torch.cat([x, torch.zeros(2048 - x.numel())])
+    cast, stored = torch.empty(2048, dtype=torch.bfloat16), torch.empty(2048, dtype=torch.bfloat16)
+    _to_bf16_kernel[(1,)](x, cast, stored, BLOCK=2048)
+    want = x.to(torch.bfloat16).view(torch.int16)
+    nan = x.isnan()  # torch's NaN pattern differs by CPU path; det-core's is 0x7FC0 (as its SR's)
+    want[nan] = 0x7FC0
+    assert torch.equal(cast.view(torch.int16), want) and torch.equal(stored.view(torch.int16), want)
+    truncated = (x.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16).view(torch.int16)
+    assert (truncated != want)[~nan].sum() > 300  # what the interpreter's own cast gives differs
