@@ -5,6 +5,7 @@ state untouched (checked by digest); NaN/Inf gradients and params without grad b
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -546,3 +547,89 @@ def test_functional_step_refuses_one_tensor_given_twice_untouched():
         adamw_sr_step([p, p], [torch.ones(16), torch.ones(16)], ms, vs, None, torch.ones(2), lr=1e-2)
     assert_bitwise_equal(p, before)
     assert all(not t.any() for t in ms + vs)
+
+
+def _stepped(shape=(2, 8), **kw):
+    p = torch.nn.Parameter(torch.randn(*shape).bfloat16())
+    opt = AdamWSR([p], lr=1e-2, **kw)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    return p, opt
+
+
+def _other_param_state():
+    return _stepped((4, 4))[1].state_dict()
+
+
+def _edit_group(key, value):
+    def edit(sd):
+        sd["param_groups"][0][key] = value
+
+    return edit
+
+
+def _edit_state(key, value):
+    def edit(sd):
+        sd["state"][0][key] = value(sd["state"][0]) if callable(value) else value
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "edit, error, match",
+    [
+        (lambda sd: sd.update(_other_param_state()), ValueError, r"must have shape \(2, 8\).*got \(4, 4\)"),
+        (_edit_group("lr", -1.0), ValueError, "param group 0 of the checkpoint: .*Invalid learning rate"),
+        (_edit_group("seed", -5), ValueError, "param group 0 of the checkpoint: .*seed"),
+        (_edit_group("amsgrad", "no"), TypeError, "amsgrad must be True or False"),
+        (_edit_group("base_index", [3.0]), TypeError, "base_index entries must be ints"),
+        (lambda sd: sd["state"][0].pop("exp_avg_sq"), ValueError, "lacks 'exp_avg_sq'"),
+        (_edit_state("step", torch.tensor(-3.0)), ValueError, "step count .* is negative"),
+        (_edit_state("exp_avg_sq", lambda st: -st["exp_avg_sq"] - 1), ValueError, "'exp_avg_sq' .* negative"),
+    ],
+)
+def test_a_bad_checkpoint_is_refused_at_load_and_the_optimizer_is_left_as_it_was(edit, error, match):
+    """load_state_dict checks what add_param_group and the step check (options, the states' shapes
+    and keys) and the values sqrt and the step count need, and a refused load leaves the optimizer's
+    params, states and groups as they were (it used to load, then fail at the step with the moments gone)."""
+    p, opt = _stepped()
+    saved = copy.deepcopy(opt.state_dict())  # state_dict() holds the live state dicts
+    edit(saved)
+    unchanged = _bad_step_leaves_everything_untouched(opt, [p])
+    groups = [dict(g) for g in opt.param_groups]
+    with pytest.raises(error, match=match):
+        opt.load_state_dict(saved)
+    assert unchanged() and opt.param_groups == groups
+    p.grad = torch.ones_like(p)
+    opt.step()  # still steps from its own state
+    assert int(opt.state[p]["step"]) == 2
+
+
+@pytest.mark.parametrize(
+    "group, error, match",
+    [
+        ({"lr": -5.0}, ValueError, "Invalid learning rate"),
+        ({"betas": (0.9, 1.5)}, ValueError, "Invalid betas"),
+        ({"amsgrad": "no"}, TypeError, "amsgrad must be True or False"),
+        ({"maximize": 1}, TypeError, "maximize must be True or False"),
+        ({"base_index": [2**63]}, ValueError, r"must lie in \[0, 2\*\*63\)"),
+        ({"base_index": 3.0}, TypeError, "base_index must be None, an int"),
+        ({"base_index": [True]}, TypeError, "base_index entries must be ints"),
+    ],
+)
+def test_add_param_group_checks_the_groups_own_options(group, error, match):
+    """A group's own lr, betas, flags and base_index are checked where the group is added (also the
+    groups given at construction), not first at the next step."""
+    p, opt = _stepped()
+    q = torch.nn.Parameter(torch.randn(8).bfloat16())
+    with pytest.raises(error, match=match):
+        opt.add_param_group({"params": [q], **group})
+    assert len(opt.param_groups) == 1
+    with pytest.raises(error, match=match):
+        AdamWSR([{"params": [q], **group}])
+
+
+def test_numpy_integer_base_index_is_accepted_as_an_int():
+    p = torch.nn.Parameter(torch.randn(8).bfloat16())
+    opt = AdamWSR([{"params": [p], "base_index": [np.int64(16)]}])
+    assert opt.param_groups[0]["base_index"] == [16] and type(opt.param_groups[0]["base_index"][0]) is int

@@ -36,7 +36,24 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _check_triton_interprets() -> None:
+    """Raise if Triton was imported before ``TRITON_INTERPRET=1`` was set: its own ``triton.jit``
+    functions (``tl.sum``, ...) are then compiled-kernel functions, and every kernel fails inside with
+    Triton's "Cannot call @triton.jit'd outside of the scope of a kernel"."""
+    import triton.language.standard as standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(standard.sum, InterpretedFunction):
+        raise RuntimeError(
+            "det_core: TRITON_INTERPRET=1 was set after triton was imported (transformers, accelerate and "
+            "torch._inductor import it too), and Triton reads it at its import: its kernels cannot run "
+            "through the interpreter now. Set TRITON_INTERPRET=1 before anything imports triton: in the "
+            "shell (TRITON_INTERPRET=1 python ...) or in the first lines of the script"
+        )
+
+
 if interpreter_active():  # the interpreter's dot and transcendentals, made the same on every CPU
+    _check_triton_interprets()
     from . import interpreter as _interpreter
 
     _interpreter.install()

@@ -91,3 +91,22 @@ def test_the_fp32_to_bf16_cast_rounds_to_nearest_even_as_torch_does():
     assert torch.equal(cast.view(torch.int16), want) and torch.equal(stored.view(torch.int16), want)
     truncated = (x.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16).view(torch.int16)
     assert (truncated != want)[~nan].sum() > 300  # what the interpreter's own cast gives differs
+
+
+def test_triton_imported_before_the_interpreter_was_set_is_named():
+    """Triton reads TRITON_INTERPRET at its import: set later (after transformers imported triton,
+    say), every kernel would fail inside the interpreter with Triton's own message. det_core says
+    what happened and what to do instead."""
+    from det_core.testing import run_in_fresh_process
+
+    script = (
+        "import os, triton\n"  # Triton reads TRITON_INTERPRET=0 here
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "try:\n"
+        "    import det_core.launch\n"
+        "except RuntimeError as e:\n"
+        "    print(str(e).replace(chr(10), ' '))\n"
+    )
+    said = run_in_fresh_process(script, cold_triton_cache=False, env={"TRITON_INTERPRET": "0"})
+    assert "TRITON_INTERPRET=1 was set after triton was imported" in said
+    assert "before anything imports triton" in said

@@ -21,6 +21,8 @@ __all__ = [
     "amp_scalar",
     "check_grad",
     "check_device_flags",
+    "check_base_index",
+    "check_flags",
     "check_grads",
     "check_hyperparameters",
     "first_repeat",
@@ -184,3 +186,61 @@ def check_grad(p: torch.Tensor) -> None:
             f"AdamWSR: gradient of a param of shape {tuple(p.shape)} is not a contiguous tensor of the "
             "param's local shape; make it contiguous (e.g. in a post-accumulate-grad hook)"
         )
+
+
+MAX_GLOBAL_INDEX = 2**63  # an element's global index is below this (det-core's Philox counter)
+
+
+def check_base_index(base, params: list, op: str) -> list | None:
+    """A param group's ``base_index`` as a list of one int (or None) per param, or None.
+
+    ``base``: None, one integer (a group of one param), or a list / tuple of integers (int or numpy
+    integers, not bools) or None, one per param of ``params``; each ``b`` must give the param a range
+    of global indices ``[b, b + numel)`` inside ``[0, 2**63)``.
+
+    Raises:
+        TypeError: ``base`` or an entry is not an integer (a float, a bool, a string).
+        ValueError: not one entry per param, a negative entry, or a range past ``2**63``.
+
+    **Determinism:** a check and a conversion to int; no value changes.
+    """
+    if base is None:
+        return None
+    given = base
+    if isinstance(base, numbers.Integral) and not isinstance(base, bool):
+        base = [base]
+    if not isinstance(base, (list, tuple)):
+        raise TypeError(
+            f"{op}: base_index must be None, an int (a group of one param) or a list of one int (or None) "
+            f"per param, got {type(given).__name__} {given!r}"
+        )
+    bad = [b for b in base if b is not None and (isinstance(b, bool) or not isinstance(b, numbers.Integral))]
+    if bad:
+        raise TypeError(f"{op}: base_index entries must be ints (or None), got {bad[0]!r} in {given!r}")
+    if len(base) != len(params):
+        raise ValueError(
+            f"{op}: base_index must list one non-negative int (or None) per param, "
+            f"got {given!r} for {len(params)} params"
+        )
+    out = [None if b is None else int(b) for b in base]
+    for b, p in zip(out, params, strict=True):
+        if b is not None and not 0 <= b <= MAX_GLOBAL_INDEX - p.numel():
+            raise ValueError(
+                f"{op}: base_index {b} gives a param of {p.numel()} elements the global indices "
+                f"[{b}, {b + p.numel()}); they must lie in [0, 2**63)"
+            )
+    return out
+
+
+def check_flags(group: dict, op: str) -> None:
+    """A param group's ``amsgrad`` and ``maximize`` must be bools (a string such as ``"no"`` is
+    truthy: it would switch the option on).
+
+    Raises:
+        TypeError: either is not a bool.
+
+    **Determinism:** a check only.
+    """
+    for name in ("amsgrad", "maximize"):
+        if not isinstance(group.get(name, False), bool):
+            raise TypeError(f"{op}: {name} must be True or False, got {group[name]!r}")

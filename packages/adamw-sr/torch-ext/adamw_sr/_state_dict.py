@@ -13,7 +13,7 @@ import torch
 from . import _states
 from .indices import check_disjoint_indices, is_dtensor, local_tensor
 
-__all__ = ["STATE_KEYS", "check_loadable", "copy_loaded_states", "fill_group_defaults"]
+__all__ = ["STATE_KEYS", "check_loadable", "check_loaded_states", "copy_loaded_states", "fill_group_defaults"]
 
 # the moment entries of a param's state, in ``StepLaunch``'s order (8-bit scales: ``_states.SCALE_KEYS``)
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -80,6 +80,50 @@ def check_loadable(param_groups: list[dict], state_dict: dict) -> None:
                 f"{group['base_index']!r} for {len(group['params'])} params; it must list one per param"
             )
     check_disjoint_indices(loaded, "AdamWSR.load_state_dict (the checkpoint's base_index)")
+
+
+def check_loaded_states(param_groups: list[dict], state: dict) -> None:
+    """After torch's load and ``copy_loaded_states``: every loaded state holds its format's tensors at
+    its param's shape and a ``step`` (``_states.check_state``), no ``step`` is negative and no second
+    moment (``exp_avg_sq``, ``max_exp_avg_sq`` of float formats) is negative, where ``sqrt`` would turn
+    the param into NaN. The values are read in one device sync.
+
+    Raises:
+        ValueError: naming the group, the param's shape and what is wrong.
+
+    **Determinism:** reads shapes, dtypes and values; changes nothing.
+    """
+    where = "AdamWSR.load_state_dict"
+    flags, names = [], []
+    for i, group in enumerate(param_groups):
+        float_moments = group["state_dtype"] != _states.EIGHT_BIT
+        for p in group["params"]:
+            st = state.get(p)
+            if not st:
+                continue
+            try:
+                _states.check_state(p, st, group["state_dtype"], group["amsgrad"])
+            except RuntimeError as e:
+                raise ValueError(f"{where}: param group {i} of the checkpoint: {e}") from None
+            shape = tuple(p.shape)
+            flags.append(~(local_tensor(st["step"]) >= 0).all())
+            names.append(f"the step count of a param of shape {shape} (group {i}) is negative or NaN")
+            for key in ("exp_avg_sq", "max_exp_avg_sq") if float_moments else ():
+                if st.get(key) is not None:
+                    flags.append((local_tensor(st[key]) < 0).any())
+                    names.append(f"'{key}' of a param of shape {shape} (group {i}) has negative values")
+    by_device: dict = {}  # one read per device (steps may live on the CPU, moments on the GPU)
+    for name, flag in zip(names, flags, strict=True):
+        by_device.setdefault(flag.device, []).append((name, flag))
+    bad = [
+        name
+        for entries in by_device.values()
+        for (name, _), hit in zip(entries, torch.stack([f for _, f in entries]).tolist(), strict=True)
+        if hit
+    ]
+    if bad:
+        more = f" ({len(bad) - 1} more such entries)" if len(bad) > 1 else ""
+        raise ValueError(f"{where}: {bad[0]}: the checkpoint is corrupt or not an AdamW state{more}")
 
 
 def copy_loaded_states(state: dict, param_groups: list[dict], saved: dict, saved_groups: list[dict]) -> None:

@@ -18,14 +18,22 @@ from det_core.launch import PlanCache
 from . import _states
 from ._checks import (
     amp_scalar,
+    check_base_index,
     check_device_flags,
+    check_flags,
     check_grads,
     check_hyperparameters,
     first_repeat,
     param_problem,
 )
 from ._launch import LaunchPlan, to_device_async
-from ._state_dict import STATE_KEYS, check_loadable, copy_loaded_states, fill_group_defaults
+from ._state_dict import (
+    STATE_KEYS,
+    check_loadable,
+    check_loaded_states,
+    copy_loaded_states,
+    fill_group_defaults,
+)
 from ._step_cache import GroupLaunches, LaunchSet, grad_mask, pack_steps, packed_steps
 from .functional import StepLaunch, adamw_sr_step, dispatch_mode_active, fused_step, hyper_tensor
 from .indices import (
@@ -261,29 +269,10 @@ class AdamWSR(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
         try:
-            group["seed"] = rng.as_seed(group["seed"], "AdamWSR")
-            group["state_dtype"] = _states.canonical_state_dtype(group["state_dtype"], "AdamWSR")
-            group["state_rounding"] = _states.check_state_rounding(group["state_rounding"], "AdamWSR")
-            _states.check_combination(group["state_dtype"], group["amsgrad"], "AdamWSR")
-        except (TypeError, ValueError):
-            self.param_groups.pop()
-            raise
-        base = group.get("base_index")
-        if base is not None:
-            given = base
-            if isinstance(base, int):
-                base = group["base_index"] = [base]
-            if len(base) != len(group["params"]) or not all(
-                b is None or (isinstance(b, int) and b >= 0) for b in base
-            ):
-                self.param_groups.pop()
-                raise ValueError(
-                    f"AdamWSR: base_index must list one non-negative int (or None) per param, "
-                    f"got {given!r} for {len(group['params'])} params"
-                )
-        try:
+            check_group_options(group, "AdamWSR")
+            group["base_index"] = check_base_index(group.get("base_index"), group["params"], "AdamWSR")
             check_disjoint_indices(self.param_groups, "AdamWSR")
-        except ValueError:
+        except (TypeError, ValueError):
             self.param_groups.pop()
             raise
         self._clear_launch_caches()
@@ -346,13 +335,34 @@ class AdamWSR(torch.optim.Optimizer):
             ValueError: a checkpoint group's ``state_dtype`` differs from this optimizer's group's,
                 or a saved state does not hold its format's tensors (moment dtype, 8-bit scales), or
                 the checkpoint's ``base_index`` gives two params overlapping ranges of global indices
-                (or not one entry per param). Checked before anything is loaded: the optimizer is left
-                as it was.
+                (or not one entry per param); a checkpoint group's option out of range (as
+                ``add_param_group`` checks: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``seed``,
+                ``base_index``, ``state_rounding``); a state tensor of another shape than its param, a
+                missing moment or ``step``, a negative ``step`` or a negative second moment.
+            TypeError: a checkpoint group's option of the wrong type (``seed``, ``amsgrad``,
+                ``maximize``, ``base_index``, a hyperparameter).
+
+        Every check runs before the load takes effect: a refused checkpoint leaves the optimizer
+        (params, states, groups) as it was.
         """
         saved = state_dict["state"]
         check_loadable(self.param_groups, state_dict)
+        before = (self.state, self.param_groups, self._state_flags)  # torch's load replaces both
         super().load_state_dict(state_dict)
-        copy_loaded_states(self.state, self.param_groups, saved, state_dict["param_groups"])
+        try:
+            copy_loaded_states(self.state, self.param_groups, saved, state_dict["param_groups"])
+            where = "AdamWSR.load_state_dict"
+            for i, group in enumerate(self.param_groups):
+                try:
+                    check_group_options(group, where)
+                    group["base_index"] = check_base_index(group.get("base_index"), group["params"], where)
+                except (TypeError, ValueError) as e:
+                    raise type(e)(f"param group {i} of the checkpoint: {e}") from None
+            check_loaded_states(self.param_groups, self.state)
+        except Exception:
+            self.state, self.param_groups, self._state_flags = before
+            self._clear_launch_caches()
+            raise
         self._clear_launch_caches()
         self._state_flags = {"unchecked": True, "state_dtypes": ()}
 
@@ -426,12 +436,7 @@ class AdamWSR(torch.optim.Optimizer):
                 # param_groups are user-editable (schedulers write lr): re-check the values the
                 # kernel reads before any state (the step counters) changes. Not while tracing:
                 # the compiled step guards on these values, checked by the eager calls before it.
-                where = "AdamWSR.step"
-                group["seed"] = rng.as_seed(group["seed"], where)
-                check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"], where)
-                group["state_dtype"] = _states.canonical_state_dtype(group["state_dtype"], where)
-                group["state_rounding"] = _states.check_state_rounding(group["state_rounding"], where)
-                _states.check_combination(group["state_dtype"], group["amsgrad"], where)
+                check_group_options(group, "AdamWSR.step")
         if not compiling:
             # a group's state_dtype edited since the last step: indices (8-bit params start on a
             # block) and launch segments are rebuilt, and existing states are checked against it
@@ -569,6 +574,27 @@ class AdamWSR(torch.optim.Optimizer):
         return GroupLaunches(
             group, list(group["params"]), mask, GroupLaunches.options_of(group), device, sets
         )
+
+
+def check_group_options(group: dict, op: str) -> None:
+    """Check a param group's options and store their canonical forms in it (``seed`` an int,
+    ``state_dtype`` its name): what ``add_param_group``, ``load_state_dict`` and every eager step check.
+
+    Raises:
+        TypeError: ``seed`` not an integer, a hyperparameter not a real number, ``amsgrad`` or
+            ``maximize`` not a bool.
+        ValueError: ``seed`` outside ``[0, 2**64)``, ``lr``, ``betas``, ``eps`` or ``weight_decay``
+            outside torch.optim.AdamW's ranges, an unsupported ``state_dtype`` or ``state_rounding``,
+            amsgrad with 8-bit states.
+
+    **Determinism:** checks; the stored forms are the same values.
+    """
+    group["seed"] = rng.as_seed(group["seed"], op)
+    check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"], op)
+    check_flags(group, op)
+    group["state_dtype"] = _states.canonical_state_dtype(group["state_dtype"], op)
+    group["state_rounding"] = _states.check_state_rounding(group["state_rounding"], op)
+    _states.check_combination(group["state_dtype"], group["amsgrad"], op)
 
 
 def _launch_step(
