@@ -226,11 +226,13 @@ class AdamWSR(torch.optim.Optimizer):
 
         Raises:
             TypeError: a param is fp16, complex or not floating point; the group's ``seed`` is not
-                an integer (a bool or a float).
+                an integer (a bool or a float), a hyperparameter is not a real number, ``amsgrad``
+                or ``maximize`` is not a bool, a ``base_index`` entry is not an integer.
             ValueError: a param is empty or non-contiguous, on another device than the others,
                 the group lists one Parameter twice, ``base_index`` does not give one entry per
-                param or gives a param a range of global indices that overlaps another param's, or
-                ``seed`` is outside ``[0, 2**64)``;
+                param, gives a param a range of global indices outside ``[0, 2**63)`` or one that
+                overlaps another param's, ``seed`` is outside ``[0, 2**64)``, the group's ``lr``,
+                ``betas``, ``eps`` or ``weight_decay`` is outside torch.optim.AdamW's ranges;
                 the group sets ``foreach``, ``fused=False``, or ``capturable=True`` with non-CUDA params;
                 an unsupported ``state_dtype`` or ``state_rounding``, or amsgrad with 8-bit states.
             RuntimeError: ``fused=True`` with params where the fused step cannot run (CPU without
