@@ -226,6 +226,17 @@ def test_num_global_tokens_must_be_a_positive_integer(bad, error, match):
         det_train.cross_entropy(logits, targets, num_global_tokens=bad)
 
 
+def test_num_global_tokens_smaller_than_the_calls_own_tokens_is_refused():
+    """The global count covers every micro-batch and rank: fewer than this call's own non-ignored
+    tokens is a wrong count (read with the range check, no extra sync); ignored tokens do not count."""
+    logits, targets = _inputs(4, 6)
+    with pytest.raises(ValueError, match="num_global_tokens=3 is smaller than the 4 non-ignored tokens"):
+        det_train.cross_entropy(logits, targets, num_global_tokens=3)
+    targets[:2] = -100
+    loss, _ = _loss_and_grad(logits, targets, num_global_tokens=2)  # two counted tokens: accepted
+    assert torch.isfinite(loss)
+
+
 def test_num_global_tokens_accepts_any_integer_type():
     logits, targets = _inputs(4, 6)
     expected = _loss_and_grad(logits, targets, num_global_tokens=8)

@@ -133,15 +133,22 @@ def _forward(logits2, targets1, ignore_index: int, reduction: str, denominator: 
             )
     elif targets1.numel():
         valid = targets1 != ignore_index
-        # one host sync for the range check and (mean without num_global_tokens) the token count
+        # one host sync for the range check and (mean) the token count: the denominator, or (given)
+        # what it must cover
         bad = (valid & ((targets1 < 0) | (targets1 >= v))).any()
-        if reduction == "mean" and denominator is None:
+        if reduction == "mean":
             n_bad, count = torch.stack([bad.to(torch.int64), valid.sum()]).tolist()
         else:
             n_bad = int(bad)
         if n_bad:
             first = int(targets1[valid & ((targets1 < 0) | (targets1 >= v))][0])
             raise ValueError(f"cross_entropy: target {first} is outside [0, {v}) and is not ignore_index")
+        if reduction == "mean" and denominator is not None and count > denominator:
+            raise ValueError(
+                f"cross_entropy: num_global_tokens={denominator} is smaller than the {count} non-ignored "
+                "tokens of this call alone; it must count the non-ignored tokens of the whole global batch "
+                "(every micro-batch and data-parallel rank)"
+            )
     if reduction != "mean":
         denominator = 0
     elif denominator is None:
@@ -395,7 +402,8 @@ def cross_entropy(
             never truncated).
         ValueError: 0-d logits (no class dim), shape mismatch, unknown reduction, ``ignore_index``
             outside int64,
-            ``num_global_tokens`` not positive or given with a reduction other than ``"mean"``;
+            ``num_global_tokens`` not positive, given with a reduction other than ``"mean"`` or
+            smaller than this call's own non-ignored tokens (read with the range check);
             ``reduction="mean"`` without ``num_global_tokens`` inside an accumulator's micro-batch,
             a target out of range (checked on the host:
             one device sync). The range check is skipped while a CUDA graph is being captured
