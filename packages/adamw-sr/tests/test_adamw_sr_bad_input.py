@@ -633,3 +633,32 @@ def test_numpy_integer_base_index_is_accepted_as_an_int():
     p = torch.nn.Parameter(torch.randn(8).bfloat16())
     opt = AdamWSR([{"params": [p], "base_index": [np.int64(16)]}])
     assert opt.param_groups[0]["base_index"] == [16] and type(opt.param_groups[0]["base_index"][0]) is int
+
+
+@pytest.mark.parametrize(
+    "args,error,match",
+    [
+        (([-3, 5],), ValueError, r"numels\[0\] = -3 must be >= 0: an element count is non-negative"),
+        (([-8, -8],), ValueError, r"numels\[0\] = -8 must be >= 0"),
+        (([3.5, 5],), TypeError, r"numels\[0\] must be an integer .*got float 3.5; pass element counts"),
+        (([True, 5],), TypeError, r"numels\[0\] must be an integer, got the bool True"),
+        (([np.bool_(True)],), TypeError, r"numels\[0\] must be an integer"),
+        (([3, 5], [0, 0]), ValueError, r"alignments\[0\] = 0 must be >= 1: an alignment is positive"),
+        (([3, 5], [8, -8]), ValueError, r"alignments\[1\] = -8 must be >= 1"),
+        (([3, 5], [8, 8.0]), TypeError, r"alignments\[1\] must be an integer .*got float 8.0"),
+        (([3, 5], [8]), ValueError, "alignments has 1 entries but numels has 2; give one alignment"),
+    ],
+)
+def test_default_base_indices_refuses_bad_counts_and_alignments(args, error, match):
+    from adamw_sr import default_base_indices
+
+    with pytest.raises(error, match="adamw_sr.default_base_indices: " + match):
+        default_base_indices(*args)
+
+
+def test_default_base_indices_takes_numpy_and_tensor_integer_counts():
+    from adamw_sr import default_base_indices
+
+    counts = [np.int64(7), torch.tensor(165), np.uint8(3), 8, 0, 1]
+    assert default_base_indices(counts) == [0, 8, 176, 184, 192, 192]
+    assert default_base_indices(counts, [np.int32(32)] * 6) == [0, 32, 224, 256, 288, 288]

@@ -70,3 +70,34 @@ def test_det_attn_seed_is_the_dropout_seed_of_the_transformers_function():
     assert_bitwise_equal(plain, attention(qt, kt, vt, causal=True), "no dropout")
     with pytest.raises(TypeError, match="det_attn_seed must be an integer"):
         det_attn_transformers_forward(module, q, k, v, None, dropout=0.0, det_attn_seed=7.0)
+
+
+def test_sdpa_dropout_errors_name_scaled_dot_product_attention():
+    # found by a new-user trial: they named det_attn.attention, which the user had not called
+    q, k, v = (_randn(1, 2, 8, D, seed=s) for s in (11, 12, 13))  # (B, H, T, D)
+    op = "det_attn.scaled_dot_product_attention: "
+    with pytest.raises(
+        ValueError, match=op + "dropout_p > 0 needs an explicit integer seed, the keyword seed="
+    ):
+        scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+    with pytest.raises(ValueError, match=op + r"dropout_p must be in \[0, 1\), got 1.5"):
+        scaled_dot_product_attention(q, k, v, dropout_p=1.5, seed=0)
+    with pytest.raises(ValueError, match=op + r"seed must be in \[0, 2\*\*64\)"):
+        scaled_dot_product_attention(q, k, v, dropout_p=0.1, seed=-1)
+    # with its seed, attention's dropout on the transposed views
+    got = scaled_dot_product_attention(q, k, v, dropout_p=0.25, seed=3)
+    want = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=0.25, seed=3)
+    assert_bitwise_equal(got, want.transpose(1, 2), "sdpa dropout, seed 3")
+
+
+def test_register_transformers_attention_needs_a_non_empty_str_name():
+    from det_attn import register_transformers_attention
+
+    transformers = pytest.importorskip("transformers")
+    for name, error in ((5, TypeError), (None, TypeError), ("", ValueError), ("  ", ValueError)):
+        with pytest.raises(
+            error, match=r"det_attn.register_transformers_attention: name must be a (non-empty )?str"
+        ):
+            register_transformers_attention(name)
+        assert name not in transformers.AttentionInterface()  # nothing registered (5 was, returning True)
+    assert register_transformers_attention() and "det_attn" in transformers.AttentionInterface()

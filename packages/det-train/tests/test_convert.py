@@ -125,6 +125,27 @@ def test_root_module_and_bad_arguments():
         det_train.convert(nn.Linear(4, 4).double())
     with pytest.raises(det_train.ConversionError, match="max_norm"):
         det_train.convert(nn.Embedding(4, 4, max_norm=1.0))
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))
+    for strict in ("no", 0, None):  # "no" is truthy: it was taken as strict=True
+        with pytest.raises(
+            TypeError, match=f"det_train.convert: strict must be True or False, got {strict!r}"
+        ):
+            det_train.convert(model, strict=strict)
+        assert type(model[0]) is nn.Linear  # left unchanged
+
+
+def test_scaled_embedding_built_directly_takes_embed_scale():
+    emb = det_train.ScaledEmbedding(3, 2, padding_idx=0, embed_scale=2.5)
+    with torch.no_grad():
+        emb.weight.copy_(torch.tensor([[0.0, 0.0], [1.0, -2.0], [0.5, 4.0]]))
+    out = emb(torch.tensor([[2, 1, 0]]))
+    assert_bitwise_equal(out, torch.tensor([[[1.25, 10.0], [2.5, -5.0], [0.0, 0.0]]]), "weight[ids] * 2.5")
+    assert list(emb.state_dict()) == ["weight"]  # embed_scale is not persistent, as in transformers
+    assert_bitwise_equal(det_train.ScaledEmbedding(3, 2).embed_scale, torch.tensor(1.0), "default scale")
+    with pytest.raises(TypeError, match="embed_scale must be a real number .*got str '2'"):
+        det_train.ScaledEmbedding(3, 2, embed_scale="2")
+    with pytest.raises(ValueError, match="embed_scale must be finite, got inf"):
+        det_train.ScaledEmbedding(3, 2, embed_scale=float("inf"))
 
 
 def test_register_conversion_takes_a_class_of_ones_own_and_checks_parameter_identity():

@@ -180,3 +180,37 @@ def test_reduce_with_group_needs_initialized_process_group():
     w = torch.randn(2, requires_grad=True)
     with pytest.raises(RuntimeError, match="not initialized"):
         CanonicalGradAccumulator([w]).reduce(total_tokens=4, group=object())
+
+
+def test_reduce_gradients_needs_an_accumulator_and_a_refused_call_keeps_the_deposits():
+    from det_train import CanonicalGradAccumulator, linear, reduce_gradients
+
+    with pytest.raises(
+        TypeError, match="accumulator must be the det_train.CanonicalGradAccumulator .*NoneType"
+    ):
+        reduce_gradients(None, 8)
+    w = torch.nn.Parameter(torch.tensor([[1.0, -2.0]]))
+    acc = CanonicalGradAccumulator([w], leaf_tokens=2)
+    with acc.micro_batch(token_offset=0):
+        linear(torch.tensor([[3.0, 4.0], [1.0, 1.0]]), w).sum().backward()
+    with pytest.raises(TypeError, match="total_tokens must be an integer"):
+        reduce_gradients(acc, 2.0)
+    reduce_gradients(acc, 2)
+    assert_bitwise_equal(w.grad, torch.tensor([[4.0, 5.0]]), "w.grad: the sum of x's rows")
+
+
+def test_deterministic_allreduce_state_refuses_a_non_bool_average_and_a_non_group():
+    from det_train import DeterministicAllreduceState, deterministic_allreduce_hook
+
+    with pytest.raises(TypeError, match="average must be True or False, got 'no'"):
+        DeterministicAllreduceState(average="no")
+    with pytest.raises(
+        TypeError, match="group must be None .* or a torch.distributed ProcessGroup, got int 5"
+    ):
+        DeterministicAllreduceState(group=5)
+    with pytest.raises(
+        TypeError, match="state of deterministic_allreduce_hook is a DeterministicAllreduceState"
+    ):
+        deterministic_allreduce_hook(5, None)  # refused before the bucket is read
+    state = DeterministicAllreduceState(average=False)
+    assert state.group is None and state.average is False

@@ -230,8 +230,35 @@ def test_empty_normalized_size_raises():
             ValueError, match=r"rms_norm: normalized size must be >= 1, got normalized_shape \(0,\)"
         ):
             det_train.rms_norm(x, w)
-    with pytest.raises(ValueError, match="normalized size must be >= 1"):
-        det_train.RMSNorm(0)(torch.randn(2, 0))
+    # the module refuses such a shape at construction (it built, then every forward failed)
+    for shape in (0, (4, 0), (-2,), ()):
+        with pytest.raises(
+            ValueError, match=r"det_train.RMSNorm: normalized_shape .* at least one dim, each >= 1"
+        ):
+            det_train.RMSNorm(shape, elementwise_affine=False)
+    for shape in (3.5, True, "8", (8, 2.0)):
+        with pytest.raises(
+            TypeError, match="det_train.RMSNorm: normalized_shape must be an int or a sequence"
+        ):
+            det_train.RMSNorm(shape)
+    norm = det_train.RMSNorm([2, 1], eps=0.0)  # a list, as torch takes it
+    assert norm.normalized_shape == (2, 1)
+    x = torch.tensor([[[4.0], [-4.0]], [[1.0], [1.0]]])  # rows' mean squares 16 and 1: exact
+    assert_bitwise_equal(norm(x), torch.tensor([[[1.0], [-1.0]], [[1.0], [1.0]]]))
+
+
+def test_0d_x_and_empty_normalized_shape_are_refused_like_torch():
+    # found by a new-user trial: both ran, normalizing over nothing (torch raises)
+    with pytest.raises(ValueError, match=r"rms_norm: x is 0-dimensional; .* e.g. x.reshape\(1\)"):
+        det_train.rms_norm(torch.tensor(2.0))
+    with pytest.raises(ValueError, match="rms_norm: x is 0-dimensional"):
+        det_train.rms_norm(torch.tensor(2.0), torch.tensor(1.0), normalized_shape=())
+    with pytest.raises(ValueError, match=r"rms_norm: normalized_shape is \(\): .* at least 1-dimensional"):
+        det_train.rms_norm(torch.randn(2, 3), normalized_shape=())
+    with pytest.raises(ValueError, match="rms_norm: weight is 0-dimensional: the normalized dims must be"):
+        det_train.rms_norm(torch.randn(2, 3), torch.tensor(1.0))
+    # one trailing dim of size 1 is fine: x / sqrt(x**2) = sign(x) with eps = 0
+    assert_bitwise_equal(det_train.rms_norm(torch.tensor([-2.0]), eps=0.0), torch.tensor([-1.0]))
 
 
 def test_non_tensor_input_raises_type_error():

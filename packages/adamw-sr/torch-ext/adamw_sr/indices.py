@@ -40,21 +40,45 @@ def default_base_indices(numels, alignments=None) -> list[int]:
     8; a param with 8-bit states starts on a block of ``_state_codes.QUANT_BLOCK``, 32).
 
     Args:
-        numels: iterable of element counts (global counts for DTensors).
-        alignments: iterable of ints, one per param (default: 8 for every param).
+        numels: iterable of element counts (global counts for DTensors): non-negative integers
+            (int, numpy integer or 0-dim integer tensor; not bools or floats).
+        alignments: iterable of positive integers, one per param (default: 8 for every param).
 
     Returns: list of ints.
+
+    Raises:
+        TypeError: a count or an alignment that is not an integer (a bool, a float, a string).
+        ValueError: a negative count, an alignment below 1, or not one alignment per count.
 
     **Determinism:** a pure function of the counts, the alignments and their order: a sharded run,
     which sees the global counts, assigns the same indices as the unsharded one.
     """
+    op = "adamw_sr.default_base_indices"
+    numels = [
+        runtime.as_index(n, f"numels[{i}]", op, "; pass element counts (p.numel())")
+        for i, n in enumerate(numels)
+    ]
+    if alignments is None:
+        alignments = [BASE_INDEX_ALIGNMENT] * len(numels)
+    else:
+        alignments = [runtime.as_index(a, f"alignments[{i}]", op) for i, a in enumerate(alignments)]
+        if len(alignments) != len(numels):
+            raise ValueError(
+                f"{op}: alignments has {len(alignments)} entries but numels has {len(numels)}; give one "
+                "alignment per param (or None: 8 for every param)"
+            )
+    for what, values, low, fix in (
+        ("numels", numels, 0, "an element count is non-negative (p.numel())"),
+        ("alignments", alignments, 1, "an alignment is positive: 8, or 32 for a param with 8-bit states"),
+    ):
+        bad = next((i for i, v in enumerate(values) if v < low), None)
+        if bad is not None:
+            raise ValueError(f"{op}: {what}[{bad}] = {values[bad]} must be >= {low}: {fix}")
     out, offset = [], 0
-    numels = list(numels)
-    alignments = [BASE_INDEX_ALIGNMENT] * len(numels) if alignments is None else list(alignments)
     for n, align in zip(numels, alignments, strict=True):
         offset = runtime.cdiv(offset, align) * align
         out.append(offset)
-        offset = runtime.cdiv(offset + int(n), BASE_INDEX_ALIGNMENT) * BASE_INDEX_ALIGNMENT
+        offset = runtime.cdiv(offset + n, BASE_INDEX_ALIGNMENT) * BASE_INDEX_ALIGNMENT
     return out
 
 

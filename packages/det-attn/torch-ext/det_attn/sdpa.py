@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ._checks import as_dropout_p, as_seed
 from .flash_attention import attention
 
 __all__ = ["scaled_dot_product_attention"]
@@ -40,11 +41,13 @@ def scaled_dot_product_attention(
         ``(B, H_q, L, E)``, a transposed view of ``attention``'s ``(B, L, H_q, E)`` output.
 
     Raises:
-        TypeError: a non-tensor input, or what ``det_attn.attention`` rejects by type (dtypes, a
-            ``dropout_p`` that is not a real number, a ``seed`` that is not an integer).
+        TypeError: a non-tensor input, a ``dropout_p`` that is not a real number, a ``seed`` that
+            is not an integer, or what ``det_attn.attention`` rejects by type (dtypes).
         ValueError: ``attn_mask`` given, an input not 4-D, ``H_q != H_kv`` without
-            ``enable_gqa``, ``is_causal`` with ``L != S``, or what ``det_attn.attention`` rejects
-            by value.
+            ``enable_gqa``, ``is_causal`` with ``L != S``, ``dropout_p`` outside ``[0, 1)``,
+            ``dropout_p > 0`` without a ``seed``, a ``seed`` outside ``[0, 2**64)``, or what
+            ``det_attn.attention`` rejects by value (those messages name ``det_attn.attention``
+            and its arguments: ``q``, ``softmax_scale``).
 
     **Determinism:** as ``det_attn.attention`` (run to run, batch invariant, no atomics; the same
     bits under ``torch.compile``, which traces it with no graph break).
@@ -70,6 +73,15 @@ def scaled_dot_product_attention(
         raise ValueError(
             f"{op}: is_causal with L={query.shape[2]} != S={key.shape[2]} is aligned top-left in torch but "
             "bottom-right here; call det_attn.attention(causal=True) if bottom-right is what you want"
+        )
+    # checked here, as the transformers function does, so the messages name this function
+    dropout_p = as_dropout_p(dropout_p, "dropout_p", op)
+    if seed is not None:
+        seed = as_seed(seed, "seed", op)
+    elif dropout_p > 0.0:
+        raise ValueError(
+            f"{op}: dropout_p > 0 needs an explicit integer seed, the keyword seed= (there is no global "
+            "generator)"
         )
     out = attention(
         query.transpose(1, 2),

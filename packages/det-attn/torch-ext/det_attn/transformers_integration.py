@@ -189,8 +189,27 @@ def register_transformers_attention(name: str = "det_attn") -> bool:
     flash-attention mask builder (``AttentionMaskInterface``), which gives ``None`` when there is
     no padding. Returns False, and registers nothing, when transformers is not installed.
 
+    Args:
+        name: a non-empty str, what ``attn_implementation=`` names (default ``"det_attn"``).
+
+    Raises:
+        TypeError: ``name`` is not a str. ValueError: ``name`` is empty (or only spaces). Both
+            before anything is registered; an error raised while importing transformers other
+            than ``ImportError`` (a broken install) propagates.
+
     **Determinism:** registration only; see ``det_attn_transformers_forward``.
     """
+    # transformers keys its registries by the name: a non-str one is never reachable from a config
+    if not isinstance(name, str):
+        raise TypeError(
+            f"det_attn.register_transformers_attention: name must be a str (what attn_implementation= "
+            f"names), got {type(name).__name__} {name!r}"
+        )
+    if not name.strip():
+        raise ValueError(
+            f"det_attn.register_transformers_attention: name must be a non-empty str, got {name!r}; "
+            "the default is 'det_attn'"
+        )
     # transformers is an optional peer, never a dependency of the kernel: it is looked up at call
     # time (importlib, so the Hub build's import check sees no hard import) and its absence is a no-op.
     try:

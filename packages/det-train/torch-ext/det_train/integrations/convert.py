@@ -89,6 +89,10 @@ class ConversionError(ValueError):
     ``(qualified name, class name, reason)`` for each (``""`` is the model itself), in
     ``named_modules()`` order; the message shows them one per line.
 
+    Raises: nothing itself; ``convert`` raises it (``strict=True``, the default) when one or more
+    modules cannot be made deterministic and none of them is in ``allow``. A ``ValueError``, so
+    ``except ValueError`` catches it too.
+
     **Determinism:** raised before anything is changed: the model is as it was (no module
     replaced, no loss installed), so it can be fixed and converted again.
     """
@@ -111,8 +115,18 @@ class ScaledEmbedding(Embedding):
     (``embedding(ids) * embed_scale.to(weight.dtype)``, transformers' ``Gemma*ScaledWordEmbedding``).
 
     Built by ``convert`` from such a module (its ``weight``, ``padding_idx`` and non-persistent
-    ``embed_scale`` buffer are kept). Forward: ``ids (...)`` int32 / int64 gives ``(..., D)`` in
-    ``weight.dtype``; errors as ``det_train.embedding``.
+    ``embed_scale`` buffer are kept), or directly: ``det_train.Embedding``'s arguments plus the
+    keyword ``embed_scale`` (a finite real number, default 1.0; stored as a non-persistent fp32
+    0-dim buffer, as transformers does). Forward: ``ids (...)`` int32 / int64 gives ``(..., D)`` in
+    ``weight.dtype``.
+
+    Raises:
+        TypeError: at construction, ``embed_scale`` not a real number (a bool, a string, a tensor);
+            at forward, as ``det_train.embedding`` (ids not int32 / int64, weight not floating point).
+        ValueError: at construction, ``embed_scale`` not finite, or what ``det_train.Embedding``
+            refuses (``max_norm``, ``scale_grad_by_freq``, ``sparse=True``); at forward, an id outside
+            ``[0, V)`` (as ``det_train.embedding``). RuntimeError: device problems, as
+            ``det_train.embedding``.
 
     **Determinism:** the lookup and the elementwise scale are exact and row invariant; the weight
     gradient is ``det_train.embedding``'s canonical-order sum of the scaled ``dy``.
@@ -120,6 +134,18 @@ class ScaledEmbedding(Embedding):
     Method: Gemma's input scaling by ``sqrt(hidden_size)`` (Gemma Team, "Gemma: Open Models Based
     on Gemini Research and Technology", 2024), as transformers' ``GemmaTextScaledWordEmbedding``.
     """
+
+    def __init__(self, *args, embed_scale: float = 1.0, **kwargs) -> None:
+        if isinstance(embed_scale, bool) or not isinstance(embed_scale, numbers.Real):
+            raise TypeError(
+                f"det_train.ScaledEmbedding: embed_scale must be a real number (e.g. hidden_size ** 0.5), "
+                f"got {type(embed_scale).__name__} {embed_scale!r}"
+            )
+        if not math.isfinite(embed_scale):
+            raise ValueError(f"det_train.ScaledEmbedding: embed_scale must be finite, got {embed_scale!r}")
+        super().__init__(*args, **kwargs)
+        # not in the state_dict, as transformers' Gemma*ScaledWordEmbedding
+        self.register_buffer("embed_scale", torch.tensor(float(embed_scale)), persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return embedding(ids, self.weight, self.padding_idx) * self.embed_scale.to(self.weight.dtype)
@@ -626,7 +652,8 @@ def convert(model: nn.Module, *, strict: bool = True, allow: Iterable = ()) -> n
     Raises:
         ConversionError (a ValueError): with ``strict``, one or more modules that cannot be made
             deterministic (each named, with its class and why), before anything is changed.
-        TypeError: ``model`` is not an ``nn.Module``.
+        TypeError: ``model`` is not an ``nn.Module``; ``strict`` is not a bool (a string such as
+            ``"no"`` is truthy: it would be strict).
         RuntimeError: a registered factory that does not reuse the module's Parameters.
 
     Method: module replacement keeping parameter identity (as ``torch.ao.quantization`` swaps
@@ -634,6 +661,8 @@ def convert(model: nn.Module, *, strict: bool = True, allow: Iterable = ()) -> n
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"det_train.convert: model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(strict, bool):
+        raise TypeError(f"det_train.convert: strict must be True or False, got {strict!r}")
     allow = {allow} if isinstance(allow, (str, type)) else set(allow)  # one name or class, or several
     replacements: dict[int, nn.Module] = {}
     loss_modules, problems, configs = [], [], set()

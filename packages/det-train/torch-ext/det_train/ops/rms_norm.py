@@ -437,7 +437,8 @@ def rms_norm(
 
     Raises:
         TypeError: ``x`` or ``weight`` not a tensor; non-float or unsupported dtypes.
-        ValueError: weight shape or size mismatch (a weight whose shape is not ``x``'s trailing
+        ValueError: a 0-d ``x``, an empty ``normalized_shape`` (or a 0-d weight giving it), as
+            torch; weight shape or size mismatch (a weight whose shape is not ``x``'s trailing
             dims), trailing shape mismatch, normalized size 0 (must be >= 1) or over 65536,
             ``eps`` negative, NaN or infinite; ``offset`` not finite, or non-zero without a
             weight; ``rows_per_token`` not a positive int or not dividing the rows; tensors on
@@ -503,6 +504,11 @@ def _check_args(x, weight, eps, normalized_shape, offset, rows_per_token=1) -> t
                 f"rms_norm: {name} must be a torch.Tensor, got {type(t).__name__}; "
                 "convert it with torch.as_tensor(...)"
             )
+    if x.dim() == 0:  # torch refuses it too: no dim to normalize over
+        raise ValueError(
+            "rms_norm: x is 0-dimensional; it needs at least one dim to normalize over (as "
+            "torch.nn.functional.rms_norm): give it one, e.g. x.reshape(1)"
+        )
     from_weight = normalized_shape is None and weight is not None
     if normalized_shape is None:
         normalized_shape = tuple(weight.shape) if weight is not None else tuple(x.shape[-1:])
@@ -516,6 +522,12 @@ def _check_args(x, weight, eps, normalized_shape, offset, rows_per_token=1) -> t
             f"rms_norm: normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}"
         )
     normalized_shape = tuple(int(s) for s in normalized_shape)
+    if not normalized_shape:
+        what = "weight is 0-dimensional" if from_weight else "normalized_shape is ()"
+        raise ValueError(
+            f"rms_norm: {what}: the normalized dims must be at least one (torch: 'Expected normalized_shape "
+            "to be at least 1-dimensional'); normalize over the last dim, e.g. normalized_shape=x.shape[-1:]"
+        )
     trailing = tuple(x.shape[max(x.dim() - len(normalized_shape), 0) :])
     if x.dim() < len(normalized_shape) or trailing != normalized_shape:
         if from_weight:  # the normalized shape was taken from the weight: name the weight
@@ -541,6 +553,24 @@ def _check_args(x, weight, eps, normalized_shape, offset, rows_per_token=1) -> t
     offset = _check_offset(offset, weight, "rms_norm")
     _check_rows_per_token(rows_per_token, x.numel() // d, x.shape)
     return d, float(eps), offset
+
+
+def _positive_shape(normalized_shape, op: str) -> tuple[int, ...]:
+    """``normalized_shape`` (an int or a sequence of ints) as a tuple of one or more dims >= 1."""
+    shape = (normalized_shape,) if isinstance(normalized_shape, numbers.Integral) else normalized_shape
+    if not isinstance(shape, (tuple, list, torch.Size)) or any(
+        isinstance(s, bool) or not isinstance(s, numbers.Integral) for s in shape
+    ):
+        raise TypeError(
+            f"{op}: normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}"
+        )
+    shape = tuple(int(s) for s in shape)
+    if not shape or min(shape) < 1:
+        raise ValueError(
+            f"{op}: normalized_shape {shape} must have at least one dim, each >= 1 (an empty row has no "
+            "mean square): pass the sizes of the trailing dims to normalize, e.g. hidden_size"
+        )
+    return shape
 
 
 def _check_rows_per_token(group, rows: int, shape) -> None:
@@ -582,13 +612,14 @@ class RMSNorm(torch.nn.RMSNorm):
     With ``heads``, ``x`` needs a head axis besides ``normalized_shape``.
 
     Raises:
-        TypeError: at construction, a weight ``dtype`` other than float32, bfloat16, float16, or
-            an ``offset`` that is not a real number.
-        ValueError: at construction, ``eps`` negative, NaN or infinite, ``offset`` not finite or
-            non-zero without a weight. At forward, as ``rms_norm``: TypeError for unsupported
-            dtypes; ValueError for a trailing shape other than ``normalized_shape`` or ``D`` over
-            65536, or (with ``heads``) an input whose innermost leading dim in memory does not
-            have ``heads`` elements; RuntimeError / ValueError for device problems.
+        TypeError: at construction, ``normalized_shape`` not an int or a sequence of ints, a weight
+            ``dtype`` other than float32, bfloat16, float16, or an ``offset`` that is not a real number.
+        ValueError: at construction, an empty ``normalized_shape`` or one with a dim below 1,
+            ``eps`` negative, NaN or infinite, ``offset`` not finite or non-zero without a weight. At
+            forward, as ``rms_norm``: TypeError for unsupported dtypes; ValueError for a trailing
+            shape other than ``normalized_shape`` or ``D`` over 65536, or (with ``heads``) an input
+            whose innermost leading dim in memory does not have ``heads`` elements; RuntimeError /
+            ValueError for device problems.
 
     **Determinism:** bitwise run to run; each row's output and input gradient do not depend on
     the number of rows, its position or the other rows. The weight gradient is a sum over tokens in
@@ -614,6 +645,7 @@ class RMSNorm(torch.nn.RMSNorm):
         heads: int | None = None,
     ) -> None:
         eps = _check_eps(eps, "det_train.RMSNorm")
+        normalized_shape = _positive_shape(normalized_shape, "det_train.RMSNorm")
         if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1):
             raise ValueError(f"det_train.RMSNorm: heads must be None or a positive int, got {heads!r}")
         if (

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from det_core.reduce import TreePartial
 
 from ..accum.dp_reduce import all_gather_single
+from ..accum.grad_accum import CanonicalGradAccumulator
 
 __all__ = ["DeterministicAllreduceState", "deterministic_allreduce_hook", "rank_tree_sum", "reduce_gradients"]
 
@@ -38,12 +39,27 @@ def reduce_gradients(accumulator, total_tokens: int, group=None) -> None:
         total_tokens: tokens of the global batch (all ranks, all micro-batches).
         group: data-parallel process group (None: the default group).
 
+    Raises:
+        TypeError: ``accumulator`` is not a ``CanonicalGradAccumulator``; ``total_tokens`` not an
+            integer.
+        ValueError, RuntimeError: as ``CanonicalGradAccumulator.reduce`` (``total_tokens`` not
+            covering the deposits, missing tokens, an open leaf, a non-zero ``p.grad``, another
+            rank's failed checks; a call inside a micro-batch, nothing deposited, a ``group`` without
+            an initialized process group), before any ``p.grad`` is written.
+
     **Determinism:** ``p.grad`` is bitwise identical on every rank and for every DP degree /
     micro-batch split whose boundaries are leaf-aligned (tested with gloo for DP 1, 2, 3, 4, 5, 8,
     and FSDP2 over 2, 3, 4 ranks). Do not
     also wrap the model in DDP (or keep every micro-batch under ``no_sync``): the accumulator does the
     communication, and det_train ops return no autograd gradient for the tracked parameters.
     """
+    if not isinstance(accumulator, CanonicalGradAccumulator):
+        raise TypeError(
+            "det_train.reduce_gradients: accumulator must be the det_train.CanonicalGradAccumulator that "
+            f"received this rank's micro-batches, got {type(accumulator).__name__}; build one with "
+            "CanonicalGradAccumulator(model.parameters()) and run each micro-batch under "
+            "acc.micro_batch(token_offset)"
+        )
     accumulator.reduce(total_tokens=total_tokens, group=group)
 
 
@@ -64,6 +80,10 @@ class DeterministicAllreduceState:
             per-rank mean). Use ``average=False`` with ``cross_entropy(..., num_global_tokens=N)``,
             whose gradients are already scaled by 1 / (global tokens).
 
+    Raises:
+        TypeError: ``group`` is neither None nor a ``torch.distributed.ProcessGroup``; ``average``
+            is not a bool (a string such as ``"no"`` is truthy: it would average).
+
     **Determinism:** configuration only. With ``average=True`` the division by the world size is
     one elementwise fp32 operation after the fixed rank-order tree, so it is run-to-run
     deterministic but makes the result depend on the DP degree; ``average=False`` keeps the
@@ -72,6 +92,18 @@ class DeterministicAllreduceState:
 
     group: object = None
     average: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.average, bool):
+            raise TypeError(
+                f"DeterministicAllreduceState: average must be True or False, got {self.average!r}"
+            )
+        if self.group is not None and not isinstance(self.group, dist.ProcessGroup):
+            raise TypeError(
+                "DeterministicAllreduceState: group must be None (the default group) or a "
+                f"torch.distributed ProcessGroup, got {type(self.group).__name__} {self.group!r} (the state "
+                "of deterministic_allreduce_hook is a DeterministicAllreduceState, a ProcessGroup or None)"
+            )
 
 
 # no `from __future__ import annotations` here: DDP checks the hook's annotations as objects
@@ -88,6 +120,12 @@ def deterministic_allreduce_hook(state, bucket: dist.GradBucket) -> torch.future
 
     Returns:
         A future holding the reduced bucket (same dtype; the sum is computed in fp32 and rounded once).
+
+    Raises:
+        TypeError: ``state`` is neither a ``DeterministicAllreduceState``, a ``ProcessGroup`` nor
+            None (as ``DeterministicAllreduceState`` refuses such a group).
+        ValueError: torch.distributed's, when ``group`` is None and no default process group is
+            initialized. RuntimeError: a failed collective (torch.distributed's, from the backend).
 
     Method: rank r owns elements ``[r * c, (r + 1) * c)`` of the bucket (``c = ceil(numel / W)``);
     one ``all_to_all_single`` gives it every rank's copy of them, it sums the W copies by
