@@ -165,6 +165,16 @@ def test_bad_input():
         det_train.layer_norm(x, (8,), torch.ones(16)[::2])
     with pytest.raises(TypeError, match="float64"):
         det_train.LayerNorm(8, dtype=torch.float64)
+    # found by a new-user trial: an empty normalized_shape normalized nothing and returned zeros, as
+    # for a 0-d x; LayerNorm(0) built and every forward failed
+    with pytest.raises(ValueError, match=r"normalized_shape is \(\)"):
+        det_train.layer_norm(x, ())
+    with pytest.raises(ValueError, match=r"normalized_shape is \(\)"):
+        det_train.layer_norm(torch.tensor(1.0), ())
+    with pytest.raises(ValueError, match="does not end with normalized_shape"):
+        det_train.layer_norm(torch.tensor(1.0), (1,))
+    with pytest.raises(ValueError, match=r"det_train.LayerNorm: normalized_shape \(0,\) must have"):
+        det_train.LayerNorm(0)
 
 
 # ---------------------------------------------------------------- GPU, real sizes

@@ -37,6 +37,7 @@ from ._library import Op
 from ._norm_tiles import chunk_grads, chunk_tile, forward_rows, row_block, row_sum
 from ._rms_norm_kernels import MAX_D, MAX_ROWS_PER_CHUNK, num_warps_for
 from .linear import GradPlan, bias_grad_op, deposit_bias_op
+from .rms_norm import positive_shape
 
 __all__ = ["LayerNorm", "layer_norm"]
 
@@ -380,8 +381,8 @@ def layer_norm(
     Raises:
         TypeError: ``x``, ``weight`` or ``bias`` not a tensor or of an unsupported dtype; ``eps``
             not a real number.
-        ValueError: ``x`` not ending with ``normalized_shape``; a ``weight`` / ``bias`` of another
-            shape or not contiguous; ``D`` of 0 or over 65536; ``eps`` negative, NaN or infinite;
+        ValueError: an empty ``normalized_shape``, ``x`` not ending with it; a ``weight`` / ``bias``
+            of another shape or not contiguous; ``D`` of 0 or over 65536; ``eps`` negative, NaN or infinite;
             tensors on different devices.
         RuntimeError: CPU tensors without the Triton interpreter, or another unsupported device.
 
@@ -396,6 +397,11 @@ def layer_norm(
                 f"layer_norm: {name} dtype {t.dtype} is not supported (float32, bfloat16, float16)"
             )
     shape = _normalized(normalized_shape)
+    if not shape:  # prod(()) is 1: every "row" would be one element of nothing normalized
+        raise ValueError(
+            "layer_norm: normalized_shape is (): the normalized dims must be at least one (torch: "
+            "'Expected normalized_shape to be at least 1-dimensional'); e.g. normalized_shape=x.shape[-1:]"
+        )
     d = math.prod(shape)
     trailing = tuple(x.shape[max(x.dim() - len(shape), 0) :])
     if x.dim() < len(shape) or trailing != shape:
@@ -462,6 +468,7 @@ class LayerNorm(torch.nn.LayerNorm):
         dtype=None,
     ) -> None:
         eps = _check_eps(eps, "det_train.LayerNorm")
+        normalized_shape = positive_shape(normalized_shape, "det_train.LayerNorm")
         if elementwise_affine and dtype is not None and dtype not in _DTYPES:
             raise TypeError(
                 f"det_train.LayerNorm: dtype {dtype} is not supported (float32, bfloat16, float16)"

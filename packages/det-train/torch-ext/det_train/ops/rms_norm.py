@@ -555,7 +555,7 @@ def _check_args(x, weight, eps, normalized_shape, offset, rows_per_token=1) -> t
     return d, float(eps), offset
 
 
-def _positive_shape(normalized_shape, op: str) -> tuple[int, ...]:
+def positive_shape(normalized_shape, op: str) -> tuple[int, ...]:
     """``normalized_shape`` (an int or a sequence of ints) as a tuple of one or more dims >= 1."""
     shape = (normalized_shape,) if isinstance(normalized_shape, numbers.Integral) else normalized_shape
     if not isinstance(shape, (tuple, list, torch.Size)) or any(
@@ -645,7 +645,7 @@ class RMSNorm(torch.nn.RMSNorm):
         heads: int | None = None,
     ) -> None:
         eps = _check_eps(eps, "det_train.RMSNorm")
-        normalized_shape = _positive_shape(normalized_shape, "det_train.RMSNorm")
+        normalized_shape = positive_shape(normalized_shape, "det_train.RMSNorm")
         if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1):
             raise ValueError(f"det_train.RMSNorm: heads must be None or a positive int, got {heads!r}")
         if (
