@@ -274,7 +274,7 @@ def test_causal_lm_loss_matches_transformers_and_honours_num_items_in_batch():
     logits = torch.randn(3, 7, 50, generator=g)
     labels = torch.randint(0, 50, (3, 7), generator=g)
     labels[0, 2:4] = -100
-    for n_items in (None, 11, torch.tensor(17.0)):  # Trainer passes a float tensor
+    for n_items in (None, 23, torch.tensor(17.0)):  # Trainer passes a float tensor
         a = logits.clone().requires_grad_()
         b = logits.clone().requires_grad_()
         ours = det_train.causal_lm_loss(a, labels, 50, num_items_in_batch=n_items)
@@ -285,12 +285,16 @@ def test_causal_lm_loss_matches_transformers_and_honours_num_items_in_batch():
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
     shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
     assert_bitwise_equal(
-        det_train.causal_lm_loss(logits, None, shift_labels=shifted, num_items_in_batch=9),
-        det_train.causal_lm_loss(logits, labels, num_items_in_batch=9),
+        det_train.causal_lm_loss(logits, None, shift_labels=shifted, num_items_in_batch=19),
+        det_train.causal_lm_loss(logits, labels, num_items_in_batch=19),
         "shift_labels",
     )
     with pytest.raises(ValueError, match="positive whole number"):
         det_train.causal_lm_loss(logits, labels, num_items_in_batch=2.5)
+    # the 16 counted shifted labels of this call are part of any global count (transformers divides by
+    # whatever it is given)
+    with pytest.raises(ValueError, match="num_global_tokens=15 is smaller than the 16 non-ignored tokens"):
+        det_train.causal_lm_loss(logits, labels, num_items_in_batch=15)
     with pytest.raises(ValueError, match="vocab_size=49"):
         det_train.causal_lm_loss(logits, labels, 49)
     acc = CanonicalGradAccumulator([nn.Parameter(torch.ones(1))])

@@ -86,7 +86,9 @@ def causal_lm_loss(
         TypeError: ``num_items_in_batch`` not a number; as ``cross_entropy`` (dtypes).
         ValueError: ``vocab_size`` other than ``logits.shape[-1]``; ``labels`` / ``shift_labels``
             not of ``logits.shape[:-1]``; ``num_items_in_batch`` not a positive whole number or of
-            several elements; no ``num_items_in_batch`` inside a ``CanonicalGradAccumulator``
+            several elements, or smaller than this call's own counted labels (transformers divides by
+            any count; a global count is never below one micro-batch's); no ``num_items_in_batch``
+            inside a ``CanonicalGradAccumulator``
             micro-batch (each micro-batch would divide by its own count); a label outside
             ``[0, V)`` that is not ``ignore_index``.
 
