@@ -24,7 +24,9 @@ fp32 values into bf16 memory) round to nearest-even (``round_bf16``), as the GPU
 ``cvt.rn.bf16.f32`` and torch do: the interpreter's own cast truncates, so a kernel's bf16 output on
 CPU was the GPU's rounded toward zero.
 
-``install()`` also spares the interpreter a cost that changes no value: Triton's interpreter patches
+``install()`` also silences numpy's warnings about infinities and NaNs inside a launch (IEEE
+arithmetic the kernels make on purpose, which the GPU does without a word), and spares the
+interpreter a cost that changes no value: Triton's interpreter patches
 ``triton.language`` for the interpreter at every launch (restored when the launch ends) and patches it
 again at every call of a nested ``triton.jit`` function, ``tl.zeros`` included (a scan of the
 language's few hundred members per call, and a program of a kernel makes several such calls).
@@ -210,6 +212,25 @@ def install() -> None:
     builder.cast_impl = cast_impl
     builder._det_core_host_independent = True
     _skip_repeated_patches(interpreter, tl)
+    _quiet_ieee_special_values(interpreter)
+
+
+def _quiet_ieee_special_values(interpreter) -> None:
+    """Run every launch under ``np.errstate(all="ignore")``: numpy warns (``RuntimeWarning: overflow /
+    invalid value encountered``) where IEEE arithmetic makes an infinity or a NaN, which kernels make
+    on purpose (``-inf`` masks before a softmax, an overflow the step propagates as torch does) and the
+    GPU computes without a word; the warnings reached users' output. The values are unchanged."""
+    grid_executor = getattr(interpreter, "GridExecutor", None)
+    if grid_executor is None or getattr(grid_executor, "_det_core_quiet", False):
+        return
+    triton_launch = grid_executor.__call__
+
+    def launch(self, *args, **kwargs):
+        with np.errstate(all="ignore"):
+            return triton_launch(self, *args, **kwargs)
+
+    grid_executor.__call__ = launch
+    grid_executor._det_core_quiet = True
 
 
 def _skip_repeated_patches(interpreter, tl) -> None:

@@ -110,3 +110,24 @@ def test_triton_imported_before_the_interpreter_was_set_is_named():
     said = run_in_fresh_process(script, cold_triton_cache=False, env={"TRITON_INTERPRET": "0"})
     assert "TRITON_INTERPRET=1 was set after triton was imported" in said
     assert "before anything imports triton" in said
+
+
+@triton.jit
+def _inf_minus_inf_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs)
+    tl.store(out_ptr + offs, (x * 1e30) * 1e30 - x * 1e38 * 1e38)  # overflow, then inf - inf
+
+
+def test_ieee_specials_in_a_kernel_raise_no_numpy_warning():
+    """Infinities and NaNs are IEEE arithmetic the kernels make on purpose (masks, overflow the step
+    propagates); the GPU computes them silently, and so does the interpreter now (numpy warned)."""
+    import warnings
+
+    x = torch.full((16,), 3.0)
+    out = torch.empty_like(x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _inf_minus_inf_kernel[(1,)](x, out, BLOCK=16)
+    assert out.isnan().all()  # the IEEE result
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in caught]
