@@ -124,6 +124,65 @@ def test_compiled_model_with_fixed_folds_gives_the_eager_bits():
     torch._dynamo.reset()
 
 
+class _BrokenBlock(_Block):
+    """The block with a graph break after its up projection: two compiled graphs per forward."""
+
+    def forward(self, ids, targets, n):
+        h = self.emb(ids)
+        up = self.up(self.norm(h))
+        torch._dynamo.graph_break()
+        logits = self.head(h + self.down(up))
+        return det_train.cross_entropy(logits.flatten(0, -2), targets.flatten(), num_global_tokens=n)
+
+
+def _broken_model() -> _BrokenBlock:
+    torch.manual_seed(0)
+    return _BrokenBlock()
+
+
+@pytest.mark.parametrize("how", ["graph break", "modules compiled one by one"])
+def test_fixed_folds_take_any_number_of_compiled_graphs(how):
+    """A graph break, or each module compiled on its own (the FSDP2 recipe): fixed folds give the
+    eager bits; each weight's folds are its own, which no other graph saves (the plain deposits share
+    one ticket, and refuse: test_several_graphs_with_plain_deposits_are_refused_and_undone)."""
+    sizes, leaf = [64] * 4, 128
+    want = _grads([sum(sizes)], leaf, fixed=False)[0]
+    torch._dynamo.reset()
+    model = _broken_model()
+    if how == "graph break":
+        run = torch.compile(model, backend="aot_eager")
+    else:
+        for module in (model.emb, model.norm, model.up, model.down, model.head):
+            module.compile(backend="aot_eager", fullgraph=True)
+        run = model
+    _assert_grads(_grads(sizes, leaf, fixed=True, run=run, model=model), want, f"fixed folds, {how}")
+    torch._dynamo.reset()
+
+
+def test_several_graphs_with_plain_deposits_are_refused_and_undone():
+    """Plain deposits mutate one ticket tensor that every compiled graph saves, so a second graph's
+    backward fails autograd's version check of the first's (found by a new-user trial): the error
+    says why and what to use, and the micro-batch left no deposit (it runs again eagerly)."""
+    sizes, leaf = [64] * 4, 128
+    want = _grads([sum(sizes)], leaf, fixed=False)[0]
+    torch._dynamo.reset()
+    model = _broken_model()
+    ids, targets = _batch(sum(sizes))
+    acc = CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=leaf)
+    run = torch.compile(model, backend="aot_eager")
+    with pytest.raises(RuntimeError, match="several torch.compile graphs .* fullgraph=True.* fixed folds"):
+        with acc.micro_batch(0):
+            run(ids[:, :64], targets[:, :64], 256).backward()
+    lo = 0
+    for n in sizes:  # the same accumulator, eagerly: the refused micro-batch left nothing behind
+        with acc.micro_batch(lo):
+            model(ids[:, lo : lo + n], targets[:, lo : lo + n], 256).backward()
+        lo += n
+    acc.reduce(256)
+    _assert_grads([{name: p.grad for name, p in model.named_parameters()}], want, "after the refusal")
+    torch._dynamo.reset()
+
+
 def test_fixed_folds_are_the_weights_no_other_module_holds():
     model = _model()
     model.head.weight = model.emb.weight  # tied: the embedding table deposits as before

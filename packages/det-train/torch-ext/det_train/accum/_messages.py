@@ -14,6 +14,7 @@ __all__ = [
     "failed_backward",
     "frozen_hint",
     "poisoned",
+    "several_graphs",
     "slot_name",
     "token_mismatch",
     "who",
@@ -90,6 +91,25 @@ def failed_backward(acc, token_offset: int) -> str:
         "exception leave the `with` block, then run the micro-batch again in a new one "
         "(recoverable=True undoes this micro-batch's deposits; with recoverable=False call acc.reset() "
         "and run the step again)"
+    )
+
+
+def several_graphs(error: BaseException, token_offset: int) -> str | None:
+    """The message for autograd's version error on the deposit ticket (a 0-element int64 tensor):
+    the forward ran as several compiled graphs, each saving the one ticket that every deposit
+    mutates, so a later graph's backward changed what an earlier one saved. None for other errors."""
+    text = str(error)
+    if not (isinstance(error, RuntimeError) and "modified by an inplace operation" in text):
+        return None
+    if "[torch.LongTensor [0]]" not in text and "[torch.cuda.LongTensor [0]]" not in text:
+        return None
+    return (
+        f"CanonicalGradAccumulator: the micro-batch at token {token_offset} ran the model as several "
+        "torch.compile graphs (a graph break, or modules compiled one by one): every deposit of the "
+        "accumulator mutates one ticket tensor that each graph saves, so the graphs' backwards cannot all "
+        "run. Compile the model as one graph (torch.compile(model, fullgraph=True)), or use fixed folds "
+        "(CanonicalGradAccumulator(..., recoverable=False) and acc.fixed_folds(model)), which take any "
+        "number of graphs. The micro-batch's deposits were undone: run it again."
     )
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from ._messages import check_micro_batch, failed_backward, poisoned
+from ._messages import check_micro_batch, failed_backward, poisoned, several_graphs
 from ._undo_log import UndoLog
 
 __all__ = ["ACTIVE", "micro_batch"]
@@ -49,6 +49,9 @@ def micro_batch(acc, token_offset: int, num_tokens: int | None) -> Iterator:
         acc.pending_copies = []
         if acc.recoverable or not (acc._uses or fixed):  # nothing was written in place
             acc._undo(spans, max_end)  # a micro-batch that raises leaves no deposit: run it again
+            message = several_graphs(err, token_offset)
+            if message is not None:  # autograd's own words name an int64 tensor of 0 elements
+                raise RuntimeError(message) from err
         else:  # its folds and nodes were written in place: refuse every later call (no silent sum)
             acc._poisoned = poisoned(acc, token_offset, err)
         raise
