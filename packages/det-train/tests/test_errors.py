@@ -186,6 +186,34 @@ def test_dropout_refusal_says_what_fits_the_model():
     assert "or set its p to 0" in reason
 
 
+def test_config_dropout_applied_functionally_is_refused():
+    """Starcoder2 applies residual_dropout with nn.functional.dropout: no module shows it, and its
+    masks would follow the batch's split (found by a new-user trial: convert accepted it silently).
+    Any dropout field of the config above 0 is refused, naming it; a task head's field is not."""
+    import det_attn  # noqa: F401  (registers attn_implementation="det_attn")
+
+    kw = dict(
+        vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, attention_dropout=0.0, embedding_dropout=0.0, attn_implementation="det_attn",
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    config = transformers.Starcoder2Config(residual_dropout=0.1, **kw)
+    model = transformers.Starcoder2ForCausalLM(config).to(torch.bfloat16)
+    with pytest.raises(det_train.ConversionError) as info:
+        det_train.convert(model)
+    ((name, _, reason),) = info.value.problems
+    assert name == "" and reason.startswith("dropout in the config (residual_dropout=0.1)"), reason
+    assert "build the model with these fields at 0.0" in reason
+    config = transformers.Starcoder2Config(residual_dropout=0.0, **kw)
+    det_train.convert(transformers.Starcoder2ForCausalLM(config).to(torch.bfloat16))
+    gpt2 = transformers.GPT2Config(
+        vocab_size=64, n_embd=64, n_layer=1, n_head=1, n_positions=8, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, attn_implementation="det_attn",
+    )  # fmt: skip
+    assert gpt2.summary_first_dropout > 0  # a double-heads model's field: GPT2LMHeadModel builds no such head
+    det_train.convert(transformers.GPT2LMHeadModel(gpt2).to(torch.bfloat16))
+
+
 def test_fp64_layer_is_an_unsupported_dtype_not_a_determinism_problem():
     with pytest.raises(det_train.ConversionError) as info:
         det_train.convert(nn.Sequential(nn.Linear(4, 4).double()))

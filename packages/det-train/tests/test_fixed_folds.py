@@ -143,8 +143,9 @@ def _broken_model() -> _BrokenBlock:
 @pytest.mark.parametrize("how", ["graph break", "modules compiled one by one"])
 def test_fixed_folds_take_any_number_of_compiled_graphs(how):
     """A graph break, or each module compiled on its own (the FSDP2 recipe): fixed folds give the
-    eager bits; each weight's folds are its own, which no other graph saves (the plain deposits share
-    one ticket, and refuse: test_several_graphs_with_plain_deposits_are_refused_and_undone)."""
+    eager bits; each weight's folds are its own, which no other graph saves. The plain deposits share
+    one ticket (test_several_graphs_with_plain_deposits_are_refused_and_undone): the one left here,
+    the up projection's bias, sits in one graph."""
     sizes, leaf = [64] * 4, 128
     want = _grads([sum(sizes)], leaf, fixed=False)[0]
     torch._dynamo.reset()

@@ -105,11 +105,13 @@ def several_graphs(error: BaseException, token_offset: int) -> str | None:
         return None
     return (
         f"CanonicalGradAccumulator: the micro-batch at token {token_offset} ran the model as several "
-        "torch.compile graphs (a graph break, or modules compiled one by one): every deposit of the "
+        "torch.compile graphs (a graph break, or modules compiled one by one): every plain deposit of the "
         "accumulator mutates one ticket tensor that each graph saves, so the graphs' backwards cannot all "
         "run. Compile the model as one graph (torch.compile(model, fullgraph=True)), or use fixed folds "
-        "(CanonicalGradAccumulator(..., recoverable=False) and acc.fixed_folds(model)), which take any "
-        "number of graphs. The micro-batch's deposits were undone: run it again."
+        "(CanonicalGradAccumulator(..., recoverable=False) and acc.fixed_folds(model)): the Linear, "
+        "RMSNorm and Embedding weights then fold into buffers of their own in any graph, and the deposits "
+        "left (biases, other ops) must sit in one graph. The micro-batch's deposits were undone: run it "
+        "again."
     )
 
 

@@ -484,6 +484,40 @@ def _wants_batch_positions(module: nn.Module) -> bool:
     return isinstance(getattr(module, "wpe", None), nn.Embedding) and _position_ids_index(module) is not None
 
 
+# dropout fields of task heads a causal LM does not build (GPT-2's summary_first_dropout, say)
+_HEAD_DROPOUT = ("classifier", "summary")
+
+
+def _config_dropout_problem(module: nn.Module, seen: set) -> str | None:
+    """A reason the transformers model ``module``'s config asks for dropout: any dropout field above 0
+    (``*dropout*``, ``*pdrop*``; not a task head's, ``_HEAD_DROPOUT``). Some models apply it with
+    ``nn.functional.dropout`` (SeedOss' and Starcoder2's ``residual_dropout``), where no module shows
+    it; its masks come from torch's global generator. Each config checked once."""
+    config = getattr(module, "config", None)
+    if config is None or not hasattr(module, "loss_type") or not hasattr(config, "__dict__"):
+        return None
+    if id(config) in seen:
+        return None
+    seen.add(id(config))
+    fields = [
+        f"{key}={value}"
+        for key, value in vars(config).items()
+        if ("dropout" in key or "pdrop" in key)
+        and key != "attention_dropout"  # its own reason (_det_attn_lacks, _attention_problem)
+        and not any(head in key for head in _HEAD_DROPOUT)
+        and isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and value > 0
+    ]
+    if not fields:
+        return None
+    return (
+        f"dropout in the config ({', '.join(fields)}): its masks come from torch's global generator (some "
+        "models apply it with nn.functional.dropout, where no module shows it), so they depend on the "
+        "batch's split: build the model with these fields at 0.0"
+    )
+
+
 def _attention_problem(module: nn.Module, seen: set) -> str | None:
     """A reason the transformers model ``module``'s attention implementation is not det_attn (each
     config checked once: a causal LM and its base model share one)."""
@@ -665,11 +699,15 @@ def convert(model: nn.Module, *, strict: bool = True, allow: Iterable = ()) -> n
         raise TypeError(f"det_train.convert: strict must be True or False, got {strict!r}")
     allow = {allow} if isinstance(allow, (str, type)) else set(allow)  # one name or class, or several
     replacements: dict[int, nn.Module] = {}
-    loss_modules, problems, configs = [], [], set()
+    loss_modules, problems, configs, dropout_configs = [], [], set(), set()
     per_head, dropout_advice = _per_head_norms(model), _dropout_advice(model)
     for name, module in model.named_modules():
         kept = _allowed(name, module, allow)  # its problems are accepted; what converts, converts
-        for verdict in (_attention_problem(module, configs), _loss_plan(module)):
+        for verdict in (
+            _attention_problem(module, configs),
+            _config_dropout_problem(module, dropout_configs),
+            _loss_plan(module),
+        ):
             if verdict == "replace":
                 loss_modules.append(module)
             elif verdict is not None and not kept:
