@@ -35,9 +35,9 @@ from ..accum import deposit
 from ..accum._leaf_sums import cast_out, chunk_subtrees, finish_param_grad, fold_chunks, sub_leaf_tokens
 from ._library import Op
 from ._norm_tiles import chunk_grads, chunk_tile, forward_rows, row_block, row_sum
+from ._rms_norm_checks import positive_shape
 from ._rms_norm_kernels import MAX_D, MAX_ROWS_PER_CHUNK, num_warps_for
 from .linear import GradPlan, bias_grad_op, deposit_bias_op
-from .rms_norm import positive_shape
 
 __all__ = ["LayerNorm", "layer_norm"]
 
