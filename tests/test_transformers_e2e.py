@@ -276,3 +276,19 @@ def test_a_row_packed_by_position_ids_alone_gives_each_documents_logits():
             input_ids=ids.reshape(1, -1), position_ids=torch.arange(CPU.seq).repeat(2)[None]
         ).logits
     assert torch.equal(packed[0].reshape(rows.shape), rows)
+
+
+def test_rows_packed_by_position_ids_give_each_documents_logits_at_any_batch_size():
+    """Several packed rows in one call (position_ids restarting inside each row): every document's
+    logits are bitwise those of its own row, in a batch of 2 packed rows as in each packed row alone,
+    so splitting packed rows into micro-batches of 1 or 2 rows gives the same bits."""
+    model = make_model("llama")
+    ids = global_batch(0)[:4]  # four documents of CPU.seq tokens, packed two per row
+    positions = torch.arange(CPU.seq).repeat(2)[None].expand(2, -1)
+    with torch.no_grad():
+        rows = model(input_ids=ids).logits
+        packed = model(input_ids=ids.reshape(2, -1), position_ids=positions).logits
+        packed_rows = ids.reshape(2, -1)
+        alone = [model(input_ids=packed_rows[r : r + 1], position_ids=positions[:1]).logits for r in (0, 1)]
+    assert torch.equal(packed.reshape(rows.shape), rows)
+    assert torch.equal(torch.cat(alone), packed)

@@ -431,6 +431,48 @@ def test_transformers_forward_without_transformers():
         det_attn_transformers_forward(module, qt, kt, vt, None, dropout=0.1)
 
 
+def test_transformers_forward_reads_packed_rows_at_any_batch_size():
+    """Rows whose position_ids restart (packed documents) give each row the bits it has alone,
+    whatever rows share its call: batch 1 and batch 3 (a micro-batch of 3 rows or 3 of one row
+    give the same bits), a row that is not packed beside packed ones, a row starting mid-document,
+    and (1, T) positions shared by every row."""
+    from det_attn.transformers_integration import det_attn_transformers_forward
+
+    module = torch.nn.Module()
+    module.is_causal = True
+    q, k, v = _qkv(3, 24, 24, 4, 2, seed=910)
+    positions = torch.stack(
+        (
+            torch.cat((torch.arange(10), torch.arange(14))),  # two documents
+            torch.arange(5, 29),  # one sequence, not starting at 0
+            torch.cat((torch.arange(3, 9), torch.arange(11), torch.arange(7))),  # starts mid-document
+        )
+    )
+
+    def run(rows, position_ids):
+        qt, kt, vt = (t[rows].transpose(1, 2) for t in (q, k, v))
+        return det_attn_transformers_forward(module, qt, kt, vt, None, position_ids=position_ids)[0]
+
+    documents = ([0, 10, 24], [0, 24], [0, 6, 17, 24])
+    for row, cu in enumerate(documents):
+        cu = torch.tensor(cu, dtype=torch.int32)
+        longest = int((cu[1:] - cu[:-1]).max())
+        want = attention_varlen(q[row], k[row], v[row], cu, cu, longest, longest, causal=True)
+        assert_bitwise_equal(run([row], positions[row : row + 1])[0], want, f"row {row} alone")
+    together = run([0, 1, 2], positions)
+    for row in range(3):
+        assert_bitwise_equal(together[row], run([row], positions[row : row + 1])[0], f"row {row} of 3")
+    # the same (1, T) positions for every row: each row is split as row 0 is
+    shared = run([0, 1, 2], positions[:1])
+    for row in range(3):
+        cu = torch.tensor(documents[0], dtype=torch.int32)
+        want = attention_varlen(q[row], k[row], v[row], cu, cu, 14, 14, causal=True)
+        assert_bitwise_equal(shared[row], want, f"row {row}, shared positions")
+    # rows that are not packed: one sequence each, the padded kernel
+    plain = torch.arange(24).expand(3, 24)
+    assert_bitwise_equal(run([0, 1, 2], plain), attention(q, k, v, causal=True), "plain rows")
+
+
 # --------------------------------------------------------------------------- bad input
 
 

@@ -214,6 +214,25 @@ def test_compiled_entry_points_equal_eager_bitwise_and_check_cu_seqlens_at_run_t
     assert counter.frame_count == 1
 
 
+def test_compiled_transformers_forward_refuses_rows_packed_by_position_ids():
+    """Under torch.compile the positions are not read (a graph break): a row whose position_ids
+    restart raises when the compiled graph runs (a device-side assertion), instead of attending
+    across its documents as one sequence; plain positions give eager's bits."""
+    module = torch.nn.Module()
+    module.is_causal = True
+    q, k, v = (_randn(2, 12, h, D, seed=30 + h).transpose(1, 2) for h in (2, 1, 1))
+
+    def forward(q, k, v, position_ids):
+        return det_attn_transformers_forward(module, q, k, v, None, position_ids=position_ids)[0]
+
+    compiled = torch.compile(forward, fullgraph=True, backend="aot_eager")
+    plain = torch.arange(12).expand(2, 12)
+    assert_bitwise_equal(compiled(q, k, v, plain), forward(q, k, v, plain), "plain positions")
+    packed = torch.cat((torch.arange(5), torch.arange(7))).expand(2, 12)
+    with pytest.raises(RuntimeError, match="cu_seq_lens_q/k"):
+        compiled(q, k, v, packed)
+
+
 def test_compiled_attention_raises_eagers_errors():
     # gradients of gradients: eager raises at the create_graph backward, compiled at the second
     (q,) = _leaves(_randn(1, 8, 2, D, seed=19))

@@ -36,9 +36,9 @@ def det_attn_transformers_forward(
         module: the calling attention module (its ``is_causal`` is read, default True).
         query: ``(B, H_q, T_q, D)``; key, value: ``(B, H_kv, T_k, D)`` (GQA handled natively).
         attention_mask: must be ``None`` (no padding); pack sequences instead (transformers'
-            ``cu_seq_lens_q/k`` and ``max_length_q/k`` keyword arguments, with ``B == 1``; or, as
-            transformers' flash attention, a row of ``B == 1`` whose ``position_ids`` restart at
-            each document: ``DataCollatorWithFlattening``).
+            ``cu_seq_lens_q/k`` and ``max_length_q/k`` keyword arguments, with ``B == 1``; or rows
+            whose ``position_ids`` restart at each document, ``DataCollatorWithFlattening``'s one
+            row or several such rows).
         scaling: softmax scale (default ``1 / sqrt(D)``); the module passes its own (Gemma's
             ``query_pre_attn_scalar ** -0.5``), given to ``det_attn.attention`` as
             ``softmax_scale``.
@@ -61,8 +61,9 @@ def det_attn_transformers_forward(
             transformers' sliding-window mask means, key ``j`` visible to query ``i`` iff
             ``i - sliding_window < j <= i``; causal layers only) and ``softcap`` (Gemma 2's
             ``attn_logit_softcapping``: passed as det_attn's ``softcap``, applied after the scale,
-            in the order of transformers' eager attention), and ``position_ids`` (a packed row's
-            documents when no ``cu_seq_lens_q/k`` are given: ``_documents_from_position_ids``).
+            in the order of transformers' eager attention), and ``position_ids`` (packed rows'
+            documents when no ``cu_seq_lens_q/k`` are given, any batch size:
+            ``_documents_from_position_ids``; under ``torch.compile`` a packed row raises).
 
     Returns:
         ``(attn_output (B, T_q, H_q, D), None)``: no attention weights.
@@ -70,6 +71,8 @@ def det_attn_transformers_forward(
     Raises:
         TypeError: ``dropout`` not a real number, ``det_attn_seed`` not an integer (a bool, float
             or str), or anything ``det_attn.attention`` rejects as a type.
+        RuntimeError: under ``torch.compile``, ``position_ids`` that restart inside a row (a
+            device-side assertion: pass ``cu_seq_lens_q/k``).
         ValueError: a query, key or value that is not 4-D (transformers' ``(B, H, T, D)``), a
             padding mask, a sliding window on a non-causal layer (a bidirectional window, as Gemma 3's
             ``use_bidirectional_attention``: not implemented), dropout outside
@@ -129,9 +132,15 @@ def det_attn_transformers_forward(
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
     if cu_q is None and cu_k is None:
-        cu_q = cu_k = _documents_from_position_ids(
-            kwargs.get("position_ids"), q.shape[0], q.shape[1], k.shape[1]
-        )
+        position_ids = kwargs.get("position_ids")
+        documents = _documents_from_position_ids(position_ids, q.shape[0], q.shape[1], k.shape[1])
+        if documents is not None:
+            # every row's documents, the rows one after another: (B * T, H, D), one varlen call
+            cu, longest = documents
+            b, t = q.shape[:2]
+            q, k, v = (x.reshape(b * t, *x.shape[2:]) for x in (q, k, v))
+            out = attention_varlen(q, k, v, cu, cu, longest, longest, **common)
+            return out.view(b, t, *out.shape[1:]), None
     if cu_q is not None and cu_k is not None:
         if q.shape[0] != 1:
             raise ValueError(f"{op}: packed sequences (cu_seq_lens_q/k) need batch size 1, got {q.shape[0]}")
@@ -143,42 +152,61 @@ def det_attn_transformers_forward(
     return out, None  # (B, T, H, D), the layout transformers' attention functions return
 
 
-# the position_ids tensor a model call hands every layer -> its documents' cu_seq_lens (or None):
-# read once per call, not once per layer (each read waits for the device)
+# the position_ids tensor a model call hands every layer -> its rows' documents (or None): read
+# once per call, not once per layer (each read waits for the device)
 _DOCUMENTS: dict[tuple[int, int], tuple] = {}
 
+_PACKED_UNDER_COMPILE = (
+    "det_attn (transformers): position_ids restart inside a row (packed documents), which torch.compile "
+    "cannot read without a graph break; pass cu_seq_lens_q/k with max_length_q/k as ints "
+    "(DataCollatorWithFlattening(return_flash_attn_kwargs=True)), or run the packed rows eagerly"
+)
 
-def _documents_from_position_ids(position_ids, batch: int, t_q: int, t_k: int) -> torch.Tensor | None:
-    """The ``cu_seq_lens`` of a packed row given by its ``position_ids`` alone, or None.
 
-    transformers' flash-attention rule (``_is_packed_sequence``, ``prepare_fa_kwargs_from_position_ids``):
-    a row of batch size 1 whose positions are not ``min + arange(T)`` packs several documents, each
-    starting where the position equals the row's minimum (``DataCollatorWithFlattening`` without
-    ``return_flash_attn_kwargs``). Without this the packed documents would attend to each other.
-    None (one sequence per row, read from the shapes alone, no device read) for a batch of several
-    rows (as in transformers' flash attention: pack into one row), one query (decoding), a KV cache
-    (``t_q != t_k``) and under ``torch.compile`` (reading positions would break the graph: pass
-    ``cu_seq_lens_q/k``, ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``). The check
-    reads the positions from the device once per model call (every layer gets the same tensor).
+def _documents_from_position_ids(
+    position_ids, batch: int, t_q: int, t_k: int
+) -> tuple[torch.Tensor, int] | None:
+    """The documents of packed rows given by their ``position_ids`` alone: ``(cu_seqlens, longest)``
+    over the ``batch * t_q`` tokens of the rows laid one after another, or None (one sequence per row).
+
+    A row whose positions are not ``p0 + arange(T)`` packs several documents, each starting at the
+    row's first token and wherever the position equals the row's minimum (transformers'
+    flash-attention rule, ``prepare_fa_kwargs_from_position_ids``; ``DataCollatorWithFlattening``
+    without ``return_flash_attn_kwargs``). When any row of the call is packed, every row is split
+    into its documents (a row that is not packed is one document), so a row gives the same bits
+    whatever rows share its micro-batch: a document attended through ``attention_varlen`` equals it
+    attended alone (det_attn's packing invariance). ``position_ids`` of shape ``(B, T)``, ``(1, T)``
+    (the same positions for every row) or ``(S, B, T)`` (multimodal RoPE sections: the first
+    section is read). None without a device read for one query (decoding), a KV cache
+    (``t_q != t_k``) or a shape that does not match the rows. The positions are read from the device
+    once per model call (every layer gets the same tensor).
+
+    Under ``torch.compile`` nothing is read: a device-side assertion (``torch._assert_async``) that
+    no row is packed stands in its place, so a packed row fails loudly instead of attending across
+    its documents (pass ``cu_seq_lens_q/k`` there).
     """
-    if (
-        not isinstance(position_ids, torch.Tensor)
-        or batch != 1
-        or t_q == 1
-        or t_q != t_k
-        or position_ids.shape[-1] != t_q
-        or torch.compiler.is_compiling()
-    ):
+    if not isinstance(position_ids, torch.Tensor) or t_q == 1 or t_q != t_k or position_ids.shape[-1] != t_q:
         return None
-    key = (id(position_ids), position_ids._version)
+    rows = position_ids[0] if position_ids.dim() == 3 else position_ids
+    if rows.dim() != 2 or rows.shape[0] not in (1, batch):
+        return None
+    if torch.compiler.is_compiling():
+        torch._assert_async((rows.diff(dim=-1) == 1).all(), _PACKED_UNDER_COMPILE)
+        return None
+    key = (id(position_ids), position_ids._version, batch)
     if key not in _DOCUMENTS:
         _DOCUMENTS.clear()  # one call's position_ids at a time: nothing outlives the next call
-        pos = position_ids.reshape(-1, t_q)[0]
-        cu = None
-        if bool((pos.diff() != 1).any()):
-            starts = (pos == pos.min()).nonzero().view(-1).to(torch.int32)
-            cu = torch.cat((starts, starts.new_tensor([t_q])))
-        _DOCUMENTS[key] = (position_ids, cu)  # the tensor kept alive: its id cannot be reused meanwhile
+        pos = rows.expand(batch, t_q).cpu()  # the one device read of the call
+        documents = None
+        if bool((pos.diff(dim=-1) != 1).any()):
+            starts = pos == pos.min(dim=-1, keepdim=True).values
+            starts[:, 0] = True
+            first = starts.reshape(-1).nonzero().view(-1)
+            cu = torch.cat((first, first.new_tensor([batch * t_q])))
+            longest = int((cu[1:] - cu[:-1]).max())
+            documents = (cu.to(device=position_ids.device, dtype=torch.int32), longest)
+        # the tensor kept alive: its id cannot be reused meanwhile
+        _DOCUMENTS[key] = (position_ids, documents)
     return _DOCUMENTS[key][1]
 
 
