@@ -93,7 +93,6 @@ def test_param_without_grad_is_skipped_like_torch():
     assert b.tolist() == [1.0, 1.0, 1.0] and len(opt.state[b]) == 0 and opt.state[a]["step"].item() == 1
 
 
-@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 def test_nan_and_inf_gradients_propagate_like_torch():
     init = torch.randn(6)
     grad = torch.tensor([math.nan, math.inf, -math.inf, 1.0, 0.0, -2.0])
@@ -584,7 +583,9 @@ def _edit_state(key, value):
         (_edit_group("amsgrad", "no"), TypeError, "amsgrad must be True or False"),
         (_edit_group("base_index", [3.0]), TypeError, "base_index entries must be ints"),
         (lambda sd: sd["state"][0].pop("exp_avg_sq"), ValueError, "lacks 'exp_avg_sq'"),
-        (_edit_state("step", torch.tensor(-3.0)), ValueError, "step count .* is negative"),
+        (_edit_state("step", torch.tensor(-3.0)), ValueError, "step count .* not an integer in"),
+        (_edit_state("step", torch.tensor(2.5)), ValueError, "step count .* not an integer in"),
+        (_edit_state("step", torch.tensor(2.0**24 - 1)), ValueError, r"step count .* \[0, 2\*\*24 - 2\]"),
         (_edit_state("exp_avg_sq", lambda st: -st["exp_avg_sq"] - 1), ValueError, "'exp_avg_sq' .* negative"),
     ],
 )
