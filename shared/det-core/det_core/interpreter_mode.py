@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["interpreter_active"]
+__all__ = ["check_triton_interprets", "interpreter_active"]
 
 
 # POSIX keeps the environment as a dict of bytes (``os.environ._data``, updated by every assignment
@@ -52,8 +52,21 @@ def _check_triton_interprets() -> None:
         )
 
 
+_TRITON_INTERPRETS = False  # set once the check has passed: Triton's mode cannot change after
+
+
+def check_triton_interprets() -> None:
+    """Raise a ``RuntimeError`` saying what to do when ``TRITON_INTERPRET=1`` is set but Triton was
+    imported without it (set later in the process, e.g. after a first kernel call on CPU failed);
+    Triton's own error would be "0 active drivers". Checked once per process when it passes."""
+    global _TRITON_INTERPRETS
+    if not _TRITON_INTERPRETS:
+        _check_triton_interprets()
+        _TRITON_INTERPRETS = True
+
+
 if interpreter_active():  # the interpreter's dot and transcendentals, made the same on every CPU
-    _check_triton_interprets()
+    check_triton_interprets()
     from . import interpreter as _interpreter
 
     _interpreter.install()

@@ -16,7 +16,7 @@ import operator
 
 import torch
 
-from .interpreter_mode import interpreter_active
+from .interpreter_mode import check_triton_interprets, interpreter_active
 
 # moved to det_core.launch; imported here so that every import path of before keeps working
 from .launch import BoundLaunch, DescriptorTemplate, PlanCache, launch  # noqa: F401
@@ -153,8 +153,8 @@ def check_kernel_device(*tensors: torch.Tensor, op: str = "kernel") -> torch.dev
 
     Raises:
         ValueError: tensors are on different devices.
-        RuntimeError: tensors are on CPU but the Triton interpreter is off, or on a device that is
-            neither CUDA nor CPU.
+        RuntimeError: tensors are on CPU but the Triton interpreter is off (``TRITON_INTERPRET``
+            unset, or set after triton was imported), or on a device that is neither CUDA nor CPU.
     """
     device = tensors[0].device if tensors else None
     for t in tensors:
@@ -166,11 +166,14 @@ def check_kernel_device(*tensors: torch.Tensor, op: str = "kernel") -> torch.dev
         raise ValueError(f"{op}: all tensors must be on one device, got {sorted(map(str, devices))}")
     if device.type == "cuda":
         return device
-    if device.type == "cpu" and not interpreter_active():
-        raise RuntimeError(
-            f"{op}: tensors are on CPU, where the Triton kernels run only through the interpreter. "
-            "Move them to a CUDA device, or set TRITON_INTERPRET=1 before importing triton."
-        )
+    if device.type == "cpu":
+        if not interpreter_active():
+            raise RuntimeError(
+                f"{op}: tensors are on CPU, where the Triton kernels run only through the interpreter. "
+                "Move them to a CUDA device, or set TRITON_INTERPRET=1 before importing triton."
+            )
+        check_triton_interprets()  # set in the environment, but after triton was imported
+        return device
     if device.type not in ("cpu", "cuda"):
         raise RuntimeError(f"{op}: device {device} is not supported (CUDA, or CPU with TRITON_INTERPRET=1)")
     return device

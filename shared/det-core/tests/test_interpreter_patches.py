@@ -112,6 +112,28 @@ def test_triton_imported_before_the_interpreter_was_set_is_named():
     assert "before anything imports triton" in said
 
 
+def test_interpreter_set_after_a_first_cpu_kernel_call_is_named():
+    """A kernel called on CPU without TRITON_INTERPRET says to set it; a user who then sets it in
+    the same process gets det_core's message at the next call, not Triton's "0 active drivers"."""
+    from det_core.testing import run_in_fresh_process
+
+    script = (
+        "import os, torch, triton\n"  # Triton reads TRITON_INTERPRET=0 here
+        "from det_core.runtime import check_kernel_device\n"  # imported with the interpreter off
+        "x, said = torch.zeros(4), []\n"
+        "for attempt in range(2):\n"
+        "    try:\n"
+        "        check_kernel_device(x, op='op')\n"
+        "    except RuntimeError as e:\n"
+        "        said.append(f'{attempt} {e}')\n"
+        "    os.environ['TRITON_INTERPRET'] = '1'\n"
+        "print(' | '.join(said).replace(chr(10), ' '))\n"
+    )
+    said = run_in_fresh_process(script, cold_triton_cache=False, env={"TRITON_INTERPRET": "0"})
+    assert "0 op: tensors are on CPU, where the Triton kernels run only through the interpreter" in said
+    assert "1 det_core: TRITON_INTERPRET=1 was set after triton was imported" in said
+
+
 @triton.jit
 def _inf_minus_inf_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
