@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import _states
+from .functional import MAX_STEP
 from .indices import check_disjoint_indices, is_dtensor, local_tensor
 
 __all__ = ["STATE_KEYS", "check_loadable", "check_loaded_states", "copy_loaded_states", "fill_group_defaults"]
@@ -84,7 +85,8 @@ def check_loadable(param_groups: list[dict], state_dict: dict) -> None:
 
 def check_loaded_states(param_groups: list[dict], state: dict) -> None:
     """After torch's load and ``copy_loaded_states``: every loaded state holds its format's tensors at
-    its param's shape and a ``step`` (``_states.check_state``), no ``step`` is negative and no second
+    its param's shape and a ``step`` (``_states.check_state``), every ``step`` is an integer in
+    ``[0, MAX_STEP)`` (what the next step can increment) and no second
     moment (``exp_avg_sq``, ``max_exp_avg_sq`` of float formats) is negative, where ``sqrt`` would turn
     the param into NaN. The values are read in one device sync.
 
@@ -106,8 +108,13 @@ def check_loaded_states(param_groups: list[dict], state: dict) -> None:
             except RuntimeError as e:
                 raise ValueError(f"{where}: param group {i} of the checkpoint: {e}") from None
             shape = tuple(p.shape)
-            flags.append(~(local_tensor(st["step"]) >= 0).all())
-            names.append(f"the step count of a param of shape {shape} (group {i}) is negative or NaN")
+            step = local_tensor(st["step"]).double()
+            # the count the next step increments: an integer below MAX_STEP (fp32 counts exactly)
+            flags.append(~((step >= 0) & (step < MAX_STEP) & (step == step.trunc())).all())
+            names.append(
+                f"the step count of a param of shape {shape} (group {i}) is not an integer in "
+                f"[0, 2**24 - 2] (negative, fractional, NaN or too large)"
+            )
             for key in ("exp_avg_sq", "max_exp_avg_sq") if float_moments else ():
                 if st.get(key) is not None:
                     flags.append((local_tensor(st[key]) < 0).any())
