@@ -259,8 +259,8 @@ def run_ranks(
     One known fault outside the script is run again, once, with a warning: a rank that aborts in
     C++ with libstdc++'s "terminate called without an active exception" (a ``std::thread`` destroyed
     while joinable). It came from 4 gloo ranks of the FSDP2 test on a loaded 2-core machine, after
-    every result had been written, about once in 150 runs (twice in CI); no Python frame of the
-    script was on the stack that failed. A second failure of any kind raises.
+    every result had been written, about once in 270 runs here (twice in CI). A second failure of
+    any kind raises.
 
     Raises:
         AssertionError: a rank failed (torchrun's exit code and the end of its stderr, the failing
