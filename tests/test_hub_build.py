@@ -89,14 +89,15 @@ def _built_repo(hub_repos: Path, name: str) -> Path:
 
 
 # The probe runs in a fresh interpreter, so HF_HUB_OFFLINE and the cache location are read at
-# import, as for a user, and no module of this test process (or source folder) can leak in.
+# import, as for a user, and no module of this test process (or source folder) can leak in. One
+# interpreter per way of loading: kernels keeps a loaded kernel in sys.modules under its metadata
+# id, so a second load of the same build in one process returns the first.
 PROBE = r"""
 import importlib, json, os, sys
 from pathlib import Path
 import kernels
 
-repo_id, python_name, local_repo, cache_only_check = sys.argv[1:5]
-extra_repo = sys.argv[5]
+repo_id, python_name, method, location, cache_only_check = sys.argv[1:6]
 
 def describe(module):
     failed = {}
@@ -114,24 +115,25 @@ def describe(module):
         "compat_all": list(compat.__all__),
     }
 
-report = {}
 os.environ.pop("LOCAL_KERNELS", None)
-report["hub_cache"] = describe(kernels.get_kernel(repo_id, version=1, trust_remote_code=True))
-try:
-    kernels.get_kernel(repo_id, version=2, trust_remote_code=True)
-    report["missing_version_error"] = None
-except Exception as e:
-    report["missing_version_error"] = f"{type(e).__name__}: {e}"
-os.environ["LOCAL_KERNELS"] = f"{repo_id}={local_repo}"
-report["local_kernels"] = describe(kernels.get_kernel(repo_id, version=1))
-os.environ.pop("LOCAL_KERNELS")
-report["get_local_kernel"] = describe(kernels.get_local_kernel(Path(extra_repo)))
+if method == "hub_cache":
+    report = describe(kernels.get_kernel(repo_id, version=1, trust_remote_code=True))
+    try:
+        kernels.get_kernel(repo_id, version=2, trust_remote_code=True)
+        report["missing_version_error"] = None
+    except Exception as e:
+        report["missing_version_error"] = f"{type(e).__name__}: {e}"
+elif method == "local_kernels":
+    os.environ["LOCAL_KERNELS"] = f"{repo_id}={location}"
+    report = describe(kernels.get_kernel(repo_id, version=1))
+else:
+    report = describe(kernels.get_local_kernel(Path(location)))
+
 def _from_source_tree(mod):
     # a file under the repo counts, except the Python environment itself (nox keeps it in .nox/)
     path = os.path.realpath(str(getattr(mod, "__file__", "") or ""))
     env = os.path.realpath(sys.prefix)
     return path.startswith(os.path.realpath(cache_only_check)) and not path.startswith(env + os.sep)
-
 
 report["source_modules"] = sorted(
     name for name, mod in list(sys.modules.items())
@@ -151,20 +153,24 @@ def _prefill_hub_cache(cache: Path, repo_id: str, repo: Path) -> str:
     return commit
 
 
+METHODS = ["hub_cache", "local_kernels", "get_local_kernel"]
+
+
 @pytest.fixture(scope="module")
 def load_reports(hub_repos, tmp_path_factory) -> dict:
-    """name -> the probe's report, computed lazily once per package."""
+    """(name, method) -> the probe's report, computed lazily once; ``report["path"]`` is the folder
+    the module must be loaded from (the prefilled cache, the repo folder, or a copy of it)."""
     reports: dict = {}
 
-    def get(name: str) -> dict:
-        if name in reports:
-            return reports[name]
+    def get(name: str, method: str) -> dict:
+        if (name, method) in reports:
+            return reports[name, method]
         repo = _built_repo(hub_repos, name)
-        work = tmp_path_factory.mktemp(f"load-{name}")
+        work = tmp_path_factory.mktemp(f"load-{name}-{method}")
         repo_id = f"{HUB_ORG}/{name}"
         _prefill_hub_cache(work / "hf-cache", repo_id, repo)
-        extra = work / "local-copy"
-        shutil.copytree(repo, extra)
+        location = {"hub_cache": work / "hf-cache", "local_kernels": repo, "get_local_kernel": work / "copy"}
+        shutil.copytree(repo, location["get_local_kernel"])
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LOCAL_KERNELS")}
         env.update(
             HF_HUB_OFFLINE="1",
@@ -173,38 +179,28 @@ def load_reports(hub_repos, tmp_path_factory) -> dict:
             PYTHONDONTWRITEBYTECODE="1",
         )
         env.pop("KERNELS_CACHE", None)
-        result = subprocess.run(
-            [sys.executable, "-c", PROBE, repo_id, PACKAGES[name][0], str(repo), str(ROOT), str(extra)],
-            cwd=work,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        args = [repo_id, PACKAGES[name][0], method, str(location[method]), str(ROOT)]
+        cmd = [sys.executable, "-c", PROBE, *args]
+        result = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=600)
         lines = [line for line in result.stdout.splitlines() if line.startswith("PROBE-REPORT ")]
         assert result.returncode == 0 and lines, (
-            f"loading {repo_id} through kernels failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+            f"loading {repo_id} ({method}) through kernels failed:\n{result.stdout[-4000:]}\n"
+            f"{result.stderr[-4000:]}"
         )
-        reports[name] = json.loads(lines[-1][len("PROBE-REPORT ") :])
-        reports[name]["paths"] = {
-            "hub_cache": work / "hf-cache",
-            "local_kernels": repo,
-            "get_local_kernel": extra,
-        }
-        return reports[name]
+        reports[name, method] = json.loads(lines[-1][len("PROBE-REPORT ") :]) | {"path": location[method]}
+        return reports[name, method]
 
     return get
 
 
 @pytest.mark.parametrize("name", list(PACKAGES))
-@pytest.mark.parametrize("method", ["hub_cache", "local_kernels", "get_local_kernel"])
+@pytest.mark.parametrize("method", METHODS)
 def test_built_package_loads_offline_with_its_public_api(load_reports, name, method):
     python_name, required = PACKAGES[name]
-    report = load_reports(name)
-    loaded = report[method]
+    loaded = load_reports(name, method)
     source_all = importlib.import_module(python_name).__all__
 
-    assert Path(loaded["file"]).is_relative_to(report["paths"][method]), loaded["file"]
+    assert Path(loaded["file"]).is_relative_to(loaded["path"]), loaded["file"]
     assert Path(loaded["file"]).parent.name == _expected_variant()
     assert loaded["module"].startswith(f"_{python_name}_{_expected_variant()[len('torch-') :]}_")
     assert sorted(loaded["all"]) == sorted(source_all)
@@ -214,22 +210,23 @@ def test_built_package_loads_offline_with_its_public_api(load_reports, name, met
 
 
 @pytest.mark.parametrize("name", list(PACKAGES))
-def test_loaded_package_uses_no_source_tree_module(load_reports, name):
+@pytest.mark.parametrize("method", METHODS)
+def test_loaded_package_uses_no_source_tree_module(load_reports, name, method):
     # det_core, the source package, or any module under the repo would mean the build is not
     # self-contained (it would break on a user's machine).
-    assert load_reports(name)["source_modules"] == []
+    assert load_reports(name, method)["source_modules"] == []
 
 
 @pytest.mark.parametrize("name", list(PACKAGES))
 def test_offline_cache_has_only_version_1(load_reports, name):
-    error = load_reports(name)["missing_version_error"]
+    error = load_reports(name, "hub_cache")["missing_version_error"]
     assert error is not None and "Version 2 not found" in error
 
 
 @pytest.mark.parametrize("name", list(PACKAGES))
 def test_metadata_is_what_kernels_validates(hub_repos, name):
     from kernels._rust import Digest, DigestAlgorithm, Metadata
-    from kernels.validate import AllValidator, default_metadata_validators
+    from kernels.validate import AllMetadataValidator, default_metadata_validators
 
     python_name = PACKAGES[name][0]
     repo = _built_repo(hub_repos, name)
@@ -245,7 +242,8 @@ def test_metadata_is_what_kernels_validates(hub_repos, name):
         assert raw["backend"]["type"] == variant.removeprefix("torch-")
         assert raw["id"].isidentifier() and raw["id"].startswith(f"_{python_name}_{raw['backend']['type']}_")
         metadata = Metadata.read_from_file(variant_dir / "metadata.json")
-        AllValidator(default_metadata_validators()).validate_metadata(metadata=metadata, variant=variant)
+        validator = AllMetadataValidator(default_metadata_validators())
+        validator.validate_metadata(metadata=metadata, variant=variant)
         metadata.digest.validate(Digest.hash_variant(DigestAlgorithm.SHA256, variant_dir))
         # the flattened package is the source package, file for file, with `from det_core` made relative
         source = _tree_bytes(ROOT / "packages" / name / "torch-ext" / python_name)

@@ -2,6 +2,7 @@
 
 import types
 
+import det_train
 import pytest
 import torch
 from det_core.testing import assert_bitwise_equal, assert_row_invariant
@@ -132,20 +133,26 @@ def test_kernels_layer_mapping_class():
     assert_bitwise_equal(m(x), linear(x, m.weight, m.bias), "kernelized forward")
 
 
-def test_kernelize_maps_a_linear_to_the_hub_build(tmp_path):
-    """The Hub build tree of det-train, loaded by `kernels` (LocalLayerRepository), drives kernelize."""
+@pytest.fixture(scope="module")
+def det_train_hub_build(tmp_path_factory):
+    """det-train's Hub build tree (tools/build_hub.py), the folder `kernels` loads layers from."""
     import importlib.util
     import sys
     from pathlib import Path
 
-    from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_forward_from_hub, use_kernel_mapping
-
+    out = tmp_path_factory.mktemp("hub")
     root = Path(__file__).resolve().parents[3]
     spec = importlib.util.spec_from_file_location("_build_hub_for_test", root / "tools" / "build_hub.py")
     build_hub = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = build_hub  # its dataclasses look their module up
     spec.loader.exec_module(build_hub)
-    assert build_hub.main(["--package", "det-train", "--out", str(tmp_path)]) == 0
+    assert build_hub.main(["--package", "det-train", "--out", str(out)]) == 0
+    return out / "det-train"
+
+
+def test_kernelize_maps_a_linear_to_the_hub_build(det_train_hub_build):
+    """The Hub build tree of det-train, loaded by `kernels` (LocalLayerRepository), drives kernelize."""
+    from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_forward_from_hub, use_kernel_mapping
 
     @use_kernel_forward_from_hub("Linear")
     class HubLinear(torch.nn.Linear):
@@ -154,8 +161,38 @@ def test_kernelize_maps_a_linear_to_the_hub_build(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(HubLinear(96, 40, dtype=torch.bfloat16, device=DEVICE))
     device = "cuda" if DEVICE == "cuda" else "cpu"
-    repo = LocalLayerRepository(repo_path=tmp_path / "det-train", layer_name="Linear")
+    repo = LocalLayerRepository(repo_path=det_train_hub_build, layer_name="Linear")
     with use_kernel_mapping({"Linear": {device: repo}}):
         model = kernelize(model, mode=Mode.TRAINING, device=device, use_fallback=False)
     x = _randn(5, 96, seed=8)
     assert_bitwise_equal(model(x), linear(x, model[0].weight, model[0].bias), "kernelized (Hub build)")
+
+
+def test_kernelize_maps_transformers_rms_norms_to_the_hub_build(det_train_hub_build):
+    """transformers' own RMSNorm classes (decorated ``@use_kernel_forward_from_hub("RMSNorm")``) take
+    det-train's layer under kernelize: this needs the kernels version transformers accepts (the pin)."""
+    transformers = pytest.importorskip("transformers")
+    from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(device=DEVICE, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for norm in model.modules():
+            if isinstance(norm, LlamaRMSNorm):
+                norm.weight.normal_()
+    device = "cuda" if DEVICE == "cuda" else "cpu"
+    repo = LocalLayerRepository(repo_path=det_train_hub_build, layer_name="RMSNorm")
+    with use_kernel_mapping({"RMSNorm": {device: repo}}):
+        model = kernelize(model, mode=Mode.TRAINING, device=device)  # other layers keep their forward
+    norms = [m for m in model.modules() if isinstance(m, LlamaRMSNorm)]
+    assert len(norms) == 3  # input, post-attention, final
+    x = _randn(5, 32, seed=9)
+    for norm in norms:
+        # the Hub build's module (``_det_train_<backend>_<hash>``), not the source tree's det_train
+        assert norm.forward.__func__.__module__.startswith("_det_train_"), norm.forward
+        assert_bitwise_equal(norm(x), det_train.rms_norm(x, norm.weight, norm.variance_epsilon), "RMSNorm")
