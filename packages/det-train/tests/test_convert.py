@@ -5,6 +5,7 @@ strict=False / allow, transformers' norm classes recognised by structure (Llama'
 layers. The multi-step training invariances of converted transformers models are in
 tests/test_transformers_e2e.py."""
 
+import functools
 import types
 
 import det_train
@@ -240,6 +241,61 @@ def test_transformers_norms_embeddings_and_loss_are_converted(
         got = model(input_ids=ids, labels=ids)
     torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)  # fp32 model
     torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: transformers.BloomForCausalLM(
+            transformers.BloomConfig(
+                vocab_size=64, hidden_size=64, n_layer=1, n_head=1, attn_implementation="det_attn"
+            )
+        ),
+        lambda: transformers.MptForCausalLM(
+            transformers.MptConfig(
+                vocab_size=64, d_model=64, n_layers=1, n_heads=1, attn_implementation="det_attn"
+            )
+        ),
+    ],
+    ids=["bloom", "mpt"],
+)
+def test_a_model_whose_attention_ignores_attn_implementation_is_refused(make):
+    """Bloom and MPT run attention code of their own whatever config._attn_implementation says
+    (_supports_attention_backend=False, no ALL_ATTENTION_FUNCTIONS lookup): det_attn would never be
+    called, so convert refuses them (it used to accept them: Bloom then trained on torch's baddbmm,
+    MPT failed inside transformers at its first forward). "<model>", as the error prints it, allows it."""
+    import det_attn  # noqa: F401  (registers attn_implementation="det_attn")
+
+    model = make().to(torch.bfloat16)
+    with pytest.raises(
+        det_train.ConversionError, match=r"<model> \(\w+\): \w+'s attention does not dispatch"
+    ):
+        det_train.convert(model)
+    det_train.convert(model, allow=["<model>"])
+
+
+def test_a_function_registered_as_det_attn_that_is_not_det_attns_is_named():
+    """A wrapper registered under 'det_attn' without functools.wraps is refused with what it is and
+    how to fix it (the message used to say: load the model with attn_implementation='det_attn')."""
+    import det_attn
+    from det_attn.transformers_integration import det_attn_transformers_forward as original
+
+    model = transformers.LlamaForCausalLM(_llama_config("LlamaConfig")).to(torch.bfloat16)
+    model.config._attn_implementation = "det_attn"
+
+    def profiled(*args, **kwargs):
+        return original(*args, **kwargs)
+
+    transformers.AttentionInterface.register("det_attn", profiled)
+    try:
+        with pytest.raises(
+            det_train.ConversionError, match=r"registered as attn_implementation 'det_attn' is .*profiled"
+        ):
+            det_train.convert(model)
+        transformers.AttentionInterface.register("det_attn", functools.wraps(original)(profiled))
+        det_train.convert(model)  # a functools.wraps wrapper is det_attn's
+    finally:
+        det_attn.register_transformers_attention()
 
 
 def test_gpt2_conv1d_and_layer_norm_are_converted():

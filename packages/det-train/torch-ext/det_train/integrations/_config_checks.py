@@ -70,11 +70,42 @@ def attention_problem(module: nn.Module, seen: set) -> str | None:
     interface = getattr(sys.modules.get("transformers.modeling_utils"), "ALL_ATTENTION_FUNCTIONS", None)
     fn = interface.get(impl) if interface is not None and hasattr(interface, "get") else None
     if getattr(fn, "__name__", None) == _DET_ATTENTION:
-        return _det_attn_lacks(config, _det_attn_head_dims(fn)) or _det_attn_dtype_problem(module)
+        return (
+            _attention_not_dispatched(module)
+            or _det_attn_lacks(config, _det_attn_head_dims(fn))
+            or _det_attn_dtype_problem(module)
+        )
+    if impl == "det_attn" and fn is not None:
+        return (
+            f"the function registered as attn_implementation 'det_attn' is {fn!r}, not det_attn's "
+            f"{_DET_ATTENTION} (a replacement, or a wrapper without functools.wraps): register det_attn's "
+            "again with det_attn.register_transformers_attention(), or wrap it with functools.wraps"
+        )
     return (
         f"attention implementation {impl!r} (config._attn_implementation) is not deterministic (its "
         "backward accumulates with atomics, its rows depend on the batch): load the model with "
         "attn_implementation='det_attn' after `import det_attn` (det_attn.register_transformers_attention())"
+    )
+
+
+def _attention_not_dispatched(module: nn.Module) -> str | None:
+    """A reason ``attn_implementation`` does not reach the model's attention: its classes neither
+    declare transformers' attention interface (``_supports_attention_backend``) nor look it up
+    (``ALL_ATTENTION_FUNCTIONS`` in a modeling module of its class or a base; Qwen3.5 does, without
+    the flag). Bloom, MPT, Falcon and CodeGen run attention code of their own whatever the config
+    says: det_attn would never be called."""
+    cls = type(module)
+    if getattr(cls, "_supports_attention_backend", False):
+        return None
+    pretrained = getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", object)
+    models = [base for base in cls.__mro__ if issubclass(base, pretrained) and base is not pretrained]
+    if any(hasattr(sys.modules.get(base.__module__), "ALL_ATTENTION_FUNCTIONS") for base in models):
+        return None
+    return (
+        f"{cls.__name__}'s attention does not dispatch through transformers' attention interface "
+        "(_supports_attention_backend=False): attn_implementation='det_attn' is never called and the "
+        "model's own attention runs, whose backward and row results are not deterministic; use a model "
+        "family whose attention does (docs/models.md), or allow it knowingly"
     )
 
 

@@ -501,6 +501,7 @@ def _allowed(name: str, module: nn.Module, allow: set) -> bool:
     cls = type(module)
     return (
         name in allow
+        or (name == "" and "<model>" in allow)  # the label ConversionError prints for the model itself
         or cls in allow
         or cls.__name__ in allow
         or f"{cls.__module__}.{cls.__qualname__}" in allow
@@ -534,11 +535,11 @@ def convert(model: nn.Module, *, strict: bool = True, allow: Iterable = ()) -> n
             ``torch.compile``, accelerate dispatch, ``kernels.kernelize``).
         strict: raise ``ConversionError`` (listing every problem) if a module cannot be made
             deterministic; ``False`` keeps such modules, with a ``UserWarning`` naming them.
-        allow: qualified module names (as in ``named_modules()``; ``""`` is the model itself),
-            class names or classes whose problems are accepted: such a module that cannot be
-            converted is kept as it is without an error (e.g. a frozen ``nn.Conv1d`` stem; for a
-            transformers model's attention or loss check, its name). Convertible modules are
-            converted whether listed or not.
+        allow: qualified module names (as in ``named_modules()``; ``""``, or ``"<model>"`` as the
+            error prints it, is the model itself), class names or classes whose problems are
+            accepted: such a module that cannot be converted is kept as it is without an error
+            (e.g. a frozen ``nn.Conv1d`` stem; for a transformers model's attention or loss check,
+            its name). Convertible modules are converted whether listed or not.
 
     Returns:
         ``model`` itself, converted.
