@@ -467,3 +467,32 @@ def test_transformers_attn_implementation():
         out.loss.backward()
         logits[impl] = out.logits.float()
     assert (logits["det_attn"] - logits["sdpa"]).abs().max().item() < 0.1
+
+
+def test_transformers_forward_under_cuda_graph_capture_reads_no_positions():
+    """Captured in a CUDA graph, the transformers function reads no position_ids from the device
+    (a read is illegal while capturing): plain rows replay with eager's bits; a packed row would
+    trip the device-side assertion instead of attending across its documents."""
+    from det_attn.transformers_integration import det_attn_transformers_forward
+
+    module = torch.nn.Module()
+    module.is_causal = True
+    q, k, v = (t.transpose(1, 2) for t in _qkv(2, 64, 64, 4, 2, 64, seed=70))
+    positions = torch.arange(64, device="cuda").expand(2, 64)
+
+    def forward(position_ids):
+        return det_attn_transformers_forward(module, q, k, v, None, position_ids=position_ids)[0]
+
+    want = forward(positions)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        forward(positions)  # warm-up outside the capture (launch plans)
+    torch.cuda.current_stream().wait_stream(stream)
+    unread = positions.clone()  # a tensor the eager calls never read: the capture must not either
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = forward(unread)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _same_bits(out, want)

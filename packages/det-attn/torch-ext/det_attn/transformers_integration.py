@@ -158,7 +158,7 @@ _DOCUMENTS: dict[tuple[int, int], tuple] = {}
 
 _PACKED_UNDER_COMPILE = (
     "det_attn (transformers): position_ids restart inside a row (packed documents), which torch.compile "
-    "cannot read without a graph break; pass cu_seq_lens_q/k with max_length_q/k as ints "
+    "and CUDA-graph capture cannot read from the device; pass cu_seq_lens_q/k with max_length_q/k as ints "
     "(DataCollatorWithFlattening(return_flash_attn_kwargs=True)), or run the packed rows eagerly"
 )
 
@@ -181,9 +181,9 @@ def _documents_from_position_ids(
     (``t_q != t_k``) or a shape that does not match the rows. The positions are read from the device
     once per model call (every layer gets the same tensor).
 
-    Under ``torch.compile`` nothing is read: a device-side assertion (``torch._assert_async``) that
-    no row is packed stands in its place, so a packed row fails loudly instead of attending across
-    its documents (pass ``cu_seq_lens_q/k`` there).
+    Under ``torch.compile`` and CUDA-graph capture nothing is read: a device-side assertion
+    (``torch._assert_async``) that no row is packed stands in its place, so a packed row fails
+    loudly instead of attending across its documents (pass ``cu_seq_lens_q/k`` there).
     """
     if not isinstance(position_ids, torch.Tensor) or t_q == 1 or t_q != t_k or position_ids.shape[-1] != t_q:
         return None
@@ -195,6 +195,9 @@ def _documents_from_position_ids(
         return None
     key = (id(position_ids), position_ids._version, batch)
     if key not in _DOCUMENTS:
+        if rows.is_cuda and torch.cuda.is_current_stream_capturing():  # a graph cannot read the device
+            torch._assert_async((rows.diff(dim=-1) == 1).all(), _PACKED_UNDER_COMPILE)
+            return None
         _DOCUMENTS.clear()  # one call's position_ids at a time: nothing outlives the next call
         pos = rows.expand(batch, t_q).cpu()  # the one device read of the call
         documents = None
