@@ -61,13 +61,12 @@ def as_seed(value, op: str, name: str = "seed", hint: str = "; pass an int such 
 
 
 def check_key(seed: int, step: int, stream: int) -> None:
-    """Raise ``ValueError`` unless ``(seed, step, stream)`` fit the contract's word sizes."""
-    if not 0 <= int(seed) < 2**64:
-        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
-    if not 0 <= int(step) < 2**32:
-        raise ValueError(f"step must be in [0, 2**32), got {step}")
-    if not 0 <= int(stream) < 2**32:
-        raise ValueError(f"stream must be in [0, 2**32), got {stream}")
+    """Raise unless ``(seed, step, stream)`` are integers that fit the contract's word sizes:
+    ``TypeError`` for a bool, float or string (``as_index``: never truncated), ``ValueError`` for
+    a value out of range."""
+    for name, value, bits in (("seed", seed, 64), ("step", step, 32), ("stream", stream, 32)):
+        if not 0 <= as_index(value, name, "det_core.rng") < 2**bits:
+            raise ValueError(f"{name} must be in [0, 2**{bits}), got {value}")
 
 
 def split_seed(seed: int) -> tuple[int, int]:
@@ -192,9 +191,14 @@ def philox4x32_10_torch(
 def random_bits_torch(seed: int, step: int, stream: int, index: torch.Tensor) -> torch.Tensor:
     """Reference of ``random_bits``: uint32 values (as int64) for int64 global ``index``.
 
-    Raises ``ValueError`` when seed, step or stream is out of range or an index is negative.
+    Raises ``TypeError`` when seed, step or stream is not an integer or ``index`` is not an integer
+    tensor (a float or bool index would be truncated), ``ValueError`` when seed, step or stream is
+    out of range or an index is negative.
     """
     check_key(seed, step, stream)
+    if not isinstance(index, torch.Tensor) or index.dtype == torch.bool or index.is_floating_point():
+        kind = index.dtype if isinstance(index, torch.Tensor) else type(index).__name__
+        raise TypeError(f"det_core.rng: index must be an integer tensor (global element indices), got {kind}")
     index = index.to(torch.int64)
     if index.numel() and int(index.min()) < 0:
         raise ValueError("global indices must be non-negative")

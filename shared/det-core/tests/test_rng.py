@@ -128,6 +128,26 @@ def test_out_of_range_key_is_rejected(bad):
         rng.random_bits_torch(args["seed"], args["step"], args["stream"], torch.arange(4))
 
 
+@pytest.mark.parametrize(
+    "key, index",
+    [
+        (dict(seed=True), torch.arange(2)),
+        (dict(seed=1.0), torch.arange(2)),
+        (dict(step=2.5), torch.arange(2)),
+        (dict(stream="0"), torch.arange(2)),
+        ({}, torch.tensor([1.5])),
+        ({}, torch.tensor([True])),
+        ({}, [0, 1]),
+    ],
+)
+def test_a_key_or_index_that_is_not_an_integer_is_refused_not_truncated(key, index):
+    """A bool seed was read as 1, a float as its integer part, a float index 1.5 as 1: each would
+    silently name other random bits."""
+    args = dict(seed=0, step=0, stream=0) | key
+    with pytest.raises(TypeError, match="must be an integer"):
+        rng.random_bits_torch(args["seed"], args["step"], args["stream"], index)
+
+
 @pytest.mark.gpu
 def test_tensor_past_2_pow_31_elements_on_gpu():
     n = 2**31 + 1024
