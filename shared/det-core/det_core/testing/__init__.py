@@ -114,7 +114,14 @@ def assert_run_to_run(fn: Callable[[], object], repeats: int = 3, name: str = "o
     """Call ``fn`` ``repeats`` times and assert every result has the digest of the first.
 
     Returns the first result. ``fn`` must build its own inputs or reuse fixed ones.
+
+    Raises:
+        ValueError: ``repeats`` below 2 (nothing would be compared: a check that did not run
+            never passes).
+        AssertionError: a repeat's digest differs (the first differing tensor is named).
     """
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 2:
+        raise ValueError(f"assert_run_to_run: repeats must be an int >= 2 (runs to compare), got {repeats!r}")
     first = fn()
     ref = digest(first)
     for r in range(1, repeats):
@@ -143,7 +150,16 @@ def assert_row_invariant(
     ``anchor`` is one row (shape ``(1, ...)``). For each batch size M, ``make_batch(M)`` gives
     other rows of shape ``(M, ...)``; the anchor replaces row 0, M // 2 and M - 1 in turn and
     ``fn(batch)[pos]`` must equal ``fn(anchor)[0]`` bit for bit.
+
+    Raises:
+        ValueError: no batch size, or one below 1 (nothing would be compared).
+        AssertionError: a row differs.
     """
+    batch_sizes = list(batch_sizes)
+    if not batch_sizes or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in batch_sizes):
+        raise ValueError(
+            f"assert_row_invariant: batch_sizes must be ints >= 1, at least one; got {batch_sizes}"
+        )
     ref = fn(anchor)[0]
     for m in batch_sizes:
         positions = sorted({0, m // 2, m - 1})
@@ -157,8 +173,13 @@ def contiguous_splits(length: int, parts: int, granule: int = 1) -> list[tuple[i
     """Split ``range(length)`` into ``parts`` contiguous, as-even-as-possible ranges of whole granules.
 
     The first ranges take the extra granules (e.g. 8 in 3 parts -> 3, 3, 2). Raises
-    ``ValueError`` if ``length`` is not a multiple of ``granule`` or there are more parts than granules.
+    ``ValueError`` if ``length`` is not a multiple of ``granule``, there are more parts than granules,
+    or ``parts`` or ``granule`` is below 1.
     """
+    if parts < 1 or granule < 1:
+        raise ValueError(
+            f"contiguous_splits: parts and granule must be >= 1, got parts={parts}, granule={granule}"
+        )
     if length % granule:
         raise ValueError(f"length {length} is not a multiple of the granule {granule}")
     units = length // granule
@@ -182,7 +203,17 @@ def assert_decomposition_invariant(
     """Assert ``split(p)`` (the same work in ``p`` parts) equals ``whole()`` bitwise for each p.
 
     Include 3 or more parts: a degree-2 test proves little (a + b == b + a).
+
+    Raises:
+        ValueError: ``parts`` holds no decomposition into 2 or more parts, or a count below 1
+            (the whole against itself compares nothing).
+        AssertionError: a decomposition's digest differs.
     """
+    parts = list(parts)
+    if not any(p >= 2 for p in parts) or any(p < 1 for p in parts):
+        raise ValueError(
+            f"assert_decomposition_invariant: parts must be counts >= 1, one of them >= 2; got {parts}"
+        )
     ref = whole()
     for p in parts:
         got = split(p)
