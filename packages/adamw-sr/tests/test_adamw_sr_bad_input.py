@@ -630,6 +630,22 @@ def test_add_param_group_checks_the_groups_own_options(group, error, match):
         AdamWSR([{"params": [q], **group}])
 
 
+def test_params_whose_memory_overlaps_are_refused():
+    """Two params that are overlapping views of one buffer would have their shared elements updated
+    twice in one fused step, by programs whose order is not fixed on a GPU (they were accepted);
+    views that do not overlap are fine."""
+    buffer = torch.randn(16).bfloat16()
+    a, b = torch.nn.Parameter(buffer[:10]), torch.nn.Parameter(buffer[6:])
+    with pytest.raises(ValueError, match=r"two params share memory \(shapes \(10,\) and \(10,\)"):
+        AdamWSR([a, b])
+    p, opt = _stepped()
+    with pytest.raises(ValueError, match="two params share memory"):
+        opt.add_param_group({"params": [torch.nn.Parameter(p.data.view(-1)[3:5])]})
+    assert len(opt.param_groups) == 1
+    halves = [torch.nn.Parameter(buffer[:8]), torch.nn.Parameter(buffer[8:])]
+    AdamWSR(halves)  # disjoint views of one buffer
+
+
 def test_numpy_integer_base_index_is_accepted_as_an_int():
     p = torch.nn.Parameter(torch.randn(8).bfloat16())
     opt = AdamWSR([{"params": [p], "base_index": [np.int64(16)]}])

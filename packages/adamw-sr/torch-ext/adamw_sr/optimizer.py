@@ -23,6 +23,7 @@ from ._checks import (
     check_flags,
     check_grads,
     check_hyperparameters,
+    first_overlap,
     first_repeat,
     param_problem,
 )
@@ -229,7 +230,8 @@ class AdamWSR(torch.optim.Optimizer):
                 an integer (a bool or a float), a hyperparameter is not a real number, ``amsgrad``
                 or ``maximize`` is not a bool, a ``base_index`` entry is not an integer.
             ValueError: a param is empty or non-contiguous, on another device than the others,
-                the group lists one Parameter twice, ``base_index`` does not give one entry per
+                the group lists one Parameter twice, a param's memory overlaps another's (in any
+                group), ``base_index`` does not give one entry per
                 param, gives a param a range of global indices outside ``[0, 2**63)`` or one that
                 overlaps another param's, ``seed`` is outside ``[0, 2**64)``, the group's ``lr``,
                 ``betas``, ``eps`` or ``weight_decay`` is outside torch.optim.AdamW's ranges;
@@ -260,6 +262,16 @@ class AdamWSR(torch.optim.Optimizer):
             if problem:
                 self.param_groups.pop()
                 raise (TypeError if "dtype" in problem else ValueError)(f"AdamWSR: {problem}")
+        params = [p for g in self.param_groups for p in g["params"]]
+        overlap = first_overlap([local_tensor(p) for p in params])
+        if overlap is not None:
+            self.param_groups.pop()
+            a, b = (params[i] for i in overlap)
+            raise ValueError(
+                f"AdamWSR: two params share memory (shapes {tuple(a.shape)} and {tuple(b.shape)}, "
+                "overlapping views of one buffer): the fused step would update the shared elements twice, "
+                "in an order that is not fixed; give each param its own memory, or views that do not overlap"
+            )
         try:
             if group["foreach"] is not None or group["fused"] not in (None, True):
                 raise ValueError(
