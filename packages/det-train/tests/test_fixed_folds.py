@@ -184,6 +184,42 @@ def test_several_graphs_with_plain_deposits_are_refused_and_undone():
     torch._dynamo.reset()
 
 
+class _TwoBiasGraphs(_BrokenBlock):
+    """A graph break between two plain deposits: the up projection's bias before it, a LayerNorm's
+    weight and bias (no fold) after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = det_train.LayerNorm(D, dtype=BF16, device=DEVICE)
+
+    def forward(self, ids, targets, n):
+        h = self.emb(ids)
+        up = self.up(self.norm(h))
+        torch._dynamo.graph_break()
+        logits = self.head(self.ln(h + self.down(up)))
+        return det_train.cross_entropy(logits.flatten(0, -2), targets.flatten(), num_global_tokens=n)
+
+
+def test_fixed_folds_with_plain_deposits_in_several_graphs_say_so():
+    """With fixed folds (recoverable=False) the plain deposits left must sit in one graph; when they
+    do not, the micro-batch raises the accumulator's explanation, not autograd's version error, and
+    the poisoned accumulator repeats it (found by a new-user trial)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _TwoBiasGraphs()
+    ids, targets = _batch(128)
+    acc = CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=128, recoverable=False)
+    acc.fixed_folds(model)
+    run = torch.compile(model, backend="aot_eager")
+    with pytest.raises(RuntimeError, match="several torch.compile graphs .* refuses further use"):
+        with acc.micro_batch(0, num_tokens=64):
+            run(ids[:, :64], targets[:, :64], 128).backward()
+    with pytest.raises(RuntimeError, match="several torch.compile graphs"):
+        with acc.micro_batch(64, num_tokens=64):
+            pass
+    torch._dynamo.reset()
+
+
 def test_fixed_folds_are_the_weights_no_other_module_holds():
     model = _model()
     model.head.weight = model.emb.weight  # tied: the embedding table deposits as before

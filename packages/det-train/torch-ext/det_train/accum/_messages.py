@@ -94,10 +94,11 @@ def failed_backward(acc, token_offset: int) -> str:
     )
 
 
-def several_graphs(error: BaseException, token_offset: int) -> str | None:
+def several_graphs(error: BaseException, token_offset: int, undone: bool = True) -> str | None:
     """The message for autograd's version error on the deposit ticket (a 0-element int64 tensor):
     the forward ran as several compiled graphs, each saving the one ticket that every deposit
-    mutates, so a later graph's backward changed what an earlier one saved. None for other errors."""
+    mutates, so a later graph's backward changed what an earlier one saved. None for other errors.
+    ``undone``: the micro-batch's deposits were undone (else the accumulator is poisoned)."""
     text = str(error)
     if not (isinstance(error, RuntimeError) and "modified by an inplace operation" in text):
         return None
@@ -110,8 +111,13 @@ def several_graphs(error: BaseException, token_offset: int) -> str | None:
         "run. Compile the model as one graph (torch.compile(model, fullgraph=True)), or use fixed folds "
         "(CanonicalGradAccumulator(..., recoverable=False) and acc.fixed_folds(model)): the Linear, "
         "RMSNorm and Embedding weights then fold into buffers of their own in any graph, and the deposits "
-        "left (biases, other ops) must sit in one graph. The micro-batch's deposits were undone: run it "
-        "again."
+        "left (biases, other ops) must sit in one graph. "
+        + (
+            "The micro-batch's deposits were undone: run it again."
+            if undone
+            else "Its deposits had begun (recoverable=False): the accumulator refuses further use; build a "
+            "new one and run the step again."
+        )
     )
 
 

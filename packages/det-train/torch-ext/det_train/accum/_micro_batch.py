@@ -53,7 +53,10 @@ def micro_batch(acc, token_offset: int, num_tokens: int | None) -> Iterator:
             if message is not None:  # autograd's own words name an int64 tensor of 0 elements
                 raise RuntimeError(message) from err
         else:  # its folds and nodes were written in place: refuse every later call (no silent sum)
-            acc._poisoned = poisoned(acc, token_offset, err)
+            message = several_graphs(err, token_offset, undone=False)
+            acc._poisoned = poisoned(acc, token_offset, RuntimeError(message) if message else err)
+            if message is not None:
+                raise RuntimeError(message) from err
         raise
     else:
         acc.flush()  # the micro-batch's tensors can go: their open-leaf rows are copied
