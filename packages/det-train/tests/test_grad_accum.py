@@ -316,6 +316,15 @@ def test_without_accumulator_op_returns_ordinary_gradient():
 
 
 # ---------------------------------------------------------------- bad input
+def test_a_non_leaf_tensor_is_refused_at_construction():
+    """A tensor made by an op (``weight * 2``) never gets a .grad from autograd: tracking it was
+    accepted and its deposits went nowhere (found by a new-user trial)."""
+    w = torch.nn.Parameter(torch.randn(D))
+    with pytest.raises(ValueError, match=r"scaled: a non-leaf tensor \(made by MulBackward0"):
+        CanonicalGradAccumulator([("w", w), ("scaled", w * 2)])
+    CanonicalGradAccumulator([("w", w), ("frozen", (w * 2).detach())])  # no grad: not tracked, as before
+
+
 def test_bad_construction_and_offsets():
     w = torch.randn(D, requires_grad=True)
     with pytest.raises(ValueError, match="leaf_tokens"):

@@ -125,7 +125,8 @@ class CanonicalGradAccumulator:
     canonical sum of that call's tokens), which ``reduce`` then reports as a non-zero ``p.grad``.
 
     Raises:
-        ValueError: bad ``leaf_tokens``, a micro-batch that starts inside a leaf no earlier
+        ValueError: bad ``leaf_tokens``, a non-leaf tensor among ``params`` (the result of an op,
+            whose ``.grad`` autograd never sets), a micro-batch that starts inside a leaf no earlier
             micro-batch left open, an open leaf not continued (or not completed by ``reduce``),
             missing or duplicated leaves, a deposit for an unknown parameter or of the wrong shape.
         RuntimeError: deposits outside ``micro_batch``; a tracked parameter without deposits at
@@ -166,6 +167,11 @@ class CanonicalGradAccumulator:
                 raise TypeError(f"{name}: expected a torch.Tensor / Parameter, got {type(p).__name__}")
             if not p.requires_grad or id(p) in self._index:
                 continue
+            if not p.is_leaf:  # its .grad is never set: deposits for it would go nowhere
+                raise ValueError(
+                    f"{name}: a non-leaf tensor (made by {type(p.grad_fn).__name__} from others), not a "
+                    "parameter: the accumulator sets the .grad of leaf tensors; pass the Parameter itself"
+                )
             self._index[id(p)] = len(self._params)
             self._params.append(p)
             self._names.append(name)
