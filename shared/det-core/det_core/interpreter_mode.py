@@ -58,7 +58,13 @@ _TRITON_INTERPRETS = False  # set once the check has passed: Triton's mode canno
 def check_triton_interprets() -> None:
     """Raise a ``RuntimeError`` saying what to do when ``TRITON_INTERPRET=1`` is set but Triton was
     imported without it (set later in the process, e.g. after a first kernel call on CPU failed);
-    Triton's own error would be "0 active drivers". Checked once per process when it passes."""
+    Triton's own error would be "0 active drivers". Checked once per process when it passes.
+
+    Raises:
+        RuntimeError: Triton's ``@jit`` functions are compiled-kernel functions, not interpreted ones.
+
+    **Determinism:** reads Triton's import-time mode; computes nothing.
+    """
     global _TRITON_INTERPRETS
     if not _TRITON_INTERPRETS:
         _check_triton_interprets()

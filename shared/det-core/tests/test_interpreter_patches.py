@@ -93,12 +93,17 @@ def test_the_fp32_to_bf16_cast_rounds_to_nearest_even_as_torch_does():
     assert (truncated != want)[~nan].sum() > 300  # what the interpreter's own cast gives differs
 
 
+def _said_with_interpreter_off(script: str) -> str:
+    """The last line ``script`` prints in a fresh process started with TRITON_INTERPRET=0."""
+    from det_core.testing import run_in_fresh_process
+
+    return run_in_fresh_process(script, cold_triton_cache=False, env={"TRITON_INTERPRET": "0"})
+
+
 def test_triton_imported_before_the_interpreter_was_set_is_named():
     """Triton reads TRITON_INTERPRET at its import: set later (after transformers imported triton,
     say), every kernel would fail inside the interpreter with Triton's own message. det_core says
     what happened and what to do instead."""
-    from det_core.testing import run_in_fresh_process
-
     script = (
         "import os, triton\n"  # Triton reads TRITON_INTERPRET=0 here
         "os.environ['TRITON_INTERPRET'] = '1'\n"
@@ -107,7 +112,7 @@ def test_triton_imported_before_the_interpreter_was_set_is_named():
         "except RuntimeError as e:\n"
         "    print(str(e).replace(chr(10), ' '))\n"
     )
-    said = run_in_fresh_process(script, cold_triton_cache=False, env={"TRITON_INTERPRET": "0"})
+    said = _said_with_interpreter_off(script)
     assert "TRITON_INTERPRET=1 was set after triton was imported" in said
     assert "before anything imports triton" in said
 
@@ -115,8 +120,6 @@ def test_triton_imported_before_the_interpreter_was_set_is_named():
 def test_interpreter_set_after_a_first_cpu_kernel_call_is_named():
     """A kernel called on CPU without TRITON_INTERPRET says to set it; a user who then sets it in
     the same process gets det_core's message at the next call, not Triton's "0 active drivers"."""
-    from det_core.testing import run_in_fresh_process
-
     script = (
         "import os, torch, triton\n"  # Triton reads TRITON_INTERPRET=0 here
         "from det_core.runtime import check_kernel_device\n"  # imported with the interpreter off
@@ -129,7 +132,7 @@ def test_interpreter_set_after_a_first_cpu_kernel_call_is_named():
         "    os.environ['TRITON_INTERPRET'] = '1'\n"
         "print(' | '.join(said).replace(chr(10), ' '))\n"
     )
-    said = run_in_fresh_process(script, cold_triton_cache=False, env={"TRITON_INTERPRET": "0"})
+    said = _said_with_interpreter_off(script)
     assert "0 op: tensors are on CPU, where the Triton kernels run only through the interpreter" in said
     assert "1 det_core: TRITON_INTERPRET=1 was set after triton was imported" in said
 

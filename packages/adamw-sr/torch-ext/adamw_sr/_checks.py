@@ -127,24 +127,6 @@ def first_repeat(keys) -> tuple[int, int] | None:
     return None
 
 
-def first_overlap(tensors) -> tuple[int, int] | None:
-    """Positions ``(i, j)``, ``i < j``, of two contiguous tensors (one device) whose memory overlaps,
-    or None. Parameters that share bytes (views of one buffer that overlap) would be updated twice in
-    one fused step, by two programs writing the same elements: the result would depend on their order."""
-    ranges = sorted(
-        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i)
-        for i, t in enumerate(tensors)
-        if t.numel()
-    )
-    reach, owner = None, None  # the furthest end so far, and whose
-    for start, end, i in ranges:
-        if reach is not None and start < reach:
-            return (min(owner, i), max(owner, i))
-        if reach is None or end > reach:
-            reach, owner = end, i
-    return None
-
-
 def param_problem(p: torch.Tensor) -> str | None:
     if p.is_complex():
         return f"complex params (dtype {p.dtype}) are not supported; view them as real (torch.view_as_real)"

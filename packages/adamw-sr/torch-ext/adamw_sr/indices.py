@@ -93,7 +93,8 @@ def first_overlap(ranges) -> tuple[int, int] | None:
     the order of ``start``), or ``None``. Empty ranges overlap nothing. Raises nothing.
 
     **Determinism:** a pure function of the ranges. Two params whose ranges overlap would draw the
-    same stochastic-rounding bits at their shared indices: ``AdamWSR`` refuses them with this.
+    same stochastic-rounding bits at their shared indices: ``AdamWSR`` refuses them with this, and
+    (given byte ranges ``(data_ptr, nbytes)``) params whose memory overlaps.
     """
     reach, holder = None, -1  # the furthest end so far and the range that reaches it
     for start, end, i in sorted((int(s), int(s) + int(n), i) for i, (s, n) in enumerate(ranges) if n > 0):

@@ -23,7 +23,6 @@ from ._checks import (
     check_flags,
     check_grads,
     check_hyperparameters,
-    first_overlap,
     first_repeat,
     param_problem,
 )
@@ -42,6 +41,7 @@ from .indices import (
     check_8bit_layout,
     check_disjoint_indices,
     default_base_indices,
+    first_overlap,
     is_dtensor,
     local_segments,
     local_tensor,
@@ -263,7 +263,9 @@ class AdamWSR(torch.optim.Optimizer):
                 self.param_groups.pop()
                 raise (TypeError if "dtype" in problem else ValueError)(f"AdamWSR: {problem}")
         params = [p for g in self.param_groups for p in g["params"]]
-        overlap = first_overlap([local_tensor(p) for p in params])
+        # memory as byte ranges (params are contiguous): overlapping views would be updated twice
+        memory = [(t.data_ptr(), t.numel() * t.element_size()) for t in map(local_tensor, params)]
+        overlap = first_overlap(memory)
         if overlap is not None:
             self.param_groups.pop()
             a, b = (params[i] for i in overlap)

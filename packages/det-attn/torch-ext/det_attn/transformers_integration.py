@@ -191,13 +191,11 @@ def _documents_from_position_ids(
     if rows.dim() != 2 or rows.shape[0] not in (1, batch):
         return None
     if torch.compiler.is_compiling():
-        torch._assert_async((rows.diff(dim=-1) == 1).all(), _PACKED_UNDER_COMPILE)
-        return None
+        return _assert_one_sequence_per_row(rows)
     key = (id(position_ids), position_ids._version, batch)
     if key not in _DOCUMENTS:
         if rows.is_cuda and torch.cuda.is_current_stream_capturing():  # a graph cannot read the device
-            torch._assert_async((rows.diff(dim=-1) == 1).all(), _PACKED_UNDER_COMPILE)
-            return None
+            return _assert_one_sequence_per_row(rows)
         _DOCUMENTS.clear()  # one call's position_ids at a time: nothing outlives the next call
         pos = rows.expand(batch, t_q).cpu()  # the one device read of the call
         documents = None
@@ -211,6 +209,12 @@ def _documents_from_position_ids(
         # the tensor kept alive: its id cannot be reused meanwhile
         _DOCUMENTS[key] = (position_ids, documents)
     return _DOCUMENTS[key][1]
+
+
+def _assert_one_sequence_per_row(rows: torch.Tensor) -> None:
+    """Where the positions cannot be read (torch.compile, CUDA-graph capture): a device-side
+    assertion that no row restarts, so a packed row fails loudly instead of being one sequence."""
+    torch._assert_async((rows.diff(dim=-1) == 1).all(), _PACKED_UNDER_COMPILE)
 
 
 def register_transformers_attention(name: str = "det_attn") -> bool:
