@@ -314,9 +314,10 @@ def run_ranks(
         if proc.returncode == 0:
             return
         if attempt == 1 and _CPP_TERMINATE in proc.stderr:
+            at = proc.stderr.index(_CPP_TERMINATE)  # the fault handler's stacks follow the message
             warnings.warn(
                 f"{Path(script).name} on {nprocs} ranks: a rank aborted in C++ ({_CPP_TERMINATE!r}); "
-                "ran the ranks again. Its stderr:\n" + proc.stderr[-3000:],
+                "ran the ranks again. Its stderr from there:\n" + proc.stderr[max(at - 500, 0) : at + 8000],
                 stacklevel=2,
             )
             continue
