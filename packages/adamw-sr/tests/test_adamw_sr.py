@@ -382,6 +382,36 @@ def test_e_three_shards_with_base_index_equal_whole():
         assert_bitwise_equal(torch.cat(shards).view(rows, cols), whole, f"{parts} shards")
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, "8bit"])
+def test_e_zero_size_params_step_like_torch_and_change_no_other_bit(state_dtype):
+    """A zero-size param (a model's empty bias, a shard of nothing) is accepted, as torch.optim.AdamW
+    accepts it: its state is zero-size, its step counts, and the other params' bits (their keys are
+    the running element offsets, an empty param adds none) equal a run without it."""
+    init = [torch.randn(s, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16) for i, s in
+            enumerate([(8, 40), (33,)])]  # fmt: skip
+    plain, padded = [p.clone() for p in init], [p.clone() for p in init]
+    empties = [torch.zeros(0, dtype=torch.bfloat16), torch.zeros(3, 0, dtype=torch.bfloat16)]
+    padded = [empties[0], padded[0], empties[1], padded[1]]
+    opts = [AdamWSR(ps, lr=1e-2, weight_decay=0.1, seed=5, state_dtype=state_dtype) for ps in (plain, padded)]
+    for step in range(3):
+        for i, (p, q) in enumerate(zip(plain, padded[1::2], strict=True)):
+            p.grad = q.grad = _grads([p.shape], step, torch.bfloat16, seed=i)[0]
+        for e in empties:
+            e.grad = torch.zeros_like(e)
+        for opt in opts:
+            opt.step()
+    for p, q in zip(plain, padded[1::2], strict=True):
+        assert_bitwise_equal(q, p)
+        assert digest(opts[1].state[q]) == digest(opts[0].state[p])
+    for e in empties:
+        state = opts[1].state[e]
+        assert float(state["step"]) == 3.0
+        assert all(v.numel() == 0 for k, v in state.items() if k != "step")
+    reloaded = AdamWSR(padded, lr=1e-2, seed=5, state_dtype=state_dtype)
+    reloaded.load_state_dict(opts[1].state_dict())
+    assert digest(reloaded.state_dict()) == digest(opts[1].state_dict())
+
+
 def test_e_functional_step_groups_any_way():
     # one launch over 3 tensors == 3 launches of one tensor each, with the same base indices
     shapes = [(5,), (17,), (2, 3)]

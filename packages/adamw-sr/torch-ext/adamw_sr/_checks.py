@@ -13,7 +13,7 @@ import numbers
 import torch
 from det_core import runtime
 
-from .indices import PLAIN_TENSOR_TYPES, is_dtensor, local_tensor
+from .indices import PLAIN_TENSOR_TYPES, local_tensor
 
 __all__ = [
     "SUPPORTED_GRAD_DTYPES",
@@ -137,8 +137,6 @@ def param_problem(p: torch.Tensor) -> str | None:
         )
     if p.dtype not in SUPPORTED_PARAM_DTYPES:
         return f"params must be float32 or bfloat16, got dtype {p.dtype}"
-    if not is_dtensor(p) and p.numel() == 0:
-        return f"zero-size param of shape {tuple(p.shape)}: remove it from the optimizer"
     if not local_tensor(p).is_contiguous():
         return (
             f"param of shape {tuple(p.shape)} is not contiguous: make it contiguous before building "

@@ -61,11 +61,12 @@ class AdamWSR(torch.optim.Optimizer):
     fp32 (default), bf16 or 8-bit (``state_dtype``).
 
     Args:
-        params: iterable of tensors or param-group dicts. Tensors must be contiguous, non-empty
-            (a DTensor's local shard may be empty), real, fp32 or bf16, all on one device (CUDA, or
-            CPU with ``TRITON_INTERPRET=1``). A group may give ``base_index``: a list with one int
-            (or ``None``) per param, the global index of its first element; the ranges
-            ``[base_index, base_index + numel)`` of all params (defaults included) must be disjoint.
+        params: iterable of tensors or param-group dicts. Tensors must be contiguous (zero-size ones
+            are accepted, as torch.optim.AdamW accepts them: zero-size state, no global index), real,
+            fp32 or bf16, all on one device (CUDA, or CPU with ``TRITON_INTERPRET=1``). A group may
+            give ``base_index``: a list with one int (or ``None``) per param, the global index of its
+            first element; the ranges ``[base_index, base_index + numel)`` of all params (defaults
+            included) must be disjoint.
         lr: learning rate, float or 1-element tensor (a CUDA tensor for graph capture).
         betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW`` (decoupled decay,
             computed as ``p - p * (lr * weight_decay)``, not ``p * (1 - lr * weight_decay)``: see
@@ -102,7 +103,7 @@ class AdamWSR(torch.optim.Optimizer):
             ``[0, 2**64)``), an unsupported flag (``foreach`` not ``None``, ``fused=False``,
             ``differentiable=True``, ``capturable=True`` with non-CUDA params), an unsupported
             ``state_dtype`` (the message lists the supported ones) or ``state_rounding``,
-            ``amsgrad`` with ``state_dtype="8bit"``, an empty or non-contiguous param, params on
+            ``amsgrad`` with ``state_dtype="8bit"``, a non-contiguous param, params on
             several devices, one Parameter listed twice in a group, two params whose ``base_index``
             ranges overlap (message names both).
         TypeError: ``params`` is a module (pass ``model.parameters()``); fp16, complex or integer
@@ -229,7 +230,7 @@ class AdamWSR(torch.optim.Optimizer):
             TypeError: a param is fp16, complex or not floating point; the group's ``seed`` is not
                 an integer (a bool or a float), a hyperparameter is not a real number, ``amsgrad``
                 or ``maximize`` is not a bool, a ``base_index`` entry is not an integer.
-            ValueError: a param is empty or non-contiguous, on another device than the others,
+            ValueError: a param is non-contiguous, on another device than the others,
                 the group lists one Parameter twice, a param's memory overlaps another's (in any
                 group), ``base_index`` does not give one entry per
                 param, gives a param a range of global indices outside ``[0, 2**63)`` or one that
