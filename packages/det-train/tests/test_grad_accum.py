@@ -449,8 +449,9 @@ def test_bad_deposits():
     with pytest.raises(RuntimeError, match="outside micro_batch"):
         acc.deposit(w, 0, torch.zeros(1, D))
     with acc.micro_batch(token_offset=0):
-        with pytest.raises(ValueError, match="does not track"):
+        with pytest.raises(ValueError, match="does not track") as refused:
             acc.deposit(stranger, 0, torch.zeros(1, D))
+        assert "tracks no parameter" not in str(refused.value)  # it tracks w
         with pytest.raises(ValueError, match="float32"):
             acc.deposit(w, 0, torch.zeros(1, D, dtype=torch.float64))
         with pytest.raises(ValueError, match="shape"):

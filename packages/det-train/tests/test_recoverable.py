@@ -426,6 +426,13 @@ def test_a_parameter_frozen_after_the_accumulator_was_built_is_named_as_the_like
     with pytest.raises(ValueError, match=r"does not track: .*requires_grad=False when the accumulator"):
         with frozen_at_build.micro_batch(token_offset=0):
             _loss(model, ids[:LEAF]).backward()
+    # a generator read before (the optimizer took it): the accumulator tracks nothing, and says so
+    params = model.named_parameters()
+    torch.optim.SGD([p for _, p in params], lr=0.1)
+    of_nothing = det_train.CanonicalGradAccumulator(params, leaf_tokens=LEAF)
+    with pytest.raises(ValueError, match=r"does not track: .*it tracks no parameter at all: .*reads once"):
+        with of_nothing.micro_batch(token_offset=0):
+            _loss(model, ids[:LEAF]).backward()
 
 
 def test_bad_recoverable_and_params():

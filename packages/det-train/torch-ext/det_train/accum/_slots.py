@@ -51,10 +51,16 @@ def take_slot(acc, param: torch.Tensor) -> tuple[int, int]:
             (i for i, fp in acc._fsdp.items() if getattr(fp, "_unsharded_param", None) is param), None
         )
     if index is None:
+        empty = (  # a generator read before (by the optimizer, say) gives an accumulator of nothing
+            "; it tracks no parameter at all: model.named_parameters() is a generator that reads once, "
+            "make a new one (or a list) for each consumer"
+            if not acc._params
+            else ""
+        )
         raise ValueError(
             f"deposit for a parameter of shape {tuple(param.shape)} that this accumulator does not "
             "track: pass it in CanonicalGradAccumulator(params) (parameters with requires_grad=False "
-            "when the accumulator was built are left out: build it after unfreezing them)"
+            f"when the accumulator was built are left out: build it after unfreezing them){empty}"
         )
     tracked = acc._params[index]
     if tracked._backward_hooks or tracked._post_accumulate_grad_hooks:  # registered inside the context
