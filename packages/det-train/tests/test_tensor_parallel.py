@@ -12,6 +12,7 @@ Cuts are at multiples of the K step (``block_k`` = 64 for bf16), the unit of the
 """
 
 import os
+import re
 
 import pytest
 import torch
@@ -113,7 +114,7 @@ def test_gpu_tensor_parallel_real_sizes(kind):
 
 
 # ----------------------------------------------------------------------------- real ranks (gloo)
-def _run_tp_ranks(world: int) -> list[dict]:
+def _run_tp_ranks(world: int, *mode: str, timeout: float = 600) -> list[dict]:
     import subprocess
     import sys
     import tempfile
@@ -125,7 +126,7 @@ def _run_tp_ranks(world: int) -> list[dict]:
         init, outs = Path(tmp, "init"), [Path(tmp, f"rank{r}.pt") for r in range(world)]
         procs = [
             subprocess.Popen(
-                [sys.executable, str(worker), str(r), str(world), str(init), str(outs[r])],
+                [sys.executable, str(worker), str(r), str(world), str(init), str(outs[r]), *mode],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -133,7 +134,14 @@ def _run_tp_ranks(world: int) -> list[dict]:
             )  # fmt: skip
             for r in range(world)
         ]
-        logs = [p.communicate(timeout=600)[0] for p in procs]
+        try:
+            logs = [p.communicate(timeout=timeout)[0] for p in procs]
+        except subprocess.TimeoutExpired as e:
+            for p in procs:
+                p.kill()
+            raise AssertionError(
+                f"{world} ranks ran past {timeout} s (a rank left waiting in the chain?)"
+            ) from e
         for r, p in enumerate(procs):
             if p.returncode != 0:
                 raise AssertionError(f"rank {r} of {world} failed:\n{logs[r][-3000:]}")
@@ -164,3 +172,16 @@ def test_distributed_row_and_column_parallel_reproduce_unsplit(world):
         assert_bitwise_equal(got["col_dx"], dx, f"column-parallel dx, {where}")
         assert_bitwise_equal(got["col_dw"], dw[ns:ne], f"column-parallel dw, {where}")
         assert_bitwise_equal(got["col_db"], db[ns:ne], f"column-parallel db, {where}")
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="gloo ranks on CPU through the Triton interpreter")
+def test_a_part_off_the_k_step_is_refused_on_every_rank_not_only_its_own():
+    """Rank 0 holds 100 elements of the summed axis (not a multiple of the K step): it used to be
+    the only rank to raise, and rank 1 waited in the chain for it forever."""
+    for rank, got in enumerate(_run_tp_ranks(2, "refusals", timeout=240)):
+        for kind in ("row", "col"):
+            assert re.fullmatch(
+                r"rank 0's part of the summed axis has 100 elements; every part but the last must be a "
+                r"multiple of \d+ .*\(refused on every rank of the group\)",
+                got[kind],
+            ), (rank, kind, got[kind])

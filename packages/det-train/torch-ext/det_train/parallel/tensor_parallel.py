@@ -21,6 +21,7 @@ import math
 import torch
 import torch.distributed as dist
 from det_core import runtime
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..ops._library import Op
 from ..ops.configs import matmul_config
@@ -40,18 +41,53 @@ def _group_ranks(group) -> tuple[int, int, list[int]]:
     return rank, world, ranks
 
 
+def _part_problem(rank: int, world: int, dtype: torch.dtype, n: int, k: int) -> str | None:
+    """Why rank ``rank``'s part of ``k`` elements of the summed axis cannot continue the unsplit
+    fold (every part but the last a multiple of the K step), or None."""
+    k_step = matmul_config(dtype, "nn", n, k).block_k
+    if rank == world - 1 or k % k_step == 0:
+        return None
+    return (
+        f"rank {rank}'s part of the summed axis has {k} elements; every part but the last must "
+        f"be a multiple of {k_step} (the K step of the fixed order) for bitwise-unsplit results"
+    )
+
+
+# weight -> the (dtype, n, k, group) its split was checked for on every rank of the group
+_SPLIT_CHECKED = WeakIdKeyDictionary()
+
+
+def _check_parts_on_every_rank(weight: torch.Tensor, dtype: torch.dtype, n: int, k: int, group) -> None:
+    """Raise the same ``ValueError`` on every rank if any rank's part cannot chain, so that no rank
+    is left waiting in the chain for a peer that refused (the chain checks only its own part).
+
+    Once per weight, shapes and group (an ``all_gather_object`` of each rank's verdict): ranks call
+    the same layers in the same order, as the chain itself needs. Not while tracing: a compiled
+    graph keeps the chain's own check, on the rank whose part it is.
+    """
+    if torch.compiler.is_compiling():
+        return
+    key = (dtype, n, k, _group_name(group))
+    if key in _SPLIT_CHECKED.get(weight, ()):
+        return
+    rank, world, _ = _group_ranks(group)
+    problems: list[str | None] = [None] * world
+    dist.all_gather_object(problems, _part_problem(rank, world, dtype, n, k), group=group)
+    refused = [p for p in problems if p is not None]
+    if refused:
+        raise ValueError(f"{refused[0]} (refused on every rank of the group)")
+    _SPLIT_CHECKED.setdefault(weight, set()).add(key)
+
+
 def _chained_sum(a: torch.Tensor, b: torch.Tensor, bias, out_dtype, group, chunk_rows: int) -> torch.Tensor:
     """Sum over ranks of ``a_r @ b_r`` in the unsplit K order: each rank continues its predecessor's
     fp32 accumulator chunk by chunk; the last rank rounds (adding ``bias``) and broadcasts."""
     rank, world, ranks = _group_ranks(group)
     m, n = a.shape[0], b.shape[1]
     last = rank == world - 1
-    k_step = matmul_config(a.dtype, "nn", n, a.shape[1]).block_k
-    if not last and a.shape[1] % k_step:
-        raise ValueError(
-            f"rank {rank}'s part of the summed axis has {a.shape[1]} elements; every part but the last must "
-            f"be a multiple of {k_step} (the K step of the fixed order) for bitwise-unsplit results"
-        )
+    problem = _part_problem(rank, world, a.dtype, n, a.shape[1])
+    if problem is not None:
+        raise ValueError(problem)
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     for s in range(0, max(m, 1), chunk_rows):
         e = min(s + chunk_rows, m)
@@ -215,7 +251,9 @@ def row_parallel_linear(
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
-        ValueError: as ``linear``; a K part (not the last) that is not a multiple of the K step.
+        ValueError: as ``linear``; a K part (not the last) that is not a multiple of the K step,
+            raised on every rank (checked once per weight and shapes, with one
+            ``all_gather_object``; in a compiled graph only on the rank whose part it is).
         TypeError: as ``linear``.
 
     **Determinism:** Y is the unsplit fold over K (rank r continues rank r - 1's fp32 accumulator),
@@ -225,6 +263,7 @@ def row_parallel_linear(
     """
     check_linear(x, weight, bias)
     name = _group_name(group)
+    _check_parts_on_every_rank(weight, x.dtype, weight.shape[0], weight.shape[1], group)
     plan = plan_grads(math.prod(x.shape[:-1]), weight, bias)
     args = (plan.ticket, plan.leaf_tokens, plan.weight, plan.bias)
     return row_parallel_op(x, weight, bias, name, int(chunk_rows), *args)
@@ -255,7 +294,9 @@ def column_parallel_linear(
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
-        ValueError: as ``linear``; an N part (not the last) that is not a multiple of the K step.
+        ValueError: as ``linear``; an N part (not the last) that is not a multiple of the K step
+            (when ``x`` requires grad: the dX chain), raised on every rank as in
+            ``row_parallel_linear``.
         TypeError: as ``linear``.
 
     **Determinism:** Y_r, dW_r, db_r are column / row slices of the unsplit results; dX equals the
@@ -263,6 +304,8 @@ def column_parallel_linear(
     """
     check_linear(x, weight, bias)
     name = _group_name(group)
+    if torch.is_grad_enabled() and x.requires_grad:  # the backward's dX chain sums over the N parts
+        _check_parts_on_every_rank(weight, x.dtype, weight.shape[1], weight.shape[0], group)
     plan = plan_grads(math.prod(x.shape[:-1]), weight, bias)
     args = (plan.ticket, plan.leaf_tokens, plan.weight, plan.bias)
     return column_parallel_op(x, weight, bias, name, int(chunk_rows), *args)
