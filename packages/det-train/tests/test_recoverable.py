@@ -480,3 +480,55 @@ def test_gpu_mlp_four_micro_batches_cutting_leaves():
     for i, (got, ref) in enumerate(zip(step(False), want, strict=True)):
         assert ref.abs().sum() > 0
         assert_bitwise_equal(got, ref, f"parameter {i}: recoverable=False vs True")
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_an_optimizer_step_before_reduce_is_refused_and_updates_nothing(fixed):
+    """Forgetting ``acc.reduce`` used to skip a whole step silently (every tracked ``.grad`` still
+    None): any optimizer's step over a tracked parameter now raises while deposits wait, and updates
+    nothing; an optimizer of other parameters is left alone; after ``reduce`` (or ``reset``) the
+    step runs and the hook is gone."""
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    hooks_before = len(_global_optimizer_pre_hooks)
+    model, ids = _model(), _tokens()
+    acc = det_train.CanonicalGradAccumulator(
+        model.named_parameters(), leaf_tokens=LEAF, recoverable=not fixed
+    )
+    if fixed:
+        acc.fixed_folds(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = torch.nn.Parameter(torch.ones(3))
+    other_opt = torch.optim.SGD([other], lr=0.1)
+    for lo, hi in ((0, 32), (32, 64)):  # inside one leaf: fixed folds hold one open leaf
+        with acc.micro_batch(token_offset=lo, num_tokens=hi - lo if fixed else None):
+            _loss(model, ids[lo:hi]).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(RuntimeError, match=r"SGD.step\(\) while a CanonicalGradAccumulator holds "
+                           r"micro-batches not reduced \(0.weight, 1.weight, 2.weight and 1 more\): call "
+                           r"acc.reduce\(total_tokens=...\)"):  # fmt: skip
+            opt.step()
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+        other.grad = torch.ones(3)
+        other_opt.step()  # tracks nothing of the accumulator's
+        assert torch.equal(other.detach(), torch.full((3,), 0.9))
+        other.data.fill_(1.0)
+    acc.reset()
+    assert len(_global_optimizer_pre_hooks) == hooks_before
+    for lo, hi in ((0, 64), (64, 128), (128, 192), (192, T)):
+        with acc.micro_batch(token_offset=lo, num_tokens=hi - lo if fixed else None):
+            _loss(model, ids[lo:hi]).backward()
+    acc.reduce(total_tokens=T)
+    assert len(_global_optimizer_pre_hooks) == hooks_before
+    before = model[2].weight.detach().clone()
+    opt.step()
+    assert not torch.equal(model[2].weight, before)
+    # a new accumulator over the same parameters replaces a pending one ("start over")
+    with acc.micro_batch(token_offset=0, num_tokens=32 if fixed else None):
+        _loss(model, ids[:32]).backward()
+    with pytest.raises(RuntimeError, match="not reduced"):
+        opt.step()
+    det_train.CanonicalGradAccumulator(model.named_parameters(), leaf_tokens=LEAF)
+    assert len(_global_optimizer_pre_hooks) == hooks_before
+    opt.zero_grad()
+    opt.step()

@@ -15,6 +15,7 @@ import contextlib
 from collections.abc import Iterator
 
 from ._messages import check_micro_batch, failed_backward, poisoned, several_graphs
+from ._step_guard import mark_pending
 from ._undo_log import UndoLog
 
 __all__ = ["ACTIVE", "micro_batch"]
@@ -67,6 +68,8 @@ def micro_batch(acc, token_offset: int, num_tokens: int | None) -> Iterator:
             acc._open_ends.discard(token_offset)
             if (token_offset + acc._tokens) % acc.leaf_tokens:
                 acc._open_ends.add(token_offset + acc._tokens)
+        if acc._partials or acc._carry or acc._spans or (fixed is not None and fixed.micro_batches):
+            mark_pending(acc)  # deposits wait for reduce: an optimizer step now would skip them
     finally:
         ACTIVE.pop()
         acc._token_offset = None

@@ -38,6 +38,7 @@ from ._messages import frozen_hint, slot_name, token_mismatch, who
 from ._micro_batch import ACTIVE as _ACTIVE  # the active accumulators, innermost last
 from ._open_leaf import LeafFold, LeafPartial, OpenFold, OpenLeaf, foreach_copy, place_rows, token_rows
 from ._slots import take_slot, tracked_param
+from ._step_guard import mark_reduced, supersede
 from ._undo_log import NoUndoLog, UndoLog
 
 __all__ = ["DEFAULT_LEAF_TOKENS", "CanonicalGradAccumulator", "current_accumulator"]
@@ -131,7 +132,11 @@ class CanonicalGradAccumulator:
             missing or duplicated leaves, a deposit for an unknown parameter or of the wrong shape.
         RuntimeError: deposits outside ``micro_batch``; a tracked parameter without deposits at
             ``reduce``; ``p.grad`` already holding a non-zero gradient at ``reduce``; any call after
-            a micro-batch raised under ``recoverable=False`` (until ``reset``).
+            a micro-batch raised under ``recoverable=False`` (until ``reset``); from any torch
+            optimizer's ``step()`` over a tracked parameter while micro-batches wait for ``reduce``
+            (it would skip them: their ``.grad`` is not set yet; nothing is updated). A torch global
+            optimizer pre-hook, registered only while deposits wait; a new accumulator over the same
+            parameters replaces a waiting one.
         TypeError: ``recoverable`` not a bool; ``params`` a module (pass ``model.named_parameters()``),
             one tensor or not an iterable; an item not a tensor or a ``(name, tensor)`` pair.
 
@@ -175,6 +180,7 @@ class CanonicalGradAccumulator:
             self._index[id(p)] = len(self._params)
             self._params.append(p)
             self._names.append(name)
+        supersede(self)  # a pending accumulator of these parameters no longer holds back a step
         # (param index, use number) -> partial tree of this rank
         self._partials: dict[tuple[int, int], TreePartial] = {}
         self._uses: dict[int, int] = {}  # deposits per parameter in the current micro-batch
@@ -666,6 +672,7 @@ class CanonicalGradAccumulator:
         self._partials, self._spans, self._carry, self._open_ends, self._max_end = {}, [], {}, set(), 0
         self._open_leaves, self._groups, self.pending_copies, self._poisoned = {}, {}, [], None
         self._log = UndoLog() if self.recoverable else NoUndoLog()
+        mark_reduced(self)
 
     def reset(self) -> None:
         """Drop every deposit, open leaf and span of the step (and a ``recoverable=False`` poisoning).
