@@ -429,6 +429,12 @@ def test_transformers_forward_without_transformers():
         det_attn_transformers_forward(module, qt, kt, vt, padding)
     with pytest.raises(ValueError, match="seed"):
         det_attn_transformers_forward(module, qt, kt, vt, None, dropout=0.1)
+    # one half of the pair used to be ignored: the documents attended to each other, silently
+    for half in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        with pytest.raises(
+            ValueError, match=f"{half} given without cu_seq_lens_[qk]: packed sequences need both"
+        ):
+            det_attn_transformers_forward(module, qt, kt, vt, None, **{half: cu})
 
 
 def test_transformers_forward_reads_packed_rows_at_any_batch_size():

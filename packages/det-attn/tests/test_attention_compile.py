@@ -88,8 +88,33 @@ def test_backward_operator_checks_direct_callers():
     out, lse2 = _ops.attention_forward(q, k, v, *options)
     with pytest.raises(ValueError, match=r"grad_out must be \(9, 2, 64\)"):
         _ops.attention_backward(out[:4], q, k, v, out, lse2, *options)
-    with pytest.raises(ValueError, match="lse2 must be the forward's"):
+    with pytest.raises(
+        ValueError, match=r"lse2 must be the forward's \(2, 9\) float32 on cpu, got \(2, 9\) float64 on cpu"
+    ):
         _ops.attention_backward(out, q, k, v, out, lse2.double(), *options)
+
+
+def test_packed_backward_operator_checks_the_cu_seqlens_values_of_direct_callers():
+    """A direct call of the packed backward with cu_seqlens past the tokens indexed out of bounds
+    (a new-user trial: the process aborted in free()); it now reads and checks them, as the forward
+    does with ``validate``; the autograd formula, whose forward checked them, passes validate=False."""
+    q, k = _randn(5, 2, D, seed=12), _randn(5, 1, D, seed=13)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    options = (3, 3, True, None, 0.0, 0, 0, 0)
+    with torch.no_grad():
+        out, lse2 = _ops.attention_varlen_forward(q, k, k, cu, cu, *options, True)
+    for bad, match in (([0, 3, 4000], "cu_seqlens_q"), ([0, 4, 2], "cu_seqlens_q")):
+        bad = torch.tensor(bad, dtype=torch.int32)
+        with pytest.raises(ValueError, match=match):
+            _ops.attention_varlen_backward(torch.ones_like(out), q, k, k, out, lse2, bad, bad, *options)
+        with pytest.raises(ValueError, match=match):
+            _ops.attention_varlen_forward(q, k, k, bad, bad, *options, True)
+    grads = _ops.attention_varlen_backward(torch.ones_like(out), q, k, k, out, lse2, cu, cu, *options)
+    unchecked = _ops.attention_varlen_backward(
+        torch.ones_like(out), q, k, k, out, lse2, cu, cu, *options, validate=False
+    )
+    for a, b in zip(grads, unchecked, strict=True):
+        assert_bitwise_equal(a, b)
 
 
 def test_window_and_softcap_operators_pass_opcheck_and_compile_to_eagers_bits():

@@ -6,14 +6,18 @@ as ``_det_attn_cuda_<hash>``, so that several builds can live in one process):
 ``attention_forward(q, k, v, causal, softmax_scale, dropout_p, seed, sequence_offset, head_offset)
 -> (out, lse2)`` and ``attention_backward(grad_out, q, k, v, out, lse2, <the same options>) ->
 (grad_q, grad_k, grad_v)``; ``attention_varlen_forward`` / ``attention_varlen_backward`` add
-``cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k`` after ``v`` (and the forward a last
-``validate``). Tensors in, fresh tensors out, nothing mutated; the options are plain schema types
+``cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k`` after ``v``, and a ``validate`` flag
+(the forward's after ``head_offset``; the backward's last, default True): set, the operator checks
+the ``cu_seqlens`` values on a host copy; unset, it trusts them (the public function checked them,
+or, in the backward, the forward did), and values out of range would index out of bounds.
+Tensors in, fresh tensors out, nothing mutated; the options are plain schema types
 (``bool``, ``float?``, ``float``, ``SymInt``). ``out`` and the gradients come in the kernels'
 ``(tokens, H, D)`` layout (a padded batch's ``(B * T, H, D)``; ``attention`` views ``out`` back),
 ``lse2`` is the base-2 log-sum-exp ``(H_q, tokens)`` fp32. ``seed`` is the Philox seed as a signed
-64-bit word (``seed_word``; 0 without dropout). Every operator ends with ``int? window=None, float?
-softcap=None`` (sliding window and logit soft-cap, as the public functions take them; after
-``validate`` in the varlen forward), so calls written before they existed keep their meaning.
+64-bit word (``seed_word``; 0 without dropout). Every operator takes ``int? window=None, float?
+softcap=None`` after its options (sliding window and logit soft-cap, as the public functions take
+them; after ``validate`` in the varlen forward, before it in the varlen backward), defaulted, so
+calls written before they existed keep their meaning.
 
 Each operator has a CPU and a CUDA kernel (the launches of ``_plans``; the launch plan is looked up
 from the arguments, never passed), a fake kernel (output shapes, strides and dtypes from the input
@@ -59,9 +63,11 @@ SCHEMAS = {
         f"(Tensor q, Tensor k, Tensor v, {_CU}, {_OPTIONS}, bool validate, {_MASKING}) "
         "-> (Tensor out, Tensor lse2)"
     ),
+    # validate last and defaulted True: a direct call checks the cu_seqlens values (a host read),
+    # the autograd formula passes False (its forward checked the same tensors)
     "attention_varlen_backward": (
         f"(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse2, {_CU}, {_OPTIONS}, "
-        f"{_MASKING}) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)"
+        f"{_MASKING}, bool validate=True) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)"
     ),
 }
 _PADDED_OP = "det_attn.attention"
@@ -156,7 +162,8 @@ def _saved_outputs(plan, grad_out, q, out, lse2, op):
             )
     if tuple(lse2.shape) != plan.lse_shape or lse2.dtype != torch.float32 or lse2.device != q.device:
         raise ValueError(
-            f"{op}: lse2 must be the forward's {plan.lse_shape} float32, got {tuple(lse2.shape)}"
+            f"{op}: lse2 must be the forward's {plan.lse_shape} float32 on {q.device}, got "
+            f"{tuple(lse2.shape)} {str(lse2.dtype).removeprefix('torch.')} on {lse2.device}"
         )
     if out.stride()[:2] != plan.fwd_strides[4:6] or out.stride(2) != 1:
         out = torch.empty_like(q).copy_(out)
@@ -223,12 +230,14 @@ def _varlen_forward(
 
 def _varlen_backward(
     grad_out, q, k, v, out, lse2, cu_q, cu_k, max_q, max_k, causal, softmax_scale, dropout_p, seed,
-    sequence_offset, head_offset, window=None, softcap=None,
+    sequence_offset, head_offset, window=None, softcap=None, validate=True,
 ):  # fmt: skip
     plan = _packed_plan(
         q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, dropout_p, seed, sequence_offset,
         head_offset, window, softcap,
     )  # fmt: skip
+    if validate:  # a direct call: the kernels would index q, k, v and the gradients by these values
+        _checks.check_packed_values(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k, causal, _PACKED_OP)
     drop = _dropout(
         plan, dropout_p, seed, sequence_offset, head_offset, q.shape[1], cu_q.shape[0] - 1, _PACKED_OP
     )
@@ -292,7 +301,8 @@ class _AttentionFunction(torch.autograd.Function):
                 dq, dk, dv = dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
             else:
                 backward = _varlen_backward if direct else attention_varlen_backward
-                dq, dk, dv = backward(grad_out, q, k, v, out, lse2, cu_q, cu_k, *ctx.options)
+                # validated once, in the forward (the same saved cu_seqlens)
+                dq, dk, dv = backward(grad_out, q, k, v, out, lse2, cu_q, cu_k, *ctx.options, validate=False)
         return dq, dk, dv, None, None, None
 
 

@@ -74,7 +74,8 @@ def det_attn_transformers_forward(
         RuntimeError: under ``torch.compile``, ``position_ids`` that restart inside a row (a
             device-side assertion: pass ``cu_seq_lens_q/k``).
         ValueError: a query, key or value that is not 4-D (transformers' ``(B, H, T, D)``), a
-            padding mask, a sliding window on a non-causal layer (a bidirectional window, as Gemma 3's
+            padding mask, ``cu_seq_lens_q`` without ``cu_seq_lens_k`` or the reverse, a sliding
+            window on a non-causal layer (a bidirectional window, as Gemma 3's
             ``use_bidirectional_attention``: not implemented), dropout outside
             ``[0, 1)`` or without a seed, a seed outside ``[0, 2**64)``, or anything
             ``det_attn.attention`` rejects.
@@ -131,6 +132,14 @@ def det_attn_transformers_forward(
     )
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+    if (cu_q is None) != (cu_k is None):  # one half of the pair: its documents would be ignored
+        given, missing = (
+            ("cu_seq_lens_q", "cu_seq_lens_k") if cu_k is None else ("cu_seq_lens_k", "cu_seq_lens_q")
+        )
+        raise ValueError(
+            f"{op}: {given} given without {missing}: packed sequences need both (the same tensor for "
+            "self-attention), as transformers' flash-attention kwargs carry them"
+        )
     if cu_q is None and cu_k is None:
         position_ids = kwargs.get("position_ids")
         documents = _documents_from_position_ids(position_ids, q.shape[0], q.shape[1], k.shape[1])
