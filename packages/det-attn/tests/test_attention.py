@@ -512,6 +512,17 @@ def _bad_cases():
             lambda: attention(q, k, v, softmax_scale=torch.tensor(0.5)),
         ),
         (ValueError, "finite positive", lambda: attention(q, k, v, softmax_scale=10**400)),
+        # beyond the normal fp32 range: an fp64-typed kernel argument (a dtype error) or inf
+        (
+            ValueError,
+            r"softmax_scale must lie in \[2\*\*-126, 2\*\*127\]",
+            lambda: attention(q, k, v, softmax_scale=1e-40),
+        ),
+        (
+            ValueError,
+            r"softmax_scale must lie in \[2\*\*-126",
+            lambda: attention(q, k, v, softmax_scale=1e39),
+        ),
         (ValueError, "sequence_offset", lambda: attention(q, k, v, sequence_offset=2**32)),
         (ValueError, "head_offset", lambda: attention(q, k, v, head_offset=2**19)),
         (ValueError, "device", lambda: attention(q, k.to("meta"), v.to("meta"))),

@@ -168,6 +168,8 @@ def test_transformers_forward_passes_window_softcap_and_scaling():
         (dict(causal=True, window=True), TypeError, "window must be an integer, got the bool"),
         (dict(softcap=0.0), ValueError, "softcap must be a finite positive number"),
         (dict(softcap=float("nan")), ValueError, "softcap must be a finite positive number"),
+        (dict(softcap=3e38), ValueError, r"softcap must lie in \[2\*\*-126, 2\*\*127\]"),
+        (dict(softcap=1e-39), ValueError, r"softcap must lie in \[2\*\*-126, 2\*\*127\]"),
         (dict(softcap=True), TypeError, "softcap must be a real number or None"),
         (dict(softcap="50"), TypeError, "softcap must be a real number or None"),
     ],

@@ -283,9 +283,23 @@ def cu_seqlens_lengths(cu: torch.Tensor, total: int, name: str, op: str) -> torc
     return lengths
 
 
+# softmax_scale and softcap reach the kernels as fp32 (times log2(e) for the scale): outside the
+# normal fp32 range Triton types a Python float fp64 (a dtype error) or the product overflows to inf
+_FP32_RANGE = (2.0**-126, 2.0**127)
+
+
+def _in_fp32_range(value: float, name: str, op: str, hint: str) -> None:
+    low, high = _FP32_RANGE
+    if not low <= value <= high:
+        raise ValueError(
+            f"{op}: {name} must lie in [2**-126, 2**127] (the kernels take it as a normal fp32), got {value}"
+            f"{hint}"
+        )
+
+
 def as_scale(softmax_scale: float | None, head_dim: int, op: str) -> float:
     """``softmax_scale`` as a float: None gives ``1 / sqrt(head_dim)``; else a real number (int,
-    float, numpy scalar; not a bool, str or tensor), finite and positive."""
+    float, numpy scalar; not a bool, str or tensor), finite and positive, in ``[2**-126, 2**127]``."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
@@ -299,6 +313,7 @@ def as_scale(softmax_scale: float | None, head_dim: int, op: str) -> float:
         scale = math.inf
     if not math.isfinite(scale) or scale <= 0.0:
         raise ValueError(f"{op}: softmax_scale must be a finite positive number, got {softmax_scale}")
+    _in_fp32_range(scale, "softmax_scale", op, "; the usual value is 1 / sqrt(head_dim)")
     return scale
 
 
@@ -315,7 +330,7 @@ def check_window_softcap(window, softcap, causal: bool, op: str) -> tuple[int, f
     none. ``window``: None or an integer >= 1 (int or numpy integer; not a bool or float), causal
     attention only; one above ``MAX_SEQLEN`` masks nothing that ``MAX_SEQLEN`` does not (no key is
     that far back), so it is taken as ``MAX_SEQLEN``. ``softcap``: None or a finite positive real
-    number (not a bool, str or tensor)."""
+    number in ``[2**-126, 2**127]`` (not a bool, str or tensor)."""
     if window is not None:
         window = runtime.as_index(window, "window", op, "; pass the number of keys a query sees, e.g. 4096")
         if window < 1:
@@ -343,5 +358,6 @@ def check_window_softcap(window, softcap, causal: bool, op: str) -> tuple[int, f
             raise ValueError(
                 f"{op}: softcap must be a finite positive number (None: no soft-capping), got {softcap}"
             )
+        _in_fp32_range(cap, "softcap", op, " (None: no soft-capping)")
         softcap = cap
     return window or 0, softcap or 0.0

@@ -81,7 +81,7 @@ def attention(
         softcap: logit soft-capping (Gemma 2): the scaled score ``x = q k^T * softmax_scale``
             becomes ``softcap * tanh(x / softcap)`` before the mask and the softmax, in the order
             of transformers' Gemma 2 ``eager_attention_forward`` (and flash-attn's ``softcap``); the
-            backward includes its derivative. A finite positive real number, None for none. Each
+            backward includes its derivative. A real number in ``[2**-126, 2**127]``, None for none. Each
             value compiles its own kernels (a constexpr).
 
     Returns:
@@ -95,10 +95,11 @@ def attention(
             bool, float or str); ``softcap`` not a real number.
         ValueError: wrong ranks or shapes, head dim not 64 or 128, ``T = 0``, ``T > MAX_SEQLEN``
             (``2**22``), ``H_q`` not a multiple of ``H_kv``, causal with ``T_k < T_q``, a
-            ``softmax_scale`` that is not finite and positive,
+            ``softmax_scale`` outside ``[2**-126, 2**127]`` (the normal fp32 range: the kernels take it
+            as fp32),
             ``dropout_p`` outside ``[0, 1)``, a seed outside ``[0, 2**64)`` or missing with
             dropout, offsets out of range, tensors on different devices, a ``window`` below 1 or
-            without ``causal``, a ``softcap`` that is not finite and positive.
+            without ``causal``, a ``softcap`` outside ``[2**-126, 2**127]``.
         RuntimeError: CPU tensors without the Triton interpreter.
 
     **Determinism:** bitwise identical run to run (O, LSE, dq, dk, dv; no atomics: each gradient
