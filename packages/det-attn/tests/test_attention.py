@@ -336,6 +336,22 @@ def test_dropout_mask_equals_reference_and_keep_rate():
     assert torch.equal(got_causal, ref & tri)
 
 
+def test_dropout_keep_mask_refuses_what_the_kernels_refuse():
+    """The reference mask took a dropout_p outside [0, 1) (an all-drop or all-keep mask) and a t_q
+    past 2**22, whose queries spilled into the next head's index field (a new-user trial)."""
+    for args, match in (
+        ((1, 0, 0, 4, 4, 1.5), r"dropout_p must be in \[0, 1\), got 1.5"),
+        ((1, 0, 0, 4, 4, -0.5), r"dropout_p must be in \[0, 1\)"),
+        ((1, 0, 0, 2**22 + 1, 1, 0.5), r"t_q must be in \[0, 4194305\), got 4194305"),
+        ((1, 0, 0, -1, 4, 0.5), r"t_q must be in \[0, 4194305\), got -1"),
+        ((1, 0, 2**20, 4, 4, 0.5), r"head must be in \[0, 524288\), got 1048576"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            dropout_keep_mask(*args)
+    with pytest.raises(TypeError, match="t_k"):
+        dropout_keep_mask(1, 0, 0, 4, 4.0, 0.5)
+
+
 def test_dropout_keep_rate_statistics_reference():
     # many draws through the reference mask (bit-identical to the kernel, tested above)
     for p in (0.1, 0.5, 0.9):

@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 
 import torch
-from det_core import rng
+from det_core import rng, runtime
+
+from ._checks import MAX_HEADS, MAX_SEQLEN
 
 __all__ = ["attention_reference", "attention_varlen_reference", "dropout_keep_mask"]
 
@@ -28,11 +30,27 @@ def dropout_keep_mask(
 
     Philox key ``seed``, step word ``sequence``, stream ``rng.STREAM_ATTN_DROPOUT``, index
     ``head << 44 | query << 22 | key``; keep iff the 32 bits are ``>= round(dropout_p * 2**32)``.
-    Raises ``ValueError`` (from det-core) for a seed or sequence outside the contract's word sizes.
+
+    Raises:
+        ValueError: ``dropout_p`` outside ``[0, 1)``, ``t_q`` or ``t_k`` outside ``[0, 2**22]``,
+            ``head`` outside ``[0, 2**19)`` (the fields of the index, as the kernels bound them), a
+            seed or sequence outside the contract's word sizes (from det-core).
+        TypeError: ``head``, ``t_q`` or ``t_k`` not an integer.
 
     **Determinism:** a pure function of its arguments (counter-based RNG, no global state).
     Method: Philox4x32-10 (Salmon et al., SC'11) through det-core's torch reference.
     """
+    op = "det_attn.reference.dropout_keep_mask"
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"{op}: dropout_p must be in [0, 1), got {dropout_p}")
+    for name, value, high in (
+        ("t_q", t_q, MAX_SEQLEN + 1),
+        ("t_k", t_k, MAX_SEQLEN + 1),
+        ("head", head, MAX_HEADS),
+    ):
+        value = runtime.as_index(value, name, op)
+        if not 0 <= value < high:  # a wider value would spill into the next field of the index
+            raise ValueError(f"{op}: {name} must be in [0, {high}), got {value}")
     threshold = min(int(round(dropout_p * 2**32)), 2**32 - 1)
     qi = torch.arange(t_q, dtype=torch.int64, device=device)[:, None]
     ki = torch.arange(t_k, dtype=torch.int64, device=device)[None, :]
