@@ -406,6 +406,16 @@ def test_sdpa_entry_point_equals_attention():
         scaled_dot_product_attention([1], k.transpose(1, 2), v.transpose(1, 2))
     with pytest.raises(ValueError, match=r"key must be a 4-D \(B, H, T, E\) tensor, got shape \(30, 2, 64\)"):
         scaled_dot_product_attention(q.transpose(1, 2), k[0], v.transpose(1, 2))
+    # messages that name this function's arguments (they named attention's, with a layout hint)
+    with pytest.raises(TypeError, match=r"scaled_dot_product_attention: is_causal must be a bool, got int 1"):
+        scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=1)
+    q3 = _qkv(2, 30, 30, 3, 2, seed=701)[0]
+    with pytest.raises(
+        ValueError, match=r"scaled_dot_product_attention: query's 3 heads must be a multiple of key's 2"
+    ):
+        scaled_dot_product_attention(
+            q3.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True
+        )
 
 
 def test_layer_equals_function():

@@ -41,11 +41,13 @@ def scaled_dot_product_attention(
         ``(B, H_q, L, E)``, a transposed view of ``attention``'s ``(B, L, H_q, E)`` output.
 
     Raises:
-        TypeError: a non-tensor input, a ``dropout_p`` that is not a real number, a ``seed`` that
-            is not an integer, or what ``det_attn.attention`` rejects by type (dtypes).
-        ValueError: ``attn_mask`` given, an input not 4-D, ``H_q != H_kv`` without
-            ``enable_gqa``, ``is_causal`` with ``L != S``, ``dropout_p`` outside ``[0, 1)``,
-            ``dropout_p > 0`` without a ``seed``, a ``seed`` outside ``[0, 2**64)``, or what
+        TypeError: a non-tensor input, ``is_causal`` not a bool, a ``dropout_p`` that is not a real
+            number, a ``seed`` that is not an integer, or what ``det_attn.attention`` rejects by
+            type (dtypes).
+        ValueError: ``attn_mask`` given, an input not 4-D, ``H_q`` not a multiple of ``H_kv``,
+            ``H_q != H_kv`` without ``enable_gqa``, ``is_causal`` with ``L != S``, ``dropout_p``
+            outside ``[0, 1)``, ``dropout_p > 0`` without a ``seed``, a ``seed`` outside
+            ``[0, 2**64)``, or what
             ``det_attn.attention`` rejects by value (those messages name ``det_attn.attention``
             and its arguments: ``q``, ``softmax_scale``).
 
@@ -65,6 +67,13 @@ def scaled_dot_product_attention(
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{op}: {name} must be a 4-D (B, H, T, E) tensor, got shape {tuple(t.shape)}")
+    if not isinstance(is_causal, bool):  # checked here so that the message names this argument
+        raise TypeError(f"{op}: is_causal must be a bool, got {type(is_causal).__name__} {is_causal!r}")
+    if key.shape[1] == 0 or query.shape[1] % key.shape[1]:  # (B, H, T, E): not a layout mix-up
+        raise ValueError(
+            f"{op}: query's {query.shape[1]} heads must be a multiple of key's {key.shape[1]} (GQA: each key "
+            "head serves H_q / H_kv query heads)"
+        )
     if query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError(
             f"{op}: query has {query.shape[1]} heads and key {key.shape[1]}; pass enable_gqa=True for GQA/MQA"
