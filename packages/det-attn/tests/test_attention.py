@@ -418,6 +418,16 @@ def test_sdpa_entry_point_equals_attention():
         )
 
 
+def test_fp32_inputs_under_autocast_are_told_to_cast():
+    """torch SDPA is cast by autocast, det_attn (a custom op) is not: the dtype error says so there."""
+    q = torch.randn(1, 8, 2, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(TypeError, match="torch.autocast does not cast det_attn's inputs: cast q, k, v"):
+            attention(q, q, q)
+    with pytest.raises(TypeError, match=r"supported are torch.bfloat16 and torch.float16$"):
+        attention(q, q, q)
+
+
 def test_layer_equals_function():
     from det_attn.layers import DetAttention
 

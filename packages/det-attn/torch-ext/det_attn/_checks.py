@@ -34,7 +34,14 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dims: int, op: 
             layout = "(B, T, H, D)" if dims == 4 else "(total_tokens, H, D)"
             raise ValueError(f"{op}: {name} must be {dims}-D {layout}, got shape {tuple(t.shape)}")
     if q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{op}: q has dtype {q.dtype}; supported are torch.bfloat16 and torch.float16")
+        autocast = (  # torch SDPA is cast by autocast; a custom op is not
+            "; torch.autocast does not cast det_attn's inputs: cast q, k, v to torch.bfloat16 yourself"
+            if q.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(q.device.type)
+            else ""
+        )
+        raise TypeError(
+            f"{op}: q has dtype {q.dtype}; supported are torch.bfloat16 and torch.float16{autocast}"
+        )
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"{op}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     runtime.check_kernel_device(q, k, v, op=op)
