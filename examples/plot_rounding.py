@@ -62,12 +62,18 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(tg.PRESETS))
     p.add_argument("--kernels", choices=["det", "torch"], default="det")
-    p.add_argument("--steps", type=int)
+    p.add_argument("--steps", type=tg._at_least_one)
     p.add_argument("--lr", type=float, help="peak learning rate (default: the preset's)")
     p.add_argument("--constant-lr", action="store_true", help="no cosine decay after warm-up")
-    p.add_argument("--out", default="docs/img/rounding.png")
+    p.add_argument(
+        "--out",
+        default="docs/img/rounding.png",
+        help="the figure (.png added if it has no suffix) and its JSON beside it; default: the docs' "
+        "docs/img/rounding.png, which this replaces",
+    )
     p.add_argument("--replot", metavar="JSON", help="only redraw from a JSON this script wrote")
     args = p.parse_args(argv)
+    args.out = args.out if Path(args.out).suffix else f"{args.out}.png"  # what savefig writes
     if args.replot:
         plot(json.loads(Path(args.replot).read_text()), Path(args.out))
         return 0

@@ -120,10 +120,26 @@ class TrainConfig:
         )
 
 
+SEED_LIMIT = 2**32  # batch_starts seeds torch's generator with seed * 1_000_003 + step (int64)
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """Raise ``ValueError`` for counts below 1 or a seed outside ``[0, 2**32)``, before any work."""
+    for name in ("steps", "batch_seqs", "micro_batch_seqs", "seq_len", "leaf_tokens"):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or not 0 <= cfg.seed < SEED_LIMIT:
+        raise ValueError(f"seed must be an integer in [0, 2**32), got {cfg.seed!r}")
+
+
 def make_config(preset: str | None = None, **overrides) -> TrainConfig:
-    """The preset (default: "gpu" with CUDA, else "cpu") with ``overrides`` applied."""
+    """The preset (default: "gpu" with CUDA, else "cpu") with ``overrides`` applied (checked:
+    ``check_config``)."""
     preset = preset or ("gpu" if torch.cuda.is_available() else "cpu")
-    return TrainConfig(**{**COMMON, **PRESETS[preset], **overrides})
+    cfg = TrainConfig(**{**COMMON, **PRESETS[preset], **overrides})
+    check_config(cfg)
+    return cfg
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -296,6 +312,33 @@ def full_state(model, opt) -> tuple[dict, dict]:
     return weights, optim
 
 
+# how a run is split (micro-batches) changes no bit of it: a checkpoint resumes under another split
+_DECOMPOSITION = ("micro_batch_seqs",)
+
+
+def check_checkpoint(ckpt, cfg: TrainConfig, path) -> int:
+    """The step to resume at from ``ckpt`` (what ``train(save_at=...)`` wrote), checked against
+    ``cfg``: every field but the decomposition (``micro_batch_seqs``) equal, the step in
+    ``[0, cfg.steps]``. Raises ``ValueError`` naming what differs or is missing."""
+    keys = ("model", "optim", "step", "config")
+    if not isinstance(ckpt, dict) or any(k not in ckpt for k in keys):
+        found = sorted(map(str, ckpt)) if isinstance(ckpt, dict) else type(ckpt).__name__
+        raise ValueError(f"{path}: not a train_gpt checkpoint (needs {', '.join(keys)}; found {found})")
+    saved, wanted = ckpt["config"], dataclasses.asdict(cfg)
+    differ = sorted(
+        k for k in saved.keys() | wanted.keys() if k not in _DECOMPOSITION and saved.get(k) != wanted.get(k)
+    )
+    if differ:
+        shown = "; ".join(f"{k}: {saved.get(k)!r} there, {wanted.get(k)!r} here" for k in differ)
+        raise ValueError(
+            f"{path}: checkpoint was written with another config ({shown}); resume with the same one"
+        )
+    step = ckpt["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= cfg.steps:
+        raise ValueError(f"{path}: checkpoint step {step!r} is outside [0, {cfg.steps}] (cfg.steps)")
+    return step
+
+
 def train(
     cfg: TrainConfig,
     *,
@@ -317,6 +360,14 @@ def train(
     sees the batches the straight run saw. ``fsdp`` shards parameters and optimizer state over the
     ranks with FSDP2 (``fully_shard``).
     """
+    check_config(cfg)
+    if (save_at is None) != (save_path is None):
+        raise ValueError("save_at and save_path go together: the step after which to save, and the file")
+    if save_at is not None:
+        if isinstance(save_at, bool) or not isinstance(save_at, int) or not 1 <= save_at <= cfg.steps:
+            raise ValueError(f"save_at must be a step in [1, {cfg.steps}] (cfg.steps), got {save_at!r}")
+        if not Path(save_path).parent.is_dir():
+            raise ValueError(f"save_path {save_path}: its folder does not exist (create it first)")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     train_data, val_data = load_corpus()
     model = build_model(cfg, device)
@@ -352,11 +403,9 @@ def train(
         # weights_only: tensors and plain containers only; a checkpoint carrying code (a pickled
         # callable or class) is refused instead of run
         ckpt = torch.load(resume_from, map_location=device, weights_only=True)
-        if ckpt["config"] != dataclasses.asdict(cfg):
-            raise ValueError("checkpoint was written with another config; resume with the same one")
+        start = check_checkpoint(ckpt, cfg, resume_from)
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optim"])
-        start = ckpt["step"]
     losses = []
     bar = range(start, cfg.steps)
     if progress and rank == 0:
@@ -477,18 +526,42 @@ def parse_args(argv=None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--preset", choices=sorted(PRESETS), help="default: gpu with CUDA, else cpu")
-    p.add_argument("--steps", type=int)
-    p.add_argument("--micro-batch", type=int, dest="micro_batch_seqs", help="sequences per micro-batch")
-    p.add_argument("--batch", type=int, dest="batch_seqs", help="global batch in sequences")
+    p.add_argument("--steps", type=_at_least_one)
+    p.add_argument(
+        "--micro-batch", type=_at_least_one, dest="micro_batch_seqs", help="sequences per micro-batch"
+    )
+    p.add_argument("--batch", type=_at_least_one, dest="batch_seqs", help="global batch in sequences")
     p.add_argument("--rounding", choices=["stochastic", "nearest"])
-    p.add_argument("--seed", type=int)
-    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks to spawn (or launch with torchrun)")
+    p.add_argument("--seed", type=_seed, help="an integer in [0, 2**32)")
+    p.add_argument(
+        "--dp", type=_at_least_one, default=1, help="data-parallel ranks to spawn (not with torchrun)"
+    )
     p.add_argument("--verify", action="store_true", help="train 3x: repeat and a 2x finer micro-batch split")
     p.add_argument(
         "--reference", action="store_true", help="NOT deterministic: plain torch modules, for comparison"
     )
-    p.add_argument("--out", default="out", help="folder for loss.png (default: out/)")
+    p.add_argument("--out", help="folder for loss.png (default: out/; not with torchrun)")
     return p.parse_args(argv)
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**32), got {text!r}")
+    return value
 
 
 def _check_sources() -> None:
@@ -514,10 +587,16 @@ def main(argv=None) -> int:
             kernels="torch", optimizer="torch_adamw", rounding=overrides.get("rounding", "nearest")
         )
     cfg = make_config(args.preset, **overrides)
-    out = Path(args.out)
     where = "GPU" if torch.cuda.is_available() else "CPU (Triton interpreter)"
 
     if "WORLD_SIZE" in os.environ:  # launched by torchrun
+        flags = (("--dp", args.dp != 1), ("--verify", args.verify), ("--out", args.out is not None))
+        given = [flag for flag, value in flags if value]
+        if given:  # they would be ignored: torchrun sets the ranks, and only the digest is printed
+            raise SystemExit(
+                f"{', '.join(given)}: not with torchrun, which sets the ranks and prints the final digest "
+                "only; run `python examples/train_gpt.py --dp N` for them"
+            )
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         cuda = torch.cuda.is_available()
         if cuda:
@@ -529,6 +608,13 @@ def main(argv=None) -> int:
             print(f"final weights sha256: {result['digest']}")
         return 0
 
+    out = Path(args.out or "out")
+    try:  # before training: an unwritable folder would otherwise fail after it
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"--out {out}: cannot create the folder ({e}); pass a writable one") from e
+    if not os.access(out, os.W_OK):
+        raise SystemExit(f"--out {out}: the folder is not writable; pass a writable one")
     n_params = sum(p.numel() for p in GPT(cfg.model_config(), kernels="torch").parameters())
     print(
         f"{where}: {n_params / 1e6:.2f} M params, {cfg.n_layer} layers, d_model {cfg.d_model}, "
@@ -552,14 +638,15 @@ def main(argv=None) -> int:
     if not args.verify:
         return 0
 
-    # --verify: the same training again, then with half the micro-batch size (2x the accumulation steps)
-    finer = max(1, cfg.micro_batch_seqs // 2)
-    runs = {
-        f"repeat (micro-batch {cfg.micro_batch_seqs})": cfg,
-        f"micro-batch {finer} (x{-(-cfg.batch_seqs // finer)} accumulation)": dataclasses.replace(
-            cfg, micro_batch_seqs=finer
-        ),
-    }
+    # --verify: the same training again, then with half the micro-batch size (2x the accumulation
+    # steps), or twice it from micro-batches of 1 sequence
+    other = cfg.micro_batch_seqs // 2 if cfg.micro_batch_seqs > 1 else min(2, cfg.batch_seqs)
+    runs = {f"repeat (micro-batch {cfg.micro_batch_seqs})": cfg}
+    if other != cfg.micro_batch_seqs:
+        name = f"micro-batch {other} (x{-(-cfg.batch_seqs // other)} accumulation)"
+        runs[name] = dataclasses.replace(cfg, micro_batch_seqs=other)
+    else:
+        print("(a global batch of 1 sequence has no other micro-batch split: the repeat only)")
     digests = {"first run": result["digest"]}
     for name, run_cfg in runs.items():  # each run shows its own progress bar
         other = (

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 from det_core.testing import run_in_fresh_process
 
 from examples import train_gpt as tg
@@ -44,10 +45,39 @@ def test_checkpoint_resumed_in_fresh_process_matches_straight_run():
     assert fresh["losses"] == straight["losses"][CHECKPOINT_STEP:]
 
 
-def test_resume_refuses_another_config():
+def test_resume_refuses_another_config_and_takes_another_split():
+    """The message names what differs; the micro-batch split is not part of what must match (it
+    changes no bit: the resumed run under micro-batches of 3 ends on the straight run's digest)."""
     cfg = tiny(micro_batch_seqs=8, lr=1e-3)
-    with pytest.raises(ValueError, match="another config"):
+    with pytest.raises(ValueError, match=r"another config \(lr: 0\.003 there, 0\.001 here\)"):
         tg.train(cfg, resume_from=baseline()["checkpoint"])
+    resumed = tg.train(tiny(micro_batch_seqs=3), resume_from=baseline()["checkpoint"])
+    assert_same_training(resumed, baseline(), "resumed under micro-batches of 3")
+
+
+def test_bad_counts_seeds_and_checkpoints_are_refused_before_training(tmp_path):
+    """Found by a new-user trial: they failed late (range() step 0, an int64 overflow in the data
+    order, an IndexError after training) or not at all (a checkpoint step past the run)."""
+    for field, value in (("steps", 0), ("micro_batch_seqs", 0), ("batch_seqs", -4), ("seed", 2**40)):
+        with pytest.raises(ValueError, match=f"{field} must be an integer"):
+            tiny(**{field: value})
+    cfg = tiny(micro_batch_seqs=8)
+    with pytest.raises(ValueError, match=r"save_at must be a step in \[1, 2\]"):
+        tg.train(cfg, save_at=5, save_path=tmp_path / "c.pt")
+    with pytest.raises(ValueError, match="save_at and save_path go together"):
+        tg.train(cfg, save_at=1)
+    with pytest.raises(ValueError, match="its folder does not exist"):
+        tg.train(cfg, save_at=1, save_path=tmp_path / "missing" / "c.pt")
+    ckpt = torch.load(baseline()["checkpoint"], weights_only=True)
+    for name, bad, match in (
+        ("step.pt", {**ckpt, "step": 5}, r"checkpoint step 5 is outside \[0, 2\]"),
+        ("keys.pt", {k: v for k, v in ckpt.items() if k != "optim"}, "not a train_gpt checkpoint"),
+    ):
+        torch.save(bad, tmp_path / name)
+        with pytest.raises(ValueError, match=match):
+            tg.train(cfg, resume_from=tmp_path / name)
+    with pytest.raises(SystemExit):  # argparse: "--micro-batch: must be an integer >= 1, got '0'"
+        tg.parse_args(["--micro-batch", "0"])
 
 
 @pytest.mark.gpu
