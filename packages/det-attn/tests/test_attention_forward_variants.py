@@ -13,6 +13,7 @@ speed) is ``tests/test_attention_gpu.py`` and ``benchmarks/ablate_attention.py -
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -182,3 +183,15 @@ def test_forward_without_autograd_equals_autograd_forward():
     for o, lse, name in ((o_ng, lse_ng, "no_grad"), (o_plain, lse_plain, "no input requires grad")):
         assert_bitwise_equal(o, o_ag.detach(), f"o: {name}")
         assert_bitwise_equal(lse, lse_ag, f"lse: {name}")
+
+
+def test_scaled_scores_below_2_31_stay_finite_and_far_beyond_can_turn_nan():
+    """The documented limit of ``softmax_scale`` (attention's docstring): scores times the scale in
+    base 2 below ``2**31`` in magnitude give finite rows; at ``2**34`` the exp2 of the fma's rounding
+    error (half an fp32 ULP of the row maximum) overflows and a row turns NaN."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 1, 64, generator=g).bfloat16() for _ in range(3))
+    peak = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()).abs().max().item() * math.log2(math.e)
+    for exponent in (20, 30):
+        assert torch.isfinite(attention(q, k, v, softmax_scale=2.0**exponent / peak)).all(), exponent
+    assert not torch.isfinite(attention(q, k, v, softmax_scale=2.0**34 * 1.0001 / peak)).all()

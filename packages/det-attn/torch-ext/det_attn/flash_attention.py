@@ -56,7 +56,10 @@ def attention(
         v: ``(B, T_k, H_kv, D)``.
         causal: causal mask aligned to the bottom-right corner (flash-attn convention): query
             ``i`` sees keys ``j <= i + T_k - T_q``; needs ``T_k >= T_q``.
-        softmax_scale: multiplier of ``q k^T``; default ``1 / sqrt(D)``.
+        softmax_scale: multiplier of ``q k^T``; default ``1 / sqrt(D)``; in ``[2**-126, 2**127]``.
+            The scaled scores (base 2, ``q k^T * softmax_scale * log2(e)``) must stay below
+            ``2**31`` in magnitude: the softmax step's ``exp2(fma(s, scale, -m))`` differs from 0
+            by up to half an fp32 ULP of the row maximum, which overflows from there (NaN rows).
         dropout_p: probability of zeroing an attention probability (kept ones scale by
             ``1 / (1 - dropout_p)``); a real number (int, float, numpy scalar; not a bool, str or
             tensor) in ``[0, 1)``.
