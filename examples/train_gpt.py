@@ -544,24 +544,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if value is None or value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
+def _int_in(low: int, high: int | None, wanted: str):
+    """An argparse type: an integer in ``[low, high)`` (no upper bound for None)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value >= high):
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if value is None or not 0 <= value < SEED_LIMIT:
-        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**32), got {text!r}")
-    return value
+_at_least_one = _int_in(1, None, "an integer >= 1")
+_seed = _int_in(0, SEED_LIMIT, "an integer in [0, 2**32)")
 
 
 def _check_sources() -> None:

@@ -254,7 +254,7 @@ def register(acc, module: torch.nn.Module) -> None:
             "fixed_folds continues each weight's fold in place, which an undo log cannot undo: build the "
             "accumulator with CanonicalGradAccumulator(..., recoverable=False)"
         )
-    if acc._partials or acc._carry or acc._spans or acc._token_offset is not None:
+    if acc._holds_deposits() or acc._token_offset is not None:
         raise ValueError(
             "fixed_folds: this accumulator holds deposits of a step in progress: call it before the "
             "step's first micro-batch (or after reduce / reset)"

@@ -68,7 +68,7 @@ def micro_batch(acc, token_offset: int, num_tokens: int | None) -> Iterator:
             acc._open_ends.discard(token_offset)
             if (token_offset + acc._tokens) % acc.leaf_tokens:
                 acc._open_ends.add(token_offset + acc._tokens)
-        if acc._partials or acc._carry or acc._spans or (fixed is not None and fixed.micro_batches):
+        if acc._holds_deposits() or (fixed is not None and fixed.micro_batches):
             mark_pending(acc)  # deposits wait for reduce: an optimizer step now would skip them
     finally:
         ACTIVE.pop()

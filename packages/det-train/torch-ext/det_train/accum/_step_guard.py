@@ -55,10 +55,8 @@ def _tracked_names(acc, optimizer) -> list[str]:
 def _refuse_unreduced_step(optimizer, args, kwargs) -> None:
     if torch.compiler.is_compiling():  # a traced step: the eager call before it was checked
         return None
-    for acc in list(_PENDING):
-        if _tracked_names(acc, optimizer):
-            gc.collect()  # an accumulator dropped by the program but not yet collected (a cycle)
-            break
+    if any(_tracked_names(acc, optimizer) for acc in list(_PENDING)):
+        gc.collect()  # an accumulator dropped by the program but not yet collected (a cycle) goes
     for acc in list(_PENDING):
         names = _tracked_names(acc, optimizer)
         if names:

@@ -674,6 +674,11 @@ class CanonicalGradAccumulator:
         self._log = UndoLog() if self.recoverable else NoUndoLog()
         mark_reduced(self)
 
+    def _holds_deposits(self) -> bool:
+        """Whether deposits of a step wait for ``reduce`` (trees, open leaves or token spans; fixed
+        folds keep their own count, ``FixedFolds.micro_batches``)."""
+        return bool(self._partials or self._carry or self._spans)
+
     def reset(self) -> None:
         """Drop every deposit, open leaf and span of the step (and a ``recoverable=False`` poisoning).
 

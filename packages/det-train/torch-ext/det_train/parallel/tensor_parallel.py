@@ -57,7 +57,9 @@ def _part_problem(rank: int, world: int, dtype: torch.dtype, n: int, k: int) -> 
 _SPLIT_CHECKED = WeakIdKeyDictionary()
 
 
-def _check_parts_on_every_rank(weight: torch.Tensor, dtype: torch.dtype, n: int, k: int, group) -> None:
+def _check_parts_on_every_rank(
+    weight: torch.Tensor, dtype: torch.dtype, n: int, k: int, group, group_name: str
+) -> None:
     """Raise the same ``ValueError`` on every rank if any rank's part cannot chain, so that no rank
     is left waiting in the chain for a peer that refused (the chain checks only its own part).
 
@@ -67,7 +69,7 @@ def _check_parts_on_every_rank(weight: torch.Tensor, dtype: torch.dtype, n: int,
     """
     if torch.compiler.is_compiling():
         return
-    key = (dtype, n, k, _group_name(group))
+    key = (dtype, n, k, group_name)
     if key in _SPLIT_CHECKED.get(weight, ()):
         return
     rank, world, _ = _group_ranks(group)
@@ -263,7 +265,7 @@ def row_parallel_linear(
     """
     check_linear(x, weight, bias)
     name = _group_name(group)
-    _check_parts_on_every_rank(weight, x.dtype, weight.shape[0], weight.shape[1], group)
+    _check_parts_on_every_rank(weight, x.dtype, weight.shape[0], weight.shape[1], group, name)
     plan = plan_grads(math.prod(x.shape[:-1]), weight, bias)
     args = (plan.ticket, plan.leaf_tokens, plan.weight, plan.bias)
     return row_parallel_op(x, weight, bias, name, int(chunk_rows), *args)
@@ -305,7 +307,7 @@ def column_parallel_linear(
     check_linear(x, weight, bias)
     name = _group_name(group)
     if torch.is_grad_enabled() and x.requires_grad:  # the backward's dX chain sums over the N parts
-        _check_parts_on_every_rank(weight, x.dtype, weight.shape[1], weight.shape[0], group)
+        _check_parts_on_every_rank(weight, x.dtype, weight.shape[1], weight.shape[0], group, name)
     plan = plan_grads(math.prod(x.shape[:-1]), weight, bias)
     args = (plan.ticket, plan.leaf_tokens, plan.weight, plan.bias)
     return column_parallel_op(x, weight, bias, name, int(chunk_rows), *args)
