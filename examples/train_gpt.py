@@ -124,7 +124,9 @@ SEED_LIMIT = 2**32  # batch_starts seeds torch's generator with seed * 1_000_003
 
 
 def check_config(cfg: TrainConfig) -> None:
-    """Raise ``ValueError`` for counts below 1 or a seed outside ``[0, 2**32)``, before any work."""
+    """Raise ``ValueError`` for counts below 1 (``steps``, ``batch_seqs``, ``micro_batch_seqs`` in
+    sequences, ``seq_len`` and ``leaf_tokens`` in tokens) or a seed outside ``[0, 2**32)``, before any
+    work. **Determinism:** a check only (reads ``cfg``, computes nothing)."""
     for name in ("steps", "batch_seqs", "micro_batch_seqs", "seq_len", "leaf_tokens"):
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -319,7 +321,9 @@ _DECOMPOSITION = ("micro_batch_seqs",)
 def check_checkpoint(ckpt, cfg: TrainConfig, path) -> int:
     """The step to resume at from ``ckpt`` (what ``train(save_at=...)`` wrote), checked against
     ``cfg``: every field but the decomposition (``micro_batch_seqs``) equal, the step in
-    ``[0, cfg.steps]``. Raises ``ValueError`` naming what differs or is missing."""
+    ``[0, cfg.steps]``. Raises ``ValueError`` naming what differs or is missing. **Determinism:** a
+    check only; a resume under another ``micro_batch_seqs`` ends on the straight run's bits (the
+    accumulator's split invariance, ``test_resume_refuses_another_config_and_takes_another_split``)."""
     keys = ("model", "optim", "step", "config")
     if not isinstance(ckpt, dict) or any(k not in ckpt for k in keys):
         found = sorted(map(str, ckpt)) if isinstance(ckpt, dict) else type(ckpt).__name__
