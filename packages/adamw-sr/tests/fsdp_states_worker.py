@@ -15,7 +15,7 @@ import os
 import sys
 
 import torch
-from fsdp_worker import SEED, STEPS, full_grad, run_world_sizes  # noqa: F401 (the test reads SEED, STEPS)
+from fsdp_worker import SEED, STEPS, exit_now, full_grad, run_world_sizes  # noqa: F401 (the test reads SEED, STEPS)
 from torch import nn
 
 
@@ -91,3 +91,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()
